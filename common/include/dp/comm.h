@@ -1,0 +1,217 @@
+// comm.h: the communicator, the one interface every lab talks to.
+//
+// A `Communicator` connects `size()` ranks. It offers point-to-point messages
+// (`isend`, `irecv`) and native collectives (`allreduce`, `reduce_scatter`,
+// `allgather`, `broadcast`, `barrier`). Every call is asynchronous and returns a
+// `Work` handle; the operation progresses on the backend's own thread while the
+// caller computes, and `wait()` blocks until it is complete. Every call is counted
+// (bytes and messages, per operation and per peer), so the graders can check that an
+// algorithm moves the bytes its formula says.
+//
+// Collectives must be called by every rank in the same order with matching sizes and
+// operations; a mismatch fails on every rank with an error naming the ranks and the
+// sizes, and a hang is reported with each rank's pending call (see `CommOptions`).
+//
+// Example (gradient averaging, lab 2):
+//
+//   void average(dp::Tensor& grad, dp::Communicator& comm) {
+//     comm.allreduce(grad.span(), dp::ReduceOp::kAvg)->wait();
+//   }
+//
+//   auto send = comm.isend(chunk, (comm.rank() + 1) % comm.size(), /*tag=*/0);
+//   auto recv = comm.irecv(incoming, (comm.rank() + comm.size() - 1) % comm.size(), 0);
+//   recv->wait();
+//   send->wait();
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dp {
+
+/// The element type of a communication buffer.
+enum class DataType { kFloat32, kInt32, kUInt8 };
+
+/// Size in bytes of one element of `type`.
+std::size_t element_size(DataType type);
+/// A short name, e.g. "float32".
+std::string_view to_string(DataType type);
+
+/// A read-only view of a communication buffer: pointer, element count and type.
+struct ConstBuffer {
+  const void* data = nullptr;  ///< first element
+  std::size_t count = 0;       ///< number of elements
+  DataType type = DataType::kFloat32;  ///< element type
+
+  ConstBuffer() = default;
+  /// Views raw memory.
+  ConstBuffer(const void* first, std::size_t elements, DataType element_type)
+      : data(first), count(elements), type(element_type) {}
+  /// Views float32 elements.
+  ConstBuffer(std::span<const float> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kFloat32) {}
+  /// Views float32 elements.
+  ConstBuffer(std::span<float> values)  // NOLINT(google-explicit-constructor)
+      : ConstBuffer(std::span<const float>(values)) {}
+  /// Views int32 elements.
+  ConstBuffer(std::span<const std::int32_t> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kInt32) {}
+  /// Views int32 elements.
+  ConstBuffer(std::span<std::int32_t> values)  // NOLINT(google-explicit-constructor)
+      : ConstBuffer(std::span<const std::int32_t>(values)) {}
+  /// Size in bytes.
+  std::size_t bytes() const { return count * element_size(type); }
+};
+
+/// A writable view of a communication buffer: pointer, element count and type.
+struct MutableBuffer {
+  void* data = nullptr;  ///< first element
+  std::size_t count = 0;  ///< number of elements
+  DataType type = DataType::kFloat32;  ///< element type
+
+  MutableBuffer() = default;
+  /// Views raw memory.
+  MutableBuffer(void* first, std::size_t elements, DataType element_type)
+      : data(first), count(elements), type(element_type) {}
+  /// Views float32 elements.
+  MutableBuffer(std::span<float> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kFloat32) {}
+  /// Views int32 elements.
+  MutableBuffer(std::span<std::int32_t> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kInt32) {}
+  /// Size in bytes.
+  std::size_t bytes() const { return count * element_size(type); }
+  /// The same memory, read-only.
+  operator ConstBuffer() const { return {data, count, type}; }  // NOLINT
+};
+
+/// How a collective combines the ranks' values.
+enum class ReduceOp {
+  kSum,  ///< element-wise sum, added in rank order 0, 1, ..., size-1
+  kAvg,  ///< the sum divided by size() (a post-divide)
+  kMax,  ///< element-wise maximum
+};
+
+/// A short name, e.g. "sum".
+std::string_view to_string(ReduceOp op);
+
+/// The kinds of communicator calls, as counted and logged.
+enum class CommOp {
+  kSend,
+  kRecv,
+  kAllReduce,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kBarrier,
+};
+
+/// Number of `CommOp` values.
+inline constexpr std::size_t kNumCommOps = 7;
+
+/// A short name, e.g. "allreduce".
+std::string_view to_string(CommOp op);
+/// True for the collectives (every rank must call them in the same order).
+bool is_collective(CommOp op);
+
+/// Counts for one kind of call on one rank.
+struct OpCounters {
+  std::uint64_t calls = 0;              ///< calls issued
+  std::uint64_t bytes_sent = 0;         ///< bytes this rank sent to peers
+  std::uint64_t bytes_received = 0;     ///< bytes this rank received from peers
+  std::uint64_t messages_sent = 0;      ///< transfers to peers
+  std::uint64_t messages_received = 0;  ///< transfers from peers
+};
+
+/// Everything one rank's communicator has counted since construction or `reset`.
+///
+/// Bytes count payload only. For point-to-point calls they are the message sizes. For
+/// native collectives they are what the backend's algorithm moves between ranks; each
+/// backend documents its formula (the local backend's equal those of ring algorithms:
+/// all-reduce sends and receives 2 (p-1)/p n, reduce-scatter and all-gather (p-1)/p n).
+struct CommCounters {
+  std::array<OpCounters, kNumCommOps> per_op{};  ///< indexed by `CommOp`
+  std::vector<std::uint64_t> bytes_sent_to;        ///< indexed by peer rank
+  std::vector<std::uint64_t> bytes_received_from;  ///< indexed by peer rank
+
+  /// The counts of one kind of call.
+  const OpCounters& of(CommOp op) const { return per_op[static_cast<std::size_t>(op)]; }
+  /// The counts of one kind of call.
+  OpCounters& of(CommOp op) { return per_op[static_cast<std::size_t>(op)]; }
+  /// Bytes sent by all kinds of call together.
+  std::uint64_t total_bytes_sent() const;
+  /// Bytes received by all kinds of call together.
+  std::uint64_t total_bytes_received() const;
+  /// Collective calls of every kind together.
+  std::uint64_t collective_calls() const;
+};
+
+/// One asynchronous communicator call.
+///
+/// Destroying a `Work` whose call has not completed waits for it first, so the buffers the
+/// call reads and writes stay valid for as long as it runs.
+class Work {
+ public:
+  virtual ~Work() = default;
+  /// Blocks until the call is complete; throws `dp::CommError` if it failed, timed out or
+  /// was aborted. Calling it again returns at once.
+  virtual void wait() = 0;
+  /// True once the call is complete (then `wait()` returns at once); never blocks.
+  virtual bool test() = 0;
+};
+
+/// Settings every backend honours.
+struct CommOptions {
+  /// A rank blocked in `wait()` or `barrier()` for longer than this reports every rank's
+  /// pending call and aborts all ranks.
+  std::chrono::milliseconds hang_timeout{60'000};
+  /// Check before each collective that every rank called the same collective with
+  /// matching sizes (the mpi backend pays one small exchange per collective for it).
+  bool validate_collectives = true;
+};
+
+/// The group of ranks a lab communicates over. One object per rank.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  /// This rank's index, 0 <= rank() < size().
+  virtual int rank() const = 0;
+  /// Number of ranks.
+  virtual int size() const = 0;
+  /// The backend's name: "local" or "mpi".
+  virtual std::string_view backend() const = 0;
+
+  /// Sends `data` to `peer`; the buffer must stay unchanged until the work completes.
+  virtual std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) = 0;
+  /// Receives a message of exactly `data.count` elements from `peer` with `tag`.
+  virtual std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) = 0;
+
+  /// Combines `data` element-wise over all ranks, in place; every rank gets the result.
+  virtual std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) = 0;
+  /// Combines `in` over all ranks and leaves shard `rank()` of the result in `out`:
+  /// `in.count == out.count * size()`, shard r is elements [r * out.count, (r+1) * out.count).
+  virtual std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out,
+                                               ReduceOp op) = 0;
+  /// Concatenates every rank's `in` in rank order into `out`:
+  /// `out.count == in.count * size()`.
+  virtual std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) = 0;
+  /// Copies `root`'s `data` into every other rank's `data`.
+  virtual std::unique_ptr<Work> broadcast(MutableBuffer data, int root) = 0;
+  /// Returns when every rank has called it.
+  virtual void barrier() = 0;
+
+  /// A snapshot of this rank's counters.
+  virtual CommCounters counters() const = 0;
+  /// Sets this rank's counters to zero.
+  virtual void reset_counters() = 0;
+};
+
+}  // namespace dp

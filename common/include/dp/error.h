@@ -1,0 +1,64 @@
+// error.h: the two tiers of failure in dplab.
+//
+// Recoverable errors are exceptions derived from `dp::Error`: bad input, a
+// malformed file, mismatched collective calls, a deadlock or a timeout. Their
+// message says what was expected and what was seen, so a student can act on
+// it. Broken invariants of the runtime itself are reported with `DP_CHECK`,
+// which names the file and line: those are bugs in dplab, not in a lab.
+//
+// Example:
+//
+//   if (batch_size <= 0)
+//     throw dp::Error(fmt::format("batch size must be positive, got {}", batch_size));
+//   DP_CHECK(offset + count <= size_, "span [{}, {}) past the end {}", offset, offset + count,
+//            size_);
+#pragma once
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace dp {
+
+/// Base of every recoverable error thrown by dplab: the message is meant for the user.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A communication failure: mismatched collectives, a deadlock, a timeout, or an abort
+/// caused by another rank's failure.
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Thrown by lab skeletons where the student has not written code yet.
+class NotImplemented : public Error {
+ public:
+  /// `where` names the lab and the function, e.g. "lab2::average_gradients".
+  explicit NotImplemented(const std::string& where)
+      : Error("not implemented yet: " + where + " (this is your part of the lab)") {}
+};
+
+/// A broken internal invariant of the runtime (a bug in dplab); names file and line.
+class InvariantError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+namespace detail {
+[[noreturn]] void fail_check(const char* file, int line, const char* condition,
+                             const std::string& message);
+}  // namespace detail
+
+}  // namespace dp
+
+/// Checks an internal invariant; on failure throws `dp::InvariantError` naming file, line,
+/// the condition and a formatted message.
+#define DP_CHECK(condition, ...)                                                             \
+  do {                                                                                      \
+    if (!(condition)) [[unlikely]]                                                          \
+      ::dp::detail::fail_check(__FILE__, __LINE__, #condition, ::fmt::format(__VA_ARGS__)); \
+  } while (false)

@@ -1,0 +1,60 @@
+// launch.h: start a function on every rank of a backend.
+//
+// `dp::launch` is how tests, labs and `dplab train` start data-parallel work. On the
+// local backend it starts one thread per rank in this process; on the mpi backend each
+// process started by mpirun is one rank. Either way `rank_main` receives the rank's
+// communicator, and its memory is charged to the rank's own `RankMemory`.
+//
+// Example:
+//
+//   dp::launch({.world_size = 4}, [](dp::Communicator& comm) {
+//     std::vector<float> x(1024, float(comm.rank()));
+//     comm.allreduce(std::span(x), dp::ReduceOp::kSum)->wait();   // every x[i] == 6
+//   });
+#pragma once
+
+#include <functional>
+#include <string_view>
+
+#include "dp/comm.h"
+
+namespace dp {
+
+/// Which transport the ranks use.
+enum class Backend {
+  kLocal,  ///< ranks are threads of this process
+  kMpi,    ///< ranks are Open MPI processes (start them with `dplab run` or mpirun)
+};
+
+/// "local" or "mpi".
+std::string_view to_string(Backend backend);
+/// Parses "local" or "mpi"; throws `dp::Error` naming the accepted values otherwise.
+Backend parse_backend(std::string_view name);
+
+/// How to start the ranks.
+struct LaunchOptions {
+  /// Number of ranks. Under mpi it may be smaller than the number of processes (the
+  /// others sit this launch out) but not larger.
+  int world_size = 1;
+  Backend backend = Backend::kLocal;  ///< the transport
+  CommOptions comm{};                 ///< timeouts and validation
+};
+
+/// Runs `rank_main` on every rank and returns when all have returned.
+///
+/// If a rank throws, the other ranks' pending and later calls fail with `dp::CommError`
+/// ("aborted because rank r failed"), so nobody hangs, and `launch` rethrows the first
+/// rank's original exception. Under mpi an error that not every rank raised ends the job
+/// through MPI_Abort after printing it, as a torchrun worker failure would.
+void launch(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);
+
+/// True when dplab was built with Open MPI.
+bool mpi_built();
+/// True when this process was started by mpirun or mpiexec.
+bool started_by_mpi();
+/// Under mpi, this process's rank in MPI_COMM_WORLD (0 when not started by MPI).
+int mpi_world_rank();
+/// Under mpi, the number of processes in MPI_COMM_WORLD (1 when not started by MPI).
+int mpi_world_size();
+
+}  // namespace dp

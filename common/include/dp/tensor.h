@@ -1,0 +1,109 @@
+// tensor.h: a contiguous float32 array with a shape, charged to a rank's memory.
+//
+// Tensors are move-only, so every copy of a large array is visible in the code
+// (`clone()`). Memory comes from the rank's caching allocator and is recorded by its
+// `MemoryTracker` under the category given at construction.
+//
+// Example:
+//
+//   dp::Tensor x({32, 64});                  // (B, D) activations, zero-filled
+//   x.at(0, 3) = 1.5f;
+//   std::span<float> flat = x.span();        // all 2048 elements
+//   dp::Tensor w = dp::Tensor::uninitialized({256, 64}, dp::MemoryCategory::kParameters);
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dp/memory.h"
+
+namespace dp {
+
+/// A contiguous row-major float32 array with a shape.
+class Tensor {
+ public:
+  /// An empty tensor: no shape, no elements.
+  Tensor() = default;
+  /// A zero-filled tensor of `shape`, charged to this thread's rank under `category`.
+  explicit Tensor(std::vector<std::int64_t> shape,
+                  MemoryCategory category = MemoryCategory::kActivations);
+  /// A tensor whose elements are left as the allocator hands them over (for outputs that
+  /// are overwritten at once).
+  static Tensor uninitialized(std::vector<std::int64_t> shape,
+                              MemoryCategory category = MemoryCategory::kActivations);
+  /// A 1-D tensor holding a copy of `values`.
+  static Tensor from(std::span<const float> values,
+                     MemoryCategory category = MemoryCategory::kActivations);
+
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  ~Tensor();
+
+  /// A deep copy with the same shape; `category` defaults to this tensor's.
+  Tensor clone() const;
+  /// A deep copy charged under another category.
+  Tensor clone(MemoryCategory category) const;
+
+  /// The shape, outermost dimension first.
+  const std::vector<std::int64_t>& shape() const { return shape_; }
+  /// Number of dimensions.
+  std::size_t rank() const { return shape_.size(); }
+  /// Extent of dimension `d` (bounds-checked).
+  std::int64_t dim(std::size_t d) const;
+  /// Number of elements.
+  std::size_t size() const { return size_; }
+  /// Size in bytes.
+  std::size_t bytes() const { return size_ * sizeof(float); }
+  /// True when the tensor holds no elements.
+  bool empty() const { return size_ == 0; }
+  /// The category this tensor is charged under.
+  MemoryCategory category() const { return category_; }
+
+  /// Pointer to the first element.
+  float* data() { return data_; }
+  /// Pointer to the first element (read-only).
+  const float* data() const { return data_; }
+  /// All elements, flat.
+  std::span<float> span() { return {data_, size_}; }
+  /// All elements, flat (read-only).
+  std::span<const float> span() const { return {data_, size_}; }
+  /// Element `i` of the flat array.
+  float& operator[](std::size_t i) { return data_[i]; }
+  /// Element `i` of the flat array (read-only).
+  float operator[](std::size_t i) const { return data_[i]; }
+  /// Element (row, col) of a 2-D tensor.
+  float& at(std::int64_t row, std::int64_t col) { return data_[row * shape_[1] + col]; }
+  /// Element (row, col) of a 2-D tensor (read-only).
+  float at(std::int64_t row, std::int64_t col) const { return data_[row * shape_[1] + col]; }
+
+  /// Sets every element to `value`.
+  void fill(float value);
+  /// Changes the shape to one with the same number of elements.
+  void reshape(std::vector<std::int64_t> shape);
+  /// The shape as text, e.g. "(32, 64)".
+  std::string shape_string() const;
+
+ private:
+  void allocate(std::vector<std::int64_t> shape, MemoryCategory category);
+  void release();
+
+  std::vector<std::int64_t> shape_;
+  std::size_t size_ = 0;
+  float* data_ = nullptr;
+  MemoryCategory category_ = MemoryCategory::kActivations;
+  std::shared_ptr<RankMemory> owner_;  // the rank charged for this tensor
+};
+
+/// The number of elements of `shape`; throws `dp::Error` on a negative extent.
+std::size_t element_count(const std::vector<std::int64_t>& shape);
+/// `shape` as text, e.g. "(32, 64)".
+std::string shape_to_string(const std::vector<std::int64_t>& shape);
+
+}  // namespace dp

@@ -1,0 +1,23 @@
+// backends.h (internal): the entry points `dp::launch` dispatches to.
+#pragma once
+
+#include <functional>
+
+#include "dp/comm.h"
+#include "dp/launch.h"
+
+namespace dp::detail {
+
+/// Runs `rank_main` on `options.world_size` threads of this process (local backend).
+void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);
+
+#ifdef DP_HAVE_MPI
+/// Runs `rank_main` on this process's rank of MPI_COMM_WORLD (mpi backend).
+void run_mpi(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);
+/// This process's rank and the number of processes in MPI_COMM_WORLD (initialises MPI).
+int mpi_rank_of_world();
+/// The number of processes in MPI_COMM_WORLD (initialises MPI).
+int mpi_size_of_world();
+#endif
+
+}  // namespace dp::detail

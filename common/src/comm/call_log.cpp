@@ -1,0 +1,149 @@
+#include "comm/call_log.h"
+
+#include <algorithm>
+#include <map>
+
+#include "dp/error.h"
+
+namespace dp::detail {
+
+std::string CallRecord::describe() const {
+  std::string text;
+  switch (op) {
+    case CommOp::kSend:
+      text = fmt::format("send(to={}, tag={}, count={} {})", peer, tag, count, to_string(type));
+      break;
+    case CommOp::kRecv:
+      text = fmt::format("recv(from={}, tag={}, count={} {})", peer, tag, count, to_string(type));
+      break;
+    default: text = signature(); break;
+  }
+  return fmt::format("call #{} {}", index, text);
+}
+
+std::string CallRecord::signature() const {
+  switch (op) {
+    case CommOp::kAllReduce:
+    case CommOp::kReduceScatter:
+      return fmt::format("{}(count={} {}, op={})", to_string(op), count, to_string(type),
+                         to_string(reduce));
+    case CommOp::kAllGather:
+      return fmt::format("{}(count={} {})", to_string(op), count, to_string(type));
+    case CommOp::kBroadcast:
+      return fmt::format("broadcast(count={} {}, root={})", count, to_string(type), peer);
+    case CommOp::kBarrier: return "barrier()";
+    case CommOp::kSend:
+    case CommOp::kRecv: return fmt::format("{}(peer={}, tag={})", to_string(op), peer, tag);
+  }
+  return "unknown";
+}
+
+std::uint64_t CallLog::record(CallRecord call) {
+  std::lock_guard lock(mutex_);
+  call.index = next_index_++;
+  call.done = false;
+  if (is_collective(call.op)) {
+    call.collective_index = next_collective_++;
+    collectives_.push_back(call);
+    if (collectives_.size() > kKeptCollectives) collectives_.pop_front();
+  }
+  pending_.push_back(call);
+  return call.index;
+}
+
+void CallLog::complete(std::uint64_t index) {
+  std::lock_guard lock(mutex_);
+  auto it = std::find_if(pending_.begin(), pending_.end(),
+                         [&](const CallRecord& call) { return call.index == index; });
+  if (it != pending_.end()) pending_.erase(it);
+  for (auto& call : collectives_)
+    if (call.index == index) call.done = true;
+}
+
+std::optional<CallRecord> CallLog::find(std::uint64_t index) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& call : pending_)
+    if (call.index == index) return call;
+  for (const auto& call : collectives_)
+    if (call.index == index) return call;
+  return std::nullopt;
+}
+
+RankCallState CallLog::snapshot(int rank, std::optional<std::uint64_t> blocked_on,
+                                bool finished) const {
+  RankCallState state;
+  state.rank = rank;
+  state.finished = finished;
+  {
+    std::lock_guard lock(mutex_);
+    state.pending.assign(pending_.begin(), pending_.end());
+    state.collectives.assign(collectives_.begin(), collectives_.end());
+  }
+  if (blocked_on) state.blocked_on = find(*blocked_on);
+  return state;
+}
+
+std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& ranks) {
+  // Collective index -> (rank -> signature), over the window every rank still keeps.
+  std::uint64_t first_common = 0;
+  std::uint64_t longest = 0;
+  for (const auto& state : ranks) {
+    if (!state.responded) continue;
+    if (!state.collectives.empty())
+      first_common = std::max(first_common, state.collectives.front().collective_index);
+    const std::uint64_t issued =
+        state.collectives.empty() ? 0 : state.collectives.back().collective_index + 1;
+    longest = std::max(longest, issued);
+  }
+  for (std::uint64_t position = first_common; position < longest; ++position) {
+    std::map<std::string, std::vector<int>> ranks_by_call;
+    for (const auto& state : ranks) {
+      if (!state.responded) continue;
+      std::string call = "(nothing: its sequence ends here)";
+      for (const auto& record : state.collectives)
+        if (record.collective_index == position) call = record.signature();
+      ranks_by_call[call].push_back(state.rank);
+    }
+    if (ranks_by_call.size() > 1) {
+      std::string text =
+          fmt::format("the ranks' collective sequences first differ at collective #{}:", position);
+      for (const auto& [call, members] : ranks_by_call)
+        text += fmt::format("\n    rank{} {}: {}", members.size() > 1 ? "s" : "",
+                            fmt::join(members, ", "), call);
+      return text;
+    }
+  }
+  return std::nullopt;
+}
+
+std::string format_hang_report(const std::string& headline,
+                               const std::vector<RankCallState>& ranks) {
+  std::string report = headline;
+  for (const auto& state : ranks) {
+    report += fmt::format("\n  rank {}: ", state.rank);
+    if (!state.responded) {
+      report += "did not answer (it may have died or be stuck outside dplab)";
+      continue;
+    }
+    if (state.blocked_on) {
+      report += "waits for " + state.blocked_on->describe();
+    } else if (state.finished) {
+      report += "has returned from its function and will issue no more calls";
+    } else {
+      report += "is not waiting in dplab (computing, or stuck elsewhere)";
+    }
+    std::vector<std::string> others;
+    for (const auto& call : state.pending)
+      if (!state.blocked_on || call.index != state.blocked_on->index)
+        others.push_back(call.describe());
+    if (!others.empty()) report += fmt::format("; also pending: {}", fmt::join(others, "; "));
+  }
+  if (auto divergence = describe_first_divergence(ranks)) {
+    report += "\n  " + *divergence;
+  } else {
+    report += "\n  the ranks' collective sequences agree; look at the point-to-point calls above";
+  }
+  return report;
+}
+
+}  // namespace dp::detail

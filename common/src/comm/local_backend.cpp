@@ -1,0 +1,841 @@
+// The local backend: every rank is a thread of this process.
+//
+// Ranks share one address space, so a collective needs no messages: each rank's
+// communication thread reads its peers' buffers directly. An all-reduce runs as a
+// shared-memory reduce-scatter followed by an all-gather:
+//
+//   phase 1  rank i sums chunk i of every rank's buffer, in rank order 0, 1, ..., p-1,
+//            and writes the result into chunk i of its own buffer;
+//   phase 2  rank i copies every other chunk j from rank j's buffer.
+//
+// Each chunk is reduced exactly once, so every rank ends with the same bits, and the
+// fixed order makes the result independent of thread timing. The bytes each rank reads
+// from its peers are those of a ring all-reduce, 2 (p-1)/p n, and they are what the
+// counters record. Nothing is copied beyond that: no staging buffers.
+//
+// All shared state sits behind one mutex (`mutex_`), which keeps the deadlock detector
+// exact: a deadlock is declared when every rank waits on a call, no communication
+// thread can make progress and no transfer is in flight. Data is moved outside the
+// lock.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "comm/backends.h"
+#include "comm/call_log.h"
+#include "dp/error.h"
+#include "dp/memory.h"
+
+namespace dp::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// The shared state of one call, referred to by its `Work` handle.
+struct Operation {
+  CommOp op = CommOp::kBarrier;
+  int rank = 0;                 // the rank that issued it
+  std::uint64_t call_index = 0;  // in that rank's CallLog
+  CallRecord record;
+  ConstBuffer input;    // what peers read: send data, collective input
+  MutableBuffer output;  // where results go: recv data, collective output
+  ReduceOp reduce = ReduceOp::kSum;
+  int root = -1;
+  bool done = false;
+  std::exception_ptr error;
+};
+
+/// Element range [begin, end) of chunk `index` when `count` elements are split `parts` ways.
+struct Chunk {
+  std::size_t begin;
+  std::size_t end;
+  std::size_t size() const { return end - begin; }
+};
+
+Chunk chunk_of(std::size_t count, int parts, int index) {
+  return {count * static_cast<std::size_t>(index) / static_cast<std::size_t>(parts),
+          count * static_cast<std::size_t>(index + 1) / static_cast<std::size_t>(parts)};
+}
+
+/// dst[k] = combine(src_0[k], ..., src_{p-1}[k]) in rank order; dst may alias any source.
+template <typename T>
+void reduce_in_rank_order(T* dst, const std::vector<const T*>& sources, std::size_t count,
+                          ReduceOp op) {
+  // Blocks are combined in a small buffer that stays in L1 cache and then stored, so every
+  // source is read before its block of dst (possibly the same memory) is written. Each
+  // element is ((s0 + s1) + s2) + ..., whatever the rank count.
+  constexpr std::size_t kBlock = 2048;
+  T block[kBlock];
+  const std::size_t parts = sources.size();
+  for (std::size_t start = 0; start < count; start += kBlock) {
+    const std::size_t length = std::min(kBlock, count - start);
+    const T* first = sources[0] + start;
+    for (std::size_t k = 0; k < length; ++k) block[k] = first[k];
+    for (std::size_t s = 1; s < parts; ++s) {
+      const T* source = sources[s] + start;
+      if (op == ReduceOp::kMax) {
+        for (std::size_t k = 0; k < length; ++k) block[k] = std::max(block[k], source[k]);
+      } else {
+        for (std::size_t k = 0; k < length; ++k) block[k] += source[k];
+      }
+    }
+    if (op == ReduceOp::kAvg) {
+      const T divisor = static_cast<T>(parts);
+      for (std::size_t k = 0; k < length; ++k) block[k] /= divisor;
+    }
+    std::memcpy(dst + start, block, length * sizeof(T));
+  }
+}
+
+void reduce_chunk(MutableBuffer dst, std::size_t dst_offset,
+                  const std::vector<ConstBuffer>& sources, std::size_t src_offset,
+                  std::size_t count, ReduceOp op) {
+  if (count == 0) return;
+  switch (dst.type) {
+    case DataType::kFloat32: {
+      std::vector<const float*> pointers;
+      for (const auto& source : sources)
+        pointers.push_back(static_cast<const float*>(source.data) + src_offset);
+      reduce_in_rank_order(static_cast<float*>(dst.data) + dst_offset, pointers, count, op);
+      return;
+    }
+    case DataType::kInt32: {
+      std::vector<const std::int32_t*> pointers;
+      for (const auto& source : sources)
+        pointers.push_back(static_cast<const std::int32_t*>(source.data) + src_offset);
+      reduce_in_rank_order(static_cast<std::int32_t*>(dst.data) + dst_offset, pointers, count,
+                           op);
+      return;
+    }
+    case DataType::kUInt8: break;
+  }
+  DP_CHECK(false, "reduction of {} reached the kernel", to_string(dst.type));
+}
+
+void copy_elements(MutableBuffer dst, std::size_t dst_offset, ConstBuffer src,
+                   std::size_t src_offset, std::size_t count) {
+  if (count == 0) return;
+  const std::size_t size = element_size(dst.type);
+  std::memcpy(static_cast<char*>(dst.data) + dst_offset * size,
+              static_cast<const char*>(src.data) + src_offset * size, count * size);
+}
+
+class LocalWorld;
+
+/// The `Communicator` of one rank of a `LocalWorld`.
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(LocalWorld& world, int rank) : world_(world), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override;
+  std::string_view backend() const override { return "local"; }
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override;
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override;
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override;
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override;
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override;
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
+  void barrier() override;
+  CommCounters counters() const override;
+  void reset_counters() override;
+
+ private:
+  LocalWorld& world_;
+  int rank_;
+};
+
+/// A handle on one `Operation`.
+class LocalWork final : public Work {
+ public:
+  LocalWork(LocalWorld& world, std::shared_ptr<Operation> operation)
+      : world_(world), operation_(std::move(operation)) {}
+  ~LocalWork() override;
+  void wait() override;
+  bool test() override;
+
+ private:
+  LocalWorld& world_;
+  std::shared_ptr<Operation> operation_;
+};
+
+/// The ranks of one `launch`, their communication threads and everything they share.
+class LocalWorld {
+ public:
+  LocalWorld(int size, CommOptions options);
+  ~LocalWorld();
+
+  int size() const { return size_; }
+  Communicator& communicator(int rank) { return *ranks_[rank].communicator; }
+
+  /// Issues a point-to-point call; matches it with the peer's if that one is waiting.
+  std::shared_ptr<Operation> post_point_to_point(std::shared_ptr<Operation> operation,
+                                                 int peer, int tag);
+  /// Issues a collective: queued for the rank's communication thread.
+  std::shared_ptr<Operation> post_collective(std::shared_ptr<Operation> operation);
+  /// Blocks the calling rank until `operation` completes; throws its error.
+  void wait(Operation& operation);
+  /// True once `operation` completed.
+  bool test(const Operation& operation);
+  /// Waits for `operation` without throwing (for destructors).
+  void wait_quietly(Operation& operation);
+
+  CommCounters counters(int rank) const;
+  void reset_counters(int rank);
+
+  /// Ends every rank's pending and future calls with `reason`.
+  void abort(const std::string& reason);
+  /// Rank `rank` has returned (or thrown) from its function.
+  void mark_finished(int rank);
+
+ private:
+  struct Rank {
+    std::unique_ptr<LocalCommunicator> communicator;
+    CallLog log;
+    CommCounters counters;
+    std::deque<std::shared_ptr<Operation>> collective_queue;  // for the comm thread
+    std::thread comm_thread;
+    bool comm_thread_waiting_for_peers = false;
+    std::optional<std::uint64_t> blocked_on;  // call the rank's own thread waits for
+    bool finished = false;
+  };
+
+  /// One collective as all ranks see it (the n-th collective of every rank).
+  struct CollectiveSlot {
+    std::vector<std::shared_ptr<Operation>> members;
+    int arrived = 0;
+    int left = 0;
+    std::vector<int> phase_arrivals;
+    std::optional<std::string> mismatch;
+  };
+
+  /// Point-to-point calls waiting for their match, per (source, destination, tag).
+  struct Mailbox {
+    std::deque<std::shared_ptr<Operation>> sends;
+    std::deque<std::shared_ptr<Operation>> receives;
+  };
+
+  void run_comm_thread(int rank);
+  void execute_collective(int rank, CollectiveSlot& slot, std::unique_lock<std::mutex>& lock);
+  void phase_barrier(CollectiveSlot& slot, int phase, std::unique_lock<std::mutex>& lock);
+  void transfer(const std::shared_ptr<Operation>& send, const std::shared_ptr<Operation>& receive,
+                std::unique_lock<std::mutex>& lock);
+  void complete(Operation& operation, std::exception_ptr error);
+  std::optional<std::string> find_mismatch(std::uint64_t sequence,
+                                           const CollectiveSlot& slot) const;
+  void check_for_deadlock();
+  std::string hang_report(const std::string& headline) const;
+  void abort_locked(const std::string& reason);
+  void throw_if_aborted() const;
+
+  const int size_;
+  const CommOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<Rank> ranks_;
+  std::map<std::uint64_t, CollectiveSlot> slots_;  // by collective sequence number
+  std::vector<std::uint64_t> next_sequence_;       // per rank
+  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
+  int transfers_in_flight_ = 0;  // copies and collective phases running outside the lock
+  bool shutting_down_ = false;
+  std::optional<std::string> abort_reason_;
+};
+
+LocalWorld::LocalWorld(int size, CommOptions options)
+    : size_(size), options_(options), ranks_(static_cast<std::size_t>(size)),
+      next_sequence_(static_cast<std::size_t>(size), 0) {
+  for (int r = 0; r < size_; ++r) {
+    ranks_[r].communicator = std::make_unique<LocalCommunicator>(*this, r);
+    ranks_[r].counters.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);
+    ranks_[r].counters.bytes_received_from.assign(static_cast<std::size_t>(size_), 0);
+  }
+  for (int r = 0; r < size_; ++r)
+    ranks_[r].comm_thread = std::thread([this, r] { run_comm_thread(r); });
+}
+
+LocalWorld::~LocalWorld() {
+  {
+    std::lock_guard lock(mutex_);
+    shutting_down_ = true;
+  }
+  changed_.notify_all();
+  for (auto& rank : ranks_) rank.comm_thread.join();
+}
+
+void LocalWorld::throw_if_aborted() const {
+  if (abort_reason_) throw CommError(*abort_reason_);
+}
+
+void LocalWorld::abort(const std::string& reason) {
+  std::lock_guard lock(mutex_);
+  abort_locked(reason);
+}
+
+void LocalWorld::abort_locked(const std::string& reason) {
+  if (abort_reason_) return;  // the first reason is the root cause
+  abort_reason_ = reason;
+  // Unmatched messages will never match now; collectives are ended by the comm threads.
+  const auto error = std::make_exception_ptr(CommError(reason));
+  for (auto& [key, mailbox] : mailboxes_) {
+    for (auto& operation : mailbox.sends) complete(*operation, error);
+    for (auto& operation : mailbox.receives) complete(*operation, error);
+  }
+  mailboxes_.clear();
+  changed_.notify_all();
+}
+
+void LocalWorld::mark_finished(int rank) {
+  std::lock_guard lock(mutex_);
+  ranks_[rank].finished = true;
+  check_for_deadlock();
+}
+
+CommCounters LocalWorld::counters(int rank) const {
+  std::lock_guard lock(mutex_);
+  return ranks_[rank].counters;
+}
+
+void LocalWorld::reset_counters(int rank) {
+  std::lock_guard lock(mutex_);
+  auto& counters = ranks_[rank].counters;
+  counters.per_op = {};
+  std::fill(counters.bytes_sent_to.begin(), counters.bytes_sent_to.end(), 0);
+  std::fill(counters.bytes_received_from.begin(), counters.bytes_received_from.end(), 0);
+}
+
+void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
+  // Caller holds mutex_.
+  operation.done = true;
+  operation.error = std::move(error);
+  Rank& owner = ranks_[operation.rank];
+  owner.log.complete(operation.call_index);
+  if (owner.blocked_on == operation.call_index) owner.blocked_on.reset();
+  changed_.notify_all();
+}
+
+std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Operation> operation,
+                                                           int peer, int tag) {
+  std::unique_lock lock(mutex_);
+  throw_if_aborted();
+  const bool is_send = operation->op == CommOp::kSend;
+  Rank& self = ranks_[operation->rank];
+  operation->call_index = self.log.record(operation->record);
+  operation->record.index = operation->call_index;
+  const std::uint64_t bytes = is_send ? operation->input.bytes() : operation->output.bytes();
+  OpCounters& counted = self.counters.of(operation->op);
+  ++counted.calls;
+  if (is_send) {
+    counted.bytes_sent += bytes;
+    ++counted.messages_sent;
+    self.counters.bytes_sent_to[peer] += bytes;
+  } else {
+    counted.bytes_received += bytes;
+    ++counted.messages_received;
+    self.counters.bytes_received_from[peer] += bytes;
+  }
+
+  const int source = is_send ? operation->rank : peer;
+  const int destination = is_send ? peer : operation->rank;
+  Mailbox& mailbox = mailboxes_[{source, destination, tag}];
+  auto& waiting_matches = is_send ? mailbox.receives : mailbox.sends;
+  if (waiting_matches.empty()) {
+    (is_send ? mailbox.sends : mailbox.receives).push_back(operation);
+    return operation;
+  }
+  std::shared_ptr<Operation> match = waiting_matches.front();
+  waiting_matches.pop_front();
+  if (is_send) {
+    transfer(operation, match, lock);
+  } else {
+    transfer(match, operation, lock);
+  }
+  return operation;
+}
+
+void LocalWorld::transfer(const std::shared_ptr<Operation>& send,
+                          const std::shared_ptr<Operation>& receive,
+                          std::unique_lock<std::mutex>& lock) {
+  // Caller holds `lock`. A matched pair is one memcpy, done by whichever rank completed
+  // the match: a rendezvous, so nothing is buffered.
+  if (send->input.count != receive->output.count || send->input.type != receive->output.type) {
+    auto error = std::make_exception_ptr(CommError(fmt::format(
+        "message size mismatch: rank {} sent {} {} with tag {} to rank {}, which posted a "
+        "receive of {} {}",
+        send->rank, send->input.count, to_string(send->input.type), send->record.tag,
+        receive->rank, receive->output.count, to_string(receive->output.type))));
+    complete(*send, error);
+    complete(*receive, error);
+    return;
+  }
+  ++transfers_in_flight_;
+  lock.unlock();
+  copy_elements(receive->output, 0, send->input, 0, send->input.count);
+  lock.lock();
+  --transfers_in_flight_;
+  complete(*send, nullptr);
+  complete(*receive, nullptr);
+}
+
+std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation> operation) {
+  std::unique_lock lock(mutex_);
+  throw_if_aborted();
+  Rank& self = ranks_[operation->rank];
+  operation->call_index = self.log.record(operation->record);
+  operation->record.index = operation->call_index;
+
+  // Count what the algorithm (see the top of this file) moves between this rank and each
+  // peer, in elements; the totals equal a ring algorithm's. A "message" is one chunk
+  // read by one rank from another.
+  const int p = size_;
+  const int me = operation->rank;
+  std::vector<std::size_t> from_peer(static_cast<std::size_t>(p), 0);
+  std::vector<std::size_t> to_peer(static_cast<std::size_t>(p), 0);
+  std::uint64_t messages_sent = 0;
+  std::uint64_t messages_received = 0;
+  for (int peer = 0; peer < p; ++peer) {
+    if (peer == me) continue;
+    switch (operation->op) {
+      case CommOp::kAllReduce: {
+        // Phase 1: I read my chunk from the peer and it reads its chunk from me;
+        // phase 2: I read its chunk and it reads mine.
+        const std::size_t n = operation->input.count;
+        from_peer[peer] = to_peer[peer] = chunk_of(n, p, me).size() + chunk_of(n, p, peer).size();
+        messages_sent += 2;
+        messages_received += 2;
+        break;
+      }
+      case CommOp::kReduceScatter:
+        from_peer[peer] = to_peer[peer] = operation->output.count;
+        ++messages_sent;
+        ++messages_received;
+        break;
+      case CommOp::kAllGather:
+        from_peer[peer] = to_peer[peer] = operation->input.count;
+        ++messages_sent;
+        ++messages_received;
+        break;
+      case CommOp::kBroadcast:
+        if (me == operation->root) {
+          to_peer[peer] = operation->output.count;
+          ++messages_sent;
+        } else if (peer == operation->root) {
+          from_peer[peer] = operation->output.count;
+          ++messages_received;
+        }
+        break;
+      default: break;  // a barrier moves no data
+    }
+  }
+  const std::size_t element = element_size(operation->input.type);
+  OpCounters& counted = self.counters.of(operation->op);
+  ++counted.calls;
+  counted.messages_sent += messages_sent;
+  counted.messages_received += messages_received;
+  for (int peer = 0; peer < p; ++peer) {
+    counted.bytes_sent += to_peer[peer] * element;
+    counted.bytes_received += from_peer[peer] * element;
+    self.counters.bytes_sent_to[peer] += to_peer[peer] * element;
+    self.counters.bytes_received_from[peer] += from_peer[peer] * element;
+  }
+
+  self.collective_queue.push_back(operation);
+  changed_.notify_all();
+  return operation;
+}
+
+void LocalWorld::run_comm_thread(int rank) {
+  Rank& self = ranks_[rank];
+  std::unique_lock lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] { return shutting_down_ || !self.collective_queue.empty(); });
+    if (self.collective_queue.empty()) return;  // shutting down with nothing left
+    std::shared_ptr<Operation> operation = self.collective_queue.front();
+    if (abort_reason_) {
+      self.collective_queue.pop_front();
+      complete(*operation, std::make_exception_ptr(CommError(*abort_reason_)));
+      continue;
+    }
+
+    // Rendezvous: the n-th collective of every rank meets in slot n.
+    const std::uint64_t sequence = next_sequence_[rank]++;
+    CollectiveSlot& slot = slots_[sequence];
+    if (slot.members.empty()) {
+      slot.members.resize(static_cast<std::size_t>(size_));
+      slot.phase_arrivals.assign(3, 0);
+    }
+    slot.members[rank] = operation;
+    if (++slot.arrived == size_) {
+      // Always validated here (it costs nothing in shared memory): a mismatch would
+      // otherwise read past the end of a peer's buffer.
+      slot.mismatch = find_mismatch(sequence, slot);
+      // The peers are runnable from now on, even before their threads wake up.
+      for (Rank& peer : ranks_) peer.comm_thread_waiting_for_peers = false;
+      changed_.notify_all();
+    } else {
+      self.comm_thread_waiting_for_peers = true;
+      check_for_deadlock();
+      changed_.wait(lock, [&] {
+        return slot.arrived == size_ || abort_reason_.has_value() || shutting_down_;
+      });
+      self.comm_thread_waiting_for_peers = false;
+    }
+
+    if (slot.arrived < size_ && shutting_down_ && !abort_reason_) {
+      complete(*operation, std::make_exception_ptr(CommError(fmt::format(
+                               "dplab: {} was still waiting for its peers when the ranks ended",
+                               operation->record.describe()))));
+    } else if (slot.arrived < size_) {
+      complete(*operation, std::make_exception_ptr(CommError(*abort_reason_)));
+    } else if (slot.mismatch) {
+      complete(*operation, std::make_exception_ptr(CommError(*slot.mismatch)));
+    } else {
+      execute_collective(rank, slot, lock);
+    }
+    self.collective_queue.pop_front();
+    if (++slot.left == size_) slots_.erase(sequence);
+  }
+}
+
+void LocalWorld::phase_barrier(CollectiveSlot& slot, int phase,
+                               std::unique_lock<std::mutex>& lock) {
+  if (++slot.phase_arrivals[phase] == size_) {
+    changed_.notify_all();
+    return;
+  }
+  changed_.wait(lock, [&] { return slot.phase_arrivals[phase] == size_; });
+}
+
+void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
+                                    std::unique_lock<std::mutex>& lock) {
+  // Caller holds `lock`; data moves with it released. Every rank passes every phase
+  // barrier (even an abort does not skip one), so no buffer is released while a peer
+  // may still read it.
+  Operation& operation = *slot.members[rank];
+  const int p = size_;
+  std::vector<ConstBuffer> inputs;
+  for (const auto& member : slot.members) inputs.push_back(member->input);
+
+  auto run_unlocked = [&](auto&& move_data) {
+    ++transfers_in_flight_;
+    lock.unlock();
+    move_data();
+    lock.lock();
+    --transfers_in_flight_;
+  };
+
+  switch (operation.op) {
+    case CommOp::kAllReduce: {
+      const std::size_t n = operation.output.count;
+      const Chunk mine = chunk_of(n, p, rank);
+      run_unlocked([&] {
+        reduce_chunk(operation.output, mine.begin, inputs, mine.begin, mine.size(),
+                     operation.reduce);
+      });
+      phase_barrier(slot, 0, lock);
+      run_unlocked([&] {
+        for (int peer = 0; peer < p; ++peer) {
+          if (peer == rank) continue;
+          const Chunk theirs = chunk_of(n, p, peer);
+          copy_elements(operation.output, theirs.begin, slot.members[peer]->output,
+                        theirs.begin, theirs.size());
+        }
+      });
+      phase_barrier(slot, 1, lock);
+      break;
+    }
+    case CommOp::kReduceScatter: {
+      const std::size_t shard = operation.output.count;
+      run_unlocked([&] {
+        reduce_chunk(operation.output, 0, inputs, shard * static_cast<std::size_t>(rank), shard,
+                     operation.reduce);
+      });
+      phase_barrier(slot, 0, lock);
+      break;
+    }
+    case CommOp::kAllGather: {
+      const std::size_t shard = operation.input.count;
+      run_unlocked([&] {
+        for (int peer = 0; peer < p; ++peer)
+          copy_elements(operation.output, shard * static_cast<std::size_t>(peer), inputs[peer], 0,
+                        shard);
+      });
+      phase_barrier(slot, 0, lock);
+      break;
+    }
+    case CommOp::kBroadcast: {
+      if (rank != operation.root) {
+        const Operation& root = *slot.members[operation.root];
+        run_unlocked([&] {
+          copy_elements(operation.output, 0, root.output, 0, operation.output.count);
+        });
+      }
+      phase_barrier(slot, 0, lock);
+      break;
+    }
+    case CommOp::kBarrier: break;  // the rendezvous itself is the barrier
+    default: DP_CHECK(false, "{} is not a collective", to_string(operation.op));
+  }
+  complete(operation, nullptr);
+}
+
+std::optional<std::string> LocalWorld::find_mismatch(std::uint64_t sequence,
+                                                     const CollectiveSlot& slot) const {
+  std::map<std::string, std::vector<int>> ranks_by_signature;
+  for (int r = 0; r < size_; ++r)
+    ranks_by_signature[slot.members[r]->record.signature()].push_back(r);
+  if (ranks_by_signature.size() == 1) return std::nullopt;
+  std::vector<std::string> parts;
+  for (const auto& [signature, members] : ranks_by_signature)
+    parts.push_back(fmt::format("rank{} {} called {}", members.size() > 1 ? "s" : "",
+                                fmt::join(members, ", "), signature));
+  return fmt::format("collective #{} does not match across ranks: {}", sequence,
+                     fmt::join(parts, "; "));
+}
+
+void LocalWorld::check_for_deadlock() {
+  // Caller holds mutex_. Progress is possible while any transfer runs, any communication
+  // thread has work it is not blocked on, or any rank's own thread is running.
+  if (abort_reason_ || transfers_in_flight_ > 0) return;
+  for (const Rank& rank : ranks_) {
+    if (!rank.blocked_on && !rank.finished) return;
+    if (!rank.collective_queue.empty() && !rank.comm_thread_waiting_for_peers) return;
+  }
+  bool anyone_waits = false;
+  for (const Rank& rank : ranks_) anyone_waits = anyone_waits || rank.blocked_on.has_value();
+  if (!anyone_waits) return;  // everyone has finished: that is the end, not a deadlock
+  abort_locked(hang_report(
+      "dplab: deadlock: every rank is waiting and no communication can make progress"));
+}
+
+std::string LocalWorld::hang_report(const std::string& headline) const {
+  std::vector<RankCallState> states;
+  for (int r = 0; r < size_; ++r)
+    states.push_back(ranks_[r].log.snapshot(r, ranks_[r].blocked_on, ranks_[r].finished));
+  return format_hang_report(headline, states);
+}
+
+void LocalWorld::wait(Operation& operation) {
+  std::unique_lock lock(mutex_);
+  if (operation.done) {
+    if (operation.error) std::rethrow_exception(operation.error);
+    return;
+  }
+  Rank& self = ranks_[operation.rank];
+  self.blocked_on = operation.call_index;
+  check_for_deadlock();
+  const auto deadline = Clock::now() + options_.hang_timeout;
+  const bool finished = changed_.wait_until(
+      lock, deadline, [&] { return operation.done || abort_reason_.has_value(); });
+  self.blocked_on.reset();
+  if (!finished) {
+    const double seconds = std::chrono::duration<double>(options_.hang_timeout).count();
+    // Report before clearing: the hung rank's own call is part of the report.
+    self.blocked_on = operation.call_index;
+    const std::string report = hang_report(fmt::format(
+        "dplab: timeout: rank {} waited {:.1f} s for {}", operation.rank, seconds,
+        operation.record.describe()));
+    self.blocked_on.reset();
+    abort_locked(report);
+  }
+  // After an abort every call completes soon (with an error, unless its data was already
+  // moving): waiting for that keeps a peer from reading a buffer this rank unwinds.
+  changed_.wait(lock, [&] { return operation.done; });
+  if (operation.error) std::rethrow_exception(operation.error);
+}
+
+void LocalWorld::wait_quietly(Operation& operation) {
+  try {
+    wait(operation);
+  } catch (const std::exception&) {
+    // The error was, or will be, reported through another call.
+  }
+}
+
+bool LocalWorld::test(const Operation& operation) {
+  std::lock_guard lock(mutex_);
+  return operation.done;
+}
+
+// --- LocalWork and LocalCommunicator ------------------------------------------------------
+
+LocalWork::~LocalWork() {
+  // An exception is leaving the rank's function while this call is in flight: end the
+  // other ranks' calls now instead of letting them wait for a rank that is gone.
+  if (std::uncaught_exceptions() > 0 && !world_.test(*operation_))
+    world_.abort(fmt::format(
+        "dplab: aborted because rank {} failed (an exception left its function while {} was "
+        "in flight)",
+        operation_->rank, operation_->record.describe()));
+  world_.wait_quietly(*operation_);
+}
+
+void LocalWork::wait() { world_.wait(*operation_); }
+
+bool LocalWork::test() { return world_.test(*operation_); }
+
+int LocalCommunicator::size() const { return world_.size(); }
+
+void check_peer(int peer, int size, std::string_view call) {
+  if (peer < 0 || peer >= size)
+    throw Error(fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer,
+                            size));
+}
+
+void check_reducible(ConstBuffer buffer, std::string_view call) {
+  if (buffer.type == DataType::kUInt8)
+    throw Error(fmt::format("{}: cannot reduce {} elements; expected float32 or int32", call,
+                            to_string(buffer.type)));
+}
+
+std::shared_ptr<Operation> make_operation(CommOp op, int rank) {
+  auto operation = std::make_shared<Operation>();
+  operation->op = op;
+  operation->rank = rank;
+  operation->record.op = op;
+  return operation;
+}
+
+std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int tag) {
+  check_peer(peer, size(), "isend");
+  auto operation = make_operation(CommOp::kSend, rank_);
+  operation->input = data;
+  operation->record.count = data.count;
+  operation->record.type = data.type;
+  operation->record.peer = peer;
+  operation->record.tag = tag;
+  return std::make_unique<LocalWork>(world_, world_.post_point_to_point(operation, peer, tag));
+}
+
+std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int tag) {
+  check_peer(peer, size(), "irecv");
+  auto operation = make_operation(CommOp::kRecv, rank_);
+  operation->output = data;
+  operation->record.count = data.count;
+  operation->record.type = data.type;
+  operation->record.peer = peer;
+  operation->record.tag = tag;
+  return std::make_unique<LocalWork>(world_, world_.post_point_to_point(operation, peer, tag));
+}
+
+std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
+  check_reducible(data, "allreduce");
+  auto operation = make_operation(CommOp::kAllReduce, rank_);
+  operation->input = data;
+  operation->output = data;
+  operation->reduce = op;
+  operation->record.count = data.count;
+  operation->record.type = data.type;
+  operation->record.reduce = op;
+  return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
+}
+
+std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableBuffer out,
+                                                        ReduceOp op) {
+  check_reducible(in, "reduce_scatter");
+  if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size()))
+    throw Error(fmt::format(
+        "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} "
+        "{}",
+        size(), out.count, out.count * static_cast<std::size_t>(size()), to_string(out.type),
+        in.count, to_string(in.type)));
+  auto operation = make_operation(CommOp::kReduceScatter, rank_);
+  operation->input = in;
+  operation->output = out;
+  operation->reduce = op;
+  operation->record.count = in.count;
+  operation->record.type = in.type;
+  operation->record.reduce = op;
+  return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
+}
+
+std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
+  if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size()))
+    throw Error(fmt::format(
+        "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
+        size(), in.count, in.count * static_cast<std::size_t>(size()), to_string(in.type),
+        out.count, to_string(out.type)));
+  auto operation = make_operation(CommOp::kAllGather, rank_);
+  operation->input = in;
+  operation->output = out;
+  operation->record.count = in.count;
+  operation->record.type = in.type;
+  return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
+}
+
+std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root) {
+  check_peer(root, size(), "broadcast root");
+  auto operation = make_operation(CommOp::kBroadcast, rank_);
+  operation->input = data;
+  operation->output = data;
+  operation->root = root;
+  operation->record.count = data.count;
+  operation->record.type = data.type;
+  operation->record.peer = root;
+  return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
+}
+
+void LocalCommunicator::barrier() {
+  LocalWork work(world_, world_.post_collective(make_operation(CommOp::kBarrier, rank_)));
+  work.wait();
+}
+
+CommCounters LocalCommunicator::counters() const { return world_.counters(rank_); }
+
+void LocalCommunicator::reset_counters() { world_.reset_counters(rank_); }
+
+bool is_abort_of_another_rank(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CommError& e) {
+    return std::string_view(e.what()).starts_with("dplab: aborted because rank");
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+void run_local(const LaunchOptions& options,
+               const std::function<void(Communicator&)>& rank_main) {
+  const int size = options.world_size;
+  LocalWorld world(size, options.comm);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(size));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      ScopedRankMemory bind(std::make_shared<RankMemory>());
+      try {
+        rank_main(world.communicator(r));
+      } catch (const std::exception& e) {
+        errors[r] = std::current_exception();
+        world.abort(fmt::format("dplab: aborted because rank {} failed: {}", r, e.what()));
+      } catch (...) {
+        errors[r] = std::current_exception();
+        world.abort(fmt::format("dplab: aborted because rank {} failed", r));
+      }
+      world.mark_finished(r);
+    });
+  }
+  for (auto& thread : threads) thread.join();
+
+  // Rethrow the root cause: the lowest rank's error that is not an echo of another's.
+  std::exception_ptr first_echo;
+  for (const auto& error : errors) {
+    if (!error) continue;
+    if (!is_abort_of_another_rank(error)) std::rethrow_exception(error);
+    if (!first_echo) first_echo = error;
+  }
+  if (first_echo) std::rethrow_exception(first_echo);
+}
+
+}  // namespace dp::detail

@@ -1,0 +1,81 @@
+#include "dp/launch.h"
+
+#include <cstdlib>
+#include <memory>
+
+#include "comm/backends.h"
+#include "dp/error.h"
+#include "dp/memory.h"
+#include "dp/ops.h"
+
+namespace dp {
+
+std::string_view to_string(Backend backend) {
+  switch (backend) {
+    case Backend::kLocal: return "local";
+    case Backend::kMpi: return "mpi";
+  }
+  return "unknown";
+}
+
+Backend parse_backend(std::string_view name) {
+  if (name == "local") return Backend::kLocal;
+  if (name == "mpi") return Backend::kMpi;
+  throw Error(fmt::format("unknown backend '{}': expected 'local' or 'mpi'", name));
+}
+
+bool mpi_built() {
+#ifdef DP_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool started_by_mpi() {
+  // Open MPI's launcher sets these in every process it starts; other launchers set PMI_*.
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+         std::getenv("PMIX_RANK") != nullptr;
+}
+
+int mpi_world_rank() {
+#ifdef DP_HAVE_MPI
+  if (started_by_mpi()) return detail::mpi_rank_of_world();
+#endif
+  return 0;
+}
+
+int mpi_world_size() {
+#ifdef DP_HAVE_MPI
+  if (started_by_mpi()) return detail::mpi_size_of_world();
+#endif
+  return 1;
+}
+
+void launch(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
+  if (options.world_size < 1)
+    throw Error(fmt::format("world size must be at least 1, got {}", options.world_size));
+  if (options.comm.hang_timeout.count() <= 0)
+    throw Error(fmt::format("hang timeout must be positive, got {} ms",
+                            options.comm.hang_timeout.count()));
+  configure_process_allocator();
+  // Ranks run in parallel already; one BLAS thread per rank also keeps every matrix
+  // product's summation order, and so its result, fixed.
+  set_blas_threads(1);
+  switch (options.backend) {
+    case Backend::kLocal: detail::run_local(options, rank_main); return;
+    case Backend::kMpi:
+#ifdef DP_HAVE_MPI
+      detail::run_mpi(options, [&](Communicator& comm) {
+        ScopedRankMemory bind(std::make_shared<RankMemory>());
+        rank_main(comm);
+      });
+      return;
+#else
+      throw Error("the mpi backend was requested but this dplab was built without Open MPI "
+                  "(install it with tools/install-deps and configure again)");
+#endif
+  }
+}
+
+}  // namespace dp

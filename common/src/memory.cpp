@@ -1,0 +1,151 @@
+#include "dp/memory.h"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdlib>
+#include <new>
+#include <utility>
+
+#include "dp/error.h"
+
+namespace dp {
+
+std::string_view to_string(MemoryCategory category) {
+  switch (category) {
+    case MemoryCategory::kParameters: return "parameters";
+    case MemoryCategory::kGradients: return "gradients";
+    case MemoryCategory::kOptimizerState: return "optimizer_state";
+    case MemoryCategory::kActivations: return "activations";
+    case MemoryCategory::kCommunication: return "communication";
+    case MemoryCategory::kOther: return "other";
+  }
+  return "unknown";
+}
+
+void MemoryTracker::on_allocate(MemoryCategory category, std::size_t bytes) {
+  const auto c = static_cast<std::size_t>(category);
+  std::lock_guard lock(mutex_);
+  current_[c] += bytes;
+  peak_[c] = std::max(peak_[c], current_[c]);
+  current_total_ += bytes;
+  peak_total_ = std::max(peak_total_, current_total_);
+}
+
+void MemoryTracker::on_release(MemoryCategory category, std::size_t bytes) {
+  const auto c = static_cast<std::size_t>(category);
+  std::lock_guard lock(mutex_);
+  DP_CHECK(current_[c] >= bytes, "releasing {} bytes of {} but only {} are live", bytes,
+           to_string(category), current_[c]);
+  current_[c] -= bytes;
+  current_total_ -= bytes;
+}
+
+std::size_t MemoryTracker::current(MemoryCategory category) const {
+  std::lock_guard lock(mutex_);
+  return current_[static_cast<std::size_t>(category)];
+}
+
+std::size_t MemoryTracker::peak(MemoryCategory category) const {
+  std::lock_guard lock(mutex_);
+  return peak_[static_cast<std::size_t>(category)];
+}
+
+std::size_t MemoryTracker::current_total() const {
+  std::lock_guard lock(mutex_);
+  return current_total_;
+}
+
+std::size_t MemoryTracker::peak_total() const {
+  std::lock_guard lock(mutex_);
+  return peak_total_;
+}
+
+void MemoryTracker::reset_peaks() {
+  std::lock_guard lock(mutex_);
+  peak_ = current_;
+  peak_total_ = current_total_;
+}
+
+namespace {
+constexpr std::size_t kAlignment = 64;          // a cache line, enough for AVX-512 loads
+constexpr std::size_t kMinimumClass = 4096;     // one page
+}  // namespace
+
+std::size_t CachingAllocator::size_class(std::size_t bytes) {
+  if (bytes <= kMinimumClass) return kMinimumClass;
+  // Four classes per power of two: at most 25% of a block is unused.
+  const std::size_t power = std::bit_floor(bytes);
+  const std::size_t step = power / 4;
+  return (bytes + step - 1) / step * step;
+}
+
+CachingAllocator::~CachingAllocator() { release_cached(); }
+
+void* CachingAllocator::allocate(std::size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const std::size_t size = size_class(bytes);
+  {
+    std::lock_guard lock(mutex_);
+    auto it = free_blocks_.find(size);
+    if (it != free_blocks_.end() && !it->second.empty()) {
+      void* block = it->second.back();
+      it->second.pop_back();
+      cached_bytes_ -= size;
+      return block;
+    }
+  }
+  void* block = std::aligned_alloc(kAlignment, size);
+  if (block == nullptr) throw std::bad_alloc();
+  return block;
+}
+
+void CachingAllocator::deallocate(void* block, std::size_t bytes) {
+  if (block == nullptr) return;
+  const std::size_t size = size_class(bytes);
+  std::lock_guard lock(mutex_);
+  free_blocks_[size].push_back(block);
+  cached_bytes_ += size;
+}
+
+std::size_t CachingAllocator::cached_bytes() const {
+  std::lock_guard lock(mutex_);
+  return cached_bytes_;
+}
+
+void CachingAllocator::release_cached() {
+  std::lock_guard lock(mutex_);
+  for (auto& [size, blocks] : free_blocks_)
+    for (void* block : blocks) std::free(block);
+  free_blocks_.clear();
+  cached_bytes_ = 0;
+}
+
+namespace {
+thread_local std::shared_ptr<RankMemory> bound_memory;
+}  // namespace
+
+std::shared_ptr<RankMemory> this_rank_memory_shared() {
+  // A thread that belongs to no launched rank (a test body, a tool) gets its own.
+  if (!bound_memory) bound_memory = std::make_shared<RankMemory>();
+  return bound_memory;
+}
+
+RankMemory& this_rank_memory() { return *this_rank_memory_shared(); }
+
+ScopedRankMemory::ScopedRankMemory(std::shared_ptr<RankMemory> memory)
+    : previous_(std::move(bound_memory)) {
+  bound_memory = std::move(memory);
+}
+
+ScopedRankMemory::~ScopedRankMemory() { bound_memory = std::move(previous_); }
+
+void configure_process_allocator() {
+  // Serve every block from the heap and never give heap memory back: buffers freed and
+  // allocated again are then already mapped, instead of paying a page fault per 4 KiB.
+  mallopt(M_MMAP_MAX, 0);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+}  // namespace dp

@@ -1,0 +1,111 @@
+#include "dp/tensor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "dp/error.h"
+
+namespace dp {
+
+std::size_t element_count(const std::vector<std::int64_t>& shape) {
+  std::size_t count = 1;
+  for (std::int64_t extent : shape) {
+    if (extent < 0)
+      throw Error(fmt::format("tensor shape {} has a negative extent", shape_to_string(shape)));
+    count *= static_cast<std::size_t>(extent);
+  }
+  return count;
+}
+
+std::string shape_to_string(const std::vector<std::int64_t>& shape) {
+  return fmt::format("({})", fmt::join(shape, ", "));
+}
+
+Tensor::Tensor(std::vector<std::int64_t> shape, MemoryCategory category) {
+  allocate(std::move(shape), category);
+  fill(0.0f);
+}
+
+Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, MemoryCategory category) {
+  Tensor tensor;
+  tensor.allocate(std::move(shape), category);
+  return tensor;
+}
+
+Tensor Tensor::from(std::span<const float> values, MemoryCategory category) {
+  Tensor tensor = uninitialized({static_cast<std::int64_t>(values.size())}, category);
+  std::copy(values.begin(), values.end(), tensor.data_);
+  return tensor;
+}
+
+void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category) {
+  size_ = element_count(shape);
+  shape_ = std::move(shape);
+  category_ = category;
+  owner_ = this_rank_memory_shared();
+  data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+  owner_->tracker().on_allocate(category_, bytes());
+}
+
+void Tensor::release() {
+  if (owner_ != nullptr) {
+    owner_->tracker().on_release(category_, bytes());
+    owner_->allocator().deallocate(data_, bytes());
+  }
+  owner_.reset();
+  data_ = nullptr;
+  size_ = 0;
+  shape_.clear();
+}
+
+Tensor::Tensor(Tensor&& other) noexcept
+    : shape_(std::move(other.shape_)),
+      size_(std::exchange(other.size_, 0)),
+      data_(std::exchange(other.data_, nullptr)),
+      category_(other.category_),
+      owner_(std::move(other.owner_)) {
+  other.shape_.clear();
+}
+
+Tensor& Tensor::operator=(Tensor&& other) noexcept {
+  if (this != &other) {
+    release();
+    shape_ = std::move(other.shape_);
+    other.shape_.clear();
+    size_ = std::exchange(other.size_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    category_ = other.category_;
+    owner_ = std::move(other.owner_);
+  }
+  return *this;
+}
+
+Tensor::~Tensor() { release(); }
+
+Tensor Tensor::clone() const { return clone(category_); }
+
+Tensor Tensor::clone(MemoryCategory category) const {
+  Tensor copy = uninitialized(shape_, category);
+  if (size_ > 0) std::memcpy(copy.data_, data_, bytes());
+  return copy;
+}
+
+std::int64_t Tensor::dim(std::size_t d) const {
+  if (d >= shape_.size())
+    throw Error(fmt::format("dimension {} requested of a tensor of shape {}", d, shape_string()));
+  return shape_[d];
+}
+
+void Tensor::fill(float value) { std::fill(data_, data_ + size_, value); }
+
+void Tensor::reshape(std::vector<std::int64_t> shape) {
+  if (element_count(shape) != size_)
+    throw Error(fmt::format("cannot reshape a tensor of shape {} ({} elements) to {}",
+                            shape_string(), size_, shape_to_string(shape)));
+  shape_ = std::move(shape);
+}
+
+std::string Tensor::shape_string() const { return shape_to_string(shape_); }
+
+}  // namespace dp

@@ -1,0 +1,162 @@
+// The local backend's error policy: mismatched collectives fail on every rank with the
+// ranks and sizes named; a deadlock is detected at once and a hang after the timeout,
+// each with every rank's pending call; a failing rank ends everyone's calls.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp/comm.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+
+namespace dp {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+using SteadyClock = std::chrono::steady_clock;
+
+LaunchOptions local(int world_size, milliseconds hang_timeout = seconds(60)) {
+  LaunchOptions options;
+  options.world_size = world_size;
+  options.comm.hang_timeout = hang_timeout;
+  return options;
+}
+
+/// Runs `rank_main` and returns the CommError's message (fails if none is thrown).
+std::string comm_error_of(const LaunchOptions& options,
+                          const std::function<void(Communicator&)>& rank_main) {
+  try {
+    launch(options, rank_main);
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a dp::CommError";
+  return "";
+}
+
+TEST(CommErrors, MismatchedSizesNameTheRanksAndSizes) {
+  const std::string message = comm_error_of(local(3), [](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 1 ? 512 : 1024);
+    comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+  });
+  EXPECT_NE(message.find("collective #0 does not match"), std::string::npos) << message;
+  EXPECT_NE(message.find("ranks 0, 2 called allreduce(count=1024 float32, op=sum)"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("rank 1 called allreduce(count=512 float32, op=sum)"),
+            std::string::npos)
+      << message;
+}
+
+TEST(CommErrors, MismatchedOperationsAreReportedOnEveryRank) {
+  std::vector<std::string> seen(2);
+  EXPECT_THROW(launch(local(2),
+                      [&](Communicator& comm) {
+                        std::vector<float> data(8);
+                        try {
+                          if (comm.rank() == 0)
+                            comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+                          else
+                            comm.broadcast(std::span(data), 0)->wait();
+                        } catch (const CommError& e) {
+                          seen[comm.rank()] = e.what();
+                          throw;
+                        }
+                      }),
+               CommError);
+  for (const auto& message : seen) {
+    EXPECT_NE(message.find("rank 0 called allreduce(count=8 float32, op=sum)"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("rank 1 called broadcast(count=8 float32, root=0)"),
+              std::string::npos)
+        << message;
+  }
+}
+
+TEST(CommErrors, DeadlockIsDetectedAtOnceWithEveryRanksPendingCall) {
+  const auto start = SteadyClock::now();
+  const std::string message = comm_error_of(local(2), [](Communicator& comm) {
+    // Both ranks receive first: neither send is ever posted.
+    std::vector<float> in(4), out(4);
+    const int peer = 1 - comm.rank();
+    comm.irecv(std::span(in), peer, 0)->wait();
+    comm.isend(std::span<const float>(out), peer, 0)->wait();
+  });
+  EXPECT_LT(SteadyClock::now() - start, seconds(5)) << "the 60 s timeout is not what fired";
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0: waits for call #0 recv(from=1, tag=0, count=4 float32)"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("rank 1: waits for call #0 recv(from=0, tag=0, count=4 float32)"),
+            std::string::npos)
+      << message;
+}
+
+TEST(CommErrors, ExtraCollectiveOnOneRankIsADeadlockAtTheDivergence) {
+  const std::string message = comm_error_of(local(3), [](Communicator& comm) {
+    std::vector<float> data(16, 1.0f);
+    comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    if (comm.rank() == 0) comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+  });
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1: has returned from its function"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("first differ at collective #1"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0: allreduce(count=16 float32, op=sum)"), std::string::npos)
+      << message;
+}
+
+TEST(CommErrors, HangIsReportedAfterTheTimeout) {
+  const auto start = SteadyClock::now();
+  const std::string message = comm_error_of(local(2, milliseconds(300)), [](Communicator& comm) {
+    std::vector<float> data(4);
+    // Rank 1 computes for far longer than the timeout before it joins.
+    if (comm.rank() == 1) std::this_thread::sleep_for(seconds(2));
+    comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+  });
+  EXPECT_LT(SteadyClock::now() - start, seconds(10));
+  EXPECT_NE(message.find("timeout: rank 0 waited 0.3 s for call #0 allreduce"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("rank 1: is not waiting in dplab"), std::string::npos) << message;
+}
+
+TEST(CommErrors, AFailingRankEndsTheOthersAndItsErrorIsRethrown) {
+  const auto start = SteadyClock::now();
+  try {
+    launch(local(4), [](Communicator& comm) {
+      std::vector<float> data(4);
+      if (comm.rank() == 2) throw std::runtime_error("rank 2 broke");
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    });
+    FAIL() << "expected the rank's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "rank 2 broke");
+  }
+  EXPECT_LT(SteadyClock::now() - start, seconds(5));
+}
+
+TEST(CommErrors, PointToPointSizeMismatchNamesBothSides) {
+  const std::string message = comm_error_of(local(2), [](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 0 ? 10 : 12);
+    if (comm.rank() == 0) comm.isend(std::span<const float>(data), 1, 3)->wait();
+    else comm.irecv(std::span(data), 0, 3)->wait();
+  });
+  EXPECT_NE(message.find("rank 0 sent 10 float32 with tag 3 to rank 1, which posted a receive "
+                         "of 12 float32"),
+            std::string::npos)
+      << message;
+}
+
+TEST(CommErrors, BadLaunchOptionsAreRejected) {
+  EXPECT_THROW(launch(local(0), [](Communicator&) {}), Error);
+  EXPECT_THROW(launch(local(2, milliseconds(0)), [](Communicator&) {}), Error);
+  EXPECT_THROW(parse_backend("nccl2"), Error);
+}
+
+}  // namespace
+}  // namespace dp
