@@ -1,0 +1,13 @@
+// commands.h: the subcommands of the dplab program; each file adds one to the app.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace dp::cli {
+
+/// Adds `dplab train`: trains a model data-parallel and reports progress.
+void add_train_command(CLI::App& app);
+/// Adds `dplab run`: starts a dplab command on N ranks under mpirun, as torchrun would.
+void add_run_command(CLI::App& app);
+
+}  // namespace dp::cli

@@ -1,0 +1,30 @@
+// dplab: train data-parallel, start ranks under MPI, and (later) grade the labs.
+//
+//   dplab train -n 4                          # 4 local ranks, the default model and data
+//   dplab run -n 4 --backend mpi -- train     # the same, 4 Open MPI processes
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <exception>
+
+#include "commands.h"
+#include "dp/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"dplab: labs in data-parallel deep-learning training"};
+  app.require_subcommand(1);
+  dp::cli::add_train_command(app);
+  dp::cli::add_run_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const dp::Error& e) {
+    fmt::print(stderr, "dplab: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "dplab: internal error: {}\n", e.what());
+    return 2;
+  }
+  return 0;
+}

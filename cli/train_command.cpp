@@ -1,0 +1,157 @@
+// dplab train: trains a model data-parallel on the local or the mpi backend, prints
+// progress, checks that the replicas agree, and saves a checkpoint.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "dp/checkpoint.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/trainer.h"
+
+namespace dp::cli {
+namespace {
+
+struct TrainArguments {
+  TrainOptions options;
+  int world_size = 0;  // 0: 1 on local, every process under mpi
+  std::string backend = "local";
+  std::string checkpoint = "dplab-train.safetensors";
+  bool verify = false;
+  double hang_timeout_seconds = 60;
+};
+
+/// True when every rank holds bitwise the same parameters as rank 0.
+bool replicas_identical(const Model& model, Communicator& comm) {
+  const std::vector<float> mine = model.flat_parameters();
+  std::vector<float> rank0 = mine;
+  comm.broadcast(std::span(rank0), 0)->wait();
+  std::array<std::int32_t, 1> differing = {
+      std::memcmp(mine.data(), rank0.data(), mine.size() * sizeof(float)) != 0 ? 1 : 0};
+  comm.allreduce(std::span<std::int32_t>(differing), ReduceOp::kSum)->wait();
+  return differing[0] == 0;
+}
+
+void save_checkpoint(const TrainArguments& args, const Model& model, int world_size) {
+  std::vector<NamedTensor> tensors;
+  for (const Parameter* parameter : model.parameters())
+    tensors.push_back({parameter->name, &parameter->value});
+  const std::map<std::string, std::string> metadata = {
+      {"model", args.options.model},       {"dataset", args.options.dataset},
+      {"steps", std::to_string(args.options.steps)},
+      {"seed", std::to_string(args.options.seed)},
+      {"world_size", std::to_string(world_size)}, {"backend", args.backend},
+      {"producer", "dplab train"}};
+  save_safetensors(args.checkpoint, tensors, metadata);
+  fmt::print("checkpoint: {} ({} tensors)\n", args.checkpoint, tensors.size());
+}
+
+/// Trains a single-process baseline on the global batch and compares it with `model`.
+void verify_against_single_process(const TrainArguments& args, const Dataset& data,
+                                   const TrainResult& distributed, int world_size) {
+  const TrainResult baseline = train_single_process(args.options, data);
+  const std::vector<float> expected = baseline.model.flat_parameters();
+  const std::vector<float> actual = distributed.model.flat_parameters();
+  float max_difference = 0;
+  std::size_t where = 0;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const float difference = std::abs(expected[i] - actual[i]);
+    if (difference > max_difference || std::isnan(difference)) {
+      max_difference = difference;
+      where = i;
+    }
+  }
+  const float tolerance = equivalence_tolerance(
+      args.options, std::max(baseline.max_abs_gradient, distributed.max_abs_gradient));
+  const bool within = max_difference <= tolerance;
+  fmt::print(
+      "verify: max |w({} ranks) - w(1 rank, global batch)| = {:.3g} at parameter element {} "
+      "of {}; tolerance {:.3g} -> {}\n",
+      world_size, max_difference, where, expected.size(), tolerance, within ? "OK" : "FAILED");
+  if (!within)
+    throw Error(fmt::format("data-parallel training differs from single-process training by "
+                            "{:.3g}, more than the tolerance {:.3g}",
+                            max_difference, tolerance));
+}
+
+void run_train(const TrainArguments& args) {
+  LaunchOptions launch_options;
+  launch_options.backend = parse_backend(args.backend);
+  launch_options.comm.hang_timeout = std::chrono::milliseconds(
+      static_cast<std::int64_t>(args.hang_timeout_seconds * 1000));
+  int world_size = args.world_size;
+  if (launch_options.backend == Backend::kMpi) {
+    if (!started_by_mpi())
+      throw Error("--backend mpi runs one rank per MPI process; start them with "
+                  "`dplab run -n N --backend mpi -- train ...`");
+    if (world_size == 0) world_size = mpi_world_size();
+  }
+  if (world_size == 0) world_size = 1;
+  launch_options.world_size = world_size;
+  const bool prints = mpi_world_rank() == 0;
+
+  const Dataset data = load_dataset(args.options.dataset, args.options.seed);
+  if (prints)
+    fmt::print("dplab train: model {} on {} ({} samples), {} ranks on the {} backend, global "
+               "batch {}, {} steps, {} lr {}\n",
+               args.options.model, data.name, data.size(), world_size, args.backend,
+               args.options.global_batch, args.options.steps, args.options.optimizer,
+               args.options.lr);
+
+  launch(launch_options, [&](Communicator& comm) {
+    const TrainResult result =
+        train_data_parallel(args.options, data, comm, [](const StepReport& report) {
+          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}\n", report.step,
+                     report.loss, report.accuracy, report.samples_per_second);
+        });
+    const bool identical = replicas_identical(result.model, comm);
+    if (comm.rank() != 0) return;
+    fmt::print("replicas: {} ranks {}\n", comm.size(),
+               identical ? "bitwise identical" : "DIFFER (a bug: all-reduce results must agree)");
+    if (!identical) throw Error("the replicas' parameters differ after training");
+    if (args.verify) verify_against_single_process(args, data, result, comm.size());
+    if (!args.checkpoint.empty()) save_checkpoint(args, result.model, comm.size());
+  });
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto args = std::make_shared<TrainArguments>();
+  TrainOptions& o = args->options;
+  CLI::App* train = app.add_subcommand("train", "Train a model data-parallel");
+  train->add_option("--model", o.model, "MLP layer widths, input first")->capture_default_str();
+  train->add_option("--activation", o.activation, "relu or gelu")->capture_default_str();
+  train->add_flag("--layer-norm", o.layer_norm, "A LayerNorm before each activation");
+  train->add_option("--dataset", o.dataset, "synthetic[:N], digits, csv:PATH, idx:IMAGES,LABELS")
+      ->capture_default_str();
+  train->add_option("--batch", o.global_batch, "Global batch size (all ranks together)")
+      ->capture_default_str();
+  train->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
+  train->add_option("--optimizer", o.optimizer, "sgd or adamw")->capture_default_str();
+  train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
+  train->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  train->add_option("--weight-decay", o.weight_decay, "Weight decay")->capture_default_str();
+  train->add_option("--seed", o.seed, "Seed of the initial weights and data order")
+      ->capture_default_str();
+  train->add_option("--log-every", o.log_every, "Print progress every N steps")
+      ->capture_default_str();
+  train->add_option("-n,--world-size", args->world_size,
+                    "Ranks (default: 1 on local, every process under mpi)");
+  train->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
+  train->add_option("--checkpoint", args->checkpoint, "safetensors file to save ('' for none)")
+      ->capture_default_str();
+  train->add_flag("--verify", args->verify,
+                  "Also train 1 rank on the global batch and compare the parameters");
+  train->add_option("--hang-timeout", args->hang_timeout_seconds,
+                    "Seconds a rank may wait before the hang report")
+      ->capture_default_str();
+  train->callback([args] { run_train(*args); });
+}
+
+}  // namespace dp::cli

@@ -1,0 +1,97 @@
+// The memory tracker counts current and peak bytes per category and rank; the caching
+// allocator reuses freed blocks; tensors charge the rank that made them.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "dp/comm.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/memory.h"
+#include "dp/tensor.h"
+
+namespace dp {
+namespace {
+
+TEST(MemoryTracker, CurrentAndPeakPerCategory) {
+  MemoryTracker tracker;
+  tracker.on_allocate(MemoryCategory::kParameters, 100);
+  tracker.on_allocate(MemoryCategory::kGradients, 50);
+  tracker.on_release(MemoryCategory::kParameters, 100);
+  tracker.on_allocate(MemoryCategory::kParameters, 30);
+  EXPECT_EQ(tracker.current(MemoryCategory::kParameters), 30u);
+  EXPECT_EQ(tracker.peak(MemoryCategory::kParameters), 100u);
+  EXPECT_EQ(tracker.current_total(), 80u);
+  EXPECT_EQ(tracker.peak_total(), 150u);
+  tracker.reset_peaks();
+  EXPECT_EQ(tracker.peak(MemoryCategory::kParameters), 30u);
+  EXPECT_EQ(tracker.peak_total(), 80u);
+  EXPECT_THROW(tracker.on_release(MemoryCategory::kGradients, 51), InvariantError);
+}
+
+TEST(CachingAllocator, ReusesBlocksOfTheSameSizeClass) {
+  CachingAllocator allocator;
+  void* first = allocator.allocate(10'000);
+  allocator.deallocate(first, 10'000);
+  EXPECT_EQ(allocator.cached_bytes(), CachingAllocator::size_class(10'000));
+  void* second = allocator.allocate(9'000);  // same class: the cached block comes back
+  EXPECT_EQ(second, first);
+  EXPECT_EQ(allocator.cached_bytes(), 0u);
+  allocator.deallocate(second, 9'000);
+  allocator.release_cached();
+  EXPECT_EQ(allocator.cached_bytes(), 0u);
+  EXPECT_EQ(allocator.allocate(0), nullptr);
+}
+
+TEST(CachingAllocator, SizeClassesWasteAtMostAQuarter) {
+  for (std::size_t bytes : {1ul, 4096ul, 4097ul, 100'000ul, 1ul << 20, (1ul << 26) + 3}) {
+    const std::size_t size = CachingAllocator::size_class(bytes);
+    EXPECT_GE(size, bytes);
+    EXPECT_LE(size, std::max<std::size_t>(4096, bytes + bytes / 4 + 1)) << bytes;
+  }
+}
+
+TEST(Tensor, ChargesItsCategoryAndReleasesOnDestruction) {
+  auto memory = std::make_shared<RankMemory>();
+  ScopedRankMemory bind(memory);
+  {
+    Tensor weights({256, 64}, MemoryCategory::kParameters);
+    EXPECT_EQ(memory->tracker().current(MemoryCategory::kParameters), 256u * 64 * 4);
+    Tensor moved = std::move(weights);
+    EXPECT_EQ(memory->tracker().current(MemoryCategory::kParameters), 256u * 64 * 4);
+    Tensor copy = moved.clone(MemoryCategory::kOptimizerState);
+    EXPECT_EQ(memory->tracker().current(MemoryCategory::kOptimizerState), 256u * 64 * 4);
+  }
+  EXPECT_EQ(memory->tracker().current_total(), 0u);
+  EXPECT_EQ(memory->tracker().peak_total(), 2u * 256 * 64 * 4);
+}
+
+TEST(Tensor, ShapeAccessAndErrors) {
+  Tensor x({3, 4});
+  EXPECT_EQ(x.size(), 12u);
+  EXPECT_EQ(x.shape_string(), "(3, 4)");
+  x.at(2, 1) = 5.0f;
+  EXPECT_EQ(x[9], 5.0f);
+  x.reshape({4, 3});
+  EXPECT_EQ(x.dim(0), 4);
+  EXPECT_THROW(x.reshape({5, 3}), Error);
+  EXPECT_THROW(x.dim(2), Error);
+  EXPECT_THROW(Tensor({-1, 3}), Error);
+  Tensor empty;
+  EXPECT_TRUE(empty.empty());
+}
+
+TEST(RankMemory, EveryLocalRankHasItsOwnAccounts) {
+  std::vector<std::size_t> seen(3);
+  launch({.world_size = 3}, [&](Communicator& comm) {
+    Tensor mine({static_cast<std::int64_t>(1000 * (comm.rank() + 1))},
+                MemoryCategory::kGradients);
+    comm.barrier();
+    seen[comm.rank()] = this_rank_memory().tracker().current(MemoryCategory::kGradients);
+  });
+  EXPECT_EQ(seen, (std::vector<std::size_t>{4000, 8000, 12000}));
+}
+
+}  // namespace
+}  // namespace dp
