@@ -2,9 +2,9 @@
 //
 //   dplab train -n 4                          # 4 local ranks, the default model and data
 //   dplab run -n 4 --backend mpi -- train     # the same, 4 Open MPI processes
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <CLI/CLI.hpp>
 #include <exception>
 
 #include "commands.h"

@@ -10,12 +10,11 @@
 //
 // with --allow-run-as-root added when run as root (containers). --hostfile passes a host
 // file to mpirun for several machines.
+#include <fmt/format.h>
 #include <unistd.h>
 
-#include <fmt/format.h>
-
-#include <climits>
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -55,8 +54,7 @@ std::vector<std::string> mpirun_command(const RunArguments& args) {
   for (const char* arg : {"--mca", "btl_vader_single_copy_mechanism", "none"}) argv.push_back(arg);
   // Keep freed memory mapped in every rank: an MPI_Allreduce of 64 MiB drops from 3.4 to
   // 0.17 GB/s when its temporaries are fresh mmap memory (measured on 2 vCPUs).
-  for (const char* arg :
-       {"-x", "MALLOC_MMAP_MAX_=0", "-x", "MALLOC_TRIM_THRESHOLD_=1073741824"})
+  for (const char* arg : {"-x", "MALLOC_MMAP_MAX_=0", "-x", "MALLOC_TRIM_THRESHOLD_=1073741824"})
     argv.push_back(arg);
   if (!args.hostfile.empty()) {
     argv.push_back("--hostfile");
@@ -75,16 +73,18 @@ std::vector<std::string> mpirun_command(const RunArguments& args) {
   for (const auto& arg : argv) pointers.push_back(const_cast<char*>(arg.c_str()));
   pointers.push_back(nullptr);
   execvp(pointers[0], pointers.data());
-  throw Error(fmt::format("cannot start {}: {} (is Open MPI installed? tools/install-deps "
-                          "installs it)",
-                          argv[0], std::strerror(errno)));
+  throw Error(
+      fmt::format("cannot start {}: {} (is Open MPI installed? tools/install-deps "
+                  "installs it)",
+                  argv[0], std::strerror(errno)));
 }
 
 void run(const RunArguments& args) {
   if (args.ranks < 1) throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
   if (args.command.empty())
-    throw Error("nothing to run: give a dplab command after --, e.g. "
-                "`dplab run -n 4 --backend mpi -- train`");
+    throw Error(
+        "nothing to run: give a dplab command after --, e.g. "
+        "`dplab run -n 4 --backend mpi -- train`");
   std::vector<std::string> argv;
   if (args.backend == "mpi") {
     argv = mpirun_command(args);

@@ -42,10 +42,12 @@ void save_checkpoint(const TrainArguments& args, const Model& model, int world_s
   for (const Parameter* parameter : model.parameters())
     tensors.push_back({parameter->name, &parameter->value});
   const std::map<std::string, std::string> metadata = {
-      {"model", args.options.model},       {"dataset", args.options.dataset},
+      {"model", args.options.model},
+      {"dataset", args.options.dataset},
       {"steps", std::to_string(args.options.steps)},
       {"seed", std::to_string(args.options.seed)},
-      {"world_size", std::to_string(world_size)}, {"backend", args.backend},
+      {"world_size", std::to_string(world_size)},
+      {"backend", args.backend},
       {"producer", "dplab train"}};
   save_safetensors(args.checkpoint, tensors, metadata);
   fmt::print("checkpoint: {} ({} tensors)\n", args.checkpoint, tensors.size());
@@ -74,21 +76,23 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
       "of {}; tolerance {:.3g} -> {}\n",
       world_size, max_difference, where, expected.size(), tolerance, within ? "OK" : "FAILED");
   if (!within)
-    throw Error(fmt::format("data-parallel training differs from single-process training by "
-                            "{:.3g}, more than the tolerance {:.3g}",
-                            max_difference, tolerance));
+    throw Error(
+        fmt::format("data-parallel training differs from single-process training by "
+                    "{:.3g}, more than the tolerance {:.3g}",
+                    max_difference, tolerance));
 }
 
 void run_train(const TrainArguments& args) {
   LaunchOptions launch_options;
   launch_options.backend = parse_backend(args.backend);
-  launch_options.comm.hang_timeout = std::chrono::milliseconds(
-      static_cast<std::int64_t>(args.hang_timeout_seconds * 1000));
+  launch_options.comm.hang_timeout =
+      std::chrono::milliseconds(static_cast<std::int64_t>(args.hang_timeout_seconds * 1000));
   int world_size = args.world_size;
   if (launch_options.backend == Backend::kMpi) {
     if (!started_by_mpi())
-      throw Error("--backend mpi runs one rank per MPI process; start them with "
-                  "`dplab run -n N --backend mpi -- train ...`");
+      throw Error(
+          "--backend mpi runs one rank per MPI process; start them with "
+          "`dplab run -n N --backend mpi -- train ...`");
     if (world_size == 0) world_size = mpi_world_size();
   }
   if (world_size == 0) world_size = 1;
@@ -97,11 +101,11 @@ void run_train(const TrainArguments& args) {
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);
   if (prints)
-    fmt::print("dplab train: model {} on {} ({} samples), {} ranks on the {} backend, global "
-               "batch {}, {} steps, {} lr {}\n",
-               args.options.model, data.name, data.size(), world_size, args.backend,
-               args.options.global_batch, args.options.steps, args.options.optimizer,
-               args.options.lr);
+    fmt::print(
+        "dplab train: model {} on {} ({} samples), {} ranks on the {} backend, global "
+        "batch {}, {} steps, {} lr {}\n",
+        args.options.model, data.name, data.size(), world_size, args.backend,
+        args.options.global_batch, args.options.steps, args.options.optimizer, args.options.lr);
 
   launch(launch_options, [&](Communicator& comm) {
     const TrainResult result =
@@ -148,8 +152,9 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   train->add_flag("--verify", args->verify,
                   "Also train 1 rank on the global batch and compare the parameters");
-  train->add_option("--hang-timeout", args->hang_timeout_seconds,
-                    "Seconds a rank may wait before the hang report")
+  train
+      ->add_option("--hang-timeout", args->hang_timeout_seconds,
+                   "Seconds a rank may wait before the hang report")
       ->capture_default_str();
   train->callback([args] { run_train(*args); });
 }

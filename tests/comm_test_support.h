@@ -18,8 +18,8 @@ inline Backend test_backend() {
 }
 
 /// Launch options for `world_size` ranks on the test backend.
-inline LaunchOptions test_launch(int world_size,
-                                 std::chrono::milliseconds hang_timeout = std::chrono::seconds(60)) {
+inline LaunchOptions test_launch(
+    int world_size, std::chrono::milliseconds hang_timeout = std::chrono::seconds(60)) {
   LaunchOptions options;
   options.world_size = world_size;
   options.backend = test_backend();

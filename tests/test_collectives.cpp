@@ -3,8 +3,8 @@
 // integers, so float sums are exact and results can be compared with ==.
 #include <gtest/gtest.h>
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <span>
@@ -258,8 +258,7 @@ TEST_P(CollectiveTest, CountersEqualTheRingFormulas) {
     EXPECT_EQ(c.of(CommOp::kReduceScatter).bytes_received, 4 * 64 * peers);
     EXPECT_EQ(c.of(CommOp::kAllGather).bytes_sent, 4 * 64 * peers);
     EXPECT_EQ(c.of(CommOp::kBroadcast).bytes_sent, comm.rank() == 0 ? 4 * 64 * peers : 0u);
-    EXPECT_EQ(c.of(CommOp::kBroadcast).bytes_received,
-              comm.rank() == 0 || p == 1 ? 0u : 4u * 64);
+    EXPECT_EQ(c.of(CommOp::kBroadcast).bytes_received, comm.rank() == 0 || p == 1 ? 0u : 4u * 64);
     EXPECT_EQ(c.of(CommOp::kBarrier).calls, 1u);
     EXPECT_EQ(c.of(CommOp::kBarrier).bytes_sent, 0u);
     EXPECT_EQ(c.collective_calls(), 4u);
@@ -298,9 +297,9 @@ TEST(CollectiveArguments, SizeMismatchesWithinOneCallAreRejected) {
     EXPECT_THROW(comm.irecv(std::span(in), -1, 0), Error);
     EXPECT_THROW(comm.broadcast(std::span(in), 5), Error);
     std::vector<std::uint8_t> bytes(8);
-    EXPECT_THROW(comm.allreduce(MutableBuffer(bytes.data(), bytes.size(), DataType::kUInt8),
-                                ReduceOp::kSum),
-                 Error);
+    EXPECT_THROW(
+        comm.allreduce(MutableBuffer(bytes.data(), bytes.size(), DataType::kUInt8), ReduceOp::kSum),
+        Error);
   });
 }
 

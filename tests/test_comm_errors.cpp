@@ -48,8 +48,7 @@ TEST(CommErrors, MismatchedSizesNameTheRanksAndSizes) {
   EXPECT_NE(message.find("ranks 0, 2 called allreduce(count=1024 float32, op=sum)"),
             std::string::npos)
       << message;
-  EXPECT_NE(message.find("rank 1 called allreduce(count=512 float32, op=sum)"),
-            std::string::npos)
+  EXPECT_NE(message.find("rank 1 called allreduce(count=512 float32, op=sum)"), std::string::npos)
       << message;
 }
 
@@ -72,8 +71,7 @@ TEST(CommErrors, MismatchedOperationsAreReportedOnEveryRank) {
   for (const auto& message : seen) {
     EXPECT_NE(message.find("rank 0 called allreduce(count=8 float32, op=sum)"), std::string::npos)
         << message;
-    EXPECT_NE(message.find("rank 1 called broadcast(count=8 float32, root=0)"),
-              std::string::npos)
+    EXPECT_NE(message.find("rank 1 called broadcast(count=8 float32, root=0)"), std::string::npos)
         << message;
   }
 }
@@ -104,8 +102,7 @@ TEST(CommErrors, ExtraCollectiveOnOneRankIsADeadlockAtTheDivergence) {
     if (comm.rank() == 0) comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
   });
   EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
-  EXPECT_NE(message.find("rank 1: has returned from its function"), std::string::npos)
-      << message;
+  EXPECT_NE(message.find("rank 1: has returned from its function"), std::string::npos) << message;
   EXPECT_NE(message.find("first differ at collective #1"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 0: allreduce(count=16 float32, op=sum)"), std::string::npos)
       << message;
@@ -143,8 +140,10 @@ TEST(CommErrors, AFailingRankEndsTheOthersAndItsErrorIsRethrown) {
 TEST(CommErrors, PointToPointSizeMismatchNamesBothSides) {
   const std::string message = comm_error_of(local(2), [](Communicator& comm) {
     std::vector<float> data(comm.rank() == 0 ? 10 : 12);
-    if (comm.rank() == 0) comm.isend(std::span<const float>(data), 1, 3)->wait();
-    else comm.irecv(std::span(data), 0, 3)->wait();
+    if (comm.rank() == 0)
+      comm.isend(std::span<const float>(data), 1, 3)->wait();
+    else
+      comm.irecv(std::span(data), 0, 3)->wait();
   });
   EXPECT_NE(message.find("rank 0 sent 10 float32 with tag 3 to rank 1, which posted a receive "
                          "of 12 float32"),

@@ -85,8 +85,7 @@ TEST(Tensor, ShapeAccessAndErrors) {
 TEST(RankMemory, EveryLocalRankHasItsOwnAccounts) {
   std::vector<std::size_t> seen(3);
   launch({.world_size = 3}, [&](Communicator& comm) {
-    Tensor mine({static_cast<std::int64_t>(1000 * (comm.rank() + 1))},
-                MemoryCategory::kGradients);
+    Tensor mine({static_cast<std::int64_t>(1000 * (comm.rank() + 1))}, MemoryCategory::kGradients);
     comm.barrier();
     seen[comm.rank()] = this_rank_memory().tracker().current(MemoryCategory::kGradients);
   });

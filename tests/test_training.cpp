@@ -29,8 +29,8 @@ struct EquivalenceCase {
   float momentum;
 };
 
-class DataParallelEquivalence
-    : public ::testing::TestWithParam<std::tuple<int, EquivalenceCase>> {};
+class DataParallelEquivalence : public ::testing::TestWithParam<std::tuple<int, EquivalenceCase>> {
+};
 
 TEST_P(DataParallelEquivalence, MatchesSingleProcessOnTheGlobalBatch) {
   const auto [world_size, setup] = GetParam();
@@ -113,9 +113,8 @@ TEST(DataParallelTraining, GlobalBatchMustDivideAmongRanks) {
   options.steps = 1;
   const Dataset data = load_dataset("synthetic:100");
   try {
-    launch(testing::test_launch(3), [&](Communicator& comm) {
-      train_data_parallel(options, data, comm);
-    });
+    launch(testing::test_launch(3),
+           [&](Communicator& comm) { train_data_parallel(options, data, comm); });
     FAIL() << "expected dp::Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("multiple of the world size 3"), std::string::npos)

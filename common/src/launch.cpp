@@ -56,8 +56,8 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   if (options.world_size < 1)
     throw Error(fmt::format("world size must be at least 1, got {}", options.world_size));
   if (options.comm.hang_timeout.count() <= 0)
-    throw Error(fmt::format("hang timeout must be positive, got {} ms",
-                            options.comm.hang_timeout.count()));
+    throw Error(
+        fmt::format("hang timeout must be positive, got {} ms", options.comm.hang_timeout.count()));
   configure_process_allocator();
   // Ranks run in parallel already; one BLAS thread per rank also keeps every matrix
   // product's summation order, and so its result, fixed.
@@ -72,8 +72,9 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
       });
       return;
 #else
-      throw Error("the mpi backend was requested but this dplab was built without Open MPI "
-                  "(install it with tools/install-deps and configure again)");
+      throw Error(
+          "the mpi backend was requested but this dplab was built without Open MPI "
+          "(install it with tools/install-deps and configure again)");
 #endif
   }
 }

@@ -69,8 +69,8 @@ void MemoryTracker::reset_peaks() {
 }
 
 namespace {
-constexpr std::size_t kAlignment = 64;          // a cache line, enough for AVX-512 loads
-constexpr std::size_t kMinimumClass = 4096;     // one page
+constexpr std::size_t kAlignment = 64;       // a cache line, enough for AVX-512 loads
+constexpr std::size_t kMinimumClass = 4096;  // one page
 }  // namespace
 
 std::size_t CachingAllocator::size_class(std::size_t bytes) {
@@ -81,7 +81,9 @@ std::size_t CachingAllocator::size_class(std::size_t bytes) {
   return (bytes + step - 1) / step * step;
 }
 
-CachingAllocator::~CachingAllocator() { release_cached(); }
+CachingAllocator::~CachingAllocator() {
+  release_cached();
+}
 
 void* CachingAllocator::allocate(std::size_t bytes) {
   if (bytes == 0) return nullptr;
@@ -132,14 +134,18 @@ std::shared_ptr<RankMemory> this_rank_memory_shared() {
   return bound_memory;
 }
 
-RankMemory& this_rank_memory() { return *this_rank_memory_shared(); }
+RankMemory& this_rank_memory() {
+  return *this_rank_memory_shared();
+}
 
 ScopedRankMemory::ScopedRankMemory(std::shared_ptr<RankMemory> memory)
     : previous_(std::move(bound_memory)) {
   bound_memory = std::move(memory);
 }
 
-ScopedRankMemory::~ScopedRankMemory() { bound_memory = std::move(previous_); }
+ScopedRankMemory::~ScopedRankMemory() {
+  bound_memory = std::move(previous_);
+}
 
 void configure_process_allocator() {
   // Serve every block from the heap and never give heap memory back: buffers freed and

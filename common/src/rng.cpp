@@ -31,10 +31,10 @@ std::uint32_t CounterRng::next_u32() {
   // Counter = (block number, stream); key = seed. One block yields four outputs.
   const std::uint64_t block = position_ / 4;
   if (block != cached_block_) {
-    block_ = philox4x32({static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
-                         static_cast<std::uint32_t>(stream_),
-                         static_cast<std::uint32_t>(stream_ >> 32)},
-                        {static_cast<std::uint32_t>(seed_), static_cast<std::uint32_t>(seed_ >> 32)});
+    block_ =
+        philox4x32({static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
+                    static_cast<std::uint32_t>(stream_), static_cast<std::uint32_t>(stream_ >> 32)},
+                   {static_cast<std::uint32_t>(seed_), static_cast<std::uint32_t>(seed_ >> 32)});
     cached_block_ = block;
   }
   return block_[position_++ % 4];
@@ -61,6 +61,8 @@ std::uint64_t CounterRng::below(std::uint64_t bound) {
   }
 }
 
-void CounterRng::seek(std::uint64_t position) { position_ = position; }
+void CounterRng::seek(std::uint64_t position) {
+  position_ = position;
+}
 
 }  // namespace dp

@@ -81,9 +81,13 @@ Tensor& Tensor::operator=(Tensor&& other) noexcept {
   return *this;
 }
 
-Tensor::~Tensor() { release(); }
+Tensor::~Tensor() {
+  release();
+}
 
-Tensor Tensor::clone() const { return clone(category_); }
+Tensor Tensor::clone() const {
+  return clone(category_);
+}
 
 Tensor Tensor::clone(MemoryCategory category) const {
   Tensor copy = uninitialized(shape_, category);
@@ -97,7 +101,9 @@ std::int64_t Tensor::dim(std::size_t d) const {
   return shape_[d];
 }
 
-void Tensor::fill(float value) { std::fill(data_, data_ + size_, value); }
+void Tensor::fill(float value) {
+  std::fill(data_, data_ + size_, value);
+}
 
 void Tensor::reshape(std::vector<std::int64_t> shape) {
   if (element_count(shape) != size_)
@@ -106,6 +112,8 @@ void Tensor::reshape(std::vector<std::int64_t> shape) {
   shape_ = std::move(shape);
 }
 
-std::string Tensor::shape_string() const { return shape_to_string(shape_); }
+std::string Tensor::shape_string() const {
+  return shape_to_string(shape_);
+}
 
 }  // namespace dp

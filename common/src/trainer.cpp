@@ -81,8 +81,9 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     check_gradients_finite(model, rank, step + 1, "before averaging");
 
     // metrics: (sum of losses, correct predictions) over the local batch
-    std::array<float, 2> metrics = {loss * static_cast<float>(local_batch),
-                                    accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
+    std::array<float, 2> metrics = {
+        loss * static_cast<float>(local_batch),
+        accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
     if (comm != nullptr) {
       std::vector<std::unique_ptr<Work>> pending;
       for (Parameter* parameter : model.parameters())
@@ -103,8 +104,9 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       report.loss = metrics[0] / static_cast<float>(options.global_batch);
       report.accuracy = metrics[1] / static_cast<float>(options.global_batch);
       report.samples_per_second =
-          seconds > 0 ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
-                      : 0.0;
+          seconds > 0
+              ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
+              : 0.0;
       result.reports.push_back(report);
       if (on_report && rank == 0) on_report(report);
       last_report_time = now;
@@ -158,8 +160,8 @@ float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient)
   float effective_lr = options.lr;
   if (options.optimizer == "sgd" && options.momentum > 0 && options.momentum < 1)
     effective_lr /= 1.0f - options.momentum;
-  const float per_step = effective_lr * static_cast<float>(options.global_batch) *
-                         kUnitRoundoff * std::max(max_abs_gradient, 1.0f);
+  const float per_step = effective_lr * static_cast<float>(options.global_batch) * kUnitRoundoff *
+                         std::max(max_abs_gradient, 1.0f);
   return 2.0f * static_cast<float>(std::max(options.steps, 1)) * per_step;
 }
 

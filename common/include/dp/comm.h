@@ -46,8 +46,8 @@ std::string_view to_string(DataType type);
 
 /// A read-only view of a communication buffer: pointer, element count and type.
 struct ConstBuffer {
-  const void* data = nullptr;  ///< first element
-  std::size_t count = 0;       ///< number of elements
+  const void* data = nullptr;          ///< first element
+  std::size_t count = 0;               ///< number of elements
   DataType type = DataType::kFloat32;  ///< element type
 
   ConstBuffer() = default;
@@ -72,8 +72,8 @@ struct ConstBuffer {
 
 /// A writable view of a communication buffer: pointer, element count and type.
 struct MutableBuffer {
-  void* data = nullptr;  ///< first element
-  std::size_t count = 0;  ///< number of elements
+  void* data = nullptr;                ///< first element
+  std::size_t count = 0;               ///< number of elements
   DataType type = DataType::kFloat32;  ///< element type
 
   MutableBuffer() = default;
@@ -137,7 +137,7 @@ struct OpCounters {
 /// backend documents its formula (the local backend's equal those of ring algorithms:
 /// all-reduce sends and receives 2 (p-1)/p n, reduce-scatter and all-gather (p-1)/p n).
 struct CommCounters {
-  std::array<OpCounters, kNumCommOps> per_op{};  ///< indexed by `CommOp`
+  std::array<OpCounters, kNumCommOps> per_op{};    ///< indexed by `CommOp`
   std::vector<std::uint64_t> bytes_sent_to;        ///< indexed by peer rank
   std::vector<std::uint64_t> bytes_received_from;  ///< indexed by peer rank
 
@@ -198,8 +198,7 @@ class Communicator {
   virtual std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) = 0;
   /// Combines `in` over all ranks and leaves shard `rank()` of the result in `out`:
   /// `in.count == out.count * size()`, shard r is elements [r * out.count, (r+1) * out.count).
-  virtual std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out,
-                                               ReduceOp op) = 0;
+  virtual std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) = 0;
   /// Concatenates every rank's `in` in rank order into `out`:
   /// `out.count == in.count * size()`.
   virtual std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) = 0;

@@ -57,7 +57,7 @@ namespace detail {
 
 /// Checks an internal invariant; on failure throws `dp::InvariantError` naming file, line,
 /// the condition and a formatted message.
-#define DP_CHECK(condition, ...)                                                             \
+#define DP_CHECK(condition, ...)                                                            \
   do {                                                                                      \
     if (!(condition)) [[unlikely]]                                                          \
       ::dp::detail::fail_check(__FILE__, __LINE__, #condition, ::fmt::format(__VA_ARGS__)); \

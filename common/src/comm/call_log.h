@@ -19,11 +19,11 @@ struct CallRecord {
   std::uint64_t index = 0;             ///< position in this rank's sequence of calls
   std::uint64_t collective_index = 0;  ///< position among this rank's collectives
   CommOp op = CommOp::kBarrier;
-  std::size_t count = 0;               ///< elements (the input's, for reduce_scatter)
+  std::size_t count = 0;  ///< elements (the input's, for reduce_scatter)
   DataType type = DataType::kFloat32;
-  ReduceOp reduce = ReduceOp::kSum;    ///< for reductions
-  int peer = -1;                       ///< peer of send/recv, root of broadcast
-  int tag = 0;                         ///< tag of send/recv
+  ReduceOp reduce = ReduceOp::kSum;  ///< for reductions
+  int peer = -1;                     ///< peer of send/recv, root of broadcast
+  int tag = 0;                       ///< tag of send/recv
   bool done = false;
 
   /// E.g. "allreduce(count=1024 float32, op=sum) #7" or "recv(from=2, tag=0, count=16)".
@@ -35,8 +35,8 @@ struct CallRecord {
 /// What one rank was doing when a hang or deadlock was diagnosed.
 struct RankCallState {
   int rank = 0;
-  bool finished = false;          ///< returned from its function: it will issue nothing more
-  bool responded = true;          ///< false when the rank could not be asked (mpi)
+  bool finished = false;                 ///< returned from its function: it will issue nothing more
+  bool responded = true;                 ///< false when the rank could not be asked (mpi)
   std::optional<CallRecord> blocked_on;  ///< the call whose completion the rank waits for
   std::vector<CallRecord> pending;       ///< issued and not complete
   std::vector<CallRecord> collectives;   ///< most recent collectives, oldest first
@@ -56,8 +56,7 @@ class CallLog {
   /// The call with `index`, if still kept.
   std::optional<CallRecord> find(std::uint64_t index) const;
   /// This rank's state for a report; `blocked_on` is the call being waited for, if any.
-  RankCallState snapshot(int rank, std::optional<std::uint64_t> blocked_on,
-                         bool finished) const;
+  RankCallState snapshot(int rank, std::optional<std::uint64_t> blocked_on, bool finished) const;
 
  private:
   mutable std::mutex mutex_;

@@ -44,7 +44,9 @@ std::string_view to_string(CommOp op) {
   return "unknown";
 }
 
-bool is_collective(CommOp op) { return op != CommOp::kSend && op != CommOp::kRecv; }
+bool is_collective(CommOp op) {
+  return op != CommOp::kSend && op != CommOp::kRecv;
+}
 
 std::uint64_t CommCounters::total_bytes_sent() const {
   std::uint64_t total = 0;

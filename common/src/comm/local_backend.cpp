@@ -44,10 +44,10 @@ using Clock = std::chrono::steady_clock;
 /// The shared state of one call, referred to by its `Work` handle.
 struct Operation {
   CommOp op = CommOp::kBarrier;
-  int rank = 0;                 // the rank that issued it
+  int rank = 0;                  // the rank that issued it
   std::uint64_t call_index = 0;  // in that rank's CallLog
   CallRecord record;
-  ConstBuffer input;    // what peers read: send data, collective input
+  ConstBuffer input;     // what peers read: send data, collective input
   MutableBuffer output;  // where results go: recv data, collective output
   ReduceOp reduce = ReduceOp::kSum;
   int root = -1;
@@ -113,8 +113,7 @@ void reduce_chunk(MutableBuffer dst, std::size_t dst_offset,
       std::vector<const std::int32_t*> pointers;
       for (const auto& source : sources)
         pointers.push_back(static_cast<const std::int32_t*>(source.data) + src_offset);
-      reduce_in_rank_order(static_cast<std::int32_t*>(dst.data) + dst_offset, pointers, count,
-                           op);
+      reduce_in_rank_order(static_cast<std::int32_t*>(dst.data) + dst_offset, pointers, count, op);
       return;
     }
     case DataType::kUInt8: break;
@@ -178,8 +177,8 @@ class LocalWorld {
   Communicator& communicator(int rank) { return *ranks_[rank].communicator; }
 
   /// Issues a point-to-point call; matches it with the peer's if that one is waiting.
-  std::shared_ptr<Operation> post_point_to_point(std::shared_ptr<Operation> operation,
-                                                 int peer, int tag);
+  std::shared_ptr<Operation> post_point_to_point(std::shared_ptr<Operation> operation, int peer,
+                                                 int tag);
   /// Issues a collective: queued for the rank's communication thread.
   std::shared_ptr<Operation> post_collective(std::shared_ptr<Operation> operation);
   /// Blocks the calling rank until `operation` completes; throws its error.
@@ -251,7 +250,9 @@ class LocalWorld {
 };
 
 LocalWorld::LocalWorld(int size, CommOptions options)
-    : size_(size), options_(options), ranks_(static_cast<std::size_t>(size)),
+    : size_(size),
+      options_(options),
+      ranks_(static_cast<std::size_t>(size)),
       next_sequence_(static_cast<std::size_t>(size), 0) {
   for (int r = 0; r < size_; ++r) {
     ranks_[r].communicator = std::make_unique<LocalCommunicator>(*this, r);
@@ -370,8 +371,8 @@ void LocalWorld::transfer(const std::shared_ptr<Operation>& send,
     auto error = std::make_exception_ptr(CommError(fmt::format(
         "message size mismatch: rank {} sent {} {} with tag {} to rank {}, which posted a "
         "receive of {} {}",
-        send->rank, send->input.count, to_string(send->input.type), send->record.tag,
-        receive->rank, receive->output.count, to_string(receive->output.type))));
+        send->rank, send->input.count, to_string(send->input.type), send->record.tag, receive->rank,
+        receive->output.count, to_string(receive->output.type))));
     complete(*send, error);
     complete(*receive, error);
     return;
@@ -545,8 +546,8 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
         for (int peer = 0; peer < p; ++peer) {
           if (peer == rank) continue;
           const Chunk theirs = chunk_of(n, p, peer);
-          copy_elements(operation.output, theirs.begin, slot.members[peer]->output,
-                        theirs.begin, theirs.size());
+          copy_elements(operation.output, theirs.begin, slot.members[peer]->output, theirs.begin,
+                        theirs.size());
         }
       });
       phase_barrier(slot, 1, lock);
@@ -574,9 +575,8 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
     case CommOp::kBroadcast: {
       if (rank != operation.root) {
         const Operation& root = *slot.members[operation.root];
-        run_unlocked([&] {
-          copy_elements(operation.output, 0, root.output, 0, operation.output.count);
-        });
+        run_unlocked(
+            [&] { copy_elements(operation.output, 0, root.output, 0, operation.output.count); });
       }
       phase_barrier(slot, 0, lock);
       break;
@@ -612,8 +612,8 @@ void LocalWorld::check_for_deadlock() {
   bool anyone_waits = false;
   for (const Rank& rank : ranks_) anyone_waits = anyone_waits || rank.blocked_on.has_value();
   if (!anyone_waits) return;  // everyone has finished: that is the end, not a deadlock
-  abort_locked(hang_report(
-      "dplab: deadlock: every rank is waiting and no communication can make progress"));
+  abort_locked(
+      hang_report("dplab: deadlock: every rank is waiting and no communication can make progress"));
 }
 
 std::string LocalWorld::hang_report(const std::string& headline) const {
@@ -640,9 +640,9 @@ void LocalWorld::wait(Operation& operation) {
     const double seconds = std::chrono::duration<double>(options_.hang_timeout).count();
     // Report before clearing: the hung rank's own call is part of the report.
     self.blocked_on = operation.call_index;
-    const std::string report = hang_report(fmt::format(
-        "dplab: timeout: rank {} waited {:.1f} s for {}", operation.rank, seconds,
-        operation.record.describe()));
+    const std::string report =
+        hang_report(fmt::format("dplab: timeout: rank {} waited {:.1f} s for {}", operation.rank,
+                                seconds, operation.record.describe()));
     self.blocked_on.reset();
     abort_locked(report);
   }
@@ -678,16 +678,22 @@ LocalWork::~LocalWork() {
   world_.wait_quietly(*operation_);
 }
 
-void LocalWork::wait() { world_.wait(*operation_); }
+void LocalWork::wait() {
+  world_.wait(*operation_);
+}
 
-bool LocalWork::test() { return world_.test(*operation_); }
+bool LocalWork::test() {
+  return world_.test(*operation_);
+}
 
-int LocalCommunicator::size() const { return world_.size(); }
+int LocalCommunicator::size() const {
+  return world_.size();
+}
 
 void check_peer(int peer, int size, std::string_view call) {
   if (peer < 0 || peer >= size)
-    throw Error(fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer,
-                            size));
+    throw Error(
+        fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size));
 }
 
 void check_reducible(ConstBuffer buffer, std::string_view call) {
@@ -788,9 +794,13 @@ void LocalCommunicator::barrier() {
   work.wait();
 }
 
-CommCounters LocalCommunicator::counters() const { return world_.counters(rank_); }
+CommCounters LocalCommunicator::counters() const {
+  return world_.counters(rank_);
+}
 
-void LocalCommunicator::reset_counters() { world_.reset_counters(rank_); }
+void LocalCommunicator::reset_counters() {
+  world_.reset_counters(rank_);
+}
 
 bool is_abort_of_another_rank(const std::exception_ptr& error) {
   try {
@@ -804,8 +814,7 @@ bool is_abort_of_another_rank(const std::exception_ptr& error) {
 
 }  // namespace
 
-void run_local(const LaunchOptions& options,
-               const std::function<void(Communicator&)>& rank_main) {
+void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
   const int size = options.world_size;
   LocalWorld world(size, options.comm);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(size));
