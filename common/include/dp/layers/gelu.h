@@ -1,0 +1,49 @@
+// gelu.h: the Gaussian error linear unit, tanh approximation, elementwise.
+//
+// GELU(x) = x Phi(x) with Phi the standard normal CDF (Hendrycks and Gimpel, 2016). We
+// use the tanh approximation (PyTorch's `approximate="tanh"`, as in GPT-2):
+//
+//   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   dy/dx = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+//
+// Example:
+//
+//   dp::GELU gelu("gelu1", 256);
+//   dp::Tensor y = gelu.forward(x);      // x: (B, 256) -> y: (B, 256)
+//   dp::Tensor dx = gelu.backward(dy);
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dp/layer.h"
+
+namespace dp {
+
+/// GELU with the tanh approximation, elementwise on (B, features).
+class GELU final : public Layer {
+ public:
+  /// An activation `name` on rows of `features` elements (the width fixes its cost).
+  /// Throws `dp::Error` unless `features` is positive.
+  GELU(std::string name, std::int64_t features);
+
+  /// "gelu".
+  std::string kind() const override { return "gelu"; }
+  /// input: (B, features) -> (B, features).
+  Tensor forward(const Tensor& input) override;
+  /// grad_output: (B, features) -> (B, features).
+  Tensor backward(const Tensor& grad_output) override;
+  /// About 10 flops per element (a tanh counted as one), read x, write y.
+  OpCost forward_cost(std::int64_t batch) const override;
+  /// About 15 flops per element, read dy and x, write dx.
+  OpCost backward_cost(std::int64_t batch) const override;
+
+  /// Number of features per row.
+  std::int64_t features() const { return features_; }
+
+ private:
+  std::int64_t features_;
+  Tensor saved_input_;  // (B, features)
+};
+
+}  // namespace dp

@@ -1,0 +1,66 @@
+// layer_norm.h: layer normalisation over the features of each row (Ba et al., 2016).
+//
+//   mean = (1/D) sum_j x_j,  var = (1/D) sum_j (x_j - mean)^2   (biased, as PyTorch)
+//   xhat = (x - mean) / sqrt(var + eps),  y = gamma * xhat + beta
+//
+// Backward, per row, with g = dy * gamma:
+//
+//   dgamma += sum_rows(dy * xhat),  dbeta += sum_rows(dy)
+//   dx = (g - mean_j(g) - xhat * mean_j(g * xhat)) / sqrt(var + eps)
+//
+// Example:
+//
+//   dp::LayerNorm ln("ln1", 256);        // parameters "ln1.weight" (gamma), "ln1.bias" (beta)
+//   dp::Tensor y = ln.forward(x);        // x: (B, 256) -> y: (B, 256)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dp/layer.h"
+
+namespace dp {
+
+/// Normalises each row of (B, features) to mean 0 and variance 1, then scales by gamma
+/// and shifts by beta (both learnable, (features)).
+class LayerNorm final : public Layer {
+ public:
+  /// A layer `name` over rows of `features` elements; `eps` keeps the division finite.
+  /// Throws `dp::Error` unless `features` and `eps` are positive.
+  LayerNorm(std::string name, std::int64_t features, float eps = 1e-5f);
+
+  /// "layer_norm".
+  std::string kind() const override { return "layer_norm"; }
+  /// input: (B, features) -> (B, features); keeps xhat and 1/sqrt(var + eps) for backward.
+  Tensor forward(const Tensor& input) override;
+  /// grad_output: (B, features) -> (B, features); adds into the gamma and beta gradients.
+  Tensor backward(const Tensor& grad_output) override;
+  /// {weight (gamma), bias (beta)}.
+  std::vector<Parameter*> parameters() override { return {&weight_, &bias_}; }
+  /// gamma = 1 and beta = 0, as PyTorch; `rng` is not used.
+  void initialize(Parameter& parameter, CounterRng& rng) override;
+  /// About 8 flops per element; read x, gamma, beta, write y and the saved xhat.
+  OpCost forward_cost(std::int64_t batch) const override;
+  /// About 10 flops per element; read dy, xhat, gamma, write dx, update dgamma and dbeta.
+  OpCost backward_cost(std::int64_t batch) const override;
+
+  /// Number of features per row.
+  std::int64_t features() const { return features_; }
+  /// The epsilon added to the variance.
+  float eps() const { return eps_; }
+  /// The scale gamma, (features).
+  Parameter& weight() { return weight_; }
+  /// The shift beta, (features).
+  Parameter& bias() { return bias_; }
+
+ private:
+  std::int64_t features_;
+  float eps_;
+  Parameter weight_;
+  Parameter bias_;
+  Tensor saved_normalized_;  // (B, features), xhat of the last forward
+  Tensor saved_inv_std_;     // (B), 1 / sqrt(var + eps) per row
+};
+
+}  // namespace dp

@@ -1,0 +1,65 @@
+// linear.h: the fully connected layer y = x W^T + b.
+//
+// The weight is stored (out, in), as in PyTorch, so a checkpoint's layout matches
+// `torch.nn.Linear`. Forward and backward are three matrix products through BLAS:
+//
+//   forward   y  = x W^T + b      (B, out) = (B, in) (in, out)
+//   backward  dW += dY^T x        (out, in) = (out, B) (B, in)
+//             db += sum_rows(dY)  (out)
+//             dx  = dY W          (B, in) = (B, out) (out, in)
+//
+// Example:
+//
+//   dp::Linear fc("fc1", 64, 256);    // parameters "fc1.weight" (256, 64), "fc1.bias" (256)
+//   dp::Tensor y = fc.forward(x);      // x: (B, 64) -> y: (B, 256)
+//   dp::Tensor dx = fc.backward(dy);   // dy: (B, 256) -> dx: (B, 64)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dp/layer.h"
+
+namespace dp {
+
+/// A fully connected layer: y = x W^T + b with W (out, in) and b (out).
+class Linear final : public Layer {
+ public:
+  /// A layer `name` mapping `in_features` to `out_features`, parameters zero-filled
+  /// (`Model::init_parameters` draws them). Throws `dp::Error` unless both are positive.
+  Linear(std::string name, std::int64_t in_features, std::int64_t out_features);
+
+  /// "linear".
+  std::string kind() const override { return "linear"; }
+  /// input: (B, in) -> (B, out); keeps a copy of the input for backward.
+  Tensor forward(const Tensor& input) override;
+  /// grad_output: (B, out) -> (B, in); adds into the weight and bias gradients.
+  Tensor backward(const Tensor& grad_output) override;
+  /// {weight, bias}.
+  std::vector<Parameter*> parameters() override { return {&weight_, &bias_}; }
+  /// Uniform in (-1/sqrt(in), 1/sqrt(in)) for weight and bias, as PyTorch's default.
+  void initialize(Parameter& parameter, CounterRng& rng) override;
+  /// 2 B in out flops for the product, B out for the bias.
+  OpCost forward_cost(std::int64_t batch) const override;
+  /// Two products (dx, dW) and the bias row sum.
+  OpCost backward_cost(std::int64_t batch) const override;
+
+  /// Number of input features.
+  std::int64_t in_features() const { return in_features_; }
+  /// Number of output features.
+  std::int64_t out_features() const { return out_features_; }
+  /// The weight W, (out, in).
+  Parameter& weight() { return weight_; }
+  /// The bias b, (out).
+  Parameter& bias() { return bias_; }
+
+ private:
+  std::int64_t in_features_;
+  std::int64_t out_features_;
+  Parameter weight_;
+  Parameter bias_;
+  Tensor saved_input_;  // (B, in), the input of the last forward
+};
+
+}  // namespace dp

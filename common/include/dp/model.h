@@ -1,0 +1,182 @@
+// model.h: an ordered list of layers with explicit forward and backward, and hooks.
+//
+// A `Model` owns its layers and knows their parameters in definition order. `forward`
+// runs the layers in order; `backward` computes the softmax cross-entropy of the logits
+// and runs the layers in reverse. Hooks let a data-parallel strategy act at the right
+// moment without touching the layers:
+//
+//   on_pre_forward / on_post_forward     around each layer's forward (ZeRO-3 gathers and
+//                                        frees a layer's parameters here)
+//   on_pre_backward / on_post_backward   around each layer's backward, in reverse order
+//   on_gradient_ready                    once per non-frozen parameter, as soon as its
+//                                        gradient is final for this backward, in reverse
+//                                        definition order (bucketed all-reduce, lab 4)
+//
+// For each layer, backward fires: pre-backward, the layer's backward, gradient-ready for
+// its parameters (bias before weight), post-backward.
+//
+// Parameters also live in one flat index space: parameter i covers elements
+// [offset, offset + size) in definition order, frozen parameters included. Optimizers and
+// ZeRO shards address parameters by these offsets.
+//
+// Example:
+//
+//   dp::Model model = dp::Model::mlp("64-256-256-10", {.seed = 42});
+//   model.on_gradient_ready([](dp::Parameter& p) { fmt::print("{} ready\n", p.name); });
+//   dp::Tensor logits = model.forward(x);             // x: (B, 64) -> logits: (B, 10)
+//   float loss = model.backward(logits, labels);      // fc3.bias ready, fc3.weight ready, ...
+//   optimizer.step(model);
+//   model.zero_grad();
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/layer.h"
+#include "dp/layers/cross_entropy.h"
+#include "dp/layers/gelu.h"
+#include "dp/layers/layer_norm.h"
+#include "dp/layers/linear.h"
+#include "dp/layers/relu.h"
+#include "dp/tensor.h"
+
+namespace dp {
+
+/// How `Model::mlp` builds its layers.
+struct MlpOptions {
+  std::string activation = "relu";  ///< "relu" or "gelu", after every hidden Linear
+  bool layer_norm = false;          ///< a LayerNorm ln<i> before each activation
+  std::uint64_t seed = 0;           ///< seed of `init_parameters`
+};
+
+/// Parses an MLP spec such as "64-256-256-10" into its widths {64, 256, 256, 10}.
+/// Throws `dp::Error` quoting the spec unless it is two or more positive integers joined
+/// by '-'.
+std::vector<std::int64_t> parse_mlp_spec(std::string_view spec);
+
+/// An ordered list of layers ending in softmax cross-entropy; move-only.
+class Model {
+ public:
+  /// Called with a parameter whose gradient is final for the current backward.
+  using GradientHook = std::function<void(Parameter&)>;
+  /// Called with a layer before or after its forward or backward.
+  using LayerHook = std::function<void(Layer&)>;
+
+  /// A model with no layers.
+  Model();
+  Model(Model&& other) noexcept;
+  Model& operator=(Model&& other) noexcept;
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+  ~Model();
+
+  /// Builds an MLP from a spec "64-256-256-10": Linear fc1 (64 -> 256), activation, Linear
+  /// fc2 (256 -> 256), activation, Linear fc3 (256 -> 10); with `layer_norm` a LayerNorm
+  /// ln<i> comes before each activation. Activations are named "relu<i>" or "gelu<i>".
+  /// Parameters are drawn by `init_parameters(options.seed)`. Throws `dp::Error` on a bad
+  /// spec (quoting it and saying what is expected) or an unknown activation.
+  static Model mlp(std::string_view spec, const MlpOptions& options = {});
+
+  /// Appends `layer` and registers its parameters after those already present. Throws
+  /// `dp::Error` on a null layer or a layer or parameter name already in use.
+  void add(std::unique_ptr<Layer> layer);
+
+  /// The parameters in definition order.
+  std::span<Parameter* const> parameters() { return parameters_; }
+  /// The parameters in definition order (read-only).
+  std::span<const Parameter* const> parameters() const { return const_parameters_; }
+  /// The parameter called `name`, e.g. "fc1.weight"; throws `dp::Error` listing the valid
+  /// names if there is none.
+  Parameter& parameter(std::string_view name);
+  /// The parameter called `name` (read-only); throws like the non-const overload.
+  const Parameter& parameter(std::string_view name) const;
+  /// The layers in order.
+  std::span<Layer* const> layers() { return layers_; }
+
+  /// Total elements of all parameters, frozen included: the size of the flat index space.
+  std::size_t num_parameters() const { return num_parameters_; }
+  /// Elements of the parameters that are not frozen.
+  std::size_t num_trainable_parameters() const;
+
+  /// Draws every parameter deterministically: parameter i from `CounterRng(seed, i)`.
+  /// Linear weights and biases are uniform in (-1/sqrt(fan_in), 1/sqrt(fan_in)) (PyTorch's
+  /// default), LayerNorm weight 1 and bias 0. The same seed gives bitwise identical values
+  /// on every rank.
+  void init_parameters(std::uint64_t seed);
+  /// Freezes a parameter: no gradient, no gradient-ready hook, no optimizer update.
+  /// Throws `dp::Error` if there is no such parameter.
+  void freeze(std::string_view parameter_name);
+  /// Makes a frozen parameter trainable again.
+  void unfreeze(std::string_view parameter_name);
+
+  /// Runs every layer in order, firing pre- and post-forward hooks around each; returns
+  /// the logits (B, classes). Throws `dp::Error` on an empty model or a wrong input shape.
+  Tensor forward(const Tensor& input);
+  /// Cross-entropy (mean over the batch) of `logits` against `labels`, then backward
+  /// through all layers in reverse. `loss_scale` multiplies the gradient (1/k for
+  /// accumulation over k micro-batches). Gradients are added into `Parameter::grad`.
+  /// Fires pre-backward hooks per layer (reverse order), a gradient-ready hook for each
+  /// non-frozen parameter the moment its gradient is final (reverse definition order:
+  /// fc3.bias, fc3.weight, fc2.bias, ...), and post-backward hooks per layer.
+  /// Returns the unscaled mean loss.
+  float backward(const Tensor& logits, std::span<const int> labels, float loss_scale = 1.0f);
+  /// Sets every gradient to 0 (a gradient a hook released stays released).
+  void zero_grad();
+
+  /// Adds a hook fired for each non-frozen parameter whose gradient is final.
+  void on_gradient_ready(GradientHook hook);
+  /// Adds a hook fired before each layer's forward.
+  void on_pre_forward(LayerHook hook);
+  /// Adds a hook fired after each layer's forward.
+  void on_post_forward(LayerHook hook);
+  /// Adds a hook fired before each layer's backward.
+  void on_pre_backward(LayerHook hook);
+  /// Adds a hook fired after each layer's backward (after its gradient-ready hooks).
+  void on_post_backward(LayerHook hook);
+  /// Removes every hook.
+  void clear_hooks();
+
+  /// All parameter values concatenated in definition order (`num_parameters()` elements).
+  /// Throws `dp::Error` if a hook released a value.
+  std::vector<float> flat_parameters() const;
+  /// All gradients concatenated in definition order; a released gradient reads as zeros.
+  std::vector<float> flat_gradients() const;
+  /// The inverse of `flat_parameters`; throws `dp::Error` unless `values` has
+  /// `num_parameters()` elements.
+  void set_flat_parameters(std::span<const float> values);
+
+  /// Sum of the layers' forward costs on a batch of `batch` rows (the loss not included).
+  OpCost forward_cost(std::int64_t batch) const;
+  /// Sum of the layers' backward costs on a batch of `batch` rows (the loss not included).
+  OpCost backward_cost(std::int64_t batch) const;
+
+ private:
+  // The parameter called `name`; throws `dp::Error` listing the valid names if missing.
+  Parameter* find_parameter(std::string_view name) const;
+
+  std::vector<std::unique_ptr<Layer>> owned_layers_;
+  std::vector<Layer*> layers_;
+  std::vector<Parameter*> parameters_;
+  std::vector<const Parameter*> const_parameters_;
+  std::vector<Layer*> parameter_layers_;  // the layer owning parameters_[i]
+  std::size_t num_parameters_ = 0;
+  SoftmaxCrossEntropy loss_;
+
+  std::vector<GradientHook> gradient_ready_hooks_;
+  std::vector<LayerHook> pre_forward_hooks_;
+  std::vector<LayerHook> post_forward_hooks_;
+  std::vector<LayerHook> pre_backward_hooks_;
+  std::vector<LayerHook> post_backward_hooks_;
+};
+
+/// Fraction of rows of `logits` (B, classes) whose argmax equals the label (the first
+/// maximum wins a tie). Throws `dp::Error` when the label count differs from B.
+float accuracy(const Tensor& logits, std::span<const int> labels);
+
+}  // namespace dp

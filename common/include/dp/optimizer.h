@@ -1,0 +1,149 @@
+// optimizer.h: SGD with momentum and AdamW, updating any slice of a flat index space.
+//
+// An optimizer keeps its state (momentum, or Adam's two moments) for a flat index space
+// of `state_size()` elements, and `update(offset, params, grads)` updates the elements
+// [offset, offset + params.size()) of that space. For a whole model the space is the
+// model's flat parameter space (`Parameter::offset`), and `step(model)` updates every
+// non-frozen parameter. A ZeRO rank instead makes an optimizer for its shard only and
+// updates just that slice: the state bytes then shrink by the number of ranks.
+//
+// State tensors are charged under `MemoryCategory::kOptimizerState`.
+//
+// Example:
+//
+//   dp::AdamW adam(model.num_parameters(), {.lr = 1e-3f});
+//   adam.step(model);                    // begin_step(), then update() of every parameter
+//
+//   dp::Sgd shard_sgd(shard_size, {.lr = 0.1f, .momentum = 0.9f});   // ZeRO-1 style
+//   shard_sgd.begin_step();
+//   shard_sgd.update(0, my_params, my_grads);   // spans of shard_size elements
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/tensor.h"
+
+namespace dp {
+
+class Model;
+
+/// Settings of `Sgd`, with PyTorch's meaning.
+struct SgdOptions {
+  float lr = 0.1f;            ///< learning rate
+  float momentum = 0.0f;      ///< momentum factor; 0 keeps no buffer
+  float weight_decay = 0.0f;  ///< L2 penalty added to the gradient
+};
+
+/// Settings of `AdamW`, with PyTorch's meaning and defaults.
+struct AdamWOptions {
+  float lr = 1e-3f;            ///< learning rate
+  float beta1 = 0.9f;          ///< decay of the first moment
+  float beta2 = 0.999f;        ///< decay of the second moment
+  float eps = 1e-8f;           ///< added to the denominator
+  float weight_decay = 0.01f;  ///< decoupled weight decay
+};
+
+/// One named state tensor of an optimizer, e.g. "exp_avg" (for checkpoints).
+struct OptimizerState {
+  std::string name;  ///< "momentum_buffer", "exp_avg" or "exp_avg_sq", as in PyTorch
+  Tensor* tensor;    ///< (state_size), owned by the optimizer
+};
+
+/// The base of the optimizers: state for a flat index space and a step counter.
+class Optimizer {
+ public:
+  virtual ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// "sgd" or "adamw".
+  virtual std::string_view name() const = 0;
+  /// Starts a step: advances the step counter (AdamW's bias correction uses it).
+  virtual void begin_step();
+  /// Updates elements [offset, offset + params.size()) of the flat index space in place,
+  /// given their gradients. Throws `dp::Error` if the range passes `state_size()`, the
+  /// sizes of `params` and `grads` differ, or `begin_step()` was never called.
+  virtual void update(std::size_t offset, std::span<float> params,
+                      std::span<const float> grads) = 0;
+  /// begin_step(), then update() of every non-frozen parameter of `model` at its
+  /// `Parameter::offset`.
+  void step(Model& model);
+
+  /// Elements of the index space this optimizer keeps state for.
+  std::size_t state_size() const { return state_size_; }
+  /// Number of `begin_step()` calls so far.
+  std::int64_t step_count() const { return step_count_; }
+  /// Sets the step counter, to resume from a checkpoint.
+  void set_step_count(std::int64_t steps);
+  /// The state tensors (empty for plain SGD), to save or restore them.
+  virtual std::vector<OptimizerState> state() = 0;
+
+ protected:
+  /// An optimizer for an index space of `state_size` elements.
+  explicit Optimizer(std::size_t state_size) : state_size_(state_size) {}
+  /// Throws `dp::Error` unless `update(offset, params, grads)` is valid now.
+  void check_update(std::size_t offset, std::span<float> params,
+                    std::span<const float> grads) const;
+
+ private:
+  std::size_t state_size_;
+  std::int64_t step_count_ = 0;
+};
+
+/// Stochastic gradient descent with PyTorch's semantics:
+/// g += weight_decay * p; buf = momentum * buf + g (buf = g on the first step); p -= lr * buf
+/// (with momentum 0: p -= lr * g).
+class Sgd final : public Optimizer {
+ public:
+  /// SGD over `state_size` elements; the momentum buffer exists only when momentum != 0.
+  /// Throws `dp::Error` on a negative learning rate, momentum or weight decay.
+  Sgd(std::size_t state_size, SgdOptions options);
+  /// "sgd".
+  std::string_view name() const override { return "sgd"; }
+  /// See `Optimizer::update`.
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  /// {"momentum_buffer"} with momentum, else empty.
+  std::vector<OptimizerState> state() override;
+  /// The settings.
+  const SgdOptions& options() const { return options_; }
+
+ private:
+  SgdOptions options_;
+  Tensor momentum_buffer_;  // (state_size), empty without momentum
+};
+
+/// AdamW (Loshchilov and Hutter, 2019) with PyTorch's semantics:
+/// p *= 1 - lr * weight_decay; m = beta1 m + (1 - beta1) g; v = beta2 v + (1 - beta2) g^2;
+/// p -= lr * mhat / (sqrt(vhat) + eps) with mhat = m / (1 - beta1^t), vhat = v / (1 - beta2^t).
+class AdamW final : public Optimizer {
+ public:
+  /// AdamW over `state_size` elements: m and v take 2 * 4 * state_size bytes.
+  /// Throws `dp::Error` on settings out of range (betas in [0, 1), eps > 0, lr >= 0).
+  AdamW(std::size_t state_size, AdamWOptions options);
+  /// "adamw".
+  std::string_view name() const override { return "adamw"; }
+  /// See `Optimizer::update`.
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  /// {"exp_avg", "exp_avg_sq"}.
+  std::vector<OptimizerState> state() override;
+  /// The settings.
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  AdamWOptions options_;
+  Tensor exp_avg_;     // (state_size), m
+  Tensor exp_avg_sq_;  // (state_size), v
+};
+
+/// Makes "sgd" (with `momentum`) or "adamw" (`momentum` unused: PyTorch's default betas)
+/// over `state_size` elements. Throws `dp::Error` listing the valid names otherwise.
+std::unique_ptr<Optimizer> make_optimizer(std::string_view name, std::size_t state_size, float lr,
+                                          float momentum, float weight_decay);
+
+}  // namespace dp

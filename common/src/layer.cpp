@@ -1,0 +1,63 @@
+#include "dp/layer.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dp/error.h"
+#include "dp/rng.h"
+
+namespace dp {
+
+Parameter Parameter::zeros(std::string name, const std::vector<std::int64_t>& shape) {
+  Parameter parameter;
+  parameter.name = std::move(name);
+  parameter.value = Tensor(shape, MemoryCategory::kParameters);
+  parameter.grad = Tensor(shape, MemoryCategory::kGradients);
+  return parameter;
+}
+
+Layer::~Layer() = default;
+
+std::vector<Parameter*> Layer::parameters() {
+  return {};
+}
+
+void Layer::initialize(Parameter& parameter, CounterRng& /*rng*/) {
+  throw Error(fmt::format("layer {} ({}) has no initialisation for parameter {}", name(), kind(),
+                          parameter.name));
+}
+
+void Layer::require_input(const Tensor& input, std::int64_t features) const {
+  if (input.rank() != 2 || input.dim(1) != features)
+    throw Error(fmt::format("{} expects input of shape (B, {}), got {}", name(), features,
+                            input.shape_string()));
+}
+
+void Layer::require_grad_output(const Tensor& grad_output, std::int64_t batch,
+                                std::int64_t features) const {
+  if (grad_output.rank() != 2 || grad_output.dim(0) != batch || grad_output.dim(1) != features)
+    throw Error(
+        fmt::format("{} backward expects a gradient of shape ({}, {}) like its last "
+                    "output, got {}",
+                    name(), batch, features, grad_output.shape_string()));
+}
+
+void Layer::require_value(const Parameter& parameter, const std::vector<std::int64_t>& shape) {
+  if (parameter.value.shape() != shape)
+    throw Error(
+        fmt::format("parameter {} holds a value of shape {}, expected {} (a hook that "
+                    "frees it must gather it again before the layer runs)",
+                    parameter.name, parameter.value.shape_string(), shape_to_string(shape)));
+}
+
+Tensor& Layer::grad_for_accumulation(Parameter& parameter) {
+  if (parameter.grad.empty() && !parameter.value.empty())
+    parameter.grad = Tensor(parameter.value.shape(), MemoryCategory::kGradients);
+  DP_CHECK(parameter.grad.shape() == parameter.value.shape(),
+           "gradient of {} has shape {} but its value {}", parameter.name,
+           parameter.grad.shape_string(), parameter.value.shape_string());
+  return parameter.grad;
+}
+
+}  // namespace dp

@@ -1,0 +1,68 @@
+#include "dp/layers/gelu.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "dp/error.h"
+
+namespace dp {
+namespace {
+
+// sqrt(2 / pi) and the cubic coefficient of the tanh approximation.
+constexpr float kSqrtTwoOverPi = std::numbers::sqrt2_v<float> * std::numbers::inv_sqrtpi_v<float>;
+constexpr float kCubic = 0.044715f;
+
+}  // namespace
+
+GELU::GELU(std::string name, std::int64_t features) : Layer(std::move(name)), features_(features) {
+  if (features <= 0)
+    throw Error(
+        fmt::format("gelu layer {} needs a positive width, got {}", this->name(), features));
+}
+
+Tensor GELU::forward(const Tensor& input) {
+  require_input(input, features_);
+  Tensor output = Tensor::uninitialized(input.shape());  // (B, features)
+  const float* x = input.data();
+  float* y = output.data();
+  for (std::size_t i = 0; i < input.size(); ++i) {
+    const float u = kSqrtTwoOverPi * (x[i] + kCubic * x[i] * x[i] * x[i]);
+    y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
+  }
+  saved_input_ = input.clone(MemoryCategory::kActivations);
+  return output;
+}
+
+Tensor GELU::backward(const Tensor& grad_output) {
+  if (saved_input_.rank() == 0)
+    throw Error(
+        fmt::format("{}: backward called without a forward before it (each forward "
+                    "allows one backward)",
+                    name()));
+  require_grad_output(grad_output, saved_input_.dim(0), features_);
+  Tensor grad_input = Tensor::uninitialized(grad_output.shape());  // (B, features)
+  const float* x = saved_input_.data();
+  const float* dy = grad_output.data();
+  float* dx = grad_input.data();
+  for (std::size_t i = 0; i < grad_output.size(); ++i) {
+    const float x2 = x[i] * x[i];
+    const float t = std::tanh(kSqrtTwoOverPi * (x[i] + kCubic * x2 * x[i]));
+    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * x2);
+    const float dy_dx = 0.5f * (1.0f + t) + 0.5f * x[i] * (1.0f - t * t) * du_dx;
+    dx[i] = dy[i] * dy_dx;
+  }
+  saved_input_ = Tensor();
+  return grad_input;
+}
+
+OpCost GELU::forward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  return {.flops = 10 * elements, .bytes = sizeof(float) * 2 * elements};
+}
+
+OpCost GELU::backward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  return {.flops = 15 * elements, .bytes = sizeof(float) * 3 * elements};
+}
+
+}  // namespace dp

@@ -1,0 +1,124 @@
+#include "dp/layers/layer_norm.h"
+
+#include <cmath>
+
+#include "dp/error.h"
+
+namespace dp {
+
+LayerNorm::LayerNorm(std::string name, std::int64_t features, float eps)
+    : Layer(std::move(name)), features_(features), eps_(eps) {
+  if (features <= 0)
+    throw Error(
+        fmt::format("layer norm {} needs a positive width, got {}", this->name(), features));
+  if (!(eps > 0.0f))
+    throw Error(fmt::format("layer norm {} needs a positive eps, got {}", this->name(), eps));
+  weight_ = Parameter::zeros(this->name() + ".weight", {features});
+  bias_ = Parameter::zeros(this->name() + ".bias", {features});
+}
+
+Tensor LayerNorm::forward(const Tensor& input) {
+  require_input(input, features_);
+  require_value(weight_, {features_});
+  require_value(bias_, {features_});
+  const std::int64_t batch = input.dim(0);
+  const std::int64_t width = features_;
+
+  Tensor output = Tensor::uninitialized({batch, width});      // (B, D)
+  saved_normalized_ = Tensor::uninitialized({batch, width});  // (B, D), xhat
+  saved_inv_std_ = Tensor::uninitialized({batch});            // (B)
+  const float* gamma = weight_.value.data();
+  const float* beta = bias_.value.data();
+  for (std::int64_t row = 0; row < batch; ++row) {
+    const float* x = input.data() + row * width;
+    float* xhat = saved_normalized_.data() + row * width;
+    float* y = output.data() + row * width;
+    // Row statistics in double: float sums of many similar values lose digits.
+    double sum = 0.0;
+    for (std::int64_t j = 0; j < width; ++j) sum += x[j];
+    const double mean = sum / static_cast<double>(width);
+    double squares = 0.0;
+    for (std::int64_t j = 0; j < width; ++j) squares += (x[j] - mean) * (x[j] - mean);
+    const double variance = squares / static_cast<double>(width);  // biased, as PyTorch
+    const float inv_std = static_cast<float>(1.0 / std::sqrt(variance + eps_));
+    saved_inv_std_[static_cast<std::size_t>(row)] = inv_std;
+    for (std::int64_t j = 0; j < width; ++j) {
+      xhat[j] = static_cast<float>(x[j] - mean) * inv_std;
+      y[j] = gamma[j] * xhat[j] + beta[j];
+    }
+  }
+  return output;
+}
+
+Tensor LayerNorm::backward(const Tensor& grad_output) {
+  if (saved_normalized_.rank() == 0)
+    throw Error(
+        fmt::format("{}: backward called without a forward before it (each forward "
+                    "allows one backward)",
+                    name()));
+  const std::int64_t batch = saved_normalized_.dim(0);
+  const std::int64_t width = features_;
+  require_grad_output(grad_output, batch, width);
+  require_value(weight_, {width});
+
+  Tensor grad_input = Tensor::uninitialized({batch, width});         // (B, D)
+  std::vector<float> dgamma(static_cast<std::size_t>(width), 0.0f);  // this batch's sums
+  std::vector<float> dbeta(static_cast<std::size_t>(width), 0.0f);
+  const float* gamma = weight_.value.data();
+  for (std::int64_t row = 0; row < batch; ++row) {
+    const float* dy = grad_output.data() + row * width;
+    const float* xhat = saved_normalized_.data() + row * width;
+    float* dx = grad_input.data() + row * width;
+    // With g = dy * gamma: dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)).
+    double sum_g = 0.0;
+    double sum_g_xhat = 0.0;
+    for (std::int64_t j = 0; j < width; ++j) {
+      const double g = static_cast<double>(dy[j]) * gamma[j];
+      sum_g += g;
+      sum_g_xhat += g * xhat[j];
+      dgamma[j] += dy[j] * xhat[j];
+      dbeta[j] += dy[j];
+    }
+    const double mean_g = sum_g / static_cast<double>(width);
+    const double mean_g_xhat = sum_g_xhat / static_cast<double>(width);
+    const double inv_std = saved_inv_std_[static_cast<std::size_t>(row)];
+    for (std::int64_t j = 0; j < width; ++j) {
+      const double g = static_cast<double>(dy[j]) * gamma[j];
+      dx[j] = static_cast<float>(inv_std * (g - mean_g - xhat[j] * mean_g_xhat));
+    }
+  }
+  if (!weight_.frozen) {
+    float* grad = grad_for_accumulation(weight_).data();
+    for (std::int64_t j = 0; j < width; ++j) grad[j] += dgamma[j];
+  }
+  if (!bias_.frozen) {
+    float* grad = grad_for_accumulation(bias_).data();
+    for (std::int64_t j = 0; j < width; ++j) grad[j] += dbeta[j];
+  }
+  saved_normalized_ = Tensor();
+  saved_inv_std_ = Tensor();
+  return grad_input;
+}
+
+void LayerNorm::initialize(Parameter& parameter, CounterRng& /*rng*/) {
+  DP_CHECK(&parameter == &weight_ || &parameter == &bias_, "{} is not a parameter of {}",
+           parameter.name, name());
+  // The identity transform at the start, as PyTorch: gamma = 1, beta = 0.
+  parameter.value.fill(&parameter == &weight_ ? 1.0f : 0.0f);
+}
+
+OpCost LayerNorm::forward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  // Read x; write y and xhat; gamma and beta are small.
+  return {.flops = 8 * elements,
+          .bytes = sizeof(float) * (3 * elements + 2 * static_cast<double>(features_))};
+}
+
+OpCost LayerNorm::backward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  // Read dy and xhat; write dx; read and write dgamma and dbeta.
+  return {.flops = 10 * elements,
+          .bytes = sizeof(float) * (3 * elements + 5 * static_cast<double>(features_))};
+}
+
+}  // namespace dp

@@ -1,0 +1,98 @@
+#include "dp/layers/linear.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "dp/error.h"
+#include "dp/ops.h"
+
+namespace dp {
+
+Linear::Linear(std::string name, std::int64_t in_features, std::int64_t out_features)
+    : Layer(std::move(name)), in_features_(in_features), out_features_(out_features) {
+  if (in_features <= 0 || out_features <= 0)
+    throw Error(fmt::format("linear layer {} needs positive sizes, got in = {}, out = {}",
+                            this->name(), in_features, out_features));
+  weight_ = Parameter::zeros(this->name() + ".weight", {out_features, in_features});
+  bias_ = Parameter::zeros(this->name() + ".bias", {out_features});
+}
+
+Tensor Linear::forward(const Tensor& input) {
+  require_input(input, in_features_);
+  require_value(weight_, {out_features_, in_features_});
+  require_value(bias_, {out_features_});
+  const std::int64_t batch = input.dim(0);
+
+  // out: (B, out). Start every row at the bias, so one gemm with beta = 1 adds x W^T.
+  Tensor output = Tensor::uninitialized({batch, out_features_});
+  const float* bias = bias_.value.data();
+  for (std::int64_t row = 0; row < batch; ++row)
+    std::copy(bias, bias + out_features_, output.data() + row * out_features_);
+  // (B, out) += (B, in) (out, in)^T
+  matmul_into(input, Transpose::kNo, weight_.value, Transpose::kYes, output, 1.0f, 1.0f);
+
+  saved_input_ = input.clone(MemoryCategory::kActivations);
+  return output;
+}
+
+Tensor Linear::backward(const Tensor& grad_output) {
+  if (saved_input_.rank() == 0)
+    throw Error(
+        fmt::format("{}: backward called without a forward before it (each forward "
+                    "allows one backward)",
+                    name()));
+  const std::int64_t batch = saved_input_.dim(0);
+  require_grad_output(grad_output, batch, out_features_);
+  require_value(weight_, {out_features_, in_features_});
+
+  if (!weight_.frozen) {
+    // dW: (out, in) += (B, out)^T (B, in)
+    matmul_into(grad_output, Transpose::kYes, saved_input_, Transpose::kNo,
+                grad_for_accumulation(weight_), 1.0f, 1.0f);
+  }
+  if (!bias_.frozen) {
+    // db: (out) += sum over rows of dY. Sum the batch first, then add once, so the grad
+    // receives exactly one addition per backward (as `grad += batch_grad` would).
+    std::vector<float> row_sum(static_cast<std::size_t>(out_features_), 0.0f);
+    for (std::int64_t row = 0; row < batch; ++row) {
+      const float* dy_row = grad_output.data() + row * out_features_;
+      for (std::int64_t j = 0; j < out_features_; ++j) row_sum[j] += dy_row[j];
+    }
+    float* db = grad_for_accumulation(bias_).data();
+    for (std::int64_t j = 0; j < out_features_; ++j) db[j] += row_sum[j];
+  }
+  // dX: (B, in) = (B, out) (out, in)
+  Tensor grad_input = matmul(grad_output, Transpose::kNo, weight_.value, Transpose::kNo);
+  saved_input_ = Tensor();  // the activation is no longer needed
+  return grad_input;
+}
+
+void Linear::initialize(Parameter& parameter, CounterRng& rng) {
+  DP_CHECK(&parameter == &weight_ || &parameter == &bias_, "{} is not a parameter of {}",
+           parameter.name, name());
+  // PyTorch's nn.Linear.reset_parameters: both drawn from U(-1/sqrt(in), 1/sqrt(in)).
+  const float bound = 1.0f / std::sqrt(static_cast<float>(in_features_));
+  for (float& value : parameter.value.span()) value = rng.uniform(-bound, bound);
+}
+
+OpCost Linear::forward_cost(std::int64_t batch) const {
+  const double b = static_cast<double>(batch);
+  const double in = static_cast<double>(in_features_);
+  const double out = static_cast<double>(out_features_);
+  return {.flops = 2 * b * in * out + b * out,
+          .bytes = sizeof(float) * (b * in + out * in + out + b * out)};
+}
+
+OpCost Linear::backward_cost(std::int64_t batch) const {
+  const double b = static_cast<double>(batch);
+  const double in = static_cast<double>(in_features_);
+  const double out = static_cast<double>(out_features_);
+  // dW and dX are each a (B, out, in) product; db is one addition per dY element.
+  const double flops = 4 * b * in * out + b * out;
+  // Read dY, X and W; read and write dW and db; write dX.
+  const double bytes =
+      sizeof(float) * (b * out + b * in + out * in + 2 * (out * in + out) + b * in);
+  return {.flops = flops, .bytes = bytes};
+}
+
+}  // namespace dp

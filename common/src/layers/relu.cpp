@@ -1,0 +1,49 @@
+#include "dp/layers/relu.h"
+
+#include "dp/error.h"
+
+namespace dp {
+
+ReLU::ReLU(std::string name, std::int64_t features) : Layer(std::move(name)), features_(features) {
+  if (features <= 0)
+    throw Error(
+        fmt::format("relu layer {} needs a positive width, got {}", this->name(), features));
+}
+
+Tensor ReLU::forward(const Tensor& input) {
+  require_input(input, features_);
+  Tensor output = Tensor::uninitialized(input.shape());  // (B, features)
+  const float* x = input.data();
+  float* y = output.data();
+  for (std::size_t i = 0; i < input.size(); ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+  saved_input_ = input.clone(MemoryCategory::kActivations);
+  return output;
+}
+
+Tensor ReLU::backward(const Tensor& grad_output) {
+  if (saved_input_.rank() == 0)
+    throw Error(
+        fmt::format("{}: backward called without a forward before it (each forward "
+                    "allows one backward)",
+                    name()));
+  require_grad_output(grad_output, saved_input_.dim(0), features_);
+  Tensor grad_input = Tensor::uninitialized(grad_output.shape());  // (B, features)
+  const float* x = saved_input_.data();
+  const float* dy = grad_output.data();
+  float* dx = grad_input.data();
+  for (std::size_t i = 0; i < grad_output.size(); ++i) dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+  saved_input_ = Tensor();
+  return grad_input;
+}
+
+OpCost ReLU::forward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  return {.flops = elements, .bytes = sizeof(float) * 2 * elements};
+}
+
+OpCost ReLU::backward_cost(std::int64_t batch) const {
+  const double elements = static_cast<double>(batch) * static_cast<double>(features_);
+  return {.flops = elements, .bytes = sizeof(float) * 3 * elements};
+}
+
+}  // namespace dp

@@ -1,0 +1,288 @@
+#include "dp/model.h"
+
+#include <algorithm>
+#include <charconv>
+#include <utility>
+
+#include "dp/error.h"
+
+namespace dp {
+
+// --- MLP specs ---------------------------------------------------------------------------
+
+std::vector<std::int64_t> parse_mlp_spec(std::string_view spec) {
+  const auto invalid = [spec](const std::string& why) {
+    return Error(
+        fmt::format("MLP spec \"{}\" is invalid: {}; expected two or more positive "
+                    "layer widths joined by '-', e.g. \"64-256-10\"",
+                    spec, why));
+  };
+  std::vector<std::int64_t> widths;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t dash = spec.find('-', start);
+    const std::string_view field =
+        spec.substr(start, dash == std::string_view::npos ? std::string_view::npos : dash - start);
+    const std::size_t position = widths.size() + 1;
+    if (field.empty()) throw invalid(fmt::format("width {} is empty", position));
+    std::int64_t width = 0;
+    const auto [end, status] = std::from_chars(field.data(), field.data() + field.size(), width);
+    if (status != std::errc() || end != field.data() + field.size())
+      throw invalid(fmt::format("width {} is \"{}\", not a whole number", position, field));
+    if (width <= 0) throw invalid(fmt::format("width {} is {}, not positive", position, width));
+    widths.push_back(width);
+    if (dash == std::string_view::npos) break;
+    start = dash + 1;
+  }
+  if (widths.size() < 2)
+    throw invalid(
+        fmt::format("it has {} width, but an input and an output are needed", widths.size()));
+  return widths;
+}
+
+// --- Model -------------------------------------------------------------------------------
+
+Model::Model() = default;
+Model::Model(Model&& other) noexcept = default;
+Model& Model::operator=(Model&& other) noexcept = default;
+Model::~Model() = default;
+
+Model Model::mlp(std::string_view spec, const MlpOptions& options) {
+  const std::vector<std::int64_t> widths = parse_mlp_spec(spec);
+  if (options.activation != "relu" && options.activation != "gelu")
+    throw Error(fmt::format("unknown activation \"{}\"; expected \"relu\" or \"gelu\"",
+                            options.activation));
+  Model model;
+  const std::size_t num_linear = widths.size() - 1;
+  for (std::size_t i = 0; i < num_linear; ++i) {
+    const std::string suffix = std::to_string(i + 1);
+    const std::int64_t out = widths[i + 1];
+    model.add(std::make_unique<Linear>("fc" + suffix, widths[i], out));
+    if (i + 1 == num_linear) break;  // the last Linear produces the logits
+    if (options.layer_norm) model.add(std::make_unique<LayerNorm>("ln" + suffix, out));
+    if (options.activation == "relu")
+      model.add(std::make_unique<ReLU>("relu" + suffix, out));
+    else
+      model.add(std::make_unique<GELU>("gelu" + suffix, out));
+  }
+  model.init_parameters(options.seed);
+  return model;
+}
+
+void Model::add(std::unique_ptr<Layer> layer) {
+  if (layer == nullptr) throw Error("Model::add got a null layer");
+  for (const Layer* existing : layers_) {
+    if (existing->name() == layer->name())
+      throw Error(fmt::format("the model already has a layer called \"{}\"", layer->name()));
+  }
+  const std::vector<Parameter*> new_parameters = layer->parameters();
+  for (const Parameter* candidate : new_parameters) {
+    for (const Parameter* existing : parameters_) {
+      if (existing->name == candidate->name)
+        throw Error(
+            fmt::format("the model already has a parameter called \"{}\"", candidate->name));
+    }
+  }
+  for (Parameter* parameter : new_parameters) {
+    parameter->index = parameters_.size();
+    parameter->offset = num_parameters_;
+    num_parameters_ += parameter->value.size();
+    parameters_.push_back(parameter);
+    const_parameters_.push_back(parameter);
+    parameter_layers_.push_back(layer.get());
+  }
+  layers_.push_back(layer.get());
+  owned_layers_.push_back(std::move(layer));
+}
+
+Parameter* Model::find_parameter(std::string_view name) const {
+  for (Parameter* candidate : parameters_) {
+    if (candidate->name == name) return candidate;
+  }
+  std::vector<std::string_view> names;
+  for (const Parameter* candidate : parameters_) names.push_back(candidate->name);
+  throw Error(fmt::format("no parameter called \"{}\"; the model has: {}", name,
+                          names.empty() ? "(none)" : fmt::format("{}", fmt::join(names, ", "))));
+}
+
+Parameter& Model::parameter(std::string_view name) {
+  return *find_parameter(name);
+}
+
+const Parameter& Model::parameter(std::string_view name) const {
+  return *find_parameter(name);
+}
+
+std::size_t Model::num_trainable_parameters() const {
+  std::size_t count = 0;
+  for (const Parameter* parameter : parameters_) {
+    if (!parameter->frozen) count += parameter->value.size();
+  }
+  return count;
+}
+
+void Model::init_parameters(std::uint64_t seed) {
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    // One stream per parameter: its values do not depend on the other parameters' sizes.
+    CounterRng rng(seed, parameters_[i]->index);
+    parameter_layers_[i]->initialize(*parameters_[i], rng);
+  }
+}
+
+void Model::freeze(std::string_view parameter_name) {
+  parameter(parameter_name).frozen = true;
+}
+
+void Model::unfreeze(std::string_view parameter_name) {
+  parameter(parameter_name).frozen = false;
+}
+
+Tensor Model::forward(const Tensor& input) {
+  if (layers_.empty()) throw Error("forward called on a model with no layers");
+  Tensor output;
+  const Tensor* current = &input;
+  for (Layer* layer : layers_) {
+    for (const LayerHook& hook : pre_forward_hooks_) hook(*layer);
+    output = layer->forward(*current);
+    current = &output;
+    for (const LayerHook& hook : post_forward_hooks_) hook(*layer);
+  }
+  return output;
+}
+
+float Model::backward(const Tensor& logits, std::span<const int> labels, float loss_scale) {
+  if (layers_.empty()) throw Error("backward called on a model with no layers");
+  const float loss = loss_.forward(logits, labels);
+  Tensor grad = loss_.backward(loss_scale);  // (B, classes)
+  for (auto layer_it = layers_.rbegin(); layer_it != layers_.rend(); ++layer_it) {
+    Layer& layer = **layer_it;
+    for (const LayerHook& hook : pre_backward_hooks_) hook(layer);
+    grad = layer.backward(grad);
+    // The layer has added this batch's contribution: its gradients are final now.
+    const std::vector<Parameter*> layer_parameters = layer.parameters();
+    for (auto it = layer_parameters.rbegin(); it != layer_parameters.rend(); ++it) {
+      if ((*it)->frozen) continue;
+      for (const GradientHook& hook : gradient_ready_hooks_) hook(**it);
+    }
+    for (const LayerHook& hook : post_backward_hooks_) hook(layer);
+  }
+  return loss;
+}
+
+void Model::zero_grad() {
+  for (Parameter* parameter : parameters_) parameter->grad.fill(0.0f);
+}
+
+void Model::on_gradient_ready(GradientHook hook) {
+  gradient_ready_hooks_.push_back(std::move(hook));
+}
+void Model::on_pre_forward(LayerHook hook) {
+  pre_forward_hooks_.push_back(std::move(hook));
+}
+void Model::on_post_forward(LayerHook hook) {
+  post_forward_hooks_.push_back(std::move(hook));
+}
+void Model::on_pre_backward(LayerHook hook) {
+  pre_backward_hooks_.push_back(std::move(hook));
+}
+void Model::on_post_backward(LayerHook hook) {
+  post_backward_hooks_.push_back(std::move(hook));
+}
+
+void Model::clear_hooks() {
+  gradient_ready_hooks_.clear();
+  pre_forward_hooks_.clear();
+  post_forward_hooks_.clear();
+  pre_backward_hooks_.clear();
+  post_backward_hooks_.clear();
+}
+
+namespace {
+
+// Elements of parameter i in the flat index space.
+std::size_t flat_size(std::span<const Parameter* const> parameters, std::size_t i,
+                      std::size_t total) {
+  const std::size_t end = i + 1 < parameters.size() ? parameters[i + 1]->offset : total;
+  return end - parameters[i]->offset;
+}
+
+}  // namespace
+
+std::vector<float> Model::flat_parameters() const {
+  std::vector<float> flat(num_parameters_);
+  for (std::size_t i = 0; i < const_parameters_.size(); ++i) {
+    const Parameter& parameter = *const_parameters_[i];
+    const std::size_t size = flat_size(const_parameters_, i, num_parameters_);
+    if (parameter.value.size() != size)
+      throw Error(
+          fmt::format("parameter {} holds {} elements, expected {} (was it released by "
+                      "a hook?)",
+                      parameter.name, parameter.value.size(), size));
+    std::copy_n(parameter.value.data(), size, flat.begin() + parameter.offset);
+  }
+  return flat;
+}
+
+std::vector<float> Model::flat_gradients() const {
+  std::vector<float> flat(num_parameters_, 0.0f);  // a released gradient stays zero
+  for (std::size_t i = 0; i < const_parameters_.size(); ++i) {
+    const Parameter& parameter = *const_parameters_[i];
+    if (parameter.grad.empty()) continue;
+    const std::size_t size = flat_size(const_parameters_, i, num_parameters_);
+    DP_CHECK(parameter.grad.size() == size, "gradient of {} has {} elements, expected {}",
+             parameter.name, parameter.grad.size(), size);
+    std::copy_n(parameter.grad.data(), size, flat.begin() + parameter.offset);
+  }
+  return flat;
+}
+
+void Model::set_flat_parameters(std::span<const float> values) {
+  if (values.size() != num_parameters_)
+    throw Error(
+        fmt::format("set_flat_parameters expects {} values (the model's parameter "
+                    "count), got {}",
+                    num_parameters_, values.size()));
+  for (std::size_t i = 0; i < parameters_.size(); ++i) {
+    Parameter& parameter = *parameters_[i];
+    const std::size_t size = flat_size(const_parameters_, i, num_parameters_);
+    if (parameter.value.size() != size)
+      throw Error(
+          fmt::format("parameter {} holds {} elements, expected {} (was it released by "
+                      "a hook?)",
+                      parameter.name, parameter.value.size(), size));
+    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(parameter.offset), size,
+                parameter.value.data());
+  }
+}
+
+OpCost Model::forward_cost(std::int64_t batch) const {
+  OpCost total;
+  for (const Layer* layer : layers_) total += layer->forward_cost(batch);
+  return total;
+}
+
+OpCost Model::backward_cost(std::int64_t batch) const {
+  OpCost total;
+  for (const Layer* layer : layers_) total += layer->backward_cost(batch);
+  return total;
+}
+
+float accuracy(const Tensor& logits, std::span<const int> labels) {
+  if (logits.rank() != 2)
+    throw Error(fmt::format("accuracy expects logits of shape (B, classes), got {}",
+                            logits.shape_string()));
+  const std::int64_t batch = logits.dim(0);
+  const std::int64_t classes = logits.dim(1);
+  if (static_cast<std::int64_t>(labels.size()) != batch)
+    throw Error(fmt::format("accuracy got {} labels for a batch of {} rows", labels.size(), batch));
+  if (batch == 0) return 0.0f;
+  std::int64_t correct = 0;
+  for (std::int64_t row = 0; row < batch; ++row) {
+    const float* z = logits.data() + row * classes;
+    const std::int64_t predicted = std::max_element(z, z + classes) - z;  // first maximum
+    if (predicted == labels[static_cast<std::size_t>(row)]) ++correct;
+  }
+  return static_cast<float>(correct) / static_cast<float>(batch);
+}
+
+}  // namespace dp

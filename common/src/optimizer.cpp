@@ -1,0 +1,130 @@
+#include "dp/optimizer.h"
+
+#include <cmath>
+
+#include "dp/error.h"
+#include "dp/model.h"
+
+namespace dp {
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::begin_step() {
+  ++step_count_;
+}
+
+void Optimizer::step(Model& model) {
+  begin_step();
+  for (Parameter* parameter : model.parameters()) {
+    if (parameter->frozen) continue;
+    update(parameter->offset, parameter->value.span(), parameter->grad.span());
+  }
+}
+
+void Optimizer::set_step_count(std::int64_t steps) {
+  if (steps < 0) throw Error(fmt::format("step count must be non-negative, got {}", steps));
+  step_count_ = steps;
+}
+
+void Optimizer::check_update(std::size_t offset, std::span<float> params,
+                             std::span<const float> grads) const {
+  if (params.size() != grads.size())
+    throw Error(fmt::format("{} update got {} parameters but {} gradients", name(), params.size(),
+                            grads.size()));
+  if (offset > state_size_ || params.size() > state_size_ - offset)
+    throw Error(fmt::format("{} update of elements [{}, {}) is outside its state of {} elements",
+                            name(), offset, offset + params.size(), state_size_));
+  if (step_count_ == 0)
+    throw Error(fmt::format("{} update before any step: call begin_step() first", name()));
+}
+
+// --- SGD ---------------------------------------------------------------------------------
+
+Sgd::Sgd(std::size_t state_size, SgdOptions options) : Optimizer(state_size), options_(options) {
+  if (!(options.lr >= 0.0f) || !(options.momentum >= 0.0f) || !(options.weight_decay >= 0.0f))
+    throw Error(fmt::format("sgd needs lr, momentum and weight_decay >= 0, got {}, {}, {}",
+                            options.lr, options.momentum, options.weight_decay));
+  // A zero buffer makes the first step buf = 0 * momentum + g = g, exactly as PyTorch.
+  if (options.momentum != 0.0f)
+    momentum_buffer_ =
+        Tensor({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState);
+}
+
+void Sgd::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
+  check_update(offset, params, grads);
+  const float lr = options_.lr;
+  const float momentum = options_.momentum;
+  const float weight_decay = options_.weight_decay;
+  float* buffer = momentum != 0.0f ? momentum_buffer_.data() + offset : nullptr;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    float g = grads[i];
+    if (weight_decay != 0.0f) g += weight_decay * params[i];
+    if (buffer != nullptr) {
+      buffer[i] = momentum * buffer[i] + g;
+      g = buffer[i];
+    }
+    params[i] -= lr * g;
+  }
+}
+
+std::vector<OptimizerState> Sgd::state() {
+  if (momentum_buffer_.empty()) return {};
+  return {{"momentum_buffer", &momentum_buffer_}};
+}
+
+// --- AdamW -------------------------------------------------------------------------------
+
+AdamW::AdamW(std::size_t state_size, AdamWOptions options)
+    : Optimizer(state_size),
+      options_(options),
+      exp_avg_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState),
+      exp_avg_sq_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState) {
+  const bool betas_ok = options.beta1 >= 0.0f && options.beta1 < 1.0f && options.beta2 >= 0.0f &&
+                        options.beta2 < 1.0f;
+  if (!betas_ok || !(options.eps > 0.0f) || !(options.lr >= 0.0f) ||
+      !(options.weight_decay >= 0.0f))
+    throw Error(
+        fmt::format("adamw needs betas in [0, 1), eps > 0, lr >= 0 and weight_decay >= "
+                    "0, got beta1 = {}, beta2 = {}, eps = {}, lr = {}, weight_decay = {}",
+                    options.beta1, options.beta2, options.eps, options.lr, options.weight_decay));
+}
+
+void AdamW::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
+  check_update(offset, params, grads);
+  const float lr = options_.lr;
+  const float beta1 = options_.beta1;
+  const float beta2 = options_.beta2;
+  const double t = static_cast<double>(step_count());
+  // Bias correction, in PyTorch's arrangement: step_size = lr / (1 - beta1^t) and
+  // denominator sqrt(v) / sqrt(1 - beta2^t) + eps.
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(double{beta1}, t)));
+  const float sqrt_correction2 = static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)));
+  const float decay = 1.0f - lr * options_.weight_decay;  // decoupled from the gradient
+  float* m = exp_avg_.data() + offset;
+  float* v = exp_avg_sq_.data() + offset;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const float g = grads[i];
+    params[i] *= decay;
+    m[i] = beta1 * m[i] + (1.0f - beta1) * g;
+    v[i] = beta2 * v[i] + (1.0f - beta2) * g * g;
+    const float denominator = std::sqrt(v[i]) / sqrt_correction2 + options_.eps;
+    params[i] -= step_size * m[i] / denominator;
+  }
+}
+
+std::vector<OptimizerState> AdamW::state() {
+  return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};
+}
+
+std::unique_ptr<Optimizer> make_optimizer(std::string_view name, std::size_t state_size, float lr,
+                                          float momentum, float weight_decay) {
+  if (name == "sgd")
+    return std::make_unique<Sgd>(
+        state_size, SgdOptions{.lr = lr, .momentum = momentum, .weight_decay = weight_decay});
+  if (name == "adamw")
+    return std::make_unique<AdamW>(state_size,
+                                   AdamWOptions{.lr = lr, .weight_decay = weight_decay});
+  throw Error(fmt::format("unknown optimizer \"{}\"; expected \"sgd\" or \"adamw\"", name));
+}
+
+}  // namespace dp
