@@ -1,0 +1,124 @@
+// data.h: classification data sets held in memory, and how to make or load them.
+//
+// A `Dataset` is N samples of D float features and one integer label each. The labs
+// never read files themselves: they ask `load_dataset` for a set by the name the CLI
+// takes ("synthetic", "digits", "csv:PATH", "idx:IMAGES,LABELS") and cut it into
+// batches with `gather_batch`, which is what a `DistributedSampler`'s indices feed.
+//
+// The default set is synthetic: it is computed from a seed, so every rank of every run
+// on every machine holds bitwise the same samples without a download or a broadcast.
+//
+// Example:
+//
+//   dp::Dataset data = dp::load_dataset("synthetic:1024", /*seed=*/7);
+//   std::vector<std::size_t> rows = {0, 5, 9};       // e.g. from a sampler
+//   dp::Batch batch = dp::gather_batch(data, rows);  // inputs (3, 64), 3 labels
+//   dp::Dataset digits = dp::load_digits();          // 1797 x 64, labels 0..9
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/tensor.h"
+
+namespace dp {
+
+/// A classification data set held in memory.
+struct Dataset {
+  /// A short name for logs and reports, e.g. "digits" or "synthetic:1024".
+  std::string name;
+  /// The samples, one per row: (N, D) float32, charged under `MemoryCategory::kOther`.
+  Tensor features;
+  /// One label per sample, each in [0, num_classes).
+  std::vector<int> labels;
+  /// The number of classes a model must tell apart.
+  int num_classes = 0;
+
+  /// The number of samples N.
+  std::size_t size() const { return labels.size(); }
+  /// The number of features per sample D (0 for an empty data set).
+  std::int64_t feature_dim() const { return features.rank() == 2 ? features.dim(1) : 0; }
+};
+
+/// One batch: inputs (B, D) charged under `MemoryCategory::kActivations`, and B labels.
+struct Batch {
+  /// The gathered samples, one per row.
+  Tensor inputs;
+  /// The label of each row of `inputs`.
+  std::vector<int> labels;
+};
+
+/// Gathers rows `indices` of `data` into a batch, in the order given (repeats allowed).
+/// An index past the end throws `dp::Error` naming the index and the data set size.
+Batch gather_batch(const Dataset& data, std::span<const std::size_t> indices);
+
+/// A training part and an evaluation part of one data set.
+struct DatasetSplit {
+  /// The first samples.
+  Dataset train;
+  /// The last samples, held out for evaluation.
+  Dataset eval;
+};
+
+/// Copies `data` into a training part and an evaluation part made of the last
+/// `eval_fraction` of the samples (rounded down); `eval_fraction` must lie in [0, 1).
+DatasetSplit split_for_evaluation(const Dataset& data, double eval_fraction);
+
+/// How `make_synthetic_classification` builds its data set.
+struct SyntheticOptions {
+  /// The number of samples N.
+  std::size_t samples = 4096;
+  /// The number of features per sample D.
+  std::int64_t features = 64;
+  /// The number of classes.
+  int classes = 10;
+  /// Selects the data set: equal seeds give bitwise equal data.
+  std::uint64_t seed = 0;
+  /// Standard deviation of the noise around each class centre; larger is harder.
+  float noise = 1.0f;
+};
+
+/// A deterministic, learnable classification set: each class has a centre of standard
+/// normal features; sample i takes a uniformly drawn label and is its class centre plus
+/// `noise` times standard normal noise. Everything is drawn with `CounterRng` from
+/// (seed, sample index), so equal options give bitwise equal data on every machine and
+/// rank, and the first k samples do not depend on `samples`.
+Dataset make_synthetic_classification(const SyntheticOptions& options);
+
+/// Reads a CSV file of numbers, one sample per line with the label (a non-negative
+/// integer) in the last column, and multiplies every feature by `feature_scale`. A first
+/// line in which no field is a number is a header and is skipped; blank lines are
+/// ignored. `name` defaults to the file's stem. A malformed file throws `dp::Error`
+/// with the file, line, column and the offending text.
+Dataset load_csv(const std::filesystem::path& path, float feature_scale = 1.0f,
+                 std::string name = "");
+
+/// The directory holding the data sets that ship with dplab: the environment variable
+/// DPLAB_DATASETS if set, otherwise the datasets/ folder of the source tree.
+std::filesystem::path datasets_directory();
+
+/// The UCI handwritten digits (8x8 images, 1797 samples, labels 0..9), pixels scaled from
+/// 0..16 to [0, 1], read from `datasets_directory()/digits/digits.csv`.
+Dataset load_digits();
+/// The UCI handwritten digits read from `csv_path` (64 pixel columns, then the label).
+Dataset load_digits(const std::filesystem::path& csv_path);
+
+/// Reads an IDX image file (magic 0x00000803: uint8 pixels, big-endian dimensions
+/// count, rows, columns) and an IDX label file (magic 0x00000801) as MNIST ships them,
+/// uncompressed; pixels are scaled from 0..255 to [0, 1] and images flattened to rows.
+/// A malformed file (bad magic, truncated, trailing bytes, label >= 10, counts that
+/// differ between the two files) throws `dp::Error` naming the file and byte offset.
+Dataset load_idx(const std::filesystem::path& images, const std::filesystem::path& labels);
+
+/// Makes or loads a data set by the name the CLI takes: "synthetic" (default options),
+/// "synthetic:N" (N samples), "digits", "csv:PATH" or "idx:IMAGES,LABELS". `seed`
+/// selects the synthetic set and is ignored by the others. Any other spec throws
+/// `dp::Error` listing the accepted forms.
+Dataset load_dataset(std::string_view spec, std::uint64_t seed = 0);
+
+}  // namespace dp

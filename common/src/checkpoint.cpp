@@ -1,0 +1,293 @@
+// safetensors files: writing and strictly validating reading.
+//
+// Layout (https://github.com/huggingface/safetensors, "Format"):
+//
+//   bytes [0, 8)          N, the header length, unsigned 64-bit little-endian
+//   bytes [8, 8 + N)      JSON header, UTF-8, may end in spaces
+//   bytes [8 + N, end)    data section; "data_offsets" are relative to its start
+#include "dp/checkpoint.h"
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <string_view>
+#include <vector>
+
+#include "data/file_io.h"
+#include "dp/error.h"
+
+namespace dp {
+
+// Tensors are copied to and from the file as they lie in memory, which is the
+// little-endian layout the format prescribes only on a little-endian machine.
+static_assert(std::endian::native == std::endian::little,
+              "safetensors I/O assumes a little-endian machine");
+
+namespace {
+
+constexpr std::string_view kMetadataKey = "__metadata__";
+constexpr std::size_t kLengthBytes = 8;  // the header length field
+constexpr std::size_t kHeaderAlignment = 8;
+
+void write_or_throw(std::ofstream& out, const void* data, std::size_t bytes,
+                    const std::filesystem::path& path) {
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  if (!out)
+    throw Error(
+        fmt::format("cannot write safetensors file '{}': {}", path.string(), std::strerror(errno)));
+}
+
+// One tensor entry of a header, checked against the data section.
+struct Entry {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0;  // data_offsets, relative to the data section
+  std::uint64_t end = 0;
+};
+
+// Parses and checks the header entry `name`; `data_start` and `data_size` locate the data
+// section in the file so that errors can name file byte offsets.
+Entry parse_entry(const std::string& file, const std::string& name, const nlohmann::json& value,
+                  std::uint64_t data_start, std::uint64_t data_size) {
+  const std::uint64_t header_end = data_start;
+  const auto fail = [&](std::string_view problem) {
+    return Error(
+        fmt::format("safetensors file '{}': header (byte offsets {} to {}): tensor "
+                    "'{}' {}",
+                    file, kLengthBytes, header_end, name, problem));
+  };
+  if (!value.is_object())
+    throw fail(fmt::format("is described by {}, expected an object", value.dump()));
+  const auto field = [&](const char* key) -> const nlohmann::json& {
+    const auto it = value.find(key);
+    if (it == value.end()) throw fail(fmt::format("has no \"{}\" field", key));
+    return *it;
+  };
+
+  const nlohmann::json& dtype = field("dtype");
+  if (!dtype.is_string())
+    throw fail(fmt::format("has \"dtype\": {}, expected a string", dtype.dump()));
+  if (dtype.get<std::string>() != "F32")
+    throw fail(fmt::format("has dtype {}: dplab reads only \"F32\" (float32)", dtype.dump()));
+
+  Entry entry;
+  entry.name = name;
+  const nlohmann::json& shape = field("shape");
+  if (!shape.is_array())
+    throw fail(fmt::format("has \"shape\": {}, expected an array of extents", shape.dump()));
+  std::uint64_t elements = 1;
+  bool elements_overflow = false;
+  for (const nlohmann::json& extent : shape) {
+    if (!extent.is_number_unsigned() ||
+        extent.get<std::uint64_t>() >
+            static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      throw fail(fmt::format("has \"shape\": {}, expected non-negative integers", shape.dump()));
+    const auto n = extent.get<std::uint64_t>();
+    if (n != 0 && elements > std::numeric_limits<std::uint64_t>::max() / n)
+      elements_overflow = true;
+    elements *= n;
+    entry.shape.push_back(static_cast<std::int64_t>(n));
+  }
+  if (std::find(entry.shape.begin(), entry.shape.end(), 0) != entry.shape.end())
+    elements_overflow = false;  // a zero extent makes the product 0 whatever came before
+
+  const nlohmann::json& offsets = field("data_offsets");
+  if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+      !offsets[1].is_number_unsigned())
+    throw fail(fmt::format("has \"data_offsets\": {}, expected [begin, end]", offsets.dump()));
+  entry.begin = offsets[0].get<std::uint64_t>();
+  entry.end = offsets[1].get<std::uint64_t>();
+  if (entry.begin > entry.end)
+    throw fail(
+        fmt::format("has \"data_offsets\" [{}, {}]: begin after end", entry.begin, entry.end));
+  if (entry.end > data_size)
+    throw fail(
+        fmt::format("has \"data_offsets\" [{}, {}] (file byte offsets {} to {}) past "
+                    "the end of the {}-byte data section, which ends at byte offset {}",
+                    entry.begin, entry.end, data_start + entry.begin, data_start + entry.end,
+                    data_size, data_start + data_size));
+  // Compare elements, not bytes: elements * 4 could wrap around for a corrupt shape.
+  const std::uint64_t span_bytes = entry.end - entry.begin;
+  if (elements_overflow || span_bytes % sizeof(float) != 0 ||
+      elements != span_bytes / sizeof(float))
+    throw fail(
+        fmt::format("has shape {} ({} F32 elements) but \"data_offsets\" [{}, {}] "
+                    "span {} bytes (from byte offset {}), expected 4 per element",
+                    shape.dump(), elements_overflow ? "more than 2^64" : std::to_string(elements),
+                    entry.begin, entry.end, span_bytes, data_start + entry.begin));
+  return entry;
+}
+
+}  // namespace
+
+void save_safetensors(const std::filesystem::path& path, std::span<const NamedTensor> tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const std::string file = path.string();
+  // ordered_json keeps the entries in the order of the data, which makes the header
+  // easy to read next to the bytes.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
+  std::uint64_t offset = 0;
+  for (const NamedTensor& named : tensors) {
+    if (named.tensor == nullptr)
+      throw Error(
+          fmt::format("save_safetensors '{}': tensor '{}' is a null pointer", file, named.name));
+    if (named.name == kMetadataKey)
+      throw Error(fmt::format("save_safetensors '{}': the name '{}' is reserved for metadata", file,
+                              kMetadataKey));
+    if (header.contains(named.name))
+      throw Error(
+          fmt::format("save_safetensors '{}': tensor name '{}' appears twice", file, named.name));
+    // A default-constructed tensor has no shape and no elements; shape [] would mean a
+    // scalar of one element, so it cannot be written faithfully.
+    if (named.tensor->rank() == 0 && named.tensor->empty())
+      throw Error(fmt::format("save_safetensors '{}': tensor '{}' is empty (it has no shape)", file,
+                              named.name));
+    const std::uint64_t bytes = named.tensor->bytes();
+    header[named.name] = {{"dtype", "F32"},
+                          {"shape", named.tensor->shape()},
+                          {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+
+  std::string header_text;
+  try {
+    header_text = header.dump();
+  } catch (const nlohmann::json::exception& error) {
+    throw Error(
+        fmt::format("save_safetensors '{}': a name or metadata string is not valid "
+                    "UTF-8 ({})",
+                    file, error.what()));
+  }
+  // Padding keeps the data section 8-byte aligned in the file, as the format recommends.
+  header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment,
+                     ' ');
+
+  std::filesystem::path temporary = path;
+  temporary += ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    if (!out)
+      throw Error(fmt::format("cannot create safetensors file '{}': {}", temporary.string(),
+                              std::strerror(errno)));
+    const std::uint64_t header_length = header_text.size();  // little-endian: see above
+    write_or_throw(out, &header_length, sizeof header_length, temporary);
+    write_or_throw(out, header_text.data(), header_text.size(), temporary);
+    for (const NamedTensor& named : tensors) {
+      if (!named.tensor->empty())
+        write_or_throw(out, named.tensor->data(), named.tensor->bytes(), temporary);
+    }
+    out.close();
+    if (!out)
+      throw Error(fmt::format("cannot finish writing safetensors file '{}'", temporary.string()));
+  }
+  std::error_code rename_error;
+  std::filesystem::rename(temporary, path, rename_error);
+  if (rename_error) {
+    std::filesystem::remove(temporary, rename_error);
+    throw Error(fmt::format("cannot move '{}' to '{}': {}", temporary.string(), file,
+                            rename_error.message()));
+  }
+}
+
+Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory category) {
+  const std::string file = path.string();
+  const std::string bytes = detail::read_whole_file(path, "safetensors file");
+
+  if (bytes.size() < kLengthBytes)
+    throw Error(
+        fmt::format("safetensors file '{}' is {} bytes long: expected at least the "
+                    "8-byte header length at byte offset 0",
+                    file, bytes.size()));
+  std::uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), sizeof header_length);
+  if (header_length > bytes.size() - kLengthBytes)
+    throw Error(
+        fmt::format("safetensors file '{}': the header length at byte offset 0 is {}, "
+                    "but only {} bytes follow it (file size {})",
+                    file, header_length, bytes.size() - kLengthBytes, bytes.size()));
+  const std::uint64_t data_start = kLengthBytes + header_length;
+  const std::uint64_t data_size = bytes.size() - data_start;
+
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.begin() + kLengthBytes,
+                                   bytes.begin() + static_cast<std::ptrdiff_t>(data_start));
+  } catch (const nlohmann::json::parse_error& error) {
+    // `error.byte` counts from 1 within the parsed text. The message after the first
+    // ": " says what was wrong; the line and column before it count within the header,
+    // which would be confusing next to a file offset.
+    const std::uint64_t at = kLengthBytes + (error.byte > 0 ? error.byte - 1 : 0);
+    std::string_view problem = error.what();
+    if (const std::size_t colon = problem.find(": "); colon != std::string_view::npos)
+      problem.remove_prefix(colon + 2);
+    throw Error(
+        fmt::format("safetensors file '{}': the header is not valid JSON at byte "
+                    "offset {}: {}",
+                    file, at, problem));
+  }
+  if (!header.is_object())
+    throw Error(
+        fmt::format("safetensors file '{}': the header at byte offset {} is a JSON {}, "
+                    "expected an object",
+                    file, kLengthBytes, header.type_name()));
+
+  Checkpoint checkpoint;
+  std::vector<Entry> entries;
+  for (const auto& [key, value] : header.items()) {
+    if (key == kMetadataKey) {
+      if (!value.is_object())
+        throw Error(
+            fmt::format("safetensors file '{}': header (byte offsets {} to {}): "
+                        "\"__metadata__\" is a JSON {}, expected an object of strings",
+                        file, kLengthBytes, data_start, value.type_name()));
+      for (const auto& [meta_key, meta_value] : value.items()) {
+        if (!meta_value.is_string())
+          throw Error(
+              fmt::format("safetensors file '{}': header (byte offsets {} to {}): "
+                          "metadata '{}' is {}, expected a string",
+                          file, kLengthBytes, data_start, meta_key, meta_value.dump()));
+        checkpoint.metadata[meta_key] = meta_value.get<std::string>();
+      }
+      continue;
+    }
+    entries.push_back(parse_entry(file, key, value, data_start, data_size));
+  }
+
+  // The byte ranges, in file order, must cover the data section exactly once: anything
+  // else is a corrupt or hand-edited file.
+  std::vector<const Entry*> by_offset;
+  for (const Entry& entry : entries) by_offset.push_back(&entry);
+  std::sort(by_offset.begin(), by_offset.end(), [](const Entry* a, const Entry* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  std::uint64_t expected_begin = 0;
+  for (const Entry* entry : by_offset) {
+    if (entry->begin != expected_begin)
+      throw Error(fmt::format(
+          "safetensors file '{}': tensor '{}' starts at data offset {} (byte offset {}), "
+          "expected {}: the tensors' byte ranges {} there",
+          file, entry->name, entry->begin, data_start + entry->begin, expected_begin,
+          entry->begin < expected_begin ? "overlap" : "leave a gap"));
+    expected_begin = entry->end;
+  }
+  if (expected_begin != data_size)
+    throw Error(
+        fmt::format("safetensors file '{}': {} bytes after the last tensor, from byte "
+                    "offset {}, belong to no tensor",
+                    file, data_size - expected_begin, data_start + expected_begin));
+
+  for (const Entry& entry : entries) {
+    Tensor tensor = Tensor::uninitialized(entry.shape, category);
+    if (!tensor.empty())  // memcpy needs valid pointers even for 0 bytes
+      std::memcpy(tensor.data(), bytes.data() + data_start + entry.begin, tensor.bytes());
+    checkpoint.tensors.emplace(entry.name, std::move(tensor));
+  }
+  return checkpoint;
+}
+
+}  // namespace dp

@@ -1,0 +1,130 @@
+// Batches, splits, the data set names the CLI takes, and the shared file reader.
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "data/file_io.h"
+#include "dp/data.h"
+#include "dp/error.h"
+
+namespace dp {
+
+namespace detail {
+
+std::string read_whole_file(const std::filesystem::path& path, std::string_view what) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file)
+    throw Error(fmt::format("cannot open {} '{}': {}", what, path.string(), std::strerror(errno)));
+  std::ostringstream contents;
+  contents << file.rdbuf();
+  if (file.bad()) throw Error(fmt::format("cannot read {} '{}'", what, path.string()));
+  return std::move(contents).str();
+}
+
+}  // namespace detail
+
+namespace {
+
+// Copies samples [begin, end) of `data` into a new data set with the same classes.
+Dataset copy_rows(const Dataset& data, std::size_t begin, std::size_t end, std::string name) {
+  const std::int64_t dim = data.feature_dim();
+  Dataset part;
+  part.name = std::move(name);
+  part.num_classes = data.num_classes;
+  part.labels.assign(data.labels.begin() + static_cast<std::ptrdiff_t>(begin),
+                     data.labels.begin() + static_cast<std::ptrdiff_t>(end));
+  part.features =
+      Tensor::uninitialized({static_cast<std::int64_t>(end - begin), dim}, MemoryCategory::kOther);
+  const std::size_t row_floats = static_cast<std::size_t>(dim);
+  std::copy_n(data.features.data() + begin * row_floats, (end - begin) * row_floats,
+              part.features.data());
+  return part;
+}
+
+}  // namespace
+
+Batch gather_batch(const Dataset& data, std::span<const std::size_t> indices) {
+  const std::int64_t dim = data.feature_dim();
+  const std::size_t row_floats = static_cast<std::size_t>(dim);
+  Batch batch;
+  batch.inputs = Tensor::uninitialized({static_cast<std::int64_t>(indices.size()), dim},
+                                       MemoryCategory::kActivations);
+  batch.labels.reserve(indices.size());
+  for (std::size_t row = 0; row < indices.size(); ++row) {
+    const std::size_t sample = indices[row];
+    if (sample >= data.size())
+      throw Error(fmt::format(
+          "gather_batch: index {} (position {} of the batch) is out of range for data set "
+          "'{}' of {} samples: expected an index below {}",
+          sample, row, data.name, data.size(), data.size()));
+    std::copy_n(data.features.data() + sample * row_floats, row_floats,
+                batch.inputs.data() + row * row_floats);
+    batch.labels.push_back(data.labels[sample]);
+  }
+  return batch;
+}
+
+DatasetSplit split_for_evaluation(const Dataset& data, double eval_fraction) {
+  if (!(eval_fraction >= 0.0 && eval_fraction < 1.0))
+    throw Error(
+        fmt::format("split_for_evaluation: expected a fraction in [0, 1), got {}", eval_fraction));
+  const auto eval_size = static_cast<std::size_t>(eval_fraction * static_cast<double>(data.size()));
+  const std::size_t train_size = data.size() - eval_size;
+  return {copy_rows(data, 0, train_size, data.name + "/train"),
+          copy_rows(data, train_size, data.size(), data.name + "/eval")};
+}
+
+std::filesystem::path datasets_directory() {
+  if (const char* override_dir = std::getenv("DPLAB_DATASETS");
+      override_dir != nullptr && *override_dir != '\0')
+    return override_dir;
+  return DP_DATASETS_DIR;
+}
+
+Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
+  const auto starts_with = [&](std::string_view prefix) { return spec.starts_with(prefix); };
+  const auto invalid = [&](std::string_view why) {
+    return Error(fmt::format(
+        "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
+        "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
+        spec, why));
+  };
+
+  if (spec == "synthetic") {
+    SyntheticOptions options;
+    options.seed = seed;
+    return make_synthetic_classification(options);
+  }
+  if (starts_with("synthetic:")) {
+    const std::string_view count = spec.substr(std::string_view("synthetic:").size());
+    std::size_t samples = 0;
+    const auto [end, error] = std::from_chars(count.data(), count.data() + count.size(), samples);
+    if (error != std::errc() || end != count.data() + count.size() || samples == 0)
+      throw invalid(fmt::format(" (the sample count '{}' is not a positive integer)", count));
+    SyntheticOptions options;
+    options.samples = samples;
+    options.seed = seed;
+    return make_synthetic_classification(options);
+  }
+  if (spec == "digits") return load_digits();
+  if (starts_with("csv:")) {
+    const std::string_view path = spec.substr(4);
+    if (path.empty()) throw invalid(" (no path after 'csv:')");
+    return load_csv(std::filesystem::path(path));
+  }
+  if (starts_with("idx:")) {
+    const std::string_view paths = spec.substr(4);
+    const std::size_t comma = paths.find(',');
+    if (comma == std::string_view::npos || comma == 0 || comma + 1 == paths.size())
+      throw invalid(" (expected two paths separated by a comma after 'idx:')");
+    return load_idx(std::filesystem::path(paths.substr(0, comma)),
+                    std::filesystem::path(paths.substr(comma + 1)));
+  }
+  throw invalid("");
+}
+
+}  // namespace dp
