@@ -1,0 +1,87 @@
+// rank_pool.cpp: the persistent local ranks of the benchmarks (see rank_pool.h).
+#include "rank_pool.h"
+
+#include <algorithm>
+
+#include "dp/launch.h"
+
+namespace dp::bench {
+
+RankPool::RankPool(int world_size)
+    : world_size_(world_size),
+      start_line_(world_size, RecordStart{&start_}),
+      finish_(static_cast<std::size_t>(world_size)) {
+  launcher_ = std::thread([this] {
+    try {
+      launch({.world_size = world_size_, .backend = Backend::kLocal},
+             [this](Communicator& comm) { serve(comm); });
+    } catch (...) {
+      // A rank's job failed: `serve` recorded the error for `run` to rethrow.
+    }
+  });
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return ranks_ready_ == world_size_ || failed_; });
+}
+
+RankPool::~RankPool() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  launcher_.join();
+}
+
+bool RankPool::healthy() const {
+  std::lock_guard lock(mutex_);
+  return !failed_;
+}
+
+void RankPool::serve(Communicator& comm) {
+  std::uint64_t seen = 0;
+  std::unique_lock lock(mutex_);
+  if (++ranks_ready_ == world_size_) changed_.notify_all();
+  for (;;) {
+    changed_.wait(lock, [&] { return stopping_ || failed_ || generation_ != seen; });
+    if (stopping_ || failed_) return;
+    seen = generation_;
+    const Job& job = *job_;
+    lock.unlock();
+    try {
+      job(comm);
+    } catch (...) {
+      lock.lock();
+      if (!error_) error_ = std::current_exception();
+      failed_ = true;
+      changed_.notify_all();
+      lock.unlock();
+      // Leaving rank_main lets dp::launch abort the peers that are inside a collective.
+      throw;
+    }
+    lock.lock();
+    if (++ranks_done_ == world_size_) changed_.notify_all();
+  }
+}
+
+void RankPool::run(const Job& job) {
+  std::unique_lock lock(mutex_);
+  if (failed_) std::rethrow_exception(error_);
+  job_ = &job;
+  ranks_done_ = 0;
+  ++generation_;
+  changed_.notify_all();
+  changed_.wait(lock, [&] { return ranks_done_ == world_size_ || failed_; });
+  if (failed_) std::rethrow_exception(error_);
+}
+
+double RankPool::run_timed(const Job& job) {
+  run([&](Communicator& comm) {
+    start_line_.arrive_and_wait();
+    job(comm);
+    finish_[static_cast<std::size_t>(comm.rank())] = std::chrono::steady_clock::now();
+  });
+  const TimePoint last = *std::max_element(finish_.begin(), finish_.end());
+  return std::chrono::duration<double>(last - start_).count();
+}
+
+}  // namespace dp::bench

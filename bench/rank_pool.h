@@ -1,0 +1,86 @@
+// rank_pool.h: a persistent set of local-backend ranks that run the jobs handed to them.
+//
+// Benchmarks must not time thread creation or a new `LocalWorld` per iteration, so a
+// `RankPool` starts `dp::launch` once on a background thread and keeps its ranks waiting
+// for work. `run` hands every rank the same job and returns when all have finished;
+// `run_timed` also lines the ranks up at a barrier and returns the time from the moment
+// the last rank arrived (the common start) to the moment the slowest rank finished.
+//
+// Example:
+//
+//   RankPool pool(4);
+//   std::vector<std::vector<float>> data(4, std::vector<float>(1 << 20));
+//   double seconds = pool.run_timed([&](dp::Communicator& comm) {
+//     comm.allreduce(std::span(data[comm.rank()]), dp::ReduceOp::kSum)->wait();
+//   });
+#pragma once
+
+#include <barrier>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "dp/comm.h"
+
+namespace dp::bench {
+
+/// N local ranks, started once, that execute jobs until the pool is destroyed.
+class RankPool {
+ public:
+  /// What every rank runs: it receives the rank's communicator.
+  using Job = std::function<void(Communicator&)>;
+
+  /// Starts `world_size` ranks and returns once they wait for work.
+  explicit RankPool(int world_size);
+  /// Lets the ranks return from `dp::launch` and joins it.
+  ~RankPool();
+  RankPool(const RankPool&) = delete;
+  RankPool& operator=(const RankPool&) = delete;
+
+  /// Number of ranks.
+  int size() const { return world_size_; }
+  /// False once a job threw: the ranks' world is aborted and the pool must be replaced.
+  bool healthy() const;
+
+  /// Runs `job` on every rank; returns when all have finished. Rethrows a rank's error.
+  void run(const Job& job);
+  /// Like `run`, but every rank first waits at a barrier: returns the seconds from the
+  /// barrier's release to the end of the slowest rank's job.
+  double run_timed(const Job& job);
+
+ private:
+  using TimePoint = std::chrono::steady_clock::time_point;
+
+  // The barrier's completion step runs once per phase, after the last rank arrives and
+  // before any rank is released: that instant is the common start.
+  struct RecordStart {
+    TimePoint* start;
+    void operator()() noexcept { *start = std::chrono::steady_clock::now(); }
+  };
+
+  void serve(Communicator& comm);
+
+  const int world_size_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  const Job* job_ = nullptr;
+  std::uint64_t generation_ = 0;  // incremented for each job handed out
+  int ranks_ready_ = 0;
+  int ranks_done_ = 0;
+  bool stopping_ = false;
+  bool failed_ = false;
+  std::exception_ptr error_;
+
+  TimePoint start_;
+  std::barrier<RecordStart> start_line_;
+  std::vector<TimePoint> finish_;  // per rank, of the last timed job
+
+  std::thread launcher_;  // runs dp::launch; last member, so it starts after the rest
+};
+
+}  // namespace dp::bench
