@@ -152,6 +152,10 @@ void configure_process_allocator() {
   // allocated again are then already mapped, instead of paying a page fault per 4 KiB.
   mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // One arena for every thread: the extra arenas glibc gives new threads (MPI's progress
+  // thread among them) are mmap-backed heaps that the two settings above do not keep
+  // mapped, so their large temporaries would be faulted in again on every call.
+  mallopt(M_ARENA_MAX, 1);
 }
 
 }  // namespace dp

@@ -1,17 +1,16 @@
 // The local backend: every rank is a thread of this process.
 //
 // Ranks share one address space, so a collective needs no messages: each rank's
-// communication thread reads its peers' buffers directly. An all-reduce runs as a
-// shared-memory reduce-scatter followed by an all-gather:
-//
-//   phase 1  rank i sums chunk i of every rank's buffer, in rank order 0, 1, ..., p-1,
-//            and writes the result into chunk i of its own buffer;
-//   phase 2  rank i copies every other chunk j from rank j's buffer.
+// communication thread reads and writes its peers' buffers directly. An all-reduce is a
+// reduce-scatter and an all-gather fused into one pass: rank i sums chunk i of every
+// rank's buffer, in rank order 0, 1, ..., p-1, and stores the result into chunk i of
+// every rank's buffer. Per rank that reads n and writes n bytes, the least any
+// all-reduce can move (on a memory-bound machine, traffic is time).
 //
 // Each chunk is reduced exactly once, so every rank ends with the same bits, and the
-// fixed order makes the result independent of thread timing. The bytes each rank reads
-// from its peers are those of a ring all-reduce, 2 (p-1)/p n, and they are what the
-// counters record. Nothing is copied beyond that: no staging buffers.
+// fixed order makes the result independent of thread timing. The bytes that cross
+// between ranks are those of a ring all-reduce, 2 (p-1)/p n per rank, and they are what
+// the counters record. Nothing is copied beyond that: no staging buffers.
 //
 // All shared state sits behind one mutex (`mutex_`), which keeps the deadlock detector
 // exact: a deadlock is declared when every rank waits on a call, no communication
@@ -67,13 +66,14 @@ Chunk chunk_of(std::size_t count, int parts, int index) {
           count * static_cast<std::size_t>(index + 1) / static_cast<std::size_t>(parts)};
 }
 
-/// dst[k] = combine(src_0[k], ..., src_{p-1}[k]) in rank order; dst may alias any source.
+/// dst[k] = combine(src_0[k], ..., src_{p-1}[k]) in rank order, for every destination;
+/// destinations may alias sources.
 template <typename T>
-void reduce_in_rank_order(T* dst, const std::vector<const T*>& sources, std::size_t count,
-                          ReduceOp op) {
+void reduce_in_rank_order(const std::vector<T*>& destinations, const std::vector<const T*>& sources,
+                          std::size_t count, ReduceOp op) {
   // Blocks are combined in a small buffer that stays in L1 cache and then stored, so every
-  // source is read before its block of dst (possibly the same memory) is written. Each
-  // element is ((s0 + s1) + s2) + ..., whatever the rank count.
+  // source is read before its block of a destination (possibly the same memory) is
+  // written. Each element is ((s0 + s1) + s2) + ..., whatever the rank count.
   constexpr std::size_t kBlock = 2048;
   T block[kBlock];
   const std::size_t parts = sources.size();
@@ -93,32 +93,39 @@ void reduce_in_rank_order(T* dst, const std::vector<const T*>& sources, std::siz
       const T divisor = static_cast<T>(parts);
       for (std::size_t k = 0; k < length; ++k) block[k] /= divisor;
     }
-    std::memcpy(dst + start, block, length * sizeof(T));
+    for (T* destination : destinations) std::memcpy(destination + start, block, length * sizeof(T));
   }
 }
 
-void reduce_chunk(MutableBuffer dst, std::size_t dst_offset,
+template <typename T>
+void reduce_typed(const std::vector<MutableBuffer>& destinations, std::size_t dst_offset,
+                  const std::vector<ConstBuffer>& sources, std::size_t src_offset,
+                  std::size_t count, ReduceOp op) {
+  std::vector<T*> outputs;
+  for (const auto& destination : destinations)
+    outputs.push_back(static_cast<T*>(destination.data) + dst_offset);
+  std::vector<const T*> inputs;
+  for (const auto& source : sources)
+    inputs.push_back(static_cast<const T*>(source.data) + src_offset);
+  reduce_in_rank_order(outputs, inputs, count, op);
+}
+
+/// Reduces elements [src_offset, src_offset + count) of every source into elements
+/// [dst_offset, dst_offset + count) of every destination.
+void reduce_chunk(const std::vector<MutableBuffer>& destinations, std::size_t dst_offset,
                   const std::vector<ConstBuffer>& sources, std::size_t src_offset,
                   std::size_t count, ReduceOp op) {
   if (count == 0) return;
-  switch (dst.type) {
-    case DataType::kFloat32: {
-      std::vector<const float*> pointers;
-      for (const auto& source : sources)
-        pointers.push_back(static_cast<const float*>(source.data) + src_offset);
-      reduce_in_rank_order(static_cast<float*>(dst.data) + dst_offset, pointers, count, op);
+  switch (sources[0].type) {
+    case DataType::kFloat32:
+      reduce_typed<float>(destinations, dst_offset, sources, src_offset, count, op);
       return;
-    }
-    case DataType::kInt32: {
-      std::vector<const std::int32_t*> pointers;
-      for (const auto& source : sources)
-        pointers.push_back(static_cast<const std::int32_t*>(source.data) + src_offset);
-      reduce_in_rank_order(static_cast<std::int32_t*>(dst.data) + dst_offset, pointers, count, op);
+    case DataType::kInt32:
+      reduce_typed<std::int32_t>(destinations, dst_offset, sources, src_offset, count, op);
       return;
-    }
     case DataType::kUInt8: break;
   }
-  DP_CHECK(false, "reduction of {} reached the kernel", to_string(dst.type));
+  DP_CHECK(false, "reduction of {} reached the kernel", to_string(sources[0].type));
 }
 
 void copy_elements(MutableBuffer dst, std::size_t dst_offset, ConstBuffer src,
@@ -406,8 +413,8 @@ std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation
     if (peer == me) continue;
     switch (operation->op) {
       case CommOp::kAllReduce: {
-        // Phase 1: I read my chunk from the peer and it reads its chunk from me;
-        // phase 2: I read its chunk and it reads mine.
+        // I read my chunk of the peer's buffer and write the result back into it; the
+        // peer does the same with its chunk of mine.
         const std::size_t n = operation->input.count;
         from_peer[peer] = to_peer[peer] = chunk_of(n, p, me).size() + chunk_of(n, p, peer).size();
         messages_sent += 2;
@@ -535,28 +542,24 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
 
   switch (operation.op) {
     case CommOp::kAllReduce: {
+      // One pass: rank i reduces chunk i of every buffer and stores the result straight
+      // into chunk i of every buffer. Only rank i touches chunk i anywhere, so no rank
+      // reads what another is writing; the barrier keeps every buffer in use until all
+      // chunks are written.
       const std::size_t n = operation.output.count;
       const Chunk mine = chunk_of(n, p, rank);
+      std::vector<MutableBuffer> outputs;
+      for (const auto& member : slot.members) outputs.push_back(member->output);
       run_unlocked([&] {
-        reduce_chunk(operation.output, mine.begin, inputs, mine.begin, mine.size(),
-                     operation.reduce);
+        reduce_chunk(outputs, mine.begin, inputs, mine.begin, mine.size(), operation.reduce);
       });
       phase_barrier(slot, 0, lock);
-      run_unlocked([&] {
-        for (int peer = 0; peer < p; ++peer) {
-          if (peer == rank) continue;
-          const Chunk theirs = chunk_of(n, p, peer);
-          copy_elements(operation.output, theirs.begin, slot.members[peer]->output, theirs.begin,
-                        theirs.size());
-        }
-      });
-      phase_barrier(slot, 1, lock);
       break;
     }
     case CommOp::kReduceScatter: {
       const std::size_t shard = operation.output.count;
       run_unlocked([&] {
-        reduce_chunk(operation.output, 0, inputs, shard * static_cast<std::size_t>(rank), shard,
+        reduce_chunk({operation.output}, 0, inputs, shard * static_cast<std::size_t>(rank), shard,
                      operation.reduce);
       });
       phase_barrier(slot, 0, lock);
