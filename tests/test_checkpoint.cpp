@@ -16,19 +16,13 @@
 
 #include "dp/checkpoint.h"
 #include "dp/error.h"
+#include "test_support.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-fs::path test_directory() {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(testing::TempDir()) / "dp_test_checkpoint" /
-                       (std::string(info->test_suite_name()) + "." + info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using dp::testing::test_directory;
 
 std::string read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -17,20 +17,13 @@
 
 #include "dp/data.h"
 #include "dp/error.h"
+#include "test_support.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory for the running test's files.
-fs::path test_directory() {
-  const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-  const fs::path dir = fs::path(testing::TempDir()) / "dp_test_data" /
-                       (std::string(info->test_suite_name()) + "." + info->name());
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
+using dp::testing::test_directory;
 
 fs::path write_file(const fs::path& path, const std::string& contents) {
   std::ofstream out(path, std::ios::binary);

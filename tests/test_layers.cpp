@@ -19,18 +19,13 @@
 #include "dp/memory.h"
 #include "dp/ops.h"
 #include "dp/rng.h"
+#include "test_support.h"
 
 namespace {
 
 // The message of the dp::Error that `action` throws (a test failure if it throws none).
 std::string error_message(const std::function<void()>& action) {
-  try {
-    action();
-  } catch (const dp::Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected a dp::Error";
-  return "";
+  return dp::testing::message_of<dp::Error>(action);
 }
 
 // Fills `tensor` with uniform values in [low, high) from stream `stream` of seed 7.
