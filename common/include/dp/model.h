@@ -51,7 +51,7 @@ namespace dp {
 /// How `Model::mlp` builds its layers.
 struct MlpOptions {
   std::string activation = "relu";  ///< "relu" or "gelu", after every hidden Linear
-  bool layer_norm = false;          ///< a LayerNorm ln<i> before each activation
+  bool layer_norm = false;          ///< a LayerNorm lnK before the K-th activation
   std::uint64_t seed = 0;           ///< seed of `init_parameters`
 };
 
@@ -70,7 +70,9 @@ class Model {
 
   /// A model with no layers.
   Model();
+  /// Takes over `other`'s layers, parameters and hooks.
   Model(Model&& other) noexcept;
+  /// Takes over `other`'s layers, parameters and hooks.
   Model& operator=(Model&& other) noexcept;
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -78,7 +80,7 @@ class Model {
 
   /// Builds an MLP from a spec "64-256-256-10": Linear fc1 (64 -> 256), activation, Linear
   /// fc2 (256 -> 256), activation, Linear fc3 (256 -> 10); with `layer_norm` a LayerNorm
-  /// ln<i> comes before each activation. Activations are named "relu<i>" or "gelu<i>".
+  /// lnK comes before the K-th activation. Activations are named "reluK" or "geluK".
   /// Parameters are drawn by `init_parameters(options.seed)`. Throws `dp::Error` on a bad
   /// spec (quoting it and saying what is expected) or an unknown activation.
   static Model mlp(std::string_view spec, const MlpOptions& options = {});

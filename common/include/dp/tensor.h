@@ -40,7 +40,9 @@ class Tensor {
   static Tensor from(std::span<const float> values,
                      MemoryCategory category = MemoryCategory::kActivations);
 
+  /// Takes over `other`'s memory; `other` becomes empty.
   Tensor(Tensor&& other) noexcept;
+  /// Releases this tensor's memory and takes over `other`'s; `other` becomes empty.
   Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
