@@ -9,5 +9,8 @@ namespace dp::cli {
 void add_train_command(CLI::App& app);
 /// Adds `dplab run`: starts a dplab command on N ranks under mpirun, as torchrun would.
 void add_run_command(CLI::App& app);
+/// Adds `dplab grade`: runs each lab's check program and prints the score table (exit code
+/// 0 only at full marks). In `dplab-reference` it grades the reference solutions.
+void add_grade_command(CLI::App& app);
 
 }  // namespace dp::cli

@@ -1,7 +1,11 @@
-// dplab: train data-parallel, start ranks under MPI, and (later) grade the labs.
+// dplab: train data-parallel, start ranks under MPI, and grade the labs.
 //
 //   dplab train -n 4                          # 4 local ranks, the default model and data
 //   dplab run -n 4 --backend mpi -- train     # the same, 4 Open MPI processes
+//   dplab grade --lab 1                       # the score table of lab 1
+//
+// dplab-reference is this program built with DP_REFERENCE_BUILD=1: its `grade` grades the
+// reference solutions instead of labs/.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +19,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   dp::cli::add_train_command(app);
   dp::cli::add_run_command(app);
+  dp::cli::add_grade_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -4,25 +4,24 @@
 //
 // becomes
 //
-//   mpirun -n 4 --oversubscribe --mca btl_vader_single_copy_mechanism none
-//          -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
+//   mpirun --oversubscribe --mca btl_vader_single_copy_mechanism none
+//          -n 4 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 //          /path/to/dplab train --steps 50 --backend mpi
 //
-// with --allow-run-as-root added when run as root (containers). --hostfile passes a host
-// file to mpirun for several machines.
+// with --allow-run-as-root added when run as root (containers); mpirun.h builds it, the
+// same way for `dplab grade`. --hostfile passes a host file to mpirun for several machines.
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "dp/error.h"
+#include "mpirun.h"
 
 namespace dp::cli {
 namespace {
@@ -37,35 +36,17 @@ struct RunArguments {
   std::vector<std::string> command;
 };
 
-std::string this_executable() {
-  std::error_code error;
-  const auto path = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) throw Error(fmt::format("cannot find the dplab executable: {}", error.message()));
-  return path.string();
-}
-
-std::vector<std::string> mpirun_command(const RunArguments& args) {
-  std::vector<std::string> argv = {args.mpirun, "-n", std::to_string(args.ranks)};
-  if (geteuid() == 0) argv.push_back("--allow-run-as-root");  // containers run as root
-  // More ranks than cores is fine for labs (and the only way on a laptop).
-  argv.push_back("--oversubscribe");
-  // Containers forbid the ptrace-based single-copy transfers of the vader shared-memory
-  // transport; without this Open MPI prints an error for every large message.
-  for (const char* arg : {"--mca", "btl_vader_single_copy_mechanism", "none"}) argv.push_back(arg);
-  // Keep freed memory mapped in every rank: an MPI_Allreduce of 64 MiB drops from 3.4 to
-  // 0.17 GB/s when its temporaries are fresh mmap memory (measured on 2 vCPUs).
-  for (const char* arg : {"-x", "MALLOC_MMAP_MAX_=0", "-x", "MALLOC_TRIM_THRESHOLD_=1073741824"})
-    argv.push_back(arg);
-  if (!args.hostfile.empty()) {
-    argv.push_back("--hostfile");
-    argv.push_back(args.hostfile);
-  }
-  argv.insert(argv.end(), args.mpirun_args.begin(), args.mpirun_args.end());
-  argv.push_back(this_executable());
-  argv.insert(argv.end(), args.command.begin(), args.command.end());
-  argv.push_back("--backend");
-  argv.push_back("mpi");
-  return argv;
+std::vector<std::string> mpi_command_line(const RunArguments& args) {
+  MpirunOptions options;
+  options.ranks = args.ranks;
+  options.mpirun = args.mpirun;
+  options.hostfile = args.hostfile;
+  options.extra_args = args.mpirun_args;
+  std::vector<std::string> program = {this_executable()};
+  program.insert(program.end(), args.command.begin(), args.command.end());
+  program.push_back("--backend");
+  program.push_back("mpi");
+  return mpirun_command(options, program);
 }
 
 [[noreturn]] void exec(const std::vector<std::string>& argv) {
@@ -87,7 +68,7 @@ void run(const RunArguments& args) {
         "`dplab run -n 4 --backend mpi -- train`");
   std::vector<std::string> argv;
   if (args.backend == "mpi") {
-    argv = mpirun_command(args);
+    argv = mpi_command_line(args);
   } else if (args.backend == "local") {
     // Local ranks are threads of one process: the command itself starts them.
     argv = {this_executable()};
@@ -114,7 +95,11 @@ void add_run_command(CLI::App& app) {
   run_app->add_option("--backend", args->backend, "mpi or local")->capture_default_str();
   run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines");
   run_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
-  run_app->add_option("--mpirun-arg", args->mpirun_args, "An extra argument for mpirun");
+  // One value per --mpirun-arg (repeat it for more), so that it never swallows the `--`.
+  run_app->add_option("--mpirun-arg", args->mpirun_args, "An extra argument for mpirun")
+      ->expected(1)
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   run_app->add_flag("--dry-run", args->dry_run, "Print the command instead of running it");
   run_app->add_option("command", args->command, "The dplab command and its arguments, after --")
       ->required();

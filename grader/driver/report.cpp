@@ -1,0 +1,304 @@
+// report.cpp: scoring, the score table, results.json and JUnit XML.
+#include "report.h"
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "dp/error.h"
+
+namespace dp::grader {
+namespace {
+
+using nlohmann::json;
+
+/// Points as people write them: "10", "2.5".
+std::string points(double value) {
+  return fmt::format("{:g}", value);
+}
+
+std::vector<std::string> split_lines(std::string_view text) {
+  std::vector<std::string> lines;
+  std::istringstream in{std::string(text)};
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+/// True for gtest's location line: "path/checks.cpp:123", "... : Failure", "unknown file".
+bool is_location_line(const std::string& line) {
+  static const std::regex location(R"(^(\S+\.(cpp|cc|h|hpp):[0-9]+(: Failure)?|unknown file)$)");
+  return std::regex_match(line, location);
+}
+
+/// A failure message without gtest's location lines: the student wants what was
+/// expected and what was seen, not where in checks.cpp the assertion sits.
+std::string without_locations(std::string_view failure) {
+  std::vector<std::string> kept;
+  std::string rank_prefix;  // "[rank 1] " of a dropped location line, for the next line
+  for (std::string& line : split_lines(failure)) {
+    // Merged reports prefix other ranks' failures: "[rank 1] path/checks.cpp:12".
+    if (line.starts_with("[rank ")) {
+      const std::size_t end = line.find("] ");
+      if (end != std::string::npos && is_location_line(line.substr(end + 2))) {
+        rank_prefix = line.substr(0, end + 2);
+        continue;
+      }
+    }
+    // "Failed" is how gtest opens an ADD_FAILURE/FAIL message: it says nothing more.
+    if (is_location_line(line) || line == "Failed") continue;
+    kept.push_back(rank_prefix + line);
+    rank_prefix.clear();
+  }
+  return fmt::format("{}", fmt::join(kept, "\n"));
+}
+
+std::string lab_problem_feedback(const LabResult& lab) {
+  std::string text = lab.problem;
+  if (!lab.output_tail.empty()) text += "; last output:\n" + lab.output_tail;
+  return text;
+}
+
+std::string check_status_word(const CheckResult& check) {
+  return check.passed ? "passed" : "failed";
+}
+
+}  // namespace
+
+double LabResult::earned() const {
+  double total = 0;
+  for (const CheckResult& check : checks) total += check.earned;
+  return total;
+}
+
+double LabResult::possible() const {
+  return rubric.max_points();
+}
+
+double GradeReport::earned() const {
+  double total = 0;
+  for (const LabResult& lab : labs) total += lab.earned();
+  return total;
+}
+
+double GradeReport::possible() const {
+  double total = 0;
+  for (const LabResult& lab : labs) total += lab.possible();
+  return total;
+}
+
+bool GradeReport::full_marks() const {
+  for (const LabResult& lab : labs)
+    for (const CheckResult& check : lab.checks)
+      if (!check.passed) return false;
+  return true;
+}
+
+LabResult score_lab(const Rubric& rubric, const RunResult& run) {
+  LabResult lab;
+  lab.rubric = rubric;
+  lab.seconds = run.seconds;
+  if (run.status != RunStatus::kFinished) {
+    lab.problem = run.summary();
+    lab.output_tail = run.output_tail;
+  }
+  for (const RubricCheck& check : rubric.checks) {
+    CheckResult result;
+    result.check = check;
+    if (!lab.problem.empty()) {
+      result.feedback = "not run: " + lab.problem;
+    } else if (const auto it = run.tests.find(check.test); it == run.tests.end()) {
+      result.feedback = fmt::format(
+          "\"{}\" not found in the check program {} (is the rubric's test name spelled as "
+          "gtest prints it, Suite.Name?)",
+          check.test, run.program);
+    } else {
+      const TestOutcome& outcome = it->second;
+      result.seconds = outcome.seconds;
+      switch (outcome.state) {
+        case TestState::kPassed: result.passed = true; break;
+        case TestState::kFailed: result.feedback = without_locations(outcome.failure); break;
+        case TestState::kSkipped:
+          result.feedback = "skipped: a skipped check checks nothing and earns nothing";
+          if (!outcome.failure.empty()) result.feedback += "\n" + outcome.failure;
+          break;
+        case TestState::kNotRun:
+          result.feedback = "not run: the check is disabled or filtered out of the program";
+          break;
+      }
+      if (outcome.state == TestState::kFailed && result.feedback.empty())
+        result.feedback = "failed (no message)";
+    }
+    result.earned = result.passed ? check.points : 0;
+    lab.checks.push_back(std::move(result));
+  }
+  return lab;
+}
+
+std::string format_table(const GradeReport& report, int feedback_lines) {
+  std::string out;
+  out += fmt::format("dplab grade: {}, {} backend\n", report.implementation, report.backend);
+  for (const LabResult& lab : report.labs) {
+    out += fmt::format("\nlab {}: {}\n", lab.rubric.lab, lab.rubric.title);
+    if (!lab.problem.empty()) {
+      out += fmt::format("  lab {}: {}", lab.rubric.lab, lab.problem);
+      if (!lab.output_tail.empty()) {
+        out += " — last output:\n";
+        for (const std::string& line : split_lines(last_lines(lab.output_tail, 12)))
+          out += "    | " + line + "\n";
+      } else {
+        out += "\n";
+      }
+    }
+    // Width of the points column: "10/10" aligned for every check of the lab.
+    std::size_t width = 0;
+    for (const CheckResult& check : lab.checks)
+      width = std::max(width, (points(check.earned) + "/" + points(check.check.points)).size());
+    for (const CheckResult& check : lab.checks) {
+      const std::string score = points(check.earned) + "/" + points(check.check.points);
+      out += fmt::format("  {} {:>{}}  {}  ({})\n", check.passed ? "PASS" : "FAIL", score, width,
+                         check.check.test, check.check.description);
+      if (check.passed || !lab.problem.empty()) continue;  // the lab's problem is shown once
+      const std::vector<std::string> lines = split_lines(check.feedback);
+      const int shown = std::min<int>(feedback_lines, static_cast<int>(lines.size()));
+      for (int i = 0; i < shown; ++i) out += fmt::format("  {:{}}     > {}\n", "", width, lines[i]);
+      if (static_cast<int>(lines.size()) > shown)
+        out += fmt::format("  {:{}}     > ... ({} more lines in --json/--junit output)\n", "",
+                           width, lines.size() - shown);
+    }
+    out += fmt::format("  lab {} total: {}/{} points\n", lab.rubric.lab, points(lab.earned()),
+                       points(lab.possible()));
+  }
+  out += fmt::format("\ntotal: {}/{} points{}\n", points(report.earned()),
+                     points(report.possible()), report.full_marks() ? " (full marks)" : "");
+  return out;
+}
+
+std::string to_gradescope_json(const GradeReport& report) {
+  json tests = json::array();
+  std::string overall;
+  for (const LabResult& lab : report.labs) {
+    overall += fmt::format("lab {} ({}): {}/{} points\n", lab.rubric.lab, lab.rubric.title,
+                           points(lab.earned()), points(lab.possible()));
+    if (!lab.problem.empty()) overall += fmt::format("  {}\n", lab_problem_feedback(lab));
+    for (std::size_t i = 0; i < lab.checks.size(); ++i) {
+      const CheckResult& check = lab.checks[i];
+      std::string output = check.check.description;
+      if (!check.passed)
+        output += "\n\n" + (lab.problem.empty() ? check.feedback : lab_problem_feedback(lab));
+      tests.push_back({
+          {"name", fmt::format("lab {}: {}", lab.rubric.lab, check.check.test)},
+          {"number", fmt::format("{}.{}", lab.rubric.lab, i + 1)},
+          {"score", check.earned},
+          {"max_score", check.check.points},
+          {"status", check_status_word(check)},
+          {"output", output},
+          {"visibility", std::string(to_string(check.check.visibility))},
+          {"tags", json::array({fmt::format("lab{}", lab.rubric.lab)})},
+      });
+    }
+  }
+  json results = {
+      {"score", report.earned()},
+      {"max_score", report.possible()},
+      {"execution_time", report.seconds},
+      {"output", overall},
+      {"visibility", "visible"},
+      {"stdout_visibility", "hidden"},
+      {"tests", tests},
+  };
+  // Check output may hold bytes that are not UTF-8 (a crashed program's last words).
+  return results.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+std::string xml_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    if (byte >= 0x80) {
+      // Keep a well-formed UTF-8 sequence; a stray byte would make the whole file invalid.
+      const std::size_t length = byte >= 0xF0 ? 4 : byte >= 0xE0 ? 3 : byte >= 0xC2 ? 2 : 0;
+      bool valid = length > 0 && byte < 0xF5 && i + length <= text.size();
+      for (std::size_t k = 1; valid && k < length; ++k)
+        valid = (static_cast<unsigned char>(text[i + k]) & 0xC0) == 0x80;
+      if (!valid) {
+        out += '?';
+        continue;
+      }
+      out.append(text.substr(i, length));
+      i += length - 1;
+      continue;
+    }
+    switch (byte) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      case '\t':
+      case '\n':
+      case '\r': out += static_cast<char>(byte); break;
+      default:
+        // XML 1.0 allows no other character below 0x20.
+        out += byte < 0x20 ? '?' : static_cast<char>(byte);
+    }
+  }
+  return out;
+}
+
+std::string to_junit_xml(const GradeReport& report) {
+  int tests = 0, failures = 0, errors = 0;
+  std::string suites;
+  for (const LabResult& lab : report.labs) {
+    int lab_failures = 0, lab_errors = 0;
+    std::string cases;
+    for (const CheckResult& check : lab.checks) {
+      // gtest suite names never contain '.', so the first '.' splits suite from test.
+      const std::size_t dot = check.check.test.find('.');
+      const std::string suite = check.check.test.substr(0, dot);
+      const std::string name =
+          dot == std::string::npos ? check.check.test : check.check.test.substr(dot + 1);
+      cases += fmt::format("    <testcase name=\"{}\" classname=\"lab{}.{}\" time=\"{:.3f}\"",
+                           xml_escape(name), lab.rubric.lab, xml_escape(suite), check.seconds);
+      if (check.passed) {
+        cases += "/>\n";
+        continue;
+      }
+      const bool error = !lab.problem.empty();
+      const std::string text = error ? lab_problem_feedback(lab) : check.feedback;
+      const std::string message = split_lines(text).empty() ? "" : split_lines(text).front();
+      cases +=
+          fmt::format(">\n      <{0} message=\"{1}\" type=\"{2}\">{3}</{0}>\n    </testcase>\n",
+                      error ? "error" : "failure", xml_escape(message),
+                      error ? "CheckProgramError" : "CheckFailed", xml_escape(text));
+      ++(error ? lab_errors : lab_failures);
+    }
+    suites += fmt::format(
+        "  <testsuite name=\"lab{} {}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" "
+        "skipped=\"0\" time=\"{:.3f}\">\n{}  </testsuite>\n",
+        lab.rubric.lab, xml_escape(lab.rubric.title), lab.checks.size(), lab_failures, lab_errors,
+        lab.seconds, cases);
+    tests += static_cast<int>(lab.checks.size());
+    failures += lab_failures;
+    errors += lab_errors;
+  }
+  return fmt::format(
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      "<testsuites name=\"dplab grade\" tests=\"{}\" failures=\"{}\" errors=\"{}\" "
+      "time=\"{:.3f}\">\n{}</testsuites>\n",
+      tests, failures, errors, report.seconds, suites);
+}
+
+void write_text_file(const std::filesystem::path& file, const std::string& text) {
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) throw Error(fmt::format("cannot write {}: {}", file.string(), std::strerror(errno)));
+}
+
+}  // namespace dp::grader

@@ -1,0 +1,194 @@
+// Tests of scoring and of the three report formats: the table shows points and
+// feedback, results.json parses back with Gradescope's fields, and the JUnit XML is
+// well-formed (checked by Python's XML parser, as a CI viewer would read it).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "report.h"
+
+namespace dp::grader {
+namespace {
+
+Rubric two_check_rubric() {
+  Rubric rubric;
+  rubric.lab = 1;
+  rubric.title = "Replicated <training> & co";
+  rubric.checks = {{"Lab1.Good", 10, Visibility::kVisible, "passes"},
+                   {"WorldSizes/Lab1.Bad/ranks3", 5, Visibility::kHidden, "fails"},
+                   {"Lab1.Missing", 2, Visibility::kAfterPublished, "not in the program"}};
+  return rubric;
+}
+
+RunResult finished_run() {
+  RunResult run;
+  run.status = RunStatus::kFinished;
+  run.program = "bin/grade_lab1";
+  run.tests["Lab1.Good"] = {"Lab1.Good", TestState::kPassed, "", 0.25};
+  run.tests["WorldSizes/Lab1.Bad/ranks3"] = {
+      "WorldSizes/Lab1.Bad/ranks3", TestState::kFailed,
+      "/src/grader/lab1/checks.cpp:42\nrank 2 weights differ: expected <= 2e-6, saw 4.1e-2\n"
+      "unknown file\nC++ exception \"<oops>\" & \x01 thrown",
+      0.5};
+  run.tests["Lab1.Ungraded"] = {"Lab1.Ungraded", TestState::kFailed, "x", 0};
+  return run;
+}
+
+GradeReport report_of(const LabResult& lab) {
+  GradeReport report;
+  report.implementation = "your code (labs/)";
+  report.labs.push_back(lab);
+  report.seconds = 1.5;
+  return report;
+}
+
+TEST(Score, EachCheckEarnsItsPointsOnlyWhenItPassed) {
+  const LabResult lab = score_lab(two_check_rubric(), finished_run());
+  ASSERT_EQ(lab.checks.size(), 3u);
+  EXPECT_TRUE(lab.checks[0].passed);
+  EXPECT_DOUBLE_EQ(lab.checks[0].earned, 10);
+  EXPECT_FALSE(lab.checks[1].passed);
+  EXPECT_DOUBLE_EQ(lab.checks[1].earned, 0);
+  // gtest's location lines are dropped: the feedback is what was expected and seen.
+  EXPECT_EQ(lab.checks[1].feedback.find("checks.cpp"), std::string::npos) << lab.checks[1].feedback;
+  EXPECT_EQ(lab.checks[1].feedback.find("unknown file"), std::string::npos);
+  EXPECT_NE(lab.checks[1].feedback.find("expected <= 2e-6, saw 4.1e-2"), std::string::npos);
+  EXPECT_NE(lab.checks[2].feedback.find("not found in the check program bin/grade_lab1"),
+            std::string::npos)
+      << lab.checks[2].feedback;
+  EXPECT_DOUBLE_EQ(lab.earned(), 10);
+  EXPECT_DOUBLE_EQ(lab.possible(), 17);
+  EXPECT_FALSE(report_of(lab).full_marks());
+}
+
+TEST(Score, ACrashedLabEarnsNothingAndSaysWhy) {
+  RunResult run;
+  run.status = RunStatus::kCrashed;
+  run.signal = 11;
+  run.output_tail = "[ RUN      ] Lab1.Good\nSegmentation fault";
+  const LabResult lab = score_lab(two_check_rubric(), run);
+  EXPECT_DOUBLE_EQ(lab.earned(), 0);
+  EXPECT_NE(lab.problem.find("check program crashed (signal 11"), std::string::npos);
+  const std::string table = format_table(report_of(lab));
+  EXPECT_NE(table.find("lab 1: check program crashed (signal 11"), std::string::npos) << table;
+  EXPECT_NE(table.find("last output:"), std::string::npos) << table;
+  EXPECT_NE(table.find("| Segmentation fault"), std::string::npos) << table;
+  EXPECT_NE(table.find("lab 1 total: 0/17 points"), std::string::npos) << table;
+}
+
+TEST(Score, SkippedChecksEarnNothing) {
+  RunResult run = finished_run();
+  run.tests["Lab1.Good"].state = TestState::kSkipped;
+  const LabResult lab = score_lab(two_check_rubric(), run);
+  EXPECT_FALSE(lab.checks[0].passed);
+  EXPECT_NE(lab.checks[0].feedback.find("skipped"), std::string::npos);
+}
+
+TEST(Table, ShowsPointsFeedbackAndTotals) {
+  const std::string table = format_table(report_of(score_lab(two_check_rubric(), finished_run())));
+  EXPECT_NE(table.find("lab 1: Replicated <training> & co"), std::string::npos) << table;
+  EXPECT_NE(table.find("PASS 10/10  Lab1.Good  (passes)"), std::string::npos) << table;
+  EXPECT_NE(table.find("FAIL   0/5  WorldSizes/Lab1.Bad/ranks3  (fails)"), std::string::npos)
+      << table;
+  EXPECT_NE(table.find("> rank 2 weights differ: expected <= 2e-6, saw 4.1e-2"), std::string::npos)
+      << table;
+  EXPECT_NE(table.find("total: 10/17 points\n"), std::string::npos) << table;
+}
+
+TEST(Table, FullMarksAreNamed) {
+  Rubric rubric = two_check_rubric();
+  rubric.checks.resize(1);
+  const GradeReport report = report_of(score_lab(rubric, finished_run()));
+  EXPECT_TRUE(report.full_marks());
+  EXPECT_NE(format_table(report).find("total: 10/10 points (full marks)"), std::string::npos);
+}
+
+TEST(Gradescope, ResultsJsonHasTheSpecifiedFields) {
+  const std::string text =
+      to_gradescope_json(report_of(score_lab(two_check_rubric(), finished_run())));
+  const nlohmann::json results = nlohmann::json::parse(text);
+  EXPECT_DOUBLE_EQ(results.at("score").get<double>(), 10);
+  EXPECT_DOUBLE_EQ(results.at("max_score").get<double>(), 17);
+  EXPECT_DOUBLE_EQ(results.at("execution_time").get<double>(), 1.5);
+  EXPECT_TRUE(results.at("output").is_string());
+  EXPECT_EQ(results.at("visibility"), "visible");
+  const nlohmann::json& tests = results.at("tests");
+  ASSERT_EQ(tests.size(), 3u);
+  EXPECT_EQ(tests[0].at("name"), "lab 1: Lab1.Good");
+  EXPECT_EQ(tests[0].at("number"), "1.1");
+  EXPECT_DOUBLE_EQ(tests[0].at("score").get<double>(), 10);
+  EXPECT_DOUBLE_EQ(tests[0].at("max_score").get<double>(), 10);
+  EXPECT_EQ(tests[0].at("status"), "passed");
+  EXPECT_EQ(tests[0].at("tags"), nlohmann::json::array({"lab1"}));
+  EXPECT_EQ(tests[1].at("visibility"), "hidden");
+  EXPECT_EQ(tests[1].at("status"), "failed");
+  EXPECT_NE(tests[1].at("output").get<std::string>().find("saw 4.1e-2"), std::string::npos);
+  EXPECT_EQ(tests[2].at("visibility"), "after_published");
+}
+
+TEST(Gradescope, InvalidUtf8InOutputStillGivesValidJson) {
+  RunResult run;
+  run.status = RunStatus::kCrashed;
+  run.signal = 6;
+  run.output_tail = "bytes \xff\xfe end";
+  const std::string text = to_gradescope_json(report_of(score_lab(two_check_rubric(), run)));
+  const nlohmann::json results = nlohmann::json::parse(text);  // throws if invalid
+  EXPECT_NE(results.at("output").get<std::string>().find("signal 6"), std::string::npos);
+}
+
+/// True when Python's XML parser reads `xml` without error.
+bool python_parses_xml(const std::string& xml, const std::string& name) {
+  const auto file = std::filesystem::path(::testing::TempDir()) / (name + ".xml");
+  write_text_file(file, xml);
+  const std::string command =
+      "python3 -c 'import sys, xml.dom.minidom; xml.dom.minidom.parse(sys.argv[1])' '" +
+      file.string() + "'";
+  return std::system(command.c_str()) == 0;
+}
+
+TEST(Junit, IsWellFormedWithCountsAndEscapedFeedback) {
+  const std::string xml = to_junit_xml(report_of(score_lab(two_check_rubric(), finished_run())));
+  EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit")) << xml;
+  EXPECT_NE(xml.find("<testsuites name=\"dplab grade\" tests=\"3\" failures=\"2\" errors=\"0\""),
+            std::string::npos)
+      << xml;
+  EXPECT_NE(xml.find("<testsuite name=\"lab1 Replicated &lt;training&gt; &amp; co\" tests=\"3\" "
+                     "failures=\"2\" errors=\"0\""),
+            std::string::npos)
+      << xml;
+  EXPECT_NE(xml.find("<testcase name=\"Bad/ranks3\" classname=\"lab1.WorldSizes/Lab1\" "
+                     "time=\"0.500\">"),
+            std::string::npos)
+      << xml;
+  EXPECT_NE(xml.find("<failure message=\"rank 2 weights differ: expected &lt;= 2e-6, saw 4.1e-2\""),
+            std::string::npos)
+      << xml;
+  EXPECT_NE(xml.find("C++ exception &quot;&lt;oops&gt;&quot; &amp; ? thrown"), std::string::npos)
+      << xml;
+}
+
+TEST(Junit, ALabWithoutResultsGivesErrors) {
+  RunResult run;
+  run.status = RunStatus::kTimedOut;
+  run.time_limit_seconds = 300;
+  run.output_tail = "dplab: timeout: rank 0 waited \xff 60 s";
+  const std::string xml = to_junit_xml(report_of(score_lab(two_check_rubric(), run)));
+  EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit_errors")) << xml;
+  EXPECT_NE(xml.find("errors=\"3\""), std::string::npos) << xml;
+  EXPECT_NE(xml.find("<error message=\"timed out after 300 s (the check program was killed); "
+                     "last output:\""),
+            std::string::npos)
+      << xml;
+}
+
+TEST(Xml, EscapesAndReplacesWhatXmlForbids) {
+  EXPECT_EQ(xml_escape("a<b>&\"'"), "a&lt;b&gt;&amp;&quot;&apos;");
+  EXPECT_EQ(xml_escape("tab\tnl\n\x02"), "tab\tnl\n?");
+  EXPECT_EQ(xml_escape("caf\xc3\xa9 \xff"), "caf\xc3\xa9 ?");
+}
+
+}  // namespace
+}  // namespace dp::grader

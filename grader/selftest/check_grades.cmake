@@ -1,0 +1,110 @@
+# check_grades.cmake: runs one `dplab grade` and asserts what its results.json says.
+#
+#   cmake -DDPLAB=bin/dplab-reference "-DARGS=--lab|1|--variant|bug_x" -DMODE=lost
+#         -DEXPECT=grader/selftest/lab1_replicated/x.expect -DLAB=1 -DOUT=out.json
+#         -P check_grades.cmake
+#
+# MODE full: exit code 0 and every check at full marks.
+# MODE zero: every graded check scored 0, and the check program neither crashed nor hung
+#            (the skeleton must fail by its checks, not by dying).
+# MODE lost: each test named in EXPECT (one per line, '#' comments) lost points; the
+#            variant's check program must exist and start.
+cmake_minimum_required(VERSION 3.25)
+
+foreach(variable DPLAB ARGS MODE LAB OUT)
+  if(NOT DEFINED ${variable})
+    message(FATAL_ERROR "check_grades.cmake: -D${variable}=... is required")
+  endif()
+endforeach()
+string(REPLACE "|" ";" arguments "${ARGS}")
+
+file(REMOVE ${OUT})
+execute_process(COMMAND ${DPLAB} grade ${arguments} --json ${OUT}
+                RESULT_VARIABLE exit_code OUTPUT_VARIABLE table ERROR_VARIABLE errors)
+message("${table}${errors}")
+if(NOT EXISTS ${OUT})
+  message(FATAL_ERROR "dplab grade wrote no ${OUT} (exit code ${exit_code})")
+endif()
+file(READ ${OUT} results)
+
+string(JSON output GET "${results}" output)
+string(JSON test_count LENGTH "${results}" tests)
+if(test_count EQUAL 0)
+  message(FATAL_ERROR "results.json lists no graded check")
+endif()
+
+# Problems of the check program as a whole (see RunResult::summary in grader/driver).
+set(program_problems "check program crashed" "timed out after" "without writing its report"
+    "not found \\(build it" "cannot start")
+
+if(MODE STREQUAL "full")
+  string(JSON score GET "${results}" score)
+  string(JSON max_score GET "${results}" max_score)
+  if(NOT exit_code EQUAL 0 OR NOT score EQUAL max_score)
+    message(FATAL_ERROR "expected full marks: scored ${score}/${max_score}, exit code ${exit_code}")
+  endif()
+elseif(MODE STREQUAL "zero")
+  foreach(problem IN LISTS program_problems)
+    if(output MATCHES "${problem}")
+      message(FATAL_ERROR "the skeleton's check program failed as a whole (${problem}): it must "
+                          "fail check by check, not crash or hang")
+    endif()
+  endforeach()
+  math(EXPR last "${test_count} - 1")
+  foreach(i RANGE ${last})
+    string(JSON name GET "${results}" tests ${i} name)
+    string(JSON score GET "${results}" tests ${i} score)
+    if(NOT score EQUAL 0)
+      message(FATAL_ERROR "the untouched skeleton earned ${score} points on '${name}': a check "
+                          "that passes without the student's code checks nothing")
+    endif()
+  endforeach()
+  if(exit_code EQUAL 0)
+    message(FATAL_ERROR "dplab grade exited 0 for a skeleton that scored 0")
+  endif()
+elseif(MODE STREQUAL "lost")
+  foreach(problem "not found \\(build it" "cannot start")
+    if(output MATCHES "${problem}")
+      message(FATAL_ERROR "the planted bug's check program did not run (${problem})")
+    endif()
+  endforeach()
+  if(NOT DEFINED EXPECT OR NOT EXISTS "${EXPECT}")
+    message(FATAL_ERROR "MODE lost needs -DEXPECT=<file.expect>")
+  endif()
+  file(STRINGS ${EXPECT} expect_lines)
+  set(expected_count 0)
+  foreach(line IN LISTS expect_lines)
+    string(REGEX REPLACE "#.*" "" line "${line}")
+    string(STRIP "${line}" line)
+    if(line STREQUAL "")
+      continue()
+    endif()
+    math(EXPR expected_count "${expected_count} + 1")
+    set(found FALSE)
+    math(EXPR last "${test_count} - 1")
+    foreach(i RANGE ${last})
+      string(JSON name GET "${results}" tests ${i} name)
+      if(name STREQUAL "lab ${LAB}: ${line}")
+        set(found TRUE)
+        string(JSON score GET "${results}" tests ${i} score)
+        string(JSON max_score GET "${results}" tests ${i} max_score)
+        if(NOT score LESS max_score)
+          message(FATAL_ERROR "planted bug not caught: '${line}' scored ${score}/${max_score} "
+                              "(${EXPECT} says it must lose points)")
+        endif()
+      endif()
+    endforeach()
+    if(NOT found)
+      message(FATAL_ERROR "${EXPECT} lists '${line}', which is not a graded check of lab ${LAB}")
+    endif()
+  endforeach()
+  if(expected_count EQUAL 0)
+    message(FATAL_ERROR "${EXPECT} lists no check: a planted bug must be caught by something")
+  endif()
+  if(exit_code EQUAL 0)
+    message(FATAL_ERROR "dplab grade exited 0 although checks lost points")
+  endif()
+else()
+  message(FATAL_ERROR "unknown MODE '${MODE}': expected full, zero or lost")
+endif()
+message(STATUS "check_grades: ${MODE} OK")
