@@ -45,6 +45,7 @@ std::string describe(std::size_t n, int replicas, const SamplerOptions& options)
 
 /// Checks the shards of one configuration with padding; returns "" or what is wrong.
 std::string check_padded_shards(std::size_t n, int replicas, const SamplerOptions& options) {
+  if (n == 0 || replicas <= 0) return "check set-up: expected a non-empty data set and ranks";
   const std::size_t per_rank =
       (n + static_cast<std::size_t>(replicas) - 1) / static_cast<std::size_t>(replicas);
   const std::size_t total = per_rank * static_cast<std::size_t>(replicas);
