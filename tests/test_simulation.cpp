@@ -13,11 +13,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <span>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -410,6 +413,7 @@ TEST(PointToPoint, TwoLevelTopologyUsesTheFabricOfEachPair) {
   network.ranks_per_node = 2;
   const double n = 1 << 20;
   std::vector<double> ends(4);
+  std::vector<TraceLane> lanes_of_rank0;
   launch(simulated(4, network), [&](Communicator& comm) {
     std::vector<std::uint8_t> x(static_cast<std::size_t>(n));
     std::vector<std::uint8_t> y(static_cast<std::size_t>(n));
@@ -425,7 +429,13 @@ TEST(PointToPoint, TwoLevelTopologyUsesTheFabricOfEachPair) {
       across->wait();
     }
     ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+    if (comm.rank() == 0)
+      for (const TraceEvent& event : comm.clock().trace().events)
+        lanes_of_rank0.push_back(event.lane);
   });
+  // The two ports of rank 0 are busy at the same time: separate trace threads.
+  EXPECT_EQ(lanes_of_rank0,
+            (std::vector<TraceLane>{TraceLane::kSend, TraceLane::kInterNodeReceive}));
   expect_time(ends[1], message(n, network.fabric), "within a node: the fast fabric");
   expect_time(ends[2], message(n, network.inter_node), "across nodes: the slow fabric");
   EXPECT_EQ(ends[3], 0.0);
@@ -699,6 +709,19 @@ TEST(Trace, IsChromeTraceEventJsonWithOneProcessPerRank) {
     ++complete_events;
   }
   EXPECT_EQ(processes, (std::set<int>{0, 1, 2, 3}));
+  // Perfetto nests the slices of a thread: on each thread they must not partly overlap
+  // (they never overlap at all: each timeline is serial).
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> slices;
+  for (const nlohmann::json& event : trace["traceEvents"])
+    if (event["ph"] == "X")
+      slices[{event["pid"].get<int>(), event["tid"].get<int>()}].emplace_back(
+          event["ts"].get<double>(), event["dur"].get<double>());
+  for (auto& [thread, list] : slices) {
+    std::sort(list.begin(), list.end());
+    for (std::size_t i = 1; i < list.size(); ++i)
+      ASSERT_GE(list[i].first, list[i - 1].first + list[i - 1].second - 1e-6)
+          << "rank " << thread.first << " thread " << thread.second << " slice " << i;
+  }
   for (const auto& thread : used_threads) EXPECT_TRUE(named_threads.contains(thread));
   std::size_t recorded = 0;
   for (const RankTrace& rank : run.traces) recorded += rank.events.size();
@@ -736,6 +759,80 @@ TEST(Trace, StepSummaryOfAHandMadeTrace) {
   EXPECT_DOUBLE_EQ(steps[1].communication, 2.0);
   EXPECT_DOUBLE_EQ(steps[1].exposed_communication, 2.0);
   EXPECT_EQ(steps[1].link_bytes, 0u);
+}
+
+// --- Errors are reported as without the simulation ------------------------------------------
+
+std::string comm_error_of(const LaunchOptions& options,
+                          const std::function<void(Communicator&)>& rank_main) {
+  try {
+    launch(options, rank_main);
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  return "(no CommError)";
+}
+
+TEST(SimulatedErrors, DeadlockIsStillDetectedAtOnce) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message = comm_error_of(simulated(2), [](Communicator& comm) {
+    std::vector<float> in(4), out(4);
+    const int peer = 1 - comm.rank();
+    comm.irecv(std::span(in), peer, 0)->wait();
+    comm.isend(std::span<const float>(out), peer, 0)->wait();
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0: waits for call #0 recv(from=1, tag=0, count=4 float32)"),
+            std::string::npos)
+      << message;
+}
+
+TEST(SimulatedErrors, MismatchedCollectiveFailsOnEveryRankAndLaterCallsWork) {
+  std::vector<std::string> seen(3);
+  std::vector<double> ends(3);
+  launch(simulated(3), [&](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 1 ? 512 : 1024, 1.0f);
+    try {
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    } catch (const CommError& e) {
+      seen[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    // The simulation forgot the failed call: the next one completes and is timed.
+    std::vector<float> ok(30, 1.0f);
+    comm.allreduce(std::span(ok), ReduceOp::kSum)->wait();
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+  });
+  for (const std::string& message : seen)
+    EXPECT_NE(message.find("does not match"), std::string::npos) << message;
+  for (double end : ends) EXPECT_GT(end, 0.0);
+}
+
+TEST(SimulatedErrors, AFailingRankEndsTheOthers) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    launch(simulated(4), [](Communicator& comm) {
+      std::vector<float> data(4);
+      if (comm.rank() == 2) throw std::runtime_error("rank 2 broke");
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    });
+    FAIL() << "expected the rank's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "rank 2 broke");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(SimulatedErrors, PointToPointSizeMismatchFailsBothSides) {
+  const std::string message = comm_error_of(simulated(2), [](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 0 ? 8 : 4);
+    if (comm.rank() == 0)
+      comm.isend(std::span<const float>(data), 1, 0)->wait();
+    else
+      comm.irecv(std::span(data), 0, 0)->wait();
+  });
+  EXPECT_NE(message.find("8"), std::string::npos) << message;
+  EXPECT_NE(message.find("4"), std::string::npos) << message;
 }
 
 TEST(Presets, NamesAndErrors) {

@@ -52,6 +52,8 @@ const char* lane_name(TraceLane lane) {
     case TraceLane::kCompute: return "compute";
     case TraceLane::kSend: return "communication (sends, collectives)";
     case TraceLane::kReceive: return "communication (receives)";
+    case TraceLane::kInterNodeSend: return "communication (sends to other nodes)";
+    case TraceLane::kInterNodeReceive: return "communication (receives from other nodes)";
   }
   return "unknown";
 }
@@ -151,7 +153,16 @@ std::string chrome_trace_json(std::span<const RankTrace> traces) {
                       {"pid", pid},
                       {"tid", 0},
                       {"args", {{"sort_index", trace.rank}}}});
-    for (TraceLane lane : {TraceLane::kCompute, TraceLane::kSend, TraceLane::kReceive})
+    bool two_level = false;
+    for (const TraceEvent& event : trace.events)
+      two_level = two_level || event.lane == TraceLane::kInterNodeSend ||
+                  event.lane == TraceLane::kInterNodeReceive;
+    std::vector<TraceLane> lanes = {TraceLane::kCompute, TraceLane::kSend, TraceLane::kReceive};
+    if (two_level) {
+      lanes.push_back(TraceLane::kInterNodeSend);
+      lanes.push_back(TraceLane::kInterNodeReceive);
+    }
+    for (TraceLane lane : lanes)
       events.push_back({{"name", "thread_name"},
                         {"ph", "M"},
                         {"pid", pid},

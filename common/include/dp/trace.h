@@ -8,7 +8,8 @@
 // no compute hid (exposed), the overlap fraction and the bytes that crossed the rank's
 // link. `chrome_trace_json` writes the Chrome Trace Event format that Perfetto
 // (ui.perfetto.dev) and chrome://tracing open: one process per rank, one thread for
-// compute and two for communication (sends and collectives; receives).
+// compute and two for communication (sends and collectives; receives), two more for the
+// inter-node port of a two-level network. Events of one thread never overlap.
 //
 // Example (inside `dp::launch`, after training; see `dplab train --trace`):
 //
@@ -29,9 +30,11 @@ namespace dp {
 
 /// Which timeline of a rank an event belongs to.
 enum class TraceLane {
-  kCompute,  ///< the compute timeline: layers, loss, optimizer
-  kSend,     ///< the link's send direction: messages sent, and every collective
-  kReceive,  ///< the link's receive direction: messages received
+  kCompute,           ///< the compute timeline: layers, loss, optimizer
+  kSend,              ///< the link's send direction: messages sent, and every collective
+  kReceive,           ///< the link's receive direction: messages received
+  kInterNodeSend,     ///< two-level networks: messages sent to another node
+  kInterNodeReceive,  ///< two-level networks: messages received from another node
 };
 
 /// One op on one rank.

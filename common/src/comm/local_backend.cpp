@@ -395,7 +395,13 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
       case CommOp::kRecv: event.name = fmt::format("recv from {}", timing.peer); break;
       default: event.name = std::string(to_string(operation.op)); break;
     }
-    event.lane = operation.op == CommOp::kRecv ? TraceLane::kReceive : TraceLane::kSend;
+    const bool point_to_point = operation.op == CommOp::kSend || operation.op == CommOp::kRecv;
+    const bool across =
+        point_to_point && network_->options().network.crosses_nodes(operation.rank, timing.peer);
+    if (operation.op == CommOp::kRecv)
+      event.lane = across ? TraceLane::kInterNodeReceive : TraceLane::kReceive;
+    else
+      event.lane = across ? TraceLane::kInterNodeSend : TraceLane::kSend;
     event.start = timing.start;
     event.duration = timing.end - timing.start;
     event.wall_start = clock.wall_seconds(timing.wall_issue);
