@@ -490,6 +490,24 @@ TEST(Overlap, AnAllReduceHiddenByComputeCostsNothingAndOneAfterComputeCostsAll) 
   }
 }
 
+TEST(Overlap, ComputeAndLinkAreTwoTimelines) {
+  std::vector<double> now(2);
+  std::vector<double> link(2);
+  launch(simulated(2), [&](Communicator& comm) {
+    std::vector<float> x(1 << 16, 1.0f);
+    auto work = comm.rank() == 0 ? comm.isend(std::span<const float>(x), 1, 0)
+                                 : comm.irecv(std::span(x), 0, 0);
+    comm.clock().compute("busy", 1.0);
+    work->wait();
+    now[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+    link[static_cast<std::size_t>(comm.rank())] = comm.clock().link_free();
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(now[r], 1.0) << "the message crossed while the rank computed";
+    expect_time(link[r], message(4.0 * (1 << 16)), "the link was busy only for the message");
+  }
+}
+
 TEST(Overlap, WaitNeverMovesTheClockBackwards) {
   const double seconds = simulated_time(2, [&](Communicator& comm) {
     std::vector<float> x(16, 1.0f);

@@ -131,7 +131,8 @@ class Clock {
   virtual bool simulated() const = 0;
   /// The compute timeline: seconds since the launch began (virtual when simulated).
   virtual double now() const = 0;
-  /// When the rank's link is next free, as far as is known now (simulated; else `now()`).
+  /// When the rank's link is next free, as far as the simulation has placed calls on it
+  /// so far (simulated: this may grow as peers' calls are placed; else `now()`).
   virtual double link_free() const = 0;
 
   /// Reads the clocks a compute op needs at its start.
