@@ -155,9 +155,12 @@ void run_train(const TrainArguments& args) {
   std::vector<RankTrace> traces(static_cast<std::size_t>(world_size));
   launch(launch_options, [&](Communicator& comm) {
     const TrainResult result =
-        train_data_parallel(args.options, data, comm, [](const StepReport& report) {
-          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}\n", report.step,
+        train_data_parallel(args.options, data, comm, [simulated](const StepReport& report) {
+          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}", report.step,
                      report.loss, report.accuracy, report.samples_per_second);
+          if (simulated)
+            fmt::print("  simulated step {:.3f} us", report.clock_seconds_per_step * 1e6);
+          fmt::print("\n");
         });
     if (simulated) traces[static_cast<std::size_t>(comm.rank())] = comm.clock().trace();
     const bool identical = replicas_identical(result.model, comm);

@@ -73,6 +73,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       pending.push_back(comm->allreduce(parameter.grad.span(), ReduceOp::kAvg));
     });
   if (comm != nullptr) comm->clock().mark_step();
+  double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
 
   const std::int64_t local_batch = options.global_batch / world;
   auto last_report_time = WallClock::now();
@@ -120,6 +121,12 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
           seconds > 0
               ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
               : 0.0;
+      if (comm != nullptr) {
+        const double clock_now = comm->clock().now();
+        report.clock_seconds_per_step =
+            (clock_now - last_report_clock) / static_cast<double>(done - last_report_step);
+        last_report_clock = clock_now;
+      }
       result.reports.push_back(report);
       if (on_report && rank == 0) on_report(report);
       last_report_time = now;

@@ -57,6 +57,9 @@ struct StepReport {
   float loss = 0;                 ///< mean loss over the global batch
   float accuracy = 0;             ///< fraction of the global batch classified right
   double samples_per_second = 0;  ///< global samples per wall-clock second since the last report
+  /// Data-parallel: mean seconds per step since the last report on `comm.clock()` (the
+  /// simulated step time when the simulation is on); 0 in a single process.
+  double clock_seconds_per_step = 0;
 };
 
 /// What a training run leaves behind.
