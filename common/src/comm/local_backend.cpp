@@ -433,8 +433,10 @@ void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
   operation.done = true;
   operation.error = std::move(error);
   ranks_[operation.rank].log.complete(operation.call_index);
-  mark_ready_if_complete(operation);
-  changed_.notify_all();
+  mark_ready_if_complete(operation);  // notifies the waiters when the call is ready
+  // Simulated, the data can move before the call's time is known: then only the wait
+  // after an abort (for the data, see wait()) needs to hear of it.
+  if (!operation.ready && abort_reason_) changed_.notify_all();
 }
 
 std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Operation> operation,
