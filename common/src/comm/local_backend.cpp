@@ -771,6 +771,16 @@ void LocalWorld::wait(Operation& operation) {
     network_->block(operation.rank, &operation.timing);
     settle();
   }
+  // The call usually needs only the peers' next few steps (a matching send, the last
+  // rank of a collective, the simulation's commit): on a machine with fewer cores than
+  // threads, yielding to them a few times is cheaper than sleeping and being woken.
+  if (!operation.ready) {
+    for (int i = 0; i < 8 && !operation.ready && !abort_reason_; ++i) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+  }
   if (operation.ready) return finish();
   Rank& self = ranks_[operation.rank];
   self.blocked_on = operation.call_index;
