@@ -8,13 +8,15 @@
 namespace dp::bench {
 
 RankPool::RankPool(int world_size)
-    : world_size_(world_size),
-      start_line_(world_size, RecordStart{&start_}),
-      finish_(static_cast<std::size_t>(world_size)) {
-  launcher_ = std::thread([this] {
+    : RankPool(LaunchOptions{.world_size = world_size, .backend = Backend::kLocal}) {}
+
+RankPool::RankPool(const LaunchOptions& options)
+    : world_size_(options.world_size),
+      start_line_(options.world_size, RecordStart{&start_}),
+      finish_(static_cast<std::size_t>(options.world_size)) {
+  launcher_ = std::thread([this, options] {
     try {
-      launch({.world_size = world_size_, .backend = Backend::kLocal},
-             [this](Communicator& comm) { serve(comm); });
+      launch(options, [this](Communicator& comm) { serve(comm); });
     } catch (...) {
       // A rank's job failed: `serve` recorded the error for `run` to rethrow.
     }

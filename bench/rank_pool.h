@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "dp/comm.h"
+#include "dp/launch.h"
 
 namespace dp::bench {
 
@@ -37,6 +38,8 @@ class RankPool {
 
   /// Starts `world_size` ranks and returns once they wait for work.
   explicit RankPool(int world_size);
+  /// Starts the ranks `options` describe (local backend; e.g. with the simulated clock).
+  explicit RankPool(const LaunchOptions& options);
   /// Lets the ranks return from `dp::launch` and joins it.
   ~RankPool();
   RankPool(const RankPool&) = delete;

@@ -7,6 +7,9 @@ namespace dp::cli {
 
 /// Adds `dplab train`: trains a model data-parallel and reports progress.
 void add_train_command(CLI::App& app);
+/// Adds `dplab bench-comm`: sweeps message sizes over one communication op and prints
+/// algbw and busbw like nccl-tests, on the simulated or the real clock (lab 0).
+void add_bench_comm_command(CLI::App& app);
 /// Adds `dplab run`: starts a dplab command on N ranks under mpirun, as torchrun would.
 void add_run_command(CLI::App& app);
 /// Adds `dplab grade`: runs each lab's check program and prints the score table (exit code

@@ -3,6 +3,8 @@
 //   dplab train -n 4                          # 4 local ranks, the default model and data
 //   dplab run -n 4 --backend mpi -- train     # the same, 4 Open MPI processes
 //   dplab grade --lab 1                       # the score table of lab 1
+//   dplab train -n 8 --net ib-ndr --trace run.json   # simulated InfiniBand, Chrome trace
+//   dplab bench-comm -n 8 --net ib-ndr        # algbw and busbw per message size
 //
 // dplab-reference is this program built with DP_REFERENCE_BUILD=1: its `grade` grades the
 // reference solutions instead of labs/.
@@ -18,6 +20,7 @@ int main(int argc, char** argv) {
   CLI::App app{"dplab: labs in data-parallel deep-learning training"};
   app.require_subcommand(1);
   dp::cli::add_train_command(app);
+  dp::cli::add_bench_comm_command(app);
   dp::cli::add_run_command(app);
   dp::cli::add_grade_command(app);
   try {

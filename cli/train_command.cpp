@@ -1,5 +1,8 @@
 // dplab train: trains a model data-parallel on the local or the mpi backend, prints
-// progress, checks that the replicas agree, and saves a checkpoint.
+// progress, checks that the replicas agree, and saves a checkpoint. With --net the local
+// backend simulates the interconnect and the clock: it then prints the simulated step time,
+// the exposed communication and the overlap fraction, and --trace writes every rank's ops
+// as a Chrome trace (open it in https://ui.perfetto.dev).
 #include <fmt/format.h>
 
 #include <chrono>
@@ -10,9 +13,12 @@
 
 #include "commands.h"
 #include "dp/checkpoint.h"
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/trace.h"
 #include "dp/trainer.h"
+#include "simulation_options.h"
 
 namespace dp::cli {
 namespace {
@@ -24,6 +30,8 @@ struct TrainArguments {
   std::string checkpoint = "dplab-train.safetensors";
   bool verify = false;
   double hang_timeout_seconds = 60;
+  SimulationArguments simulation;
+  std::string trace;
 };
 
 /// True when every rank holds bitwise the same parameters as rank 0.
@@ -82,6 +90,35 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
                     max_difference, tolerance));
 }
 
+std::string format_bytes(double bytes) {
+  if (bytes >= 1 << 20) return fmt::format("{:.2f} MiB", bytes / (1 << 20));
+  if (bytes >= 1 << 10) return fmt::format("{:.1f} KiB", bytes / (1 << 10));
+  return fmt::format("{:.0f} B", bytes);
+}
+
+/// The per-step summary of the slowest rank (mean over steps) and each step's spread.
+void print_simulated_time(const SimulationOptions& simulation,
+                          const std::vector<RankTrace>& traces) {
+  StepSummary slowest;
+  int slowest_rank = 0;
+  for (const RankTrace& trace : traces) {
+    const std::vector<StepSummary> steps = summarize_steps(trace);
+    const StepSummary mean = mean_of(steps);
+    if (trace.rank == 0 || mean.total > slowest.total) {
+      slowest = mean;
+      slowest_rank = trace.rank;
+    }
+  }
+  fmt::print("simulated clock: {}\n", simulation.describe());
+  fmt::print(
+      "simulated step (mean of {} steps, slowest rank {}): {:.3f} us; compute {:.3f} us, "
+      "communication {:.3f} us, exposed communication {:.3f} us, overlap fraction {:.4f}, "
+      "{} per link\n",
+      slowest.step, slowest_rank, slowest.total * 1e6, slowest.compute * 1e6,
+      slowest.communication * 1e6, slowest.exposed_communication * 1e6, slowest.overlap_fraction,
+      format_bytes(static_cast<double>(slowest.link_bytes)));
+}
+
 void run_train(const TrainArguments& args) {
   LaunchOptions launch_options;
   launch_options.backend = parse_backend(args.backend);
@@ -97,6 +134,14 @@ void run_train(const TrainArguments& args) {
   }
   if (world_size == 0) world_size = 1;
   launch_options.world_size = world_size;
+  launch_options.simulation = simulation_options(args.simulation);
+  const bool simulated = launch_options.simulation.enabled;
+  if (simulated && launch_options.backend != Backend::kLocal)
+    throw Error(
+        "--net simulates the interconnect of the local backend; on mpi the clock is "
+        "the wall clock");
+  if (!args.trace.empty() && !simulated)
+    throw Error("--trace records the simulated clock: add --net (e.g. --net ib-ndr)");
   const bool prints = mpi_world_rank() == 0;
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);
@@ -107,12 +152,17 @@ void run_train(const TrainArguments& args) {
         args.options.model, data.name, data.size(), world_size, args.backend,
         args.options.global_batch, args.options.steps, args.options.optimizer, args.options.lr);
 
+  std::vector<RankTrace> traces(static_cast<std::size_t>(world_size));
   launch(launch_options, [&](Communicator& comm) {
     const TrainResult result =
-        train_data_parallel(args.options, data, comm, [](const StepReport& report) {
-          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}\n", report.step,
+        train_data_parallel(args.options, data, comm, [simulated](const StepReport& report) {
+          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}", report.step,
                      report.loss, report.accuracy, report.samples_per_second);
+          if (simulated)
+            fmt::print("  simulated step {:.3f} us", report.clock_seconds_per_step * 1e6);
+          fmt::print("\n");
         });
+    if (simulated) traces[static_cast<std::size_t>(comm.rank())] = comm.clock().trace();
     const bool identical = replicas_identical(result.model, comm);
     if (comm.rank() != 0) return;
     fmt::print("replicas: {} ranks {}\n", comm.size(),
@@ -121,6 +171,14 @@ void run_train(const TrainArguments& args) {
     if (args.verify) verify_against_single_process(args, data, result, comm.size());
     if (!args.checkpoint.empty()) save_checkpoint(args, result.model, comm.size());
   });
+  if (simulated) print_simulated_time(launch_options.simulation, traces);
+  if (!args.trace.empty()) {
+    write_chrome_trace(args.trace, traces);
+    std::size_t events = 0;
+    for (const RankTrace& trace : traces) events += trace.events.size();
+    fmt::print("trace: {} ({} ranks, {} events; open it in https://ui.perfetto.dev)\n", args.trace,
+               traces.size(), events);
+  }
 }
 
 }  // namespace
@@ -156,6 +214,13 @@ void add_train_command(CLI::App& app) {
       ->add_option("--hang-timeout", args->hang_timeout_seconds,
                    "Seconds a rank may wait before the hang report")
       ->capture_default_str();
+  train->add_flag("--overlap", o.overlap,
+                  "All-reduce each gradient from its gradient-ready hook, during backward");
+  add_simulation_options(*train, args->simulation);
+  train
+      ->add_option("--trace", args->trace,
+                   "Write every rank's ops on the simulated clock as a Chrome trace (JSON)")
+      ->group("Simulated clock");
   train->callback([args] { run_train(*args); });
 }
 

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <utility>
 
+#include "dp/clock.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -143,7 +144,9 @@ Tensor Model::forward(const Tensor& input) {
   const Tensor* current = &input;
   for (Layer* layer : layers_) {
     for (const LayerHook& hook : pre_forward_hooks_) hook(*layer);
-    output = layer->forward(*current);
+    const std::int64_t rows = current->rank() >= 1 ? current->dim(0) : 0;
+    output = timed_compute(layer->name(), "forward", layer->forward_cost(rows),
+                           [&] { return layer->forward(*current); });
     current = &output;
     for (const LayerHook& hook : post_forward_hooks_) hook(*layer);
   }
@@ -152,12 +155,19 @@ Tensor Model::forward(const Tensor& input) {
 
 float Model::backward(const Tensor& logits, std::span<const int> labels, float loss_scale) {
   if (layers_.empty()) throw Error("backward called on a model with no layers");
-  const float loss = loss_.forward(logits, labels);
-  Tensor grad = loss_.backward(loss_scale);  // (B, classes)
+  const std::int64_t rows = logits.rank() == 2 ? logits.dim(0) : 0;
+  const std::int64_t classes = logits.rank() == 2 ? logits.dim(1) : 0;
+  const float loss =
+      timed_compute("loss", "forward", SoftmaxCrossEntropy::forward_cost(rows, classes),
+                    [&] { return loss_.forward(logits, labels); });
+  Tensor grad = timed_compute("loss", "backward", SoftmaxCrossEntropy::backward_cost(rows, classes),
+                              [&] { return loss_.backward(loss_scale); });  // (B, classes)
   for (auto layer_it = layers_.rbegin(); layer_it != layers_.rend(); ++layer_it) {
     Layer& layer = **layer_it;
     for (const LayerHook& hook : pre_backward_hooks_) hook(layer);
-    grad = layer.backward(grad);
+    const std::int64_t grad_rows = grad.rank() >= 1 ? grad.dim(0) : 0;
+    grad = timed_compute(layer.name(), "backward", layer.backward_cost(grad_rows),
+                         [&] { return layer.backward(grad); });
     // The layer has added this batch's contribution: its gradients are final now.
     const std::vector<Parameter*> layer_parameters = layer.parameters();
     for (auto it = layer_parameters.rbegin(); it != layer_parameters.rend(); ++it) {

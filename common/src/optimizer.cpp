@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/model.h"
 
@@ -14,11 +15,31 @@ void Optimizer::begin_step() {
 }
 
 void Optimizer::step(Model& model) {
-  begin_step();
-  for (Parameter* parameter : model.parameters()) {
-    if (parameter->frozen) continue;
-    update(parameter->offset, parameter->value.span(), parameter->grad.span());
-  }
+  std::size_t elements = 0;
+  for (const Parameter* parameter : model.parameters())
+    if (!parameter->frozen) elements += parameter->value.size();
+  timed_compute("optimizer", name(), update_cost(elements), [&] {
+    begin_step();
+    for (Parameter* parameter : model.parameters()) {
+      if (parameter->frozen) continue;
+      update(parameter->offset, parameter->value.span(), parameter->grad.span());
+    }
+  });
+}
+
+OpCost Optimizer::update_cost(std::size_t elements) const {
+  const double n = static_cast<double>(elements);
+  return {2 * n, 12 * n};
+}
+
+OpCost Sgd::update_cost(std::size_t elements) const {
+  const double n = static_cast<double>(elements);
+  return options_.momentum != 0 ? OpCost{4 * n, 20 * n} : OpCost{2 * n, 12 * n};
+}
+
+OpCost AdamW::update_cost(std::size_t elements) const {
+  const double n = static_cast<double>(elements);
+  return {14 * n, 28 * n};
 }
 
 void Optimizer::set_step_count(std::int64_t steps) {

@@ -6,6 +6,7 @@
 #include <memory>
 #include <numeric>
 
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/rng.h"
 
@@ -64,6 +65,15 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       comm->broadcast(parameter->value.span(), 0)->wait();
   }
   std::unique_ptr<Optimizer> optimizer = make_optimizer_for(options, model);
+  // With overlap, each gradient's all-reduce starts the moment backward has finished it.
+  std::vector<std::unique_ptr<Work>> pending;
+  const bool overlap = comm != nullptr && options.overlap;
+  if (overlap)
+    model.on_gradient_ready([&](Parameter& parameter) {
+      pending.push_back(comm->allreduce(parameter.grad.span(), ReduceOp::kAvg));
+    });
+  if (comm != nullptr) comm->clock().mark_step();
+  double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
 
   const std::int64_t local_batch = options.global_batch / world;
   auto last_report_time = WallClock::now();
@@ -78,22 +88,26 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs);  // (B/N, classes)
     const float loss = model.backward(logits, batch.labels);
-    check_gradients_finite(model, rank, step + 1, "before averaging");
+    // (With overlap the all-reduces are already writing the gradients: checked after.)
+    if (!overlap) check_gradients_finite(model, rank, step + 1, "before averaging");
 
     // metrics: (sum of losses, correct predictions) over the local batch
     std::array<float, 2> metrics = {
         loss * static_cast<float>(local_batch),
         accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
     if (comm != nullptr) {
-      std::vector<std::unique_ptr<Work>> pending;
-      for (Parameter* parameter : model.parameters())
-        if (!parameter->frozen)
-          pending.push_back(comm->allreduce(parameter->grad.span(), ReduceOp::kAvg));
+      if (!overlap)
+        for (Parameter* parameter : model.parameters())
+          if (!parameter->frozen)
+            pending.push_back(comm->allreduce(parameter->grad.span(), ReduceOp::kAvg));
       pending.push_back(comm->allreduce(std::span<float>(metrics), ReduceOp::kSum));
       for (auto& work : pending) work->wait();
+      pending.clear();
+      if (overlap) check_gradients_finite(model, rank, step + 1, "after averaging");
     }
     result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
     optimizer->step(model);
+    if (comm != nullptr) comm->clock().mark_step();
 
     const int done = step + 1;
     if (done % std::max(options.log_every, 1) == 0 || done == options.steps) {
@@ -107,12 +121,19 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
           seconds > 0
               ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
               : 0.0;
+      if (comm != nullptr) {
+        const double clock_now = comm->clock().now();
+        report.clock_seconds_per_step =
+            (clock_now - last_report_clock) / static_cast<double>(done - last_report_step);
+        last_report_clock = clock_now;
+      }
       result.reports.push_back(report);
       if (on_report && rank == 0) on_report(report);
       last_report_time = now;
       last_report_step = done;
     }
   }
+  if (overlap) model.clear_hooks();  // the hook refers to this function's locals
   return result;
 }
 

@@ -36,6 +36,8 @@
 
 namespace dp {
 
+class Clock;
+
 /// The element type of a communication buffer.
 enum class DataType { kFloat32, kInt32, kUInt8 };
 
@@ -211,6 +213,14 @@ class Communicator {
   virtual CommCounters counters() const = 0;
   /// Sets this rank's counters to zero.
   virtual void reset_counters() = 0;
+
+  /// This rank's clock (see dp/clock.h): simulated on the local backend when
+  /// `LaunchOptions::simulation` is enabled, wall time otherwise. On the simulated clock
+  /// every call is issued at `clock().now()` and `Work::wait()` moves the clock to the
+  /// call's completion; `Work::test()` is true once the call's completion time is known
+  /// and not later than `clock().now()` (poll with `wait()`, or charge compute between
+  /// polls, or the clock never moves).
+  virtual Clock& clock() = 0;
 };
 
 }  // namespace dp

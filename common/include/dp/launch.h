@@ -16,6 +16,7 @@
 #include <functional>
 #include <string_view>
 
+#include "dp/clock.h"
 #include "dp/comm.h"
 
 namespace dp {
@@ -38,6 +39,10 @@ struct LaunchOptions {
   int world_size = 1;
   Backend backend = Backend::kLocal;  ///< the transport
   CommOptions comm{};                 ///< timeouts and validation
+  /// The simulated interconnect and clock (local backend only; off by default). When it is
+  /// on, every rank's thread has its clock bound (`this_thread_clock()`), so models charge
+  /// their compute to it.
+  SimulationOptions simulation{};
 };
 
 /// Runs `rank_main` on every rank and returns when all have returned.

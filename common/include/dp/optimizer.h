@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dp/layer.h"
 #include "dp/tensor.h"
 
 namespace dp {
@@ -72,8 +73,10 @@ class Optimizer {
   virtual void update(std::size_t offset, std::span<float> params,
                       std::span<const float> grads) = 0;
   /// begin_step(), then update() of every non-frozen parameter of `model` at its
-  /// `Parameter::offset`.
+  /// `Parameter::offset`; charged to the thread's clock (dp/clock.h) as one compute op.
   void step(Model& model);
+  /// Flops and bytes of updating `elements` elements, for the simulated clock.
+  virtual OpCost update_cost(std::size_t elements) const;
 
   /// Elements of the index space this optimizer keeps state for.
   std::size_t state_size() const { return state_size_; }
@@ -110,6 +113,8 @@ class Sgd final : public Optimizer {
   void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
   /// {"momentum_buffer"} with momentum, else empty.
   std::vector<OptimizerState> state() override;
+  /// 2 flops and 12 bytes per element (read p and g, write p); with momentum 4 and 20.
+  OpCost update_cost(std::size_t elements) const override;
   /// The settings.
   const SgdOptions& options() const { return options_; }
 
@@ -132,6 +137,8 @@ class AdamW final : public Optimizer {
   void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
   /// {"exp_avg", "exp_avg_sq"}.
   std::vector<OptimizerState> state() override;
+  /// About 14 flops and 28 bytes per element (read and write p, m, v; read g).
+  OpCost update_cost(std::size_t elements) const override;
   /// The settings.
   const AdamWOptions& options() const { return options_; }
 

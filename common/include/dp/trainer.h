@@ -45,6 +45,10 @@ struct TrainOptions {
   float weight_decay = 0.0f;            ///< decoupled for AdamW, L2 for SGD
   std::uint64_t seed = 0;               ///< initial weights and data order
   int log_every = 10;                   ///< report every this many steps (and the last)
+  /// Data-parallel: issue each gradient's all-reduce from its gradient-ready hook, during
+  /// backward, so that communication overlaps the rest of backward (the same all-reduces,
+  /// so the same bits, in reverse parameter order); otherwise all after backward.
+  bool overlap = false;
 };
 
 /// One line of training progress.
@@ -53,6 +57,9 @@ struct StepReport {
   float loss = 0;                 ///< mean loss over the global batch
   float accuracy = 0;             ///< fraction of the global batch classified right
   double samples_per_second = 0;  ///< global samples per wall-clock second since the last report
+  /// Data-parallel: mean seconds per step since the last report on `comm.clock()` (the
+  /// simulated step time when the simulation is on); 0 in a single process.
+  double clock_seconds_per_step = 0;
 };
 
 /// What a training run leaves behind.
@@ -81,6 +88,8 @@ TrainResult train_single_process(const TrainOptions& options, const Dataset& dat
 /// Trains on every rank of `comm`: rank r takes rows [r B/N, (r+1) B/N) of each global
 /// batch, gradients are averaged with one all-reduce per parameter, and rank 0's initial
 /// weights are broadcast first. `global_batch` must be a multiple of the world size.
+/// `comm.clock().mark_step()` is called after the broadcast and after every step, so
+/// `summarize_steps(comm.clock().trace())` gives one summary per step.
 /// A NaN or infinite gradient throws `dp::Error` naming the parameter, element, rank
 /// and step.
 TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data,

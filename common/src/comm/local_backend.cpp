@@ -16,6 +16,11 @@
 // exact: a deadlock is declared when every rank waits on a call, no communication
 // thread can make progress and no transfer is in flight. Data is moved outside the
 // lock.
+//
+// With `LaunchOptions::simulation` enabled, a `VirtualNetwork` (virtual_network.h) keeps
+// each call's virtual times beside the data movement: a call is complete for `wait()` once
+// its data has moved and its virtual completion time is known, and `wait()` then moves
+// the rank's simulated clock to that time. Data moves exactly as without the simulation.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -32,13 +37,15 @@
 
 #include "comm/backends.h"
 #include "comm/call_log.h"
+#include "comm/virtual_network.h"
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/memory.h"
 
 namespace dp::detail {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using WallTime = std::chrono::steady_clock;
 
 /// The shared state of one call, referred to by its `Work` handle.
 struct Operation {
@@ -52,6 +59,8 @@ struct Operation {
   int root = -1;
   bool done = false;
   std::exception_ptr error;
+  VirtualCall timing;  // simulated times (when the simulation is on)
+  bool ready = false;  // done and, when simulated, its completion time known
 };
 
 /// Element range [begin, end) of chunk `index` when `count` elements are split `parts` ways.
@@ -154,6 +163,7 @@ class LocalCommunicator final : public Communicator {
   void barrier() override;
   CommCounters counters() const override;
   void reset_counters() override;
+  Clock& clock() override;
 
  private:
   LocalWorld& world_;
@@ -177,11 +187,15 @@ class LocalWork final : public Work {
 /// The ranks of one `launch`, their communication threads and everything they share.
 class LocalWorld {
  public:
-  LocalWorld(int size, CommOptions options);
+  LocalWorld(int size, CommOptions options, const SimulationOptions& simulation);
   ~LocalWorld();
 
   int size() const { return size_; }
   Communicator& communicator(int rank) { return *ranks_[rank].communicator; }
+  /// The rank's clock: simulated when the simulation is on, else a wall clock.
+  Clock& clock(int rank);
+  /// The rank's simulated clock, or nullptr without simulation.
+  Clock* simulated_clock(int rank);
 
   /// Issues a point-to-point call; matches it with the peer's if that one is waiting.
   std::shared_ptr<Operation> post_point_to_point(std::shared_ptr<Operation> operation, int peer,
@@ -190,8 +204,10 @@ class LocalWorld {
   std::shared_ptr<Operation> post_collective(std::shared_ptr<Operation> operation);
   /// Blocks the calling rank until `operation` completes; throws its error.
   void wait(Operation& operation);
-  /// True once `operation` completed.
+  /// `Work::test()`: true once `operation` completed (simulated: by the rank's clock).
   bool test(const Operation& operation);
+  /// True once `operation` completed (simulated: its completion time is known).
+  bool is_ready(const Operation& operation);
   /// Waits for `operation` without throwing (for destructors).
   void wait_quietly(Operation& operation);
 
@@ -236,6 +252,10 @@ class LocalWorld {
   void transfer(const std::shared_ptr<Operation>& send, const std::shared_ptr<Operation>& receive,
                 std::unique_lock<std::mutex>& lock);
   void complete(Operation& operation, std::exception_ptr error);
+  // Simulation: what follows a change of virtual state (caller holds mutex_).
+  void issue_virtual(Operation& operation, std::uint64_t link_bytes);
+  void settle();
+  void mark_ready_if_complete(Operation& operation);
   std::optional<std::string> find_mismatch(std::uint64_t sequence,
                                            const CollectiveSlot& slot) const;
   void check_for_deadlock();
@@ -246,6 +266,8 @@ class LocalWorld {
   const int size_;
   const CommOptions options_;
   mutable std::mutex mutex_;
+  std::unique_ptr<VirtualNetwork> network_;              // null without simulation
+  std::vector<std::unique_ptr<WallClock>> wall_clocks_;  // without simulation
   std::condition_variable changed_;
   std::vector<Rank> ranks_;
   std::map<std::uint64_t, CollectiveSlot> slots_;  // by collective sequence number
@@ -256,11 +278,16 @@ class LocalWorld {
   std::optional<std::string> abort_reason_;
 };
 
-LocalWorld::LocalWorld(int size, CommOptions options)
+LocalWorld::LocalWorld(int size, CommOptions options, const SimulationOptions& simulation)
     : size_(size),
       options_(options),
       ranks_(static_cast<std::size_t>(size)),
       next_sequence_(static_cast<std::size_t>(size), 0) {
+  if (simulation.enabled) {
+    network_ = std::make_unique<VirtualNetwork>(size, simulation, mutex_);
+  } else {
+    for (int r = 0; r < size_; ++r) wall_clocks_.push_back(std::make_unique<WallClock>(r, false));
+  }
   for (int r = 0; r < size_; ++r) {
     ranks_[r].communicator = std::make_unique<LocalCommunicator>(*this, r);
     ranks_[r].counters.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);
@@ -291,6 +318,7 @@ void LocalWorld::abort(const std::string& reason) {
 void LocalWorld::abort_locked(const std::string& reason) {
   if (abort_reason_) return;  // the first reason is the root cause
   abort_reason_ = reason;
+  if (network_) network_->clear();  // no more virtual times: every pending call will fail
   // Unmatched messages will never match now; collectives are ended by the comm threads.
   const auto error = std::make_exception_ptr(CommError(reason));
   for (auto& [key, mailbox] : mailboxes_) {
@@ -304,7 +332,87 @@ void LocalWorld::abort_locked(const std::string& reason) {
 void LocalWorld::mark_finished(int rank) {
   std::lock_guard lock(mutex_);
   ranks_[rank].finished = true;
+  if (network_) {
+    network_->finish(rank);
+    settle();
+  }
   check_for_deadlock();
+}
+
+Clock& LocalWorld::clock(int rank) {
+  if (network_) return network_->clock(rank);
+  return *wall_clocks_[static_cast<std::size_t>(rank)];
+}
+
+Clock* LocalWorld::simulated_clock(int rank) {
+  return network_ ? &network_->clock(rank) : nullptr;
+}
+
+void LocalWorld::issue_virtual(Operation& operation, std::uint64_t link_bytes) {
+  // Caller holds mutex_ and runs on the issuing rank's thread.
+  VirtualCall& timing = operation.timing;
+  timing.owner = &operation;
+  timing.rank = operation.rank;
+  timing.op = operation.op;
+  timing.link_bytes = link_bytes;
+  timing.wall_issue = WallTime::now();
+  switch (operation.op) {
+    case CommOp::kSend:
+      timing.bytes = operation.input.bytes();
+      network_->issue_send(timing);
+      return;
+    case CommOp::kRecv:
+      timing.bytes = operation.output.bytes();
+      network_->issue_receive(timing);
+      return;
+    case CommOp::kReduceScatter: timing.bytes = operation.input.bytes(); break;
+    default: timing.bytes = operation.output.bytes(); break;  // the whole array
+  }
+  network_->issue_collective(timing);
+}
+
+void LocalWorld::settle() {
+  // Caller holds mutex_: commit what can be committed, then finish the calls whose data
+  // had already moved.
+  network_->advance();
+  for (VirtualCall* call : network_->take_determined())
+    mark_ready_if_complete(*static_cast<Operation*>(call->owner));
+}
+
+void LocalWorld::mark_ready_if_complete(Operation& operation) {
+  // Caller holds mutex_.
+  if (operation.ready || !operation.done) return;
+  if (network_ && !operation.error && !operation.timing.determined) return;
+  operation.ready = true;
+  Rank& owner = ranks_[operation.rank];
+  if (network_ && operation.error) network_->forget(operation.timing);
+  if (network_ && !operation.error) {
+    const VirtualCall& timing = operation.timing;
+    SimClock& clock = network_->clock(operation.rank);
+    TraceEvent event;
+    switch (operation.op) {
+      case CommOp::kSend: event.name = fmt::format("send to {}", timing.peer); break;
+      case CommOp::kRecv: event.name = fmt::format("recv from {}", timing.peer); break;
+      default: event.name = std::string(to_string(operation.op)); break;
+    }
+    const bool point_to_point = operation.op == CommOp::kSend || operation.op == CommOp::kRecv;
+    const bool across =
+        point_to_point && network_->options().network.crosses_nodes(operation.rank, timing.peer);
+    if (operation.op == CommOp::kRecv)
+      event.lane = across ? TraceLane::kInterNodeReceive : TraceLane::kReceive;
+    else
+      event.lane = across ? TraceLane::kInterNodeSend : TraceLane::kSend;
+    event.start = timing.start;
+    event.duration = timing.end - timing.start;
+    event.wall_start = clock.wall_seconds(timing.wall_issue);
+    event.wall_duration =
+        std::chrono::duration<double>(WallTime::now() - timing.wall_issue).count();
+    event.bytes = timing.link_bytes;
+    event.peer = timing.peer;
+    clock.record_communication(std::move(event));
+  }
+  if (owner.blocked_on == operation.call_index) owner.blocked_on.reset();
+  changed_.notify_all();
 }
 
 CommCounters LocalWorld::counters(int rank) const {
@@ -324,10 +432,11 @@ void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
   // Caller holds mutex_.
   operation.done = true;
   operation.error = std::move(error);
-  Rank& owner = ranks_[operation.rank];
-  owner.log.complete(operation.call_index);
-  if (owner.blocked_on == operation.call_index) owner.blocked_on.reset();
-  changed_.notify_all();
+  ranks_[operation.rank].log.complete(operation.call_index);
+  mark_ready_if_complete(operation);  // notifies the waiters when the call is ready
+  // Simulated, the data can move before the call's time is known: then only the wait
+  // after an abort (for the data, see wait()) needs to hear of it.
+  if (!operation.ready && abort_reason_) changed_.notify_all();
 }
 
 std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Operation> operation,
@@ -351,16 +460,29 @@ std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Opera
     self.counters.bytes_received_from[peer] += bytes;
   }
 
+  if (network_) {
+    operation->timing.peer = peer;
+    issue_virtual(*operation, bytes);
+  }
+
   const int source = is_send ? operation->rank : peer;
   const int destination = is_send ? peer : operation->rank;
   Mailbox& mailbox = mailboxes_[{source, destination, tag}];
   auto& waiting_matches = is_send ? mailbox.receives : mailbox.sends;
   if (waiting_matches.empty()) {
     (is_send ? mailbox.sends : mailbox.receives).push_back(operation);
+    if (network_) settle();
     return operation;
   }
   std::shared_ptr<Operation> match = waiting_matches.front();
   waiting_matches.pop_front();
+  if (network_) {
+    if (is_send)
+      network_->match(operation->timing, match->timing);
+    else
+      network_->match(match->timing, operation->timing);
+    settle();
+  }
   if (is_send) {
     transfer(operation, match, lock);
   } else {
@@ -453,6 +575,12 @@ std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation
     counted.bytes_received += from_peer[peer] * element;
     self.counters.bytes_sent_to[peer] += to_peer[peer] * element;
     self.counters.bytes_received_from[peer] += from_peer[peer] * element;
+  }
+  if (network_) {
+    std::uint64_t link_bytes = 0;
+    for (int peer = 0; peer < p; ++peer) link_bytes += (to_peer[peer] + from_peer[peer]) * element;
+    issue_virtual(*operation, link_bytes);
+    settle();
   }
 
   self.collective_queue.push_back(operation);
@@ -628,16 +756,38 @@ std::string LocalWorld::hang_report(const std::string& headline) const {
 
 void LocalWorld::wait(Operation& operation) {
   std::unique_lock lock(mutex_);
-  if (operation.done) {
+  // On the simulated clock, returning moves the rank's compute time to the completion.
+  const auto finish = [&] {
     if (operation.error) std::rethrow_exception(operation.error);
-    return;
+    if (network_) {
+      network_->clock(operation.rank).advance_to(operation.timing.completion);
+      network_->block(operation.rank, nullptr);
+      network_->publish(operation.rank);
+      settle();
+    }
+  };
+  if (network_ && !operation.ready) {
+    network_->publish(operation.rank);
+    network_->block(operation.rank, &operation.timing);
+    settle();
   }
+  // The call usually needs only the peers' next few steps (a matching send, the last
+  // rank of a collective, the simulation's commit): on a machine with fewer cores than
+  // threads, yielding to them a few times is cheaper than sleeping and being woken.
+  if (!operation.ready) {
+    for (int i = 0; i < 8 && !operation.ready && !abort_reason_; ++i) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+  }
+  if (operation.ready) return finish();
   Rank& self = ranks_[operation.rank];
   self.blocked_on = operation.call_index;
   check_for_deadlock();
-  const auto deadline = Clock::now() + options_.hang_timeout;
+  const auto deadline = WallTime::now() + options_.hang_timeout;
   const bool finished = changed_.wait_until(
-      lock, deadline, [&] { return operation.done || abort_reason_.has_value(); });
+      lock, deadline, [&] { return operation.ready || abort_reason_.has_value(); });
   self.blocked_on.reset();
   if (!finished) {
     const double seconds = std::chrono::duration<double>(options_.hang_timeout).count();
@@ -652,7 +802,12 @@ void LocalWorld::wait(Operation& operation) {
   // After an abort every call completes soon (with an error, unless its data was already
   // moving): waiting for that keeps a peer from reading a buffer this rank unwinds.
   changed_.wait(lock, [&] { return operation.done; });
-  if (operation.error) std::rethrow_exception(operation.error);
+  if (abort_reason_ && !operation.ready) {
+    // Its data moved but it will never get a virtual time: report the abort.
+    if (network_) network_->block(operation.rank, nullptr);
+    if (!operation.error) throw CommError(*abort_reason_);
+  }
+  finish();
 }
 
 void LocalWorld::wait_quietly(Operation& operation) {
@@ -663,9 +818,18 @@ void LocalWorld::wait_quietly(Operation& operation) {
   }
 }
 
+bool LocalWorld::is_ready(const Operation& operation) {
+  std::lock_guard lock(mutex_);
+  return operation.ready;
+}
+
 bool LocalWorld::test(const Operation& operation) {
   std::lock_guard lock(mutex_);
-  return operation.done;
+  if (!network_) return operation.done;
+  network_->publish(operation.rank);
+  settle();
+  return operation.ready &&
+         (operation.error || operation.timing.completion <= network_->clock(operation.rank).now());
 }
 
 // --- LocalWork and LocalCommunicator ------------------------------------------------------
@@ -673,7 +837,7 @@ bool LocalWorld::test(const Operation& operation) {
 LocalWork::~LocalWork() {
   // An exception is leaving the rank's function while this call is in flight: end the
   // other ranks' calls now instead of letting them wait for a rank that is gone.
-  if (std::uncaught_exceptions() > 0 && !world_.test(*operation_))
+  if (std::uncaught_exceptions() > 0 && !world_.is_ready(*operation_))
     world_.abort(fmt::format(
         "dplab: aborted because rank {} failed (an exception left its function while {} was "
         "in flight)",
@@ -805,6 +969,10 @@ void LocalCommunicator::reset_counters() {
   world_.reset_counters(rank_);
 }
 
+Clock& LocalCommunicator::clock() {
+  return world_.clock(rank_);
+}
+
 bool is_abort_of_another_rank(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -819,13 +987,14 @@ bool is_abort_of_another_rank(const std::exception_ptr& error) {
 
 void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
   const int size = options.world_size;
-  LocalWorld world(size, options.comm);
+  LocalWorld world(size, options.comm, options.simulation);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(size));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(size));
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
       ScopedRankMemory bind(std::make_shared<RankMemory>());
+      ScopedClock bind_clock(world.simulated_clock(r));
       try {
         rank_main(world.communicator(r));
       } catch (const std::exception& e) {

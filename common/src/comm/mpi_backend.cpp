@@ -72,6 +72,7 @@
 
 #include "comm/backends.h"
 #include "comm/call_log.h"
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/memory.h"
 
@@ -372,6 +373,8 @@ class MpiCommunicator final : public Communicator {
   void barrier() override;
   CommCounters counters() const override;
   void reset_counters() override;
+  /// A wall clock: on real processes the time is the time.
+  Clock& clock() override { return *clock_; }
 
   /// Blocks until `call` completes; reports a hang after the timeout; throws its error.
   void wait(Collective& call);
@@ -433,6 +436,7 @@ class MpiCommunicator final : public Communicator {
   std::atomic<bool> watchdog_stopping_{false};
   std::thread progress_thread_;
   std::thread watchdog_thread_;
+  std::unique_ptr<WallClock> clock_;
 };
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, CommOptions options)
@@ -440,6 +444,7 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, CommOptions options)
   MPI_Comm_set_errhandler(collectives_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(collectives_, &rank_);
   MPI_Comm_size(collectives_, &size_);
+  clock_ = std::make_unique<WallClock>(rank_, false);
   for (MPI_Comm* dup : {&validation_, &p2p_, &watchdog_, &finish_})
     check_mpi(MPI_Comm_dup(collectives_, dup), "MPI_Comm_dup");
   counters_.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);

@@ -1,0 +1,255 @@
+// dplab bench-comm: lab 0's exercise. Sweeps message sizes over one communication op and
+// prints time, algbw and busbw the way NVIDIA's nccl-tests do (doc/PERFORMANCE.md), on
+// the simulated clock (--net) or the real one (local threads, or mpi processes):
+//
+//   dplab bench-comm -n 8 --net ib-ndr                 ring all-reduce on simulated NDR
+//   dplab bench-comm -n 8 --op sendrecv --alpha 5 --bandwidth 25
+//   dplab bench-comm -n 4                              the local backend's real speed
+//   dplab run -n 4 --backend mpi -- bench-comm         Open MPI processes
+//
+// algbw = S / t with S the whole array; busbw = algbw x 2(n-1)/n for all-reduce,
+// x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast and sendrecv. Students fit
+// alpha and beta to the times (t = a + b S); --fit prints the least-squares line and what
+// it means for the op's algorithm.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "dp/clock.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "simulation_options.h"
+
+namespace dp::cli {
+namespace {
+
+struct BenchArguments {
+  int world_size = 0;  // 0: 8 on local, every process under mpi
+  std::string backend = "local";
+  std::string op = "allreduce";
+  std::string min_bytes = "8";
+  std::string max_bytes = "256M";
+  int factor = 4;
+  int iterations = 5;
+  int warmup = 1;
+  bool fit = false;
+  SimulationArguments simulation;
+};
+
+const std::vector<std::string>& op_names() {
+  static const std::vector<std::string> names = {"allreduce", "reduce_scatter", "allgather",
+                                                 "broadcast", "sendrecv"};
+  return names;
+}
+
+/// "8", "4K", "256M", "1G" (binary multiples) -> bytes.
+std::size_t parse_size(const std::string& text) {
+  std::size_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, status] = std::from_chars(text.data(), end, value);
+  std::size_t multiplier = 1;
+  if (status == std::errc() && rest + 1 == end) {
+    switch (std::toupper(static_cast<unsigned char>(*rest))) {
+      case 'K': multiplier = std::size_t{1} << 10; break;
+      case 'M': multiplier = std::size_t{1} << 20; break;
+      case 'G': multiplier = std::size_t{1} << 30; break;
+      default: multiplier = 0; break;
+    }
+  }
+  if (status != std::errc() || value == 0 || multiplier == 0 || (rest != end && rest + 1 != end))
+    throw Error(
+        fmt::format("'{}' is not a size: expected a positive number of bytes, "
+                    "optionally with K, M or G (e.g. 256M)",
+                    text));
+  return value * multiplier;
+}
+
+double bus_factor(const std::string& op, int p) {
+  const double n = p;
+  if (op == "allreduce") return 2 * (n - 1) / n;
+  if (op == "reduce_scatter" || op == "allgather") return (n - 1) / n;
+  return 1.0;
+}
+
+/// The sizes of the sweep: min, min x factor, ..., up to max, each a multiple of 4 p bytes
+/// (whole float32 elements, equal shards).
+std::vector<std::size_t> sweep(const BenchArguments& args, int p) {
+  const std::size_t granule = 4 * static_cast<std::size_t>(p);
+  const std::size_t low = parse_size(args.min_bytes);
+  const std::size_t high = parse_size(args.max_bytes);
+  if (low > high)
+    throw Error(fmt::format("--min-bytes {} is larger than --max-bytes {}", low, high));
+  if (args.factor < 2) throw Error(fmt::format("--factor must be >= 2, got {}", args.factor));
+  std::vector<std::size_t> sizes;
+  for (std::size_t size = low; size <= high; size *= static_cast<std::size_t>(args.factor)) {
+    const std::size_t rounded = std::max(granule, (size + granule - 1) / granule * granule);
+    if (sizes.empty() || rounded != sizes.back()) sizes.push_back(rounded);
+    if (size > high / static_cast<std::size_t>(args.factor)) break;
+  }
+  return sizes;
+}
+
+/// One op of `bytes` on this rank's buffers.
+std::unique_ptr<Work> issue(const std::string& op, Communicator& comm, std::vector<float>& in,
+                            std::vector<float>& out, std::size_t elements,
+                            std::vector<std::unique_ptr<Work>>& extra) {
+  const int p = comm.size();
+  const std::size_t shard = elements / static_cast<std::size_t>(p);
+  const std::span<float> whole(in.data(), elements);
+  if (op == "allreduce") return comm.allreduce(whole, ReduceOp::kSum);
+  if (op == "reduce_scatter")
+    return comm.reduce_scatter(whole, std::span<float>(out.data(), shard), ReduceOp::kSum);
+  if (op == "allgather")
+    return comm.allgather(std::span<float>(in.data(), shard),
+                          std::span<float>(out.data(), elements));
+  if (op == "broadcast") return comm.broadcast(whole, 0);
+  // sendrecv: every rank sends to the next and receives from the previous (a ring step).
+  const int r = comm.rank();
+  extra.push_back(comm.isend(whole, (r + 1) % p, 7));
+  return comm.irecv(std::span<float>(out.data(), elements), (r + p - 1) % p, 7);
+}
+
+struct Row {
+  std::size_t bytes;
+  double seconds;
+};
+
+/// Least-squares line t = a + b S through the rows.
+std::pair<double, double> fit_line(const std::vector<Row>& rows) {
+  const double n = static_cast<double>(rows.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const Row& row : rows) {
+    const double x = static_cast<double>(row.bytes);
+    sx += x;
+    sy += row.seconds;
+    sxx += x * x;
+    sxy += x * row.seconds;
+  }
+  const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+  return {(sy - slope * sx) / n, slope};
+}
+
+void print_fit(const std::string& op, int p, const std::vector<Row>& rows) {
+  if (rows.size() < 2) return;
+  const auto [a, b] = fit_line(rows);
+  // What a and b are in the algorithm's alpha-beta model (dp/clock.h):
+  //   ring all-reduce 2(p-1) alpha + 2(p-1)/p S beta; ring reduce-scatter and all-gather
+  //   (p-1) alpha + (p-1)/p S beta; binomial broadcast ceil(lg p) (alpha + S beta);
+  //   sendrecv alpha + S beta.
+  double messages = 1;
+  double volume = 1;
+  if (op == "allreduce") {
+    messages = 2.0 * (p - 1);
+    volume = 2.0 * (p - 1) / p;
+  } else if (op == "reduce_scatter" || op == "allgather") {
+    messages = p - 1;
+    volume = static_cast<double>(p - 1) / p;
+  } else if (op == "broadcast") {
+    messages = volume = std::ceil(std::log2(static_cast<double>(p)));
+  }
+  fmt::print("# fit: t = {:.4g} us + S x {:.4g} ns/B over {} sizes\n", a * 1e6, b * 1e9,
+             rows.size());
+  if (p > 1 && b > 0)
+    fmt::print("# as the {} model: alpha = {:.4g} us, beta = {:.4g} ns/B (bandwidth {:.4g} GB/s)\n",
+               op, a / messages * 1e6, b / volume * 1e9, volume / b / 1e9);
+}
+
+void run_bench(const BenchArguments& args) {
+  if (std::find(op_names().begin(), op_names().end(), args.op) == op_names().end())
+    throw Error(
+        fmt::format("unknown --op '{}': expected one of {}", args.op, fmt::join(op_names(), ", ")));
+  if (args.iterations < 1) throw Error("--iters must be at least 1");
+  LaunchOptions options;
+  options.backend = parse_backend(args.backend);
+  options.simulation = simulation_options(args.simulation);
+  if (options.simulation.enabled && options.backend != Backend::kLocal)
+    throw Error("--net simulates the local backend; on mpi the clock is the wall clock");
+  int world_size = args.world_size;
+  if (options.backend == Backend::kMpi) {
+    if (!started_by_mpi())
+      throw Error(
+          "--backend mpi: start the ranks with `dplab run -n N --backend mpi -- bench-comm`");
+    if (world_size == 0) world_size = mpi_world_size();
+  }
+  if (world_size == 0) world_size = 8;
+  options.world_size = world_size;
+  if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
+  const std::vector<std::size_t> sizes = sweep(args, world_size);
+  const bool prints = mpi_world_rank() == 0;
+  const std::string clock = options.simulation.enabled
+                                ? "simulated clock: " + options.simulation.describe()
+                                : fmt::format("wall clock, {} backend", args.backend);
+  if (prints) {
+    fmt::print("# dplab bench-comm: {} on {} ranks, {}\n", args.op, world_size, clock);
+    fmt::print("# time: mean of {} iterations after {} warm-up, slowest rank\n", args.iterations,
+               args.warmup);
+    fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>12} {:>12} {:>12}\n", "size(B)", "count", "type",
+               "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+  }
+  std::vector<Row> rows;
+  launch(options, [&](Communicator& comm) {
+    const std::size_t largest = sizes.back() / sizeof(float);
+    std::vector<float> in(largest, 1.0f);
+    std::vector<float> out(largest, 0.0f);
+    for (std::size_t bytes : sizes) {
+      const std::size_t elements = bytes / sizeof(float);
+      double start = 0;
+      for (int i = 0; i < args.warmup + args.iterations; ++i) {
+        if (i == args.warmup) {
+          comm.barrier();
+          start = comm.clock().now();
+        }
+        std::vector<std::unique_ptr<Work>> extra;
+        issue(args.op, comm, in, out, elements, extra)->wait();
+        for (auto& work : extra) work->wait();
+      }
+      // The slowest rank's time (float: microseconds to 7 digits are plenty here).
+      std::vector<float> elapsed = {
+          static_cast<float>((comm.clock().now() - start) / args.iterations * 1e6)};
+      comm.allreduce(std::span(elapsed), ReduceOp::kMax)->wait();
+      if (comm.rank() != 0) continue;
+      const double seconds = static_cast<double>(elapsed[0]) * 1e-6;
+      const double algbw = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
+      if (prints)
+        fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>12.2f} {:>12.3f} {:>12.3f}\n", bytes, elements,
+                   "float", args.op == "allreduce" || args.op == "reduce_scatter" ? "sum" : "none",
+                   seconds * 1e6, algbw, algbw * bus_factor(args.op, comm.size()));
+      rows.push_back({bytes, seconds});
+    }
+  });
+  if (prints && args.fit) print_fit(args.op, world_size, rows);
+}
+
+}  // namespace
+
+void add_bench_comm_command(CLI::App& app) {
+  auto args = std::make_shared<BenchArguments>();
+  CLI::App* bench = app.add_subcommand(
+      "bench-comm", "Sweep message sizes over one op and print algbw and busbw (nccl-tests style)");
+  bench->add_option("-n,--world-size", args->world_size,
+                    "Ranks (default: 8 on local, every process under mpi)");
+  bench->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
+  bench->add_option("--op", args->op, fmt::format("The op: {}", fmt::join(op_names(), ", ")))
+      ->capture_default_str();
+  bench->add_option("--min-bytes", args->min_bytes, "Smallest size (K, M, G suffixes)")
+      ->capture_default_str();
+  bench->add_option("--max-bytes", args->max_bytes, "Largest size (K, M, G suffixes)")
+      ->capture_default_str();
+  bench->add_option("--factor", args->factor, "Each size is this many times the last")
+      ->capture_default_str();
+  bench->add_option("--iters", args->iterations, "Timed iterations per size")
+      ->capture_default_str();
+  bench->add_option("--warmup", args->warmup, "Untimed iterations per size")->capture_default_str();
+  bench->add_flag("--fit", args->fit, "Print the least-squares fit t = a + b S");
+  add_simulation_options(*bench, args->simulation);
+  bench->callback([args] { run_bench(*args); });
+}
+
+}  // namespace dp::cli

@@ -1,0 +1,73 @@
+#include "simulation_options.h"
+
+#include <fmt/format.h>
+
+#include "dp/error.h"
+
+namespace dp::cli {
+
+void add_simulation_options(CLI::App& command, SimulationArguments& args) {
+  const std::string nets = fmt::format("{}", fmt::join(NetworkModel::preset_names(), ", "));
+  command
+      .add_option("--net", args.net,
+                  fmt::format("Simulate time on this network (local backend): {}", nets))
+      ->group("Simulated clock");
+  command
+      .add_option("--alpha", args.alpha_us,
+                  "Simulated latency per message in microseconds (overrides --net's)")
+      ->group("Simulated clock");
+  command
+      .add_option("--bandwidth", args.bandwidth_gbps,
+                  "Simulated link bandwidth per direction in GB/s (overrides --net's)")
+      ->group("Simulated clock");
+  command
+      .add_option("--ranks-per-node", args.ranks_per_node,
+                  "Two levels: this many ranks per node on --intra-net, nodes on --net")
+      ->group("Simulated clock");
+  command.add_option("--intra-net", args.intra_net, "The network inside a node (two levels)")
+      ->capture_default_str()
+      ->group("Simulated clock");
+  command
+      .add_option("--device", args.device,
+                  fmt::format("Simulated device: {}", fmt::join(DeviceModel::preset_names(), ", ")))
+      ->capture_default_str()
+      ->group("Simulated clock");
+  command
+      .add_option("--compute", args.compute,
+                  "roofline (deterministic) or measured (thread CPU time)")
+      ->capture_default_str()
+      ->group("Simulated clock");
+}
+
+SimulationOptions simulation_options(const SimulationArguments& args) {
+  SimulationOptions options;
+  const bool custom = args.alpha_us >= 0 || args.bandwidth_gbps >= 0;
+  options.enabled = !args.net.empty() || custom;
+  if (!options.enabled) return options;
+  if (!args.net.empty()) options.network = NetworkModel::preset(args.net);
+  if (custom) options.network.name = args.net.empty() ? "custom" : args.net + " (modified)";
+  if (args.alpha_us >= 0) options.network.fabric.alpha_seconds = args.alpha_us * 1e-6;
+  if (args.bandwidth_gbps >= 0) {
+    if (args.bandwidth_gbps == 0) throw Error("--bandwidth must be positive, got 0");
+    options.network.fabric.bytes_per_second = args.bandwidth_gbps * 1e9;
+  }
+  if (args.ranks_per_node < 0)
+    throw Error(fmt::format("--ranks-per-node must be >= 0, got {}", args.ranks_per_node));
+  if (args.ranks_per_node > 0) {
+    // Nodes talk over --net (with its overrides); ranks of a node over --intra-net.
+    options.network.inter_node = options.network.fabric;
+    options.network.fabric = NetworkModel::preset(args.intra_net).fabric;
+    options.network.ranks_per_node = args.ranks_per_node;
+  }
+  options.device = DeviceModel::preset(args.device);
+  if (args.compute == "roofline")
+    options.compute = ComputeModel::kRoofline;
+  else if (args.compute == "measured")
+    options.compute = ComputeModel::kMeasured;
+  else
+    throw Error(
+        fmt::format("unknown --compute '{}': expected 'roofline' or 'measured'", args.compute));
+  return options;
+}
+
+}  // namespace dp::cli

@@ -1,0 +1,36 @@
+// simulation_options.h: the command-line options of the simulated interconnect and clock,
+// shared by `dplab train` and `dplab bench-comm`.
+//
+//   --net ib-ndr                        simulate InfiniBand NDR between all ranks
+//   --alpha 5 --bandwidth 25            a custom fabric: 5 us per message, 25 GB/s
+//   --net 100gbe --ranks-per-node 4     two levels: 4 ranks per node on NVLink
+//                                       (--intra-net), nodes on 100 GbE
+//   --device h100 --compute measured    the compute model
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "dp/clock.h"
+
+namespace dp::cli {
+
+/// What the simulation options hold before they are turned into `SimulationOptions`.
+struct SimulationArguments {
+  std::string net;                   ///< network preset; empty: no simulation
+  double alpha_us = -1;              ///< custom latency in microseconds (< 0: the preset's)
+  double bandwidth_gbps = -1;        ///< custom bandwidth in GB/s (< 0: the preset's)
+  int ranks_per_node = 0;            ///< two levels when > 0
+  std::string intra_net = "nvlink";  ///< the fabric inside a node (two levels)
+  std::string device = "a100";       ///< device preset
+  std::string compute = "roofline";  ///< roofline or measured
+};
+
+/// Adds --net, --alpha, --bandwidth, --ranks-per-node, --intra-net, --device and --compute.
+void add_simulation_options(CLI::App& command, SimulationArguments& args);
+
+/// The simulation the arguments ask for: enabled when --net, --alpha or --bandwidth is
+/// given. Throws `dp::Error` on unknown names or values out of range.
+SimulationOptions simulation_options(const SimulationArguments& args);
+
+}  // namespace dp::cli

@@ -1,0 +1,209 @@
+// clock.h: each rank's clock, and the cost model of the simulated interconnect.
+//
+// Wall-clock speedups mean nothing when four ranks share two cores, so the local backend
+// can simulate time. Each rank then has a virtual clock with two timelines:
+//
+//   compute        advanced by each compute op: on the roofline model of a `DeviceModel`,
+//                  time = max(flops / rate, bytes / bandwidth) + launch cost, or by the
+//                  op's measured thread CPU time (`ComputeModel::kMeasured`)
+//   communication  the rank's link (one NIC, full duplex, each direction serialised):
+//                  a message of n bytes costs alpha + n / bandwidth (`LinkModel`)
+//
+// An asynchronous call is issued at the rank's current compute time onto the link;
+// `Work::wait()` moves the compute time to the call's completion. A message from s to d
+// starts at max(issue time, s's send direction free, d's receive direction free). A native
+// collective starts when every rank has issued it and every link is free, and is charged
+// by its algorithm: ring all-reduce 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter
+// and all-gather (p-1) (alpha + n/p / bandwidth) with n the whole array, binomial-tree
+// broadcast ceil(lg p) (alpha + n / bandwidth), dissemination barrier ceil(lg p) alpha.
+// Reductions are not charged (gamma = 0). The simulation only accounts time: results are
+// bitwise those of an unsimulated run, and the virtual times never depend on thread
+// timing, so two runs give the same clocks on any machine.
+//
+// On the mpi backend (and with the simulation off) `Communicator::clock()` is a wall clock.
+//
+// Example:
+//
+//   dp::LaunchOptions options{.world_size = 8};
+//   options.simulation = dp::SimulationOptions::preset("ib-ndr");
+//   dp::launch(options, [](dp::Communicator& comm) {
+//     std::vector<float> grad(1 << 20, 1.0f);
+//     auto work = comm.allreduce(std::span(grad), dp::ReduceOp::kAvg);
+//     comm.clock().compute("backward", 0.005);      // 5 ms of compute hide the all-reduce
+//     work->wait();
+//     double seconds = comm.clock().now();           // 0.005: no exposed communication
+//   });
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "dp/layer.h"
+#include "dp/trace.h"
+
+namespace dp {
+
+/// Speed of one compute device, for the roofline model.
+struct DeviceModel {
+  std::string name = "a100";           ///< preset name, or "custom"
+  double flops_per_second = 19.5e12;   ///< peak float32 rate
+  double bytes_per_second = 1.555e12;  ///< memory bandwidth
+  double launch_seconds = 4e-6;        ///< fixed cost of every op (a kernel launch)
+
+  /// max(cost.flops / flops_per_second, cost.bytes / bytes_per_second) + launch_seconds.
+  double time_of(const OpCost& cost) const;
+  /// A preset by name: "a100", "h100" or "cpu"; throws `dp::Error` listing them otherwise.
+  static DeviceModel preset(std::string_view name);
+  /// The preset names.
+  static std::vector<std::string> preset_names();
+};
+
+/// One fabric: latency and bandwidth of each message.
+struct LinkModel {
+  double alpha_seconds = 1e-6;     ///< latency per message
+  double bytes_per_second = 50e9;  ///< bandwidth of each direction of a link (1/beta)
+
+  /// alpha + bytes / bandwidth.
+  double time_of(double bytes) const { return alpha_seconds + bytes / bytes_per_second; }
+};
+
+/// The interconnect: one fabric, or two levels (ranks of a node on a fast fabric, nodes on
+/// a slower one).
+struct NetworkModel {
+  std::string name = "ib-ndr";  ///< preset name, or "custom"
+  LinkModel fabric;             ///< between any two ranks (within a node when two-level)
+  LinkModel inter_node;         ///< between nodes (used only when ranks_per_node > 0)
+  int ranks_per_node = 0;       ///< 0: one flat fabric; k: ranks [k i, k (i+1)) form node i
+
+  /// True when ranks `a` and `b` talk over `inter_node`.
+  bool crosses_nodes(int a, int b) const;
+  /// The fabric a message from `a` to `b` crosses.
+  const LinkModel& link_between(int a, int b) const;
+  /// The slowest fabric a ring over `world_size` ranks crosses (a flat ring is paced by it).
+  const LinkModel& slowest_link(int world_size) const;
+  /// A preset by name: "nvlink", "ib-ndr", "100gbe" or "10gbe"; throws `dp::Error` listing
+  /// them otherwise.
+  static NetworkModel preset(std::string_view name);
+  /// The preset names.
+  static std::vector<std::string> preset_names();
+  /// "ib-ndr (alpha 1 us, 50 GB/s)", with the inter-node fabric when two-level.
+  std::string describe() const;
+};
+
+/// How the simulated clock charges compute.
+enum class ComputeModel {
+  kRoofline,  ///< deterministic: `DeviceModel::time_of` each op's flops and bytes
+  kMeasured,  ///< the op's thread CPU time on this machine (not reproducible)
+};
+
+/// The simulated interconnect and clock of the local backend (ignored by mpi).
+struct SimulationOptions {
+  bool enabled = false;                            ///< simulate time (off: wall clock)
+  NetworkModel network;                            ///< latency and bandwidth
+  DeviceModel device;                              ///< compute speed (roofline)
+  ComputeModel compute = ComputeModel::kRoofline;  ///< how compute is charged
+  bool record_trace = true;                        ///< keep every op as a `TraceEvent`
+
+  /// Enabled, on network preset `network`, with the default device.
+  static SimulationOptions preset(std::string_view network);
+  /// "ib-ndr (alpha 1 us, 50 GB/s); device a100 (19.5 TFLOP/s, 1555 GB/s, launch 4 us);
+  /// roofline".
+  std::string describe() const;
+};
+
+/// A reading taken when a compute op starts, handed back when it ends.
+struct ComputeStart {
+  std::chrono::steady_clock::time_point wall;  ///< wall time at the start
+  std::int64_t cpu_ns = 0;                     ///< thread CPU time at the start (measured mode)
+};
+
+/// One rank's clock: simulated on the local backend, wall time otherwise.
+class Clock {
+ public:
+  virtual ~Clock() = default;
+
+  /// True for the simulated clock.
+  virtual bool simulated() const = 0;
+  /// The compute timeline: seconds since the launch began (virtual when simulated).
+  virtual double now() const = 0;
+  /// When the rank's link is next free, as far as the simulation has placed calls on it
+  /// so far (simulated: this may grow as peers' calls are placed; else `now()`).
+  virtual double link_free() const = 0;
+
+  /// Reads the clocks a compute op needs at its start.
+  virtual ComputeStart start_compute() const = 0;
+  /// Ends a compute op started at `start`: charges it (simulated) and records it as
+  /// "<name> <phase>" (e.g. "fc1 forward") when tracing.
+  virtual void finish_compute(const ComputeStart& start, std::string_view name,
+                              std::string_view phase, const OpCost& cost) = 0;
+  /// Charges `seconds` of compute called `name` (simulated; a wall clock records it only).
+  virtual void compute(std::string_view name, double seconds) = 0;
+  /// Marks the end of a training step (and the start of the next) at `now()`.
+  virtual void mark_step() = 0;
+  /// A copy of what this clock recorded. Call it from the rank's own thread.
+  virtual RankTrace trace() const = 0;
+};
+
+/// The clock bound to the calling thread (a rank's thread inside `dp::launch` when the
+/// simulation is on), or nullptr: then compute is not charged.
+Clock* this_thread_clock();
+
+/// Binds a clock to the calling thread for the lifetime of this object.
+class ScopedClock {
+ public:
+  /// Binds `clock` (may be nullptr) until destruction, then restores the previous binding.
+  explicit ScopedClock(Clock* clock);
+  ~ScopedClock();
+  ScopedClock(const ScopedClock&) = delete;
+  ScopedClock& operator=(const ScopedClock&) = delete;
+
+ private:
+  Clock* previous_;
+};
+
+/// Runs `op()` as one compute op "<name> <phase>" of `cost` on the calling thread's clock;
+/// without a clock it just runs `op()`. Returns what `op()` returns.
+template <typename Op>
+decltype(auto) timed_compute(std::string_view name, std::string_view phase, const OpCost& cost,
+                             Op&& op) {
+  Clock* clock = this_thread_clock();
+  if (clock == nullptr) return std::forward<Op>(op)();
+  const ComputeStart start = clock->start_compute();
+  if constexpr (std::is_void_v<decltype(std::forward<Op>(op)())>) {
+    std::forward<Op>(op)();
+    clock->finish_compute(start, name, phase, cost);
+  } else {
+    decltype(auto) result = std::forward<Op>(op)();
+    clock->finish_compute(start, name, phase, cost);
+    return result;
+  }
+}
+
+/// A wall clock: `now()` is wall seconds since construction; compute is recorded, never
+/// charged. The clock of the mpi backend and of the local backend without simulation.
+class WallClock final : public Clock {
+ public:
+  /// A clock whose time 0 is now; records events only when `record_trace`.
+  WallClock(int rank, bool record_trace);
+  bool simulated() const override { return false; }
+  double now() const override;
+  double link_free() const override { return now(); }
+  ComputeStart start_compute() const override;
+  void finish_compute(const ComputeStart& start, std::string_view name, std::string_view phase,
+                      const OpCost& cost) override;
+  void compute(std::string_view name, double seconds) override;
+  void mark_step() override;
+  RankTrace trace() const override;
+
+ private:
+  std::chrono::steady_clock::time_point epoch_;
+  bool record_;
+  RankTrace trace_;
+};
+
+}  // namespace dp

@@ -1,0 +1,361 @@
+// The simulated interconnect and clocks of the local backend (see virtual_network.h).
+#include "comm/virtual_network.h"
+
+#include <fmt/format.h>
+#include <time.h>
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+
+#include "dp/error.h"
+
+namespace dp::detail {
+namespace {
+
+constexpr int kPorts = 2;  // 0: the fabric (within a node), 1: between nodes
+
+std::int64_t thread_cpu_ns() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<std::int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
+}
+
+int ceil_log2(int p) {
+  int rounds = 0;
+  while ((1 << rounds) < p) ++rounds;
+  return rounds;
+}
+
+}  // namespace
+
+// --- SimClock ------------------------------------------------------------------------------
+
+SimClock::SimClock(int rank, const SimulationOptions& options, std::mutex& mutex,
+                   const VirtualNetwork& network, Steady::time_point epoch)
+    : rank_(rank), options_(options), mutex_(mutex), network_(network), epoch_(epoch) {}
+
+double SimClock::link_free() const {
+  std::lock_guard lock(mutex_);
+  return network_.link_free(rank_);
+}
+
+double SimClock::wall_seconds(Steady::time_point time) const {
+  return std::chrono::duration<double>(time - epoch_).count();
+}
+
+ComputeStart SimClock::start_compute() const {
+  ComputeStart start;
+  start.wall = Steady::now();
+  if (options_.compute == ComputeModel::kMeasured) start.cpu_ns = thread_cpu_ns();
+  return start;
+}
+
+void SimClock::finish_compute(const ComputeStart& start, std::string_view name,
+                              std::string_view phase, const OpCost& cost) {
+  const double seconds = options_.compute == ComputeModel::kMeasured
+                             ? static_cast<double>(thread_cpu_ns() - start.cpu_ns) * 1e-9
+                             : options_.device.time_of(cost);
+  if (options_.record_trace) {
+    TraceEvent event;
+    event.name = phase.empty() ? std::string(name) : fmt::format("{} {}", name, phase);
+    event.lane = TraceLane::kCompute;
+    event.start = now_;
+    event.duration = seconds;
+    event.wall_start = wall_seconds(start.wall);
+    event.wall_duration = std::chrono::duration<double>(Steady::now() - start.wall).count();
+    event.flops = cost.flops;
+    event.bytes = static_cast<std::uint64_t>(cost.bytes);
+    compute_events_.push_back(std::move(event));
+  }
+  now_ += seconds;
+}
+
+void SimClock::compute(std::string_view name, double seconds) {
+  if (!(seconds >= 0))
+    throw Error(fmt::format("Clock::compute(\"{}\", {}): expected seconds >= 0", name, seconds));
+  if (options_.record_trace) {
+    TraceEvent event;
+    event.name = std::string(name);
+    event.lane = TraceLane::kCompute;
+    event.start = now_;
+    event.duration = seconds;
+    event.wall_start = wall_seconds(Steady::now());
+    compute_events_.push_back(std::move(event));
+  }
+  now_ += seconds;
+}
+
+void SimClock::mark_step() {
+  step_marks_.push_back(now_);
+}
+
+void SimClock::record_communication(TraceEvent event) {
+  if (options_.record_trace) communication_events_.push_back(std::move(event));
+}
+
+RankTrace SimClock::trace() const {
+  RankTrace trace;
+  trace.rank = rank_;
+  trace.simulated = true;
+  trace.clock_description = "simulated: " + options_.describe();
+  trace.step_marks = step_marks_;
+  trace.events = compute_events_;
+  {
+    std::lock_guard lock(mutex_);
+    trace.events.insert(trace.events.end(), communication_events_.begin(),
+                        communication_events_.end());
+  }
+  // Communication events are recorded when their data has moved, in wall-clock order: sort
+  // by virtual time (ties by what they are) so that the same run gives the same list.
+  std::stable_sort(trace.events.begin(), trace.events.end(),
+                   [](const TraceEvent& a, const TraceEvent& b) {
+                     return std::tie(a.start, a.lane, a.duration, a.peer, a.name) <
+                            std::tie(b.start, b.lane, b.duration, b.peer, b.name);
+                   });
+  return trace;
+}
+
+// --- VirtualNetwork ------------------------------------------------------------------------
+
+VirtualNetwork::VirtualNetwork(int size, SimulationOptions options, std::mutex& mutex)
+    : size_(size),
+      options_(std::move(options)),
+      floor_(static_cast<std::size_t>(size), 0.0),
+      counter_(static_cast<std::size_t>(size), 0),
+      collective_index_(static_cast<std::size_t>(size), 0),
+      blocked_(static_cast<std::size_t>(size), nullptr),
+      finished_(static_cast<std::size_t>(size), false),
+      send_free_(static_cast<std::size_t>(size), std::vector<double>(kPorts, 0.0)),
+      receive_free_(static_cast<std::size_t>(size), std::vector<double>(kPorts, 0.0)) {
+  const LinkModel* links[] = {&options_.network.fabric, &options_.network.inter_node};
+  for (const LinkModel* link : links) {
+    if (!(link->alpha_seconds >= 0) || !(link->bytes_per_second > 0))
+      throw Error(fmt::format(
+          "simulated network: expected alpha >= 0 and bandwidth > 0, got alpha {} s and {} B/s",
+          link->alpha_seconds, link->bytes_per_second));
+  }
+  if (options_.network.ranks_per_node < 0)
+    throw Error(fmt::format("simulated network: ranks per node must be >= 0, got {}",
+                            options_.network.ranks_per_node));
+  const DeviceModel& device = options_.device;
+  if (!(device.flops_per_second > 0) || !(device.bytes_per_second > 0) ||
+      !(device.launch_seconds >= 0))
+    throw Error(fmt::format("simulated device {}: expected positive rates and a launch cost >= 0",
+                            device.name));
+  const auto epoch = Steady::now();
+  for (int r = 0; r < size_; ++r)
+    clocks_.push_back(std::make_unique<SimClock>(r, options_, mutex, *this, epoch));
+}
+
+VirtualNetwork::~VirtualNetwork() = default;
+
+VirtualNetwork::Key VirtualNetwork::next_key(int rank, double issue) {
+  return {issue, rank, counter_[static_cast<std::size_t>(rank)]++};
+}
+
+void VirtualNetwork::publish(int rank) {
+  double& floor = floor_[static_cast<std::size_t>(rank)];
+  floor = std::max(floor, clock(rank).now());
+}
+
+void VirtualNetwork::issue_send(VirtualCall& send) {
+  publish(send.rank);
+  send.issue = clock(send.rank).now();
+  const Key key = next_key(send.rank, send.issue);
+  send.counter = std::get<2>(key);
+  send.pending = true;
+  queue_[key] = Item{&send, 0};
+}
+
+void VirtualNetwork::issue_receive(VirtualCall& receive) {
+  publish(receive.rank);
+  receive.issue = clock(receive.rank).now();
+}
+
+void VirtualNetwork::match(VirtualCall& send, VirtualCall& receive) {
+  send.match = &receive;
+  receive.match = &send;
+  if (send.committed) determine_receive(receive, send);
+}
+
+void VirtualNetwork::issue_collective(VirtualCall& call) {
+  publish(call.rank);
+  call.issue = clock(call.rank).now();
+  const Key key = next_key(call.rank, call.issue);
+  call.counter = std::get<2>(key);
+  call.group = collective_index_[static_cast<std::size_t>(call.rank)]++;
+  Group& group = groups_[call.group];
+  if (group.members.empty()) group.members.assign(static_cast<std::size_t>(size_), nullptr);
+  group.members[static_cast<std::size_t>(call.rank)] = &call;
+  group.latest = std::max(group.latest, key);
+  if (++group.issued == size_) queue_[group.latest] = Item{nullptr, call.group};
+}
+
+void VirtualNetwork::block(int rank, VirtualCall* call) {
+  blocked_[static_cast<std::size_t>(rank)] = call;
+  if (call != nullptr && call->determined) {
+    double& floor = floor_[static_cast<std::size_t>(rank)];
+    floor = std::max(floor, call->completion);
+  }
+}
+
+void VirtualNetwork::finish(int rank) {
+  finished_[static_cast<std::size_t>(rank)] = true;
+}
+
+void VirtualNetwork::forget(VirtualCall& call) {
+  if (cleared_) return;  // nothing refers to calls any more; their matches may be gone
+  if (call.pending) {
+    queue_.erase(Key{call.issue, call.rank, call.counter});
+    call.pending = false;
+  }
+  if (call.match != nullptr) {
+    call.match->match = nullptr;
+    call.match = nullptr;
+  }
+  if (is_collective(call.op)) {
+    auto group = groups_.find(call.group);
+    if (group != groups_.end() &&
+        group->second.members[static_cast<std::size_t>(call.rank)] == &call)
+      group->second.members[static_cast<std::size_t>(call.rank)] = nullptr;
+  }
+  VirtualCall*& blocked = blocked_[static_cast<std::size_t>(call.rank)];
+  if (blocked == &call) blocked = nullptr;
+  determined_.erase(std::remove(determined_.begin(), determined_.end(), &call), determined_.end());
+}
+
+void VirtualNetwork::clear() {
+  cleared_ = true;
+  queue_.clear();
+  groups_.clear();
+  determined_.clear();
+  std::fill(blocked_.begin(), blocked_.end(), nullptr);
+}
+
+bool VirtualNetwork::committable(const Key& key) const {
+  for (int q = 0; q < size_; ++q) {
+    const auto index = static_cast<std::size_t>(q);
+    if (finished_[index]) continue;
+    // Blocked on a call whose time is unknown: it issues nothing before that call is
+    // committed, which is after this item.
+    if (blocked_[index] != nullptr && !blocked_[index]->determined) continue;
+    if (Key{floor_[index], q, counter_[index]} > key) continue;
+    return false;
+  }
+  return true;
+}
+
+void VirtualNetwork::advance() {
+  if (cleared_) return;
+  while (!queue_.empty()) {
+    auto first = queue_.begin();
+    if (!committable(first->first)) return;
+    const Item item = first->second;
+    queue_.erase(first);
+    if (item.send != nullptr)
+      commit_send(*item.send);
+    else
+      commit_collective(item.group);
+  }
+}
+
+void VirtualNetwork::commit_send(VirtualCall& send) {
+  const int s = send.rank;
+  const int d = send.peer;
+  const auto port = static_cast<std::size_t>(options_.network.crosses_nodes(s, d) ? 1 : 0);
+  const LinkModel& link = options_.network.link_between(s, d);
+  double& sender_free = send_free_[static_cast<std::size_t>(s)][port];
+  double& receiver_free = receive_free_[static_cast<std::size_t>(d)][port];
+  send.start = std::max({send.issue, sender_free, receiver_free});
+  send.end = send.start + link.time_of(static_cast<double>(send.bytes));
+  sender_free = receiver_free = send.end;
+  send.completion = send.end;
+  send.pending = false;
+  send.committed = true;
+  determine(send);
+  if (send.match != nullptr) determine_receive(*send.match, send);
+}
+
+void VirtualNetwork::determine_receive(VirtualCall& receive, VirtualCall& send) {
+  receive.start = send.start;
+  receive.end = send.end;
+  receive.completion = std::max(send.end, receive.issue);
+  determine(receive);
+  // Both times are final: neither needs the other again (and may outlive it).
+  receive.match = nullptr;
+  send.match = nullptr;
+}
+
+double VirtualNetwork::collective_seconds(CommOp op, std::uint64_t bytes) const {
+  const int p = size_;
+  if (p == 1) return 0.0;
+  const LinkModel& link = options_.network.slowest_link(p);
+  const double n = static_cast<double>(bytes);
+  const double steps = p - 1;
+  switch (op) {
+    case CommOp::kAllReduce: return 2 * steps * link.time_of(n / p);  // ring
+    case CommOp::kReduceScatter:                                      // ring
+    case CommOp::kAllGather: return steps * link.time_of(n / p);      // ring
+    case CommOp::kBroadcast: return ceil_log2(p) * link.time_of(n);   // binomial tree
+    case CommOp::kBarrier: return ceil_log2(p) * link.alpha_seconds;  // dissemination
+    default: break;
+  }
+  DP_CHECK(false, "{} is not a collective", to_string(op));
+  return 0.0;
+}
+
+void VirtualNetwork::commit_collective(std::uint64_t index) {
+  auto found = groups_.find(index);
+  if (found == groups_.end()) return;
+  Group group = std::move(found->second);
+  groups_.erase(found);
+  double start = 0;
+  const VirtualCall* first = nullptr;
+  for (const VirtualCall* member : group.members) {
+    if (member == nullptr) continue;
+    start = std::max(start, member->issue);
+    if (first == nullptr) first = member;
+  }
+  if (first == nullptr) return;  // every member failed
+  for (int r = 0; r < size_; ++r)
+    for (int port = 0; port < kPorts; ++port)
+      start =
+          std::max({start, send_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)],
+                    receive_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)]});
+  const double end = start + collective_seconds(first->op, first->bytes);
+  for (int r = 0; r < size_; ++r)
+    for (int port = 0; port < kPorts; ++port)
+      send_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)] =
+          receive_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)] = end;
+  for (VirtualCall* member : group.members) {
+    if (member == nullptr) continue;
+    member->start = start;
+    member->end = end;
+    member->completion = end;
+    determine(*member);
+  }
+}
+
+void VirtualNetwork::determine(VirtualCall& call) {
+  call.determined = true;
+  determined_.push_back(&call);
+  const auto rank = static_cast<std::size_t>(call.rank);
+  if (blocked_[rank] == &call) floor_[rank] = std::max(floor_[rank], call.completion);
+}
+
+std::vector<VirtualCall*> VirtualNetwork::take_determined() {
+  std::vector<VirtualCall*> calls;
+  calls.swap(determined_);
+  return calls;
+}
+
+double VirtualNetwork::link_free(int rank) const {
+  const auto r = static_cast<std::size_t>(rank);
+  double free = 0;
+  for (std::size_t port = 0; port < kPorts; ++port)
+    free = std::max({free, send_free_[r][port], receive_free_[r][port]});
+  return free;
+}
+
+}  // namespace dp::detail

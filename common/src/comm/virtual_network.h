@@ -1,0 +1,174 @@
+// virtual_network.h (internal): the simulated interconnect and clocks of the local backend.
+//
+// The local backend moves data in wall-clock time, as it always does; this class keeps
+// the virtual time beside it. Every call gets an issue time (its rank's compute time) and,
+// once the simulation can place it on the links, a completion time.
+//
+// Determinism. Virtual times must not depend on thread scheduling, yet the ranks run
+// freely. Every message and every collective is therefore an item with a key
+// (issue time, rank, per-rank counter), and items are placed on the links strictly in key
+// order, as a sequential discrete-event simulation would: an item is placed ("committed")
+// only when no item with a smaller key can still appear. A rank can still issue items
+// whose key is at least (floor, rank, next counter), where its floor is its compute time
+// when it last issued or waited; a rank blocked in wait() on a call whose completion time
+// is not known yet issues nothing before that call is committed, which happens after the
+// current item, so it cannot hold the item back; a finished rank issues nothing. So the
+// commit order, and with it every time, is the same in every run.
+//
+// Placement. A message of n bytes from s to d over a fabric (alpha, bandwidth) starts at
+// max(issue, s's send direction free, d's receive direction free), lasts alpha + n /
+// bandwidth and occupies both directions for that long; the send completes at its end and
+// the receive at max(end, receive issue time). A collective starts when every rank issued
+// it and every link is free, lasts its algorithm's time (see dp/clock.h) and occupies every
+// link. With two levels, ranks have one port per fabric.
+//
+// Not thread-safe: the local backend calls it with its mutex held (the same mutex the
+// clocks take to read what was recorded on them).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "dp/clock.h"
+#include "dp/comm.h"
+
+namespace dp::detail {
+
+using Steady = std::chrono::steady_clock;
+
+/// The virtual-time state of one communicator call.
+struct VirtualCall {
+  void* owner = nullptr;  // the backend's record of the call
+  int rank = 0;
+  CommOp op = CommOp::kBarrier;
+  int peer = -1;                 // point-to-point: the other rank
+  std::uint64_t bytes = 0;       // message size; collectives: the whole array
+  std::uint64_t link_bytes = 0;  // sent plus received on this rank's link (for the trace)
+  double issue = 0;              // the rank's compute time when it issued the call
+  Steady::time_point wall_issue;
+  std::uint64_t counter = 0;     // key: (issue, rank, counter)
+  std::uint64_t group = 0;       // collectives: the rank's collective index
+  bool pending = false;          // a send waiting in the queue of items
+  bool committed = false;        // a send placed on the links
+  VirtualCall* match = nullptr;  // send <-> receive
+  bool determined = false;       // the times below are final
+  double start = 0;              // the link is busy [start, end)
+  double end = 0;
+  double completion = 0;  // when wait() returns, on the compute timeline
+};
+
+class VirtualNetwork;
+
+/// The simulated clock of one rank.
+class SimClock final : public Clock {
+ public:
+  SimClock(int rank, const SimulationOptions& options, std::mutex& mutex,
+           const VirtualNetwork& network, Steady::time_point epoch);
+  bool simulated() const override { return true; }
+  double now() const override { return now_; }
+  double link_free() const override;
+  ComputeStart start_compute() const override;
+  void finish_compute(const ComputeStart& start, std::string_view name, std::string_view phase,
+                      const OpCost& cost) override;
+  void compute(std::string_view name, double seconds) override;
+  void mark_step() override;
+  RankTrace trace() const override;
+
+  /// Moves the compute timeline to `time` if that is later (the rank's own thread).
+  void advance_to(double time) {
+    if (time > now_) now_ = time;
+  }
+  /// Records a communication event (caller holds the backend's mutex).
+  void record_communication(TraceEvent event);
+  /// Wall seconds from the launch's start to `time`.
+  double wall_seconds(Steady::time_point time) const;
+
+ private:
+  int rank_;
+  const SimulationOptions& options_;
+  std::mutex& mutex_;
+  const VirtualNetwork& network_;
+  Steady::time_point epoch_;
+  double now_ = 0;
+  std::vector<TraceEvent> compute_events_;        // the rank's thread only
+  std::vector<TraceEvent> communication_events_;  // under mutex_
+  std::vector<double> step_marks_;
+};
+
+/// The links, the queue of items and the clocks of every rank.
+class VirtualNetwork {
+ public:
+  VirtualNetwork(int size, SimulationOptions options, std::mutex& mutex);
+  ~VirtualNetwork();
+  VirtualNetwork(const VirtualNetwork&) = delete;
+  VirtualNetwork& operator=(const VirtualNetwork&) = delete;
+
+  const SimulationOptions& options() const { return options_; }
+  SimClock& clock(int rank) { return *clocks_[static_cast<std::size_t>(rank)]; }
+
+  // Everything below: the caller holds the mutex. `issue_*` and `publish` are called from
+  // the issuing rank's own thread.
+  void issue_send(VirtualCall& send);
+  void issue_receive(VirtualCall& receive);
+  void match(VirtualCall& send, VirtualCall& receive);
+  void issue_collective(VirtualCall& call);
+  /// The rank's floor becomes its compute time, if that is later.
+  void publish(int rank);
+  /// The rank waits for `call` (nullptr: it stopped waiting).
+  void block(int rank, VirtualCall* call);
+  /// The rank has returned from its function: it issues nothing more.
+  void finish(int rank);
+  /// A call ended with an error: the simulation forgets it.
+  void forget(VirtualCall& call);
+  /// Forgets everything (the launch was aborted).
+  void clear();
+  /// Commits every item that can be committed.
+  void advance();
+  /// The calls whose times became final since the last call.
+  std::vector<VirtualCall*> take_determined();
+  /// When the rank's link is next free, as far as is known.
+  double link_free(int rank) const;
+
+ private:
+  using Key = std::tuple<double, int, std::uint64_t>;
+  struct Group {  // one collective: the n-th collective of every rank
+    std::vector<VirtualCall*> members;
+    int issued = 0;
+    Key latest{0.0, -1, 0};
+  };
+  struct Item {
+    VirtualCall* send = nullptr;  // a message, or
+    std::uint64_t group = 0;      // a collective
+  };
+
+  Key next_key(int rank, double issue);
+  bool committable(const Key& key) const;
+  void commit_send(VirtualCall& send);
+  void commit_collective(std::uint64_t index);
+  void determine(VirtualCall& call);
+  void determine_receive(VirtualCall& receive, VirtualCall& send);
+  double collective_seconds(CommOp op, std::uint64_t bytes) const;
+
+  const int size_;
+  const SimulationOptions options_;
+  std::vector<std::unique_ptr<SimClock>> clocks_;
+  std::vector<double> floor_;
+  std::vector<std::uint64_t> counter_;
+  std::vector<std::uint64_t> collective_index_;
+  std::vector<VirtualCall*> blocked_;
+  std::vector<bool> finished_;
+  std::vector<std::vector<double>> send_free_;     // [rank][port]
+  std::vector<std::vector<double>> receive_free_;  // [rank][port]
+  std::map<Key, Item> queue_;
+  std::map<std::uint64_t, Group> groups_;
+  std::vector<VirtualCall*> determined_;
+  bool cleared_ = false;
+};
+
+}  // namespace dp::detail

@@ -1,0 +1,871 @@
+// The simulated interconnect and clock of the local backend.
+//
+// Four all-reduce algorithms written here from isend/irecv (ring, binomial tree, recursive
+// doubling, one-server parameter server) must take exactly the time of their closed-form
+// alpha-beta formulas (REFERENCE.md, gamma = 0: reductions are not charged) for p = 2..8
+// and messages from 4 bytes to 256 MiB; native collectives are charged by their
+// documented algorithm; overlap hides communication; two runs give the same clocks even
+// when wall-clock timing is perturbed; the trace is valid Chrome Trace Event JSON.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp/clock.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/trace.h"
+#include "dp/trainer.h"
+
+namespace dp {
+namespace {
+
+// A fabric with round numbers: alpha 2 us, 50 GB/s (the ib-ndr preset).
+const NetworkModel kNet = NetworkModel::preset("ib-ndr");
+
+LaunchOptions simulated(int ranks, NetworkModel network = kNet) {
+  LaunchOptions options;
+  options.world_size = ranks;
+  options.simulation.enabled = true;
+  options.simulation.network = std::move(network);
+  return options;
+}
+
+/// Runs `rank_main` on `ranks` simulated ranks; returns the latest clock at the end.
+double simulated_time(int ranks, const std::function<void(Communicator&)>& rank_main,
+                      const NetworkModel& network = kNet) {
+  std::vector<double> ends(static_cast<std::size_t>(ranks), 0.0);
+  launch(simulated(ranks, network), [&](Communicator& comm) {
+    rank_main(comm);
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+  });
+  return *std::max_element(ends.begin(), ends.end());
+}
+
+/// alpha + n / bandwidth: one message of `bytes`.
+double message(double bytes, const LinkModel& link = kNet.fabric) {
+  return link.alpha_seconds + bytes / link.bytes_per_second;
+}
+
+int ceil_log2(int p) {
+  int rounds = 0;
+  while ((1 << rounds) < p) ++rounds;
+  return rounds;
+}
+
+void expect_time(double actual, double expected, const std::string& what) {
+  // Exact up to floating-point rounding of the sums.
+  EXPECT_NEAR(actual, expected, 1e-12 * expected + 1e-18) << what;
+}
+
+float value_of(int rank, std::size_t index) {
+  return static_cast<float>((rank + 1) * static_cast<int>(index % 5 + 1));
+}
+
+std::vector<float> rank_values(int rank, std::size_t count) {
+  std::vector<float> values(count);
+  for (std::size_t k = 0; k < count; ++k) values[k] = value_of(rank, k);
+  return values;
+}
+
+/// Every element must be the sum over ranks (small integers: exact in float32); of large
+/// buffers, every 17th element and the last (chunk boundaries are multiples of p <= 8).
+void expect_sum(const std::vector<float>& values, int p) {
+  const int rank_sum = p * (p + 1) / 2;
+  const std::size_t stride = values.size() > (1u << 20) ? 17 : 1;
+  for (std::size_t k = (values.size() + stride - 1) % stride; k < values.size(); k += stride)
+    ASSERT_EQ(values[k], static_cast<float>(rank_sum * static_cast<int>(k % 5 + 1)))
+        << "element " << k;
+}
+
+void add_into(std::span<float> into, std::span<const float> from) {
+  for (std::size_t k = 0; k < into.size(); ++k) into[k] += from[k];
+}
+
+// --- The algorithms, from point-to-point messages only ----------------------------------
+
+/// Ring all-reduce: a reduce-scatter and an all-gather of p-1 steps each; count % p == 0.
+void ring_allreduce(Communicator& comm, std::vector<float>& data) {
+  const int p = comm.size();
+  const int r = comm.rank();
+  const std::size_t chunk = data.size() / static_cast<std::size_t>(p);
+  const auto part = [&](int index) {
+    return std::span<float>(data).subspan(static_cast<std::size_t>((index % p + p) % p) * chunk,
+                                          chunk);
+  };
+  std::vector<float> incoming(chunk);
+  const int next = (r + 1) % p;
+  const int previous = (r + p - 1) % p;
+  for (int step = 0; step < p - 1; ++step) {
+    auto send = comm.isend(part(r - step), next, 0);
+    auto receive = comm.irecv(std::span(incoming), previous, 0);
+    receive->wait();
+    send->wait();
+    add_into(part(r - step - 1), incoming);
+  }
+  for (int step = 0; step < p - 1; ++step) {
+    auto send = comm.isend(part(r + 1 - step), next, 1);
+    auto receive = comm.irecv(part(r - step), previous, 1);
+    receive->wait();
+    send->wait();
+  }
+}
+
+/// Binomial-tree reduce to rank 0, then binomial-tree broadcast from rank 0 (any p).
+void tree_allreduce(Communicator& comm, std::vector<float>& data) {
+  const int p = comm.size();
+  const int r = comm.rank();
+  std::vector<float> incoming(data.size());
+  for (int mask = 1; mask < p; mask <<= 1) {
+    if ((r & mask) != 0) {
+      comm.isend(std::span(data), r - mask, 0)->wait();
+      break;
+    }
+    if (r + mask < p) {
+      comm.irecv(std::span(incoming), r + mask, 0)->wait();
+      add_into(data, incoming);
+    }
+  }
+  int mask = 1;
+  while (mask < p) {
+    if ((r & mask) != 0) {
+      comm.irecv(std::span(data), r - mask, 1)->wait();
+      break;
+    }
+    mask <<= 1;
+  }
+  std::vector<std::unique_ptr<Work>> sends;
+  for (mask >>= 1; mask > 0; mask >>= 1)
+    if (r + mask < p) sends.push_back(comm.isend(std::span(data), r + mask, 1));
+  for (auto& send : sends) send->wait();
+}
+
+/// Recursive doubling: lg p exchanges of the whole buffer (p a power of two).
+void recursive_doubling_allreduce(Communicator& comm, std::vector<float>& data) {
+  const int p = comm.size();
+  const int r = comm.rank();
+  std::vector<float> incoming(data.size());
+  for (int mask = 1; mask < p; mask <<= 1) {
+    const int partner = r ^ mask;
+    auto send = comm.isend(std::span(data), partner, 0);
+    auto receive = comm.irecv(std::span(incoming), partner, 0);
+    receive->wait();
+    send->wait();
+    add_into(data, incoming);  // float addition commutes: both partners get the same bits
+  }
+}
+
+/// Parameter server on rank 0: every worker pushes its buffer, the server sums them in
+/// rank order and sends the sum back to every worker.
+void parameter_server_allreduce(Communicator& comm, std::vector<float>& data) {
+  const int p = comm.size();
+  if (comm.rank() != 0) {
+    auto push = comm.isend(std::span(data), 0, 0);
+    auto pull = comm.irecv(std::span(data), 0, 1);
+    push->wait();
+    pull->wait();
+    return;
+  }
+  std::vector<float> incoming(data.size());
+  for (int worker = 1; worker < p; ++worker) {
+    comm.irecv(std::span(incoming), worker, 0)->wait();
+    add_into(data, incoming);
+  }
+  std::vector<std::unique_ptr<Work>> sends;
+  for (int worker = 1; worker < p; ++worker)
+    sends.push_back(comm.isend(std::span(data), worker, 1));
+  for (auto& send : sends) send->wait();
+}
+
+enum class Algorithm { kRing, kTree, kRecursiveDoubling, kParameterServer };
+
+const char* name_of(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kTree: return "binomial tree";
+    case Algorithm::kRecursiveDoubling: return "recursive doubling";
+    case Algorithm::kParameterServer: return "parameter server";
+  }
+  return "?";
+}
+
+/// The closed form of REFERENCE.md with gamma = 0, n in bytes; lg p is ceil(lg p).
+double formula(Algorithm algorithm, int p, double n) {
+  switch (algorithm) {
+    case Algorithm::kRing:
+      return 2 * (p - 1) * kNet.fabric.alpha_seconds +
+             2 * n * (p - 1) / p / kNet.fabric.bytes_per_second;
+    case Algorithm::kTree: return 2 * ceil_log2(p) * message(n);
+    case Algorithm::kRecursiveDoubling: return ceil_log2(p) * message(n);
+    case Algorithm::kParameterServer: return 2 * (p - 1) * message(n);
+  }
+  return 0;
+}
+
+void check_algorithm(Algorithm algorithm, int p, std::size_t count) {
+  const double n = static_cast<double>(count * sizeof(float));
+  const double seconds = simulated_time(p, [&](Communicator& comm) {
+    std::vector<float> data = rank_values(comm.rank(), count);
+    switch (algorithm) {
+      case Algorithm::kRing: ring_allreduce(comm, data); break;
+      case Algorithm::kTree: tree_allreduce(comm, data); break;
+      case Algorithm::kRecursiveDoubling: recursive_doubling_allreduce(comm, data); break;
+      case Algorithm::kParameterServer: parameter_server_allreduce(comm, data); break;
+    }
+    expect_sum(data, p);
+  });
+  expect_time(seconds, formula(algorithm, p, n),
+              fmt::format("{} all-reduce, p = {}, n = {} bytes", name_of(algorithm), p, n));
+}
+
+class AlgorithmFormula : public ::testing::TestWithParam<int> {};
+
+// Element counts are multiples of p (the ring's chunks are then equal): 4p bytes, about
+// 4p KB and 4p MiB.
+std::vector<std::size_t> counts_for(int p) {
+  const auto q = static_cast<std::size_t>(p);
+  return {q, 1000 * q, (std::size_t{1} << 20) * q};
+}
+
+TEST_P(AlgorithmFormula, RingAllReduce) {
+  for (std::size_t count : counts_for(GetParam()))
+    check_algorithm(Algorithm::kRing, GetParam(), count);
+}
+
+TEST_P(AlgorithmFormula, BinomialTreeReduceAndBroadcast) {
+  for (std::size_t count : {std::size_t{1}, counts_for(GetParam())[1], counts_for(GetParam())[2]})
+    check_algorithm(Algorithm::kTree, GetParam(), count);
+}
+
+TEST_P(AlgorithmFormula, OneServerParameterServer) {
+  for (std::size_t count : {std::size_t{1}, counts_for(GetParam())[1], counts_for(GetParam())[2]})
+    check_algorithm(Algorithm::kParameterServer, GetParam(), count);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks2To8, AlgorithmFormula, ::testing::Range(2, 9),
+                         [](const auto& test) { return fmt::format("p{}", test.param); });
+
+class RecursiveDoublingFormula : public ::testing::TestWithParam<int> {};
+
+TEST_P(RecursiveDoublingFormula, RecursiveDoubling) {
+  const int p = GetParam();
+  for (std::size_t count : {std::size_t{1}, counts_for(p)[1], counts_for(p)[2]})
+    check_algorithm(Algorithm::kRecursiveDoubling, p, count);
+}
+
+// Recursive doubling as written needs a power of two.
+INSTANTIATE_TEST_SUITE_P(PowersOfTwo, RecursiveDoublingFormula, ::testing::Values(2, 4, 8),
+                         [](const auto& test) { return fmt::format("p{}", test.param); });
+
+TEST(AlgorithmFormulaHuge, EveryAlgorithmAt256MiBOn8Ranks) {
+  const std::size_t count = std::size_t{64} << 20;  // 256 MiB of float32, divisible by 8
+  for (Algorithm algorithm : {Algorithm::kRing, Algorithm::kTree, Algorithm::kRecursiveDoubling,
+                              Algorithm::kParameterServer})
+    check_algorithm(algorithm, 8, count);
+}
+
+TEST(AlgorithmFormulaHuge, RingBeatsTheParameterServerByThePredictedFactor) {
+  // At 8 ranks and 4 MiB the server's link carries 7 n each way, a ring link (7/8) n.
+  const std::size_t count = std::size_t{1} << 20;
+  const double ring = simulated_time(8, [&](Communicator& comm) {
+    auto data = rank_values(comm.rank(), count);
+    ring_allreduce(comm, data);
+  });
+  const double server = simulated_time(8, [&](Communicator& comm) {
+    auto data = rank_values(comm.rank(), count);
+    parameter_server_allreduce(comm, data);
+  });
+  const double n = static_cast<double>(count * sizeof(float));
+  expect_time(server / ring,
+              formula(Algorithm::kParameterServer, 8, n) / formula(Algorithm::kRing, 8, n),
+              "speedup of the ring over the server");
+  // Bandwidth terms alone would give p = 8; the latencies (equal in both) pull it down.
+  EXPECT_GT(server / ring, 6.0);
+}
+
+// --- Native collectives --------------------------------------------------------------------
+
+TEST(NativeCollectives, AreChargedByTheirDocumentedAlgorithm) {
+  for (int p : {1, 2, 3, 5, 8}) {
+    const std::size_t count = 1000 * static_cast<std::size_t>(p);
+    const double n = static_cast<double>(count * sizeof(float));
+    const double whole = static_cast<double>(p);
+    struct Case {
+      const char* name;
+      std::function<void(Communicator&)> call;
+      double expected;
+    };
+    std::vector<Case> cases = {
+        {"allreduce (ring)",
+         [&](Communicator& comm) {
+           std::vector<float> x(count, 1.0f);
+           comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+         },
+         2 * (p - 1) * message(n / whole)},
+        {"reduce_scatter (ring)",
+         [&](Communicator& comm) {
+           std::vector<float> in(count, 1.0f);
+           std::vector<float> out(count / static_cast<std::size_t>(p));
+           comm.reduce_scatter(std::span(in), std::span(out), ReduceOp::kSum)->wait();
+         },
+         (p - 1) * message(n / whole)},
+        {"allgather (ring)",
+         [&](Communicator& comm) {
+           std::vector<float> in(count / static_cast<std::size_t>(p), 1.0f);
+           std::vector<float> out(count);
+           comm.allgather(std::span(in), std::span(out))->wait();
+         },
+         (p - 1) * message(n / whole)},
+        {"broadcast (binomial tree)",
+         [&](Communicator& comm) {
+           std::vector<float> x(count, 1.0f);
+           comm.broadcast(std::span(x), 0)->wait();
+         },
+         ceil_log2(p) * message(n)},
+        {"barrier (dissemination)", [&](Communicator& comm) { comm.barrier(); },
+         ceil_log2(p) * kNet.fabric.alpha_seconds},
+    };
+    for (const Case& c : cases)
+      expect_time(simulated_time(p, c.call), c.expected, fmt::format("{} at p = {}", c.name, p));
+  }
+}
+
+TEST(NativeCollectives, QueueBehindEachOtherOnTheLinks) {
+  // Three async all-reduces issued at once run one after another.
+  const std::size_t count = 1 << 16;
+  const double one = 2 * 3 * message(static_cast<double>(count * sizeof(float)) / 4);
+  const double seconds = simulated_time(4, [&](Communicator& comm) {
+    std::vector<std::vector<float>> buffers(3, std::vector<float>(count, 1.0f));
+    std::vector<std::unique_ptr<Work>> works;
+    for (auto& buffer : buffers) works.push_back(comm.allreduce(std::span(buffer), ReduceOp::kSum));
+    for (auto& work : works) work->wait();
+  });
+  expect_time(seconds, 3 * one, "three queued all-reduces");
+}
+
+TEST(NativeCollectives, StartWhenTheLastRankIssues) {
+  // Rank 2 computes 1 ms before it joins: everyone finishes at 1 ms + the all-reduce.
+  const std::size_t count = 4096;
+  const double allreduce = 2 * 2 * message(static_cast<double>(count * sizeof(float)) / 3);
+  std::vector<double> ends(3);
+  launch(simulated(3), [&](Communicator& comm) {
+    if (comm.rank() == 2) comm.clock().compute("late", 1e-3);
+    std::vector<float> x(count, 1.0f);
+    comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+  });
+  for (double end : ends) expect_time(end, 1e-3 + allreduce, "all-reduce after a late rank");
+}
+
+// --- Point-to-point contention and topology ---------------------------------------------------
+
+TEST(PointToPoint, AReceiverTakesMessagesFromSevenSendersOneAfterAnother) {
+  const std::size_t count = 1 << 18;  // 1 MiB
+  const double one = message(static_cast<double>(count * sizeof(float)));
+  std::vector<double> arrivals(8);
+  launch(simulated(8), [&](Communicator& comm) {
+    std::vector<float> x(count, 1.0f);
+    if (comm.rank() != 0) {
+      comm.isend(std::span(x), 0, 0)->wait();
+      arrivals[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+      return;
+    }
+    for (int sender = 1; sender < 8; ++sender) comm.irecv(std::span(x), sender, 0)->wait();
+    arrivals[0] = comm.clock().now();
+  });
+  // Messages issued at the same time are ordered by sender rank.
+  for (int sender = 1; sender < 8; ++sender)
+    expect_time(arrivals[static_cast<std::size_t>(sender)], sender * one,
+                fmt::format("send of rank {}", sender));
+  expect_time(arrivals[0], 7 * one, "the receiver");
+}
+
+TEST(PointToPoint, AReceivePostedLateCompletesWhenPosted) {
+  std::vector<double> ends(2);
+  launch(simulated(2), [&](Communicator& comm) {
+    std::vector<float> x(256, 1.0f);
+    if (comm.rank() == 0) {
+      comm.isend(std::span(x), 1, 0)->wait();
+    } else {
+      comm.clock().compute("busy", 1e-3);
+      comm.irecv(std::span(x), 0, 0)->wait();
+    }
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+  });
+  expect_time(ends[0], message(1024), "the send ends when the message has crossed");
+  expect_time(ends[1], 1e-3, "the receive completes when posted (the message is there)");
+}
+
+TEST(PointToPoint, TwoLevelTopologyUsesTheFabricOfEachPair) {
+  NetworkModel network = NetworkModel::preset("100gbe");
+  network.fabric = NetworkModel::preset("nvlink").fabric;
+  network.ranks_per_node = 2;
+  const double n = 1 << 20;
+  std::vector<double> ends(4);
+  std::vector<TraceLane> lanes_of_rank0;
+  launch(simulated(4, network), [&](Communicator& comm) {
+    std::vector<std::uint8_t> x(static_cast<std::size_t>(n));
+    std::vector<std::uint8_t> y(static_cast<std::size_t>(n));
+    const MutableBuffer buffer(x.data(), x.size(), DataType::kUInt8);
+    const MutableBuffer other(y.data(), y.size(), DataType::kUInt8);
+    // 0 -> 1 inside node 0, 2 -> 0 across nodes; rank 3 idles.
+    if (comm.rank() == 1) comm.irecv(buffer, 0, 0)->wait();
+    if (comm.rank() == 2) comm.isend(buffer, 0, 0)->wait();
+    if (comm.rank() == 0) {
+      auto within = comm.isend(buffer, 1, 0);
+      auto across = comm.irecv(other, 2, 0);
+      within->wait();
+      across->wait();
+    }
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+    if (comm.rank() == 0)
+      for (const TraceEvent& event : comm.clock().trace().events)
+        lanes_of_rank0.push_back(event.lane);
+  });
+  // The two ports of rank 0 are busy at the same time: separate trace threads.
+  EXPECT_EQ(lanes_of_rank0,
+            (std::vector<TraceLane>{TraceLane::kSend, TraceLane::kInterNodeReceive}));
+  expect_time(ends[1], message(n, network.fabric), "within a node: the fast fabric");
+  expect_time(ends[2], message(n, network.inter_node), "across nodes: the slow fabric");
+  EXPECT_EQ(ends[3], 0.0);
+  // A flat ring over both nodes is paced by its slowest hop.
+  const double ring = simulated_time(
+      4,
+      [&](Communicator& comm) {
+        std::vector<float> x(1024, 1.0f);
+        comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+      },
+      network);
+  expect_time(ring, 2 * 3 * message(4096.0 / 4, network.inter_node), "two-level ring");
+}
+
+// --- Overlap -------------------------------------------------------------------------------
+
+TEST(Overlap, AnAllReduceHiddenByComputeCostsNothingAndOneAfterComputeCostsAll) {
+  const std::size_t count = 1 << 20;
+  const double allreduce = 2 * 3 * message(static_cast<double>(count * sizeof(float)) / 4);
+  const double compute = 2 * allreduce;
+  std::vector<RankTrace> traces(4);
+  std::vector<double> overlapped(4);
+  std::vector<double> serial(4);
+  launch(simulated(4), [&](Communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    std::vector<float> x(count, 1.0f);
+    comm.clock().mark_step();
+    auto work = comm.allreduce(std::span(x), ReduceOp::kSum);
+    comm.clock().compute("backward", compute);
+    work->wait();
+    overlapped[r] = comm.clock().now();
+    comm.clock().mark_step();
+    comm.clock().compute("backward", compute);
+    comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+    serial[r] = comm.clock().now() - overlapped[r];
+    comm.clock().mark_step();
+    traces[r] = comm.clock().trace();
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    expect_time(overlapped[r], compute, "fully overlapped: no extra time");
+    expect_time(serial[r], compute + allreduce, "after compute: all of it");
+    const std::vector<StepSummary> steps = summarize_steps(traces[r]);
+    ASSERT_EQ(steps.size(), 2u);
+    expect_time(steps[0].communication, allreduce, "step 1 communication");
+    EXPECT_NEAR(steps[0].exposed_communication, 0.0, 1e-15);
+    EXPECT_NEAR(steps[0].overlap_fraction, 1.0, 1e-12);
+    expect_time(steps[1].exposed_communication, allreduce, "step 2 exposed");
+    EXPECT_NEAR(steps[1].overlap_fraction, 0.0, 1e-12);
+    expect_time(steps[1].total, compute + allreduce, "step 2 total");
+  }
+}
+
+TEST(Overlap, ComputeAndLinkAreTwoTimelines) {
+  std::vector<double> now(2);
+  std::vector<double> link(2);
+  launch(simulated(2), [&](Communicator& comm) {
+    std::vector<float> x(1 << 16, 1.0f);
+    auto work = comm.rank() == 0 ? comm.isend(std::span<const float>(x), 1, 0)
+                                 : comm.irecv(std::span(x), 0, 0);
+    comm.clock().compute("busy", 1.0);
+    work->wait();
+    now[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+    link[static_cast<std::size_t>(comm.rank())] = comm.clock().link_free();
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(now[r], 1.0) << "the message crossed while the rank computed";
+    expect_time(link[r], message(4.0 * (1 << 16)), "the link was busy only for the message");
+  }
+}
+
+TEST(Overlap, WaitNeverMovesTheClockBackwards) {
+  const double seconds = simulated_time(2, [&](Communicator& comm) {
+    std::vector<float> x(16, 1.0f);
+    auto work = comm.allreduce(std::span(x), ReduceOp::kSum);
+    comm.clock().compute("long", 1.0);
+    work->wait();
+  });
+  EXPECT_EQ(seconds, 1.0);
+}
+
+// --- Compute model ----------------------------------------------------------------------------
+
+TEST(ComputeModel, RooflineChargesEveryLayerOfTheModel) {
+  const DeviceModel device = DeviceModel::preset("a100");
+  EXPECT_EQ(device.time_of({0, 0}), device.launch_seconds);
+  EXPECT_DOUBLE_EQ(device.time_of({1e9, 1}), 1e9 / device.flops_per_second + device.launch_seconds);
+  EXPECT_DOUBLE_EQ(device.time_of({1, 1e9}), 1e9 / device.bytes_per_second + device.launch_seconds);
+
+  std::vector<double> seconds(1);
+  std::vector<std::size_t> compute_events(1);
+  launch(simulated(1), [&](Communicator& comm) {
+    Model model = Model::mlp("8-16-4", {.seed = 1});
+    Tensor x({5, 8}, MemoryCategory::kActivations);
+    x.fill(0.5f);
+    const Tensor logits = model.forward(x);
+    const std::vector<int> labels = {0, 1, 2, 3, 0};
+    model.backward(logits, labels);
+    seconds[0] = comm.clock().now();
+    for (const TraceEvent& event : comm.clock().trace().events)
+      compute_events[0] += event.lane == TraceLane::kCompute ? 1 : 0;
+  });
+  Model model = Model::mlp("8-16-4", {.seed = 1});
+  double expected = 0;
+  for (Layer* layer : model.layers())
+    expected += device.time_of(layer->forward_cost(5)) + device.time_of(layer->backward_cost(5));
+  expected += device.time_of(SoftmaxCrossEntropy::forward_cost(5, 4)) +
+              device.time_of(SoftmaxCrossEntropy::backward_cost(5, 4));
+  expect_time(seconds[0], expected, "3 layers forward and backward plus the loss");
+  EXPECT_EQ(compute_events[0], 2 * model.layers().size() + 2);
+}
+
+TEST(ComputeModel, WithoutSimulationTheClockIsWallTimeAndNothingIsCharged) {
+  launch({.world_size = 2}, [&](Communicator& comm) {
+    EXPECT_FALSE(comm.clock().simulated());
+    EXPECT_EQ(this_thread_clock(), nullptr);
+    std::vector<float> x(4, 1.0f);
+    comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+    EXPECT_TRUE(comm.clock().trace().events.empty());
+  });
+}
+
+TEST(ComputeModel, MeasuredModeChargesThreadCpuTime) {
+  LaunchOptions options = simulated(1);
+  options.simulation.compute = ComputeModel::kMeasured;
+  launch(options, [&](Communicator& comm) {
+    const double before = comm.clock().now();
+    timed_compute("spin", "", OpCost{}, [] {
+      volatile double sink = 0;
+      for (int i = 0; i < 2'000'000; ++i) sink = sink + 1.0;
+    });
+    EXPECT_GT(comm.clock().now(), before);  // some CPU time, whatever this machine's speed
+  });
+}
+
+// --- Determinism and unchanged numerics ---------------------------------------------------------
+
+struct TrainingRun {
+  std::vector<RankTrace> traces;
+  std::vector<std::vector<float>> parameters;
+};
+
+TrainingRun train_simulated(int ranks, bool overlap, bool simulate = true) {
+  TrainOptions options;
+  options.steps = 8;
+  options.global_batch = 64;
+  options.overlap = overlap;
+  const Dataset data = load_dataset(options.dataset, options.seed);
+  TrainingRun run;
+  run.traces.resize(static_cast<std::size_t>(ranks));
+  run.parameters.resize(static_cast<std::size_t>(ranks));
+  LaunchOptions launch_options = simulated(ranks);
+  launch_options.simulation.enabled = simulate;
+  launch(launch_options, [&](Communicator& comm) {
+    const TrainResult result = train_data_parallel(options, data, comm);
+    run.traces[static_cast<std::size_t>(comm.rank())] = comm.clock().trace();
+    run.parameters[static_cast<std::size_t>(comm.rank())] = result.model.flat_parameters();
+  });
+  return run;
+}
+
+void expect_same_clocks(const std::vector<RankTrace>& a, const std::vector<RankTrace>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t r = 0; r < a.size(); ++r) {
+    ASSERT_EQ(a[r].events.size(), b[r].events.size()) << "rank " << r;
+    ASSERT_EQ(a[r].step_marks, b[r].step_marks) << "rank " << r;
+    for (std::size_t i = 0; i < a[r].events.size(); ++i) {
+      const TraceEvent& x = a[r].events[i];
+      const TraceEvent& y = b[r].events[i];
+      ASSERT_EQ(x.name, y.name) << "rank " << r << " event " << i;
+      ASSERT_EQ(x.start, y.start) << "rank " << r << " event " << i << " " << x.name;
+      ASSERT_EQ(x.duration, y.duration) << "rank " << r << " event " << i << " " << x.name;
+      ASSERT_EQ(x.bytes, y.bytes) << "rank " << r << " event " << i;
+    }
+  }
+}
+
+TEST(Determinism, TrainingOn8RanksGivesTheSameClocksEveryRun) {
+  for (bool overlap : {false, true}) {
+    const TrainingRun first = train_simulated(8, overlap);
+    ASSERT_FALSE(first.traces[0].events.empty());
+    for (int again = 0; again < 3; ++again) {
+      const TrainingRun next = train_simulated(8, overlap);
+      expect_same_clocks(first.traces, next.traces);
+    }
+    const std::vector<StepSummary> steps = summarize_steps(first.traces[0]);
+    ASSERT_EQ(steps.size(), 8u);
+    EXPECT_GT(steps.back().total, 0.0);
+    if (overlap)
+      EXPECT_GT(steps.back().overlap_fraction, 0.0) << "hooks issue all-reduces in backward";
+    else
+      EXPECT_EQ(steps.back().overlap_fraction, 0.0) << "all-reduces issued after backward";
+  }
+}
+
+TEST(Determinism, SimulationDoesNotChangeTheResultsBitwise) {
+  for (bool overlap : {false, true}) {
+    const TrainingRun plain = train_simulated(4, overlap, /*simulate=*/false);
+    const TrainingRun timed = train_simulated(4, overlap, /*simulate=*/true);
+    for (std::size_t r = 0; r < 4; ++r)
+      ASSERT_EQ(std::memcmp(plain.parameters[r].data(), timed.parameters[r].data(),
+                            plain.parameters[r].size() * sizeof(float)),
+                0)
+          << "rank " << r << (overlap ? " with overlap" : "");
+  }
+}
+
+/// An irregular exchange: every round each rank computes for a rank- and round-dependent
+/// virtual time, sends messages of varied sizes to every other rank and a collective
+/// follows every third round; the wall-clock timing is perturbed at random.
+std::vector<RankTrace> irregular_exchange(unsigned jitter_seed) {
+  constexpr int kRanks = 6;
+  std::vector<RankTrace> traces(kRanks);
+  std::mutex random_mutex;
+  std::mt19937 random(jitter_seed);
+  launch(simulated(kRanks), [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto jitter = [&] {
+      int microseconds = 0;
+      {
+        std::lock_guard lock(random_mutex);
+        microseconds = static_cast<int>(random() % 300);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(microseconds));
+    };
+    for (int round = 0; round < 6; ++round) {
+      comm.clock().compute("work", 1e-6 * ((r * 7 + round * 3) % 11));
+      jitter();
+      std::vector<std::vector<float>> out(kRanks);
+      std::vector<std::vector<float>> in(kRanks);
+      std::vector<std::unique_ptr<Work>> works;
+      for (int peer = 0; peer < kRanks; ++peer) {
+        if (peer == r) continue;
+        const auto to = static_cast<std::size_t>(peer);
+        out[to].assign(static_cast<std::size_t>(1000 * ((r + peer + round) % 5 + 1)), 1.0f);
+        in[to].resize(static_cast<std::size_t>(1000 * ((peer + r + round) % 5 + 1)));
+        works.push_back(comm.isend(std::span(out[to]), peer, round));
+        jitter();
+        works.push_back(comm.irecv(std::span(in[to]), peer, round));
+      }
+      for (auto& work : works) {
+        jitter();
+        work->wait();
+      }
+      if (round % 3 == 2) {
+        std::vector<float> x(5000, 1.0f);
+        comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+      }
+    }
+    traces[static_cast<std::size_t>(r)] = comm.clock().trace();
+  });
+  return traces;
+}
+
+TEST(Determinism, VirtualTimesDoNotDependOnThreadTiming) {
+  const std::vector<RankTrace> first = irregular_exchange(1);
+  for (unsigned seed = 2; seed < 6; ++seed) expect_same_clocks(first, irregular_exchange(seed));
+}
+
+// --- Trace ---------------------------------------------------------------------------------
+
+TEST(Trace, IsChromeTraceEventJsonWithOneProcessPerRank) {
+  const TrainingRun run = train_simulated(4, /*overlap=*/true);
+  const nlohmann::json trace = nlohmann::json::parse(chrome_trace_json(run.traces));
+  ASSERT_TRUE(trace.contains("traceEvents"));
+  ASSERT_TRUE(trace["traceEvents"].is_array());
+  std::set<int> processes;
+  std::set<std::pair<int, int>> named_threads;
+  std::set<std::pair<int, int>> used_threads;
+  std::size_t complete_events = 0;
+  for (const nlohmann::json& event : trace["traceEvents"]) {
+    ASSERT_TRUE(event.contains("ph") && event.contains("pid") && event.contains("name"));
+    const int pid = event["pid"].get<int>();
+    if (event["ph"] == "M") {
+      if (event["name"] == "process_name") {
+        processes.insert(pid);
+        EXPECT_EQ(event["args"]["name"], fmt::format("rank {}", pid));
+      }
+      if (event["name"] == "thread_name") named_threads.insert({pid, event["tid"].get<int>()});
+      continue;
+    }
+    ASSERT_EQ(event["ph"], "X");
+    for (const char* field : {"name", "cat", "ts", "dur", "pid", "tid", "args"})
+      ASSERT_TRUE(event.contains(field)) << field << " missing in " << event.dump();
+    EXPECT_TRUE(event["cat"] == "compute" || event["cat"] == "communication");
+    EXPECT_GE(event["ts"].get<double>(), 0.0);
+    EXPECT_GE(event["dur"].get<double>(), 0.0);
+    EXPECT_TRUE(event["args"].contains("wall_ts_us") && event["args"].contains("wall_dur_us"));
+    used_threads.insert({pid, event["tid"].get<int>()});
+    ++complete_events;
+  }
+  EXPECT_EQ(processes, (std::set<int>{0, 1, 2, 3}));
+  // Perfetto nests the slices of a thread: on each thread they must not partly overlap
+  // (they never overlap at all: each timeline is serial).
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> slices;
+  for (const nlohmann::json& event : trace["traceEvents"])
+    if (event["ph"] == "X")
+      slices[{event["pid"].get<int>(), event["tid"].get<int>()}].emplace_back(
+          event["ts"].get<double>(), event["dur"].get<double>());
+  for (auto& [thread, list] : slices) {
+    std::sort(list.begin(), list.end());
+    for (std::size_t i = 1; i < list.size(); ++i)
+      ASSERT_GE(list[i].first, list[i - 1].first + list[i - 1].second - 1e-6)
+          << "rank " << thread.first << " thread " << thread.second << " slice " << i;
+  }
+  for (const auto& thread : used_threads) EXPECT_TRUE(named_threads.contains(thread));
+  std::size_t recorded = 0;
+  for (const RankTrace& rank : run.traces) recorded += rank.events.size();
+  EXPECT_EQ(complete_events, recorded);
+  // Compute and communication are separate threads of each process.
+  EXPECT_TRUE(used_threads.contains({0, 0}));
+  EXPECT_TRUE(used_threads.contains({0, 1}));
+  const nlohmann::json& other = trace["otherData"];
+  EXPECT_TRUE(other["simulated"].get<bool>());
+  ASSERT_EQ(other["ranks"].size(), 4u);
+  ASSERT_EQ(other["ranks"][0]["steps"].size(), 8u);
+  for (const char* field : {"total_us", "compute_us", "communication_us",
+                            "exposed_communication_us", "overlap_fraction", "link_bytes"})
+    EXPECT_TRUE(other["ranks"][0]["steps"][0].contains(field)) << field;
+}
+
+TEST(Trace, StepSummaryOfAHandMadeTrace) {
+  RankTrace trace;
+  trace.step_marks = {0.0, 10.0, 20.0};
+  trace.events = {
+      {"fwd", TraceLane::kCompute, 0.0, 4.0, 0, 0, 0, 0, -1},
+      {"allreduce", TraceLane::kSend, 3.0, 4.0, 0, 0, 0, 100, -1},    // 3..7: 1 hidden
+      {"recv from 1", TraceLane::kReceive, 5.0, 1.0, 0, 0, 0, 8, 1},  // inside the above
+      {"bwd", TraceLane::kCompute, 7.0, 2.0, 0, 0, 0, 0, -1},
+      {"allreduce", TraceLane::kSend, 9.0, 3.0, 0, 0, 0, 50, -1},  // 9..12: split at 10
+  };
+  const std::vector<StepSummary> steps = summarize_steps(trace);
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_DOUBLE_EQ(steps[0].total, 10.0);
+  EXPECT_DOUBLE_EQ(steps[0].compute, 6.0);
+  EXPECT_DOUBLE_EQ(steps[0].communication, 5.0);          // 3..7 and 9..10
+  EXPECT_DOUBLE_EQ(steps[0].exposed_communication, 4.0);  // 4..7 and 9..10
+  EXPECT_DOUBLE_EQ(steps[0].overlap_fraction, 1.0 - 4.0 / 5.0);
+  EXPECT_EQ(steps[0].link_bytes, 158u);
+  EXPECT_DOUBLE_EQ(steps[1].communication, 2.0);
+  EXPECT_DOUBLE_EQ(steps[1].exposed_communication, 2.0);
+  EXPECT_EQ(steps[1].link_bytes, 0u);
+}
+
+// --- Errors are reported as without the simulation ------------------------------------------
+
+std::string comm_error_of(const LaunchOptions& options,
+                          const std::function<void(Communicator&)>& rank_main) {
+  try {
+    launch(options, rank_main);
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  return "(no CommError)";
+}
+
+TEST(SimulatedErrors, DeadlockIsStillDetectedAtOnce) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message = comm_error_of(simulated(2), [](Communicator& comm) {
+    std::vector<float> in(4), out(4);
+    const int peer = 1 - comm.rank();
+    comm.irecv(std::span(in), peer, 0)->wait();
+    comm.isend(std::span<const float>(out), peer, 0)->wait();
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0: waits for call #0 recv(from=1, tag=0, count=4 float32)"),
+            std::string::npos)
+      << message;
+}
+
+TEST(SimulatedErrors, MismatchedCollectiveFailsOnEveryRankAndLaterCallsWork) {
+  std::vector<std::string> seen(3);
+  std::vector<double> ends(3);
+  launch(simulated(3), [&](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 1 ? 512 : 1024, 1.0f);
+    try {
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    } catch (const CommError& e) {
+      seen[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+    // The simulation forgot the failed call: the next one completes and is timed.
+    std::vector<float> ok(30, 1.0f);
+    comm.allreduce(std::span(ok), ReduceOp::kSum)->wait();
+    ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+  });
+  for (const std::string& message : seen)
+    EXPECT_NE(message.find("does not match"), std::string::npos) << message;
+  for (double end : ends) EXPECT_GT(end, 0.0);
+}
+
+TEST(SimulatedErrors, AFailingRankEndsTheOthers) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    launch(simulated(4), [](Communicator& comm) {
+      std::vector<float> data(4);
+      if (comm.rank() == 2) throw std::runtime_error("rank 2 broke");
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    });
+    FAIL() << "expected the rank's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "rank 2 broke");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+}
+
+TEST(SimulatedErrors, PointToPointSizeMismatchFailsBothSides) {
+  const std::string message = comm_error_of(simulated(2), [](Communicator& comm) {
+    std::vector<float> data(comm.rank() == 0 ? 8 : 4);
+    if (comm.rank() == 0)
+      comm.isend(std::span<const float>(data), 1, 0)->wait();
+    else
+      comm.irecv(std::span(data), 0, 0)->wait();
+  });
+  EXPECT_NE(message.find("8"), std::string::npos) << message;
+  EXPECT_NE(message.find("4"), std::string::npos) << message;
+}
+
+TEST(Presets, NamesAndErrors) {
+  for (const std::string& name : NetworkModel::preset_names())
+    EXPECT_GT(NetworkModel::preset(name).fabric.bytes_per_second, 0);
+  EXPECT_DOUBLE_EQ(NetworkModel::preset("ib-ndr").fabric.bytes_per_second, 50e9);
+  EXPECT_DOUBLE_EQ(NetworkModel::preset("10gbe").fabric.bytes_per_second, 1.25e9);
+  EXPECT_THROW(NetworkModel::preset("carrier-pigeon"), Error);
+  EXPECT_THROW(DeviceModel::preset("abacus"), Error);
+  LaunchOptions bad = simulated(2);
+  bad.simulation.network.fabric.bytes_per_second = 0;
+  EXPECT_THROW(launch(bad, [](Communicator&) {}), Error);
+}
+
+}  // namespace
+}  // namespace dp
