@@ -146,6 +146,8 @@ void p2p_ring(benchmark::State& state, bool simulated, std::size_t bytes) {
   }
 }
 
+}  // namespace
+
 void register_benchmarks() {
   for (const bool simulated : {false, true}) {
     const std::string clock = simulated ? "simulated" : "off";
@@ -167,15 +169,4 @@ void register_benchmarks() {
     }
 }
 
-}  // namespace
 }  // namespace dp::bench
-
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  dp::configure_process_allocator();
-  dp::bench::register_benchmarks();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}

@@ -11,6 +11,9 @@
 
 namespace dp::bench {
 
+/// Registers the program's benchmarks; each program that uses bench_main.cpp defines it.
+void register_benchmarks();
+
 /// Message sizes in bytes: 4 KiB to 256 MiB in steps of 4 (nccl-tests sweeps the same way).
 std::vector<std::size_t> message_sizes();
 

@@ -159,6 +159,8 @@ void benchmark_data_parallel(benchmark::State& state, int ranks, std::size_t bat
   }
 }
 
+}  // namespace
+
 void register_benchmarks() {
   for (const std::size_t batch : {64, 512}) {
     benchmark::RegisterBenchmark(
@@ -176,15 +178,4 @@ void register_benchmarks() {
   }
 }
 
-}  // namespace
 }  // namespace dp::bench
-
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  dp::configure_process_allocator();
-  dp::bench::register_benchmarks();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
