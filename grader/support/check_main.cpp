@@ -1,4 +1,5 @@
-// The main() of every lab's check program (grade_lab<N>, grade_lab<N>_reference, ...).
+// The main() of every lab's check program (grade_lab<N>, grade_lab<N>_reference, ...) and
+// of the runtime's own tests under mpiexec (dp_mpi_tests).
 //
 // On the local backend it is GoogleTest's usual main. Under mpi (DPLAB_TEST_BACKEND=mpi,
 // started by `dplab grade --backend mpi`) every process runs every check, so that every
@@ -14,7 +15,7 @@
 
 namespace {
 
-/// Prints a non-zero rank's failed assertions; stays silent otherwise.
+/// Prints a non-zero rank's failed assertions and tests; stays silent otherwise.
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit FailurePrinter(int rank) : rank_(rank) {}
@@ -24,6 +25,11 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
     std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
                  result.file_name() != nullptr ? result.file_name() : "unknown",
                  result.line_number(), result.message());
+  }
+
+  void OnTestEnd(const ::testing::TestInfo& test) override {
+    if (test.result()->Failed())
+      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_, test.test_suite_name(), test.name());
   }
 
  private:
