@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <typeinfo>
+#include <utility>
 
 #include "dp/error.h"
 #include "dp/optimizer.h"
@@ -21,6 +23,33 @@ namespace dp::grading {
 Backend check_backend() {
   const char* name = std::getenv("DPLAB_TEST_BACKEND");
   return name == nullptr || *name == '\0' ? Backend::kLocal : parse_backend(name);
+}
+
+std::uint64_t grade_seed() {
+  const char* text = std::getenv("DPLAB_GRADE_SEED");
+  if (text == nullptr || *text == '\0') return 1;
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long seed = std::strtoull(text, &end, 10);
+  if (errno != 0 || *end != '\0' || *text == '-')
+    throw Error(fmt::format(
+        "DPLAB_GRADE_SEED must be a non-negative decimal integer below 2^64, got '{}'", text));
+  return seed;
+}
+
+namespace {
+std::mutex measured_mutex;
+std::vector<std::string> measured_notes;
+}  // namespace
+
+void note_measured(std::string sentence) {
+  std::lock_guard lock(measured_mutex);
+  measured_notes.push_back(std::move(sentence));
+}
+
+std::vector<std::string> take_measured_notes() {
+  std::lock_guard lock(measured_mutex);
+  return std::exchange(measured_notes, {});
 }
 
 std::vector<int> world_sizes(int largest) {

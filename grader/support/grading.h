@@ -43,6 +43,21 @@ namespace dp::grading {
 /// grade driver sets.
 Backend check_backend();
 
+/// The grading seed of this run: $DPLAB_GRADE_SEED, which `dplab grade` sets (and prints;
+/// `dplab grade --seed S` repeats a run). A check program started by hand without it uses
+/// seed 1. Every draw of every check derives from it, the same in every process of an mpi
+/// run.
+std::uint64_t grade_seed();
+
+/// Records a sentence that says what a check measured, for the score table and the
+/// Gradescope output of a passed check ("replicas differ by 3.1e-02 after one step").
+/// Thread-safe; call it from any rank's thread. Under mpi the driver shows rank 0's.
+void note_measured(std::string sentence);
+
+/// The sentences `note_measured` recorded since the last call, in order (the check
+/// program's main() collects them at the end of every test).
+std::vector<std::string> take_measured_notes();
+
 /// The world sizes a check loops over: 1 to `largest` on the local backend; under mpi
 /// 1 to the number of processes (at most `largest`), so `dplab grade --backend mpi -n 4`
 /// runs 1, 2, 3 and 4 ranks.
