@@ -8,6 +8,54 @@
 
 namespace dp {
 
+std::string_view to_string(Device device) {
+  switch (device) {
+    case Device::kHost: return "host";
+  }
+  return "unknown";
+}
+
+namespace {
+
+void check_slice(std::size_t offset, std::size_t count, std::size_t size) {
+  // Written so that a huge offset or count cannot wrap around.
+  if (offset > size || count > size - offset)
+    throw Error(fmt::format(
+        "view of elements [{}, {} + {}) asked of a view of {} elements; expected the range to "
+        "lie inside it",
+        offset, offset, count, size));
+}
+
+void check_host(Device device) {
+  if (device != Device::kHost)
+    throw Error(
+        fmt::format("host_span() of a view of {} memory: expected a host view; use the "
+                    "operations of dp/tensor_ops.h, which work on every device",
+                    to_string(device)));
+}
+
+}  // namespace
+
+TensorView TensorView::slice(std::size_t offset, std::size_t count) const {
+  check_slice(offset, count, size_);
+  return {data_ + offset, count, device_};
+}
+
+std::span<float> TensorView::host_span() const {
+  check_host(device_);
+  return {data_, size_};
+}
+
+ConstTensorView ConstTensorView::slice(std::size_t offset, std::size_t count) const {
+  check_slice(offset, count, size_);
+  return {data_ + offset, count, device_};
+}
+
+std::span<const float> ConstTensorView::host_span() const {
+  check_host(device_);
+  return {data_, size_};
+}
+
 std::size_t element_count(const std::vector<std::int64_t>& shape) {
   std::size_t count = 1;
   for (std::int64_t extent : shape) {

@@ -1,0 +1,59 @@
+// tensor_ops.h: element-wise operations on tensor views (copy, fill, scale, divide, add,
+// axpy, dot, norm).
+//
+// Lab code does its arithmetic on gradients and parameters with these operations instead
+// of loops over raw memory: each one checks its operands (sizes, devices), is charged to
+// the rank's simulated clock as one compute op (so a copy into a flat buffer costs time,
+// as it does on a GPU), and dispatches on the device the views live on, so the same lab
+// code runs on the host and on a GPU.
+//
+// Every operation visits the elements in index order and rounds each result once, exactly
+// as the loop in its comment would: results are reproducible bit for bit. `divide(x, 3)`
+// and `scale(x, 1.0f / 3)` are different operations that can differ in the last bit.
+//
+// Example (averaging with a flat buffer):
+//
+//   std::size_t offset = 0;
+//   for (dp::Parameter* p : model.parameters()) {          // pack
+//     dp::copy(p->grad.view(), flat.view(offset, p->grad.size()));
+//     offset += p->grad.size();
+//   }
+//   comm.allreduce(flat.view(), dp::ReduceOp::kSum)->wait();
+//   dp::divide(flat.view(), static_cast<float>(comm.size()));
+#pragma once
+
+#include "dp/tensor.h"
+
+namespace dp {
+
+/// x[i] = value for every i.
+void fill(TensorView x, float value);
+
+/// destination[i] = source[i]. Throws `dp::Error` unless the sizes are equal; the views
+/// must not overlap (unless they are the same elements).
+void copy(ConstTensorView source, TensorView destination);
+
+/// x[i] = factor * x[i].
+void scale(TensorView x, float factor);
+
+/// x[i] = x[i] / divisor (a division, rounded once: not a multiplication by 1/divisor).
+void divide(TensorView x, float divisor);
+
+/// y[i] = y[i] + x[i]. Throws `dp::Error` unless the sizes are equal.
+void add(ConstTensorView x, TensorView y);
+
+/// y[i] = y[i] + alpha * x[i] (the product rounded, then the sum). Throws `dp::Error`
+/// unless the sizes are equal.
+void axpy(float alpha, ConstTensorView x, TensorView y);
+
+/// The sum of x[i] * y[i], accumulated in double precision in index order. Throws
+/// `dp::Error` unless the sizes are equal.
+double dot(ConstTensorView x, ConstTensorView y);
+
+/// The Euclidean norm sqrt(sum of x[i]^2), accumulated in double precision in index order.
+double norm(ConstTensorView x);
+
+/// True when every element is finite (no NaN, no infinity).
+bool all_finite(ConstTensorView x);
+
+}  // namespace dp
