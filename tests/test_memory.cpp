@@ -30,6 +30,21 @@ TEST(MemoryTracker, CurrentAndPeakPerCategory) {
   EXPECT_THROW(tracker.on_release(MemoryCategory::kGradients, 51), InvariantError);
 }
 
+TEST(MemoryTracker, CountsAllocationsPerCategoryAndNeverForgetsThem) {
+  MemoryTracker tracker;
+  tracker.on_allocate(MemoryCategory::kCommunication, 64);
+  tracker.on_release(MemoryCategory::kCommunication, 64);
+  tracker.on_allocate(MemoryCategory::kCommunication, 64);
+  tracker.on_allocate(MemoryCategory::kGradients, 8);
+  // A buffer freed and made again counts twice: reuse means no allocation at all.
+  EXPECT_EQ(tracker.allocations(MemoryCategory::kCommunication), 2u);
+  EXPECT_EQ(tracker.allocations(MemoryCategory::kGradients), 1u);
+  EXPECT_EQ(tracker.allocations(MemoryCategory::kParameters), 0u);
+  EXPECT_EQ(tracker.allocations_total(), 3u);
+  tracker.reset_peaks();
+  EXPECT_EQ(tracker.allocations_total(), 3u);
+}
+
 TEST(CachingAllocator, ReusesBlocksOfTheSameSizeClass) {
   CachingAllocator allocator;
   void* first = allocator.allocate(10'000);

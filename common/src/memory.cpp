@@ -28,6 +28,7 @@ void MemoryTracker::on_allocate(MemoryCategory category, std::size_t bytes) {
   const auto c = static_cast<std::size_t>(category);
   std::lock_guard lock(mutex_);
   current_[c] += bytes;
+  ++allocations_[c];
   peak_[c] = std::max(peak_[c], current_[c]);
   current_total_ += bytes;
   peak_total_ = std::max(peak_total_, current_total_);
@@ -50,6 +51,18 @@ std::size_t MemoryTracker::current(MemoryCategory category) const {
 std::size_t MemoryTracker::peak(MemoryCategory category) const {
   std::lock_guard lock(mutex_);
   return peak_[static_cast<std::size_t>(category)];
+}
+
+std::size_t MemoryTracker::allocations(MemoryCategory category) const {
+  std::lock_guard lock(mutex_);
+  return allocations_[static_cast<std::size_t>(category)];
+}
+
+std::size_t MemoryTracker::allocations_total() const {
+  std::lock_guard lock(mutex_);
+  std::size_t total = 0;
+  for (std::size_t count : allocations_) total += count;
+  return total;
 }
 
 std::size_t MemoryTracker::current_total() const {

@@ -53,6 +53,12 @@ class MemoryTracker {
   std::size_t current(MemoryCategory category) const;
   /// Highest value `current(category)` reached since construction or `reset_peaks()`.
   std::size_t peak(MemoryCategory category) const;
+  /// Number of allocations recorded under `category` since construction: a count that
+  /// only grows, so that code which should reuse its buffers can be shown to allocate none
+  /// (read it before and after, and subtract).
+  std::size_t allocations(MemoryCategory category) const;
+  /// Number of allocations recorded in all categories together since construction.
+  std::size_t allocations_total() const;
   /// Bytes currently live in all categories together.
   std::size_t current_total() const;
   /// Highest value `current_total()` reached since construction or `reset_peaks()`.
@@ -64,6 +70,7 @@ class MemoryTracker {
   mutable std::mutex mutex_;
   std::array<std::size_t, kNumMemoryCategories> current_{};
   std::array<std::size_t, kNumMemoryCategories> peak_{};
+  std::array<std::size_t, kNumMemoryCategories> allocations_{};
   std::size_t current_total_ = 0;
   std::size_t peak_total_ = 0;
 };
