@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "comm/adversarial.h"
 #include "comm/backends.h"
 #include "dp/error.h"
 #include "dp/memory.h"
@@ -62,13 +63,21 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   // Ranks run in parallel already; one BLAS thread per rank also keeps every matrix
   // product's summation order, and so its result, fixed.
   set_blas_threads(1);
+  // Under Completion::kAdversarial the rank's code talks to a decorator over the backend's
+  // communicator (comm/adversarial.h); the backend underneath is unchanged.
+  const std::function<void(Communicator&)> run_rank = [&](Communicator& comm) {
+    if (options.comm.completion != Completion::kAdversarial) return rank_main(comm);
+    const std::unique_ptr<Communicator> adversarial =
+        detail::make_adversarial(comm, options.comm.completion_seed);
+    rank_main(*adversarial);
+  };
   switch (options.backend) {
-    case Backend::kLocal: detail::run_local(options, rank_main); return;
+    case Backend::kLocal: detail::run_local(options, run_rank); return;
     case Backend::kMpi:
 #ifdef DP_HAVE_MPI
       detail::run_mpi(options, [&](Communicator& comm) {
         ScopedRankMemory bind(std::make_shared<RankMemory>());
-        rank_main(comm);
+        run_rank(comm);
       });
       return;
 #else

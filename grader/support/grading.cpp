@@ -200,14 +200,12 @@ Batch local_batch(const Dataset& data, const TrainOptions& options, int step, in
 
 std::uint64_t allreduce_bytes_sent(Communicator& comm,
                                    std::span<const std::size_t> element_counts) {
-  comm.reset_counters();
+  const CommCounters before = comm.counters();
   for (std::size_t count : element_counts) {
     std::vector<float> scratch(count, 0.0f);
     comm.allreduce(std::span<float>(scratch), ReduceOp::kSum)->wait();
   }
-  const std::uint64_t bytes = comm.counters().total_bytes_sent();
-  comm.reset_counters();
-  return bytes;
+  return comm.counters().since(before).total_bytes_sent();
 }
 
 }  // namespace dp::grading

@@ -132,9 +132,11 @@ struct OpCounters {
   std::uint64_t messages_received = 0;  ///< transfers from peers
 };
 
-/// Everything one rank's communicator has counted since construction or `reset`.
+/// Everything one rank's communicator has counted since it was constructed.
 ///
-/// Bytes count payload only. For point-to-point calls they are the message sizes. For
+/// Counts only grow: nothing can reset them, so a grader that reads them before and after
+/// a piece of lab code (`later.since(earlier)`) sees every call that code made. Bytes
+/// count payload only. For point-to-point calls they are the message sizes. For
 /// native collectives they are what the backend's algorithm moves between ranks; each
 /// backend documents its formula (the local backend's equal those of ring algorithms:
 /// all-reduce sends and receives 2 (p-1)/p n, reduce-scatter and all-gather (p-1)/p n).
@@ -153,6 +155,11 @@ struct CommCounters {
   std::uint64_t total_bytes_received() const;
   /// Collective calls of every kind together.
   std::uint64_t collective_calls() const;
+  /// Calls of every kind together, point-to-point included.
+  std::uint64_t total_calls() const;
+  /// What was counted after `earlier`, a snapshot of the same communicator taken before
+  /// this one: every count minus its value in `earlier`.
+  CommCounters since(const CommCounters& earlier) const;
 };
 
 /// One asynchronous communicator call.
@@ -169,6 +176,20 @@ class Work {
   virtual bool test() = 0;
 };
 
+/// When a call's results reach the caller's buffers.
+enum class Completion {
+  /// As soon as the backend has moved the data: calls complete in the order the backend
+  /// runs them (on the local and mpi backends, the order they were issued in).
+  kEager,
+  /// Only when the call's own `Work` is waited on (or its `test()` returns true), in
+  /// whatever order the caller waits. Until then an output buffer holds garbage (all bits
+  /// set: NaN for float32), and an input buffer changed before the wait is reported by
+  /// `wait()`. `test()` answers false at random (seeded) before it looks. A missing or
+  /// misplaced `wait()` therefore fails every time instead of once in a while, on every
+  /// backend: the grader runs every check this way.
+  kAdversarial,
+};
+
 /// Settings every backend honours.
 struct CommOptions {
   /// A rank blocked in `wait()` or `barrier()` for longer than this reports every rank's
@@ -177,6 +198,10 @@ struct CommOptions {
   /// Check before each collective that every rank called the same collective with
   /// matching sizes (the mpi backend pays one small exchange per collective for it).
   bool validate_collectives = true;
+  /// When results reach the caller's buffers (`Completion::kAdversarial` for grading).
+  Completion completion = Completion::kEager;
+  /// Seeds the random answers of `test()` under `Completion::kAdversarial` (with the rank).
+  std::uint64_t completion_seed = 0;
 };
 
 /// The group of ranks a lab communicates over. One object per rank.
@@ -209,10 +234,9 @@ class Communicator {
   /// Returns when every rank has called it.
   virtual void barrier() = 0;
 
-  /// A snapshot of this rank's counters.
+  /// A snapshot of this rank's counters (they only grow; subtract two snapshots with
+  /// `CommCounters::since` to count what happened in between).
   virtual CommCounters counters() const = 0;
-  /// Sets this rank's counters to zero.
-  virtual void reset_counters() = 0;
 
   /// This rank's clock (see dp/clock.h): simulated on the local backend when
   /// `LaunchOptions::simulation` is enabled, wall time otherwise. On the simulated clock

@@ -67,4 +67,34 @@ std::uint64_t CommCounters::collective_calls() const {
   return total;
 }
 
+std::uint64_t CommCounters::total_calls() const {
+  std::uint64_t total = 0;
+  for (const auto& op : per_op) total += op.calls;
+  return total;
+}
+
+CommCounters CommCounters::since(const CommCounters& earlier) const {
+  DP_CHECK(earlier.bytes_sent_to.size() == bytes_sent_to.size() &&
+               earlier.bytes_received_from.size() == bytes_received_from.size(),
+           "counters of communicators of {} and {} ranks subtracted", bytes_sent_to.size(),
+           earlier.bytes_sent_to.size());
+  CommCounters difference = *this;
+  for (std::size_t op = 0; op < kNumCommOps; ++op) {
+    OpCounters& d = difference.per_op[op];
+    const OpCounters& e = earlier.per_op[op];
+    DP_CHECK(d.calls >= e.calls, "a later snapshot counts fewer {} calls ({} < {})",
+             to_string(static_cast<CommOp>(op)), d.calls, e.calls);
+    d.calls -= e.calls;
+    d.bytes_sent -= e.bytes_sent;
+    d.bytes_received -= e.bytes_received;
+    d.messages_sent -= e.messages_sent;
+    d.messages_received -= e.messages_received;
+  }
+  for (std::size_t peer = 0; peer < bytes_sent_to.size(); ++peer) {
+    difference.bytes_sent_to[peer] -= earlier.bytes_sent_to[peer];
+    difference.bytes_received_from[peer] -= earlier.bytes_received_from[peer];
+  }
+  return difference;
+}
+
 }  // namespace dp

@@ -162,7 +162,6 @@ class LocalCommunicator final : public Communicator {
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
   void barrier() override;
   CommCounters counters() const override;
-  void reset_counters() override;
   Clock& clock() override;
 
  private:
@@ -212,7 +211,6 @@ class LocalWorld {
   void wait_quietly(Operation& operation);
 
   CommCounters counters(int rank) const;
-  void reset_counters(int rank);
 
   /// Ends every rank's pending and future calls with `reason`.
   void abort(const std::string& reason);
@@ -418,14 +416,6 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
 CommCounters LocalWorld::counters(int rank) const {
   std::lock_guard lock(mutex_);
   return ranks_[rank].counters;
-}
-
-void LocalWorld::reset_counters(int rank) {
-  std::lock_guard lock(mutex_);
-  auto& counters = ranks_[rank].counters;
-  counters.per_op = {};
-  std::fill(counters.bytes_sent_to.begin(), counters.bytes_sent_to.end(), 0);
-  std::fill(counters.bytes_received_from.begin(), counters.bytes_received_from.end(), 0);
 }
 
 void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
@@ -963,10 +953,6 @@ void LocalCommunicator::barrier() {
 
 CommCounters LocalCommunicator::counters() const {
   return world_.counters(rank_);
-}
-
-void LocalCommunicator::reset_counters() {
-  world_.reset_counters(rank_);
 }
 
 Clock& LocalCommunicator::clock() {

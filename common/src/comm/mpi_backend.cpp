@@ -37,6 +37,13 @@
 //
 // Point-to-point calls count their message sizes exactly.
 //
+// Order of additions. comm.h promises that a sum adds the ranks' values in rank order,
+// ((x0 + x1) + x2) + ..., so that every backend gives the same bits and graders can emulate
+// a data-parallel step in one process. Open MPI adds in whatever order its algorithm
+// picks; for two ranks that cannot matter (a + b == b + a), so MPI_Allreduce serves them,
+// but float32 sums over three or more ranks go through `rank_order_allreduce` and
+// `rank_order_reduce_scatter`, which exchange chunks and add them here, in rank order.
+//
 // Errors. A collective whose descriptor (kind, count, type, reduce op, root) differs across
 // ranks fails with the same dp::CommError on every rank; later collectives of that launch
 // fail too. A rank blocked longer than the hang timeout collects every rank's call state,
@@ -164,6 +171,70 @@ bool overlaps(ConstBuffer in, MutableBuffer out) {
   const auto* out_begin = static_cast<const char*>(out.data);
   return in.bytes() > 0 && out.bytes() > 0 && in_begin < out_begin + out.bytes() &&
          out_begin < in_begin + in.bytes();
+}
+
+/// True when MPI's own reduction could break the contract of `ReduceOp::kSum` (added in
+/// rank order 0, 1, ..., p-1). Open MPI adds in an order its algorithm picks; for two ranks
+/// a + b == b + a bit for bit, but from three ranks on a float32 sum depends on the order,
+/// and graders compare sums bitwise with the local backend's. Integer sums and maxima do
+/// not depend on the order.
+bool needs_rank_order(const CallRecord& record, int world_size) {
+  return record.type == DataType::kFloat32 && record.reduce != ReduceOp::kMax && world_size >= 3;
+}
+
+/// out[k] = ((in_0[k] + in_1[k]) + in_2[k]) + ..., with in_j the j-th of `parts` blocks of
+/// `count` floats in `blocks`; then divided by `parts` for kAvg (a post-divide).
+void add_blocks_in_rank_order(const std::vector<float>& blocks, int parts, std::size_t count,
+                              ReduceOp op, float* out) {
+  for (std::size_t k = 0; k < count; ++k) out[k] = blocks[k];
+  for (int j = 1; j < parts; ++j) {
+    const float* block = blocks.data() + static_cast<std::size_t>(j) * count;
+    for (std::size_t k = 0; k < count; ++k) out[k] += block[k];
+  }
+  if (op == ReduceOp::kAvg)
+    for (std::size_t k = 0; k < count; ++k) out[k] /= static_cast<float>(parts);
+}
+
+/// A float32 all-reduce that adds in rank order, as the local backend does: rank i
+/// receives chunk i = [n i/p, n (i+1)/p) of every rank's buffer (MPI_Alltoallv), adds the
+/// p chunks in rank order, and every rank gathers every chunk's sum (MPI_Allgatherv). It
+/// moves the bytes of a ring all-reduce, 2 (p-1)/p n per rank.
+void rank_order_allreduce(MutableBuffer data, ReduceOp op, MPI_Comm comm, int rank, int size) {
+  const std::size_t n = data.count;
+  const auto parts = static_cast<std::size_t>(size);
+  std::vector<int> chunk_counts(parts);
+  std::vector<int> chunk_starts(parts);
+  for (std::size_t j = 0; j < parts; ++j) {
+    chunk_starts[j] = mpi_count(n * j / parts, "allreduce");
+    chunk_counts[j] = mpi_count(n * (j + 1) / parts, "allreduce") - chunk_starts[j];
+  }
+  const auto mine = static_cast<std::size_t>(chunk_counts[static_cast<std::size_t>(rank)]);
+  // My chunk as every rank holds it: p blocks of `mine` floats, in rank order.
+  std::vector<float> blocks(mine * parts);
+  std::vector<int> block_counts(parts, static_cast<int>(mine));
+  std::vector<int> block_starts(parts);
+  for (std::size_t j = 0; j < parts; ++j) block_starts[j] = static_cast<int>(j * mine);
+  check_mpi(MPI_Alltoallv(data.data, chunk_counts.data(), chunk_starts.data(), MPI_FLOAT,
+                          blocks.data(), block_counts.data(), block_starts.data(), MPI_FLOAT, comm),
+            "allreduce (exchange of chunks)");
+  float* values = static_cast<float*>(data.data);
+  add_blocks_in_rank_order(blocks, size, mine, op,
+                           values + chunk_starts[static_cast<std::size_t>(rank)]);
+  check_mpi(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, values, chunk_counts.data(),
+                           chunk_starts.data(), MPI_FLOAT, comm),
+            "allreduce (gather of sums)");
+}
+
+/// A float32 reduce-scatter that adds in rank order: shard i of every rank's input goes to
+/// rank i (MPI_Alltoall), which adds the p shards in rank order.
+void rank_order_reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op, MPI_Comm comm,
+                               int size) {
+  const int shard = mpi_count(out.count, "reduce_scatter");
+  std::vector<float> blocks(out.count * static_cast<std::size_t>(size));
+  // The input is read completely before `out`, which may overlap it, is written.
+  check_mpi(MPI_Alltoall(in.data, shard, MPI_FLOAT, blocks.data(), shard, MPI_FLOAT, comm),
+            "reduce_scatter (exchange of shards)");
+  add_blocks_in_rank_order(blocks, size, out.count, op, static_cast<float*>(out.data));
 }
 
 /// Polls `request` until it completes, sleeping between polls: for waits where a
@@ -372,7 +443,6 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
   void barrier() override;
   CommCounters counters() const override;
-  void reset_counters() override;
   /// A wall clock: on real processes the time is the time.
   Clock& clock() override { return *clock_; }
 
@@ -788,12 +858,20 @@ void MpiCommunicator::execute(Collective& call) {
   MutableBuffer out = call.output;
   switch (record.op) {
     case CommOp::kAllReduce:
+      if (needs_rank_order(record, size_)) {
+        rank_order_allreduce(out, record.reduce, collectives_, rank_, size_);
+        return;
+      }
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, out.data, static_cast<int>(out.count), type,
                               mpi_op(record.reduce), collectives_),
                 "allreduce");
       if (record.reduce == ReduceOp::kAvg) divide_by(out, size_);
       return;
     case CommOp::kReduceScatter: {
+      if (needs_rank_order(record, size_)) {
+        rank_order_reduce_scatter(call.input, out, record.reduce, collectives_, size_);
+        return;
+      }
       // MPI forbids aliased buffers; an overlapping input is copied first.
       std::vector<char> copy;
       const void* in = call.input.data;
@@ -1070,13 +1148,6 @@ bool PointToPointWork::test() {
 CommCounters MpiCommunicator::counters() const {
   std::lock_guard lock(mutex_);
   return counters_;
-}
-
-void MpiCommunicator::reset_counters() {
-  std::lock_guard lock(mutex_);
-  counters_.per_op = {};
-  std::fill(counters_.bytes_sent_to.begin(), counters_.bytes_sent_to.end(), 0);
-  std::fill(counters_.bytes_received_from.begin(), counters_.bytes_received_from.end(), 0);
 }
 
 }  // namespace
