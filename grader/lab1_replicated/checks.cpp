@@ -1,15 +1,21 @@
 // Lab 1's graded checks: the sampler's shards, the broadcast of the initial weights, and
-// training without synchronisation (which must make the replicas diverge). rubric.json
-// gives each check its points; README.md in labs/lab1_replicated says what each grades.
+// training without synchronisation (which must make the replicas diverge). Every check
+// draws its configurations from the run's grading seed; rubric.json gives the points and
+// the ranges drawn, and labs/lab1_replicated/README.md what each check grades.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <map>
-#include <memory>
+#include <cmath>
+#include <cstring>
+#include <functional>
 #include <set>
+#include <string>
+#include <vector>
 
+#include "compare.h"
 #include "dp/data.h"
+#include "dp/error.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "grading.h"
@@ -18,241 +24,469 @@
 namespace dp::lab1 {
 namespace {
 
+using grading::Draws;
 using grading::run_on_ranks;
 using grading::Verdict;
-using grading::world_sizes;
 
-// Data set sizes that divide evenly and that do not, including fewer samples than ranks.
-const std::vector<std::size_t> kDatasetSizes = {1, 3, 7, 10, 64, 97};
-constexpr int kMaxRanks = 5;
+/// Configurations each sampler check tries.
+constexpr int kSamplerConfigurations = 40;
 
-/// Every rank's shard for one configuration, built the way each rank would build it.
-std::vector<std::vector<std::size_t>> shards_of(std::size_t n, int replicas, SamplerOptions options,
-                                                std::uint64_t epoch) {
+/// One sampler configuration: data set size, ranks, options and epoch.
+struct SamplerCase {
+  std::size_t n = 1;
+  int replicas = 1;
+  SamplerOptions options;
+  std::uint64_t epoch = 0;
+
+  std::string describe() const {
+    return fmt::format("n={} ranks={} shuffle={} drop_last={} seed={} epoch={}", n, replicas,
+                       options.shuffle, options.drop_last, options.seed, epoch);
+  }
+};
+
+/// A configuration drawn from `draws`: half of them small (n <= 12, so fewer samples than
+/// ranks and heavy padding are common), the rest up to 200 samples.
+SamplerCase draw_case(Draws& draws, bool drop_last) {
+  SamplerCase c;
+  const bool small = draws.coin("small");
+  c.replicas = static_cast<int>(draws.integer("ranks", 1, 8));
+  const std::int64_t smallest = drop_last ? c.replicas : 1;  // drop_last needs n >= ranks
+  c.n = static_cast<std::size_t>(
+      draws.integer("n", smallest, std::max<std::int64_t>(smallest, small ? 12 : 200)));
+  c.options.shuffle = draws.coin("shuffle");
+  c.options.drop_last = drop_last;
+  c.options.seed = draws.seed("sampler seed");
+  c.epoch = static_cast<std::uint64_t>(draws.integer("epoch", 0, 1000));
+  return c;
+}
+
+/// Every rank's shard, each from a sampler of its own, as the ranks would build them.
+std::vector<std::vector<std::size_t>> shards_of(const SamplerCase& c) {
   std::vector<std::vector<std::size_t>> shards;
-  for (int rank = 0; rank < replicas; ++rank) {
-    DistributedSampler sampler(n, replicas, rank, options);
-    sampler.set_epoch(epoch);
+  for (int rank = 0; rank < c.replicas; ++rank) {
+    DistributedSampler sampler(c.n, c.replicas, rank, c.options);
+    sampler.set_epoch(c.epoch);
     shards.push_back(sampler.indices());
   }
   return shards;
 }
 
-std::string describe(std::size_t n, int replicas, const SamplerOptions& options) {
-  return fmt::format("n={} ranks={} shuffle={} drop_last={} seed={}", n, replicas, options.shuffle,
-                     options.drop_last, options.seed);
+/// The interleaved list L[r + N i] = shard r's i-th index, or "" in `problem` when the
+/// shards cannot be interleaved (unequal lengths).
+std::vector<std::size_t> interleave(const std::vector<std::vector<std::size_t>>& shards,
+                                    std::string& problem) {
+  const std::size_t length = shards.front().size();
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    if (shards[r].size() != length) {
+      problem = fmt::format(
+          "rank {}'s shard has {} indices but rank 0's has {}; expected equal "
+          "lengths",
+          r, shards[r].size(), length);
+      return {};
+    }
+  std::vector<std::size_t> list(length * shards.size());
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    for (std::size_t i = 0; i < length; ++i) list[r + shards.size() * i] = shards[r][i];
+  return list;
 }
 
-/// Checks the shards of one configuration with padding; returns "" or what is wrong.
-std::string check_padded_shards(std::size_t n, int replicas, const SamplerOptions& options) {
-  if (n == 0 || replicas <= 0) return "check set-up: expected a non-empty data set and ranks";
-  const std::size_t per_rank =
-      (n + static_cast<std::size_t>(replicas) - 1) / static_cast<std::size_t>(replicas);
-  const std::size_t total = per_rank * static_cast<std::size_t>(replicas);
-  std::map<std::size_t, int> seen;
-  for (int rank = 0; rank < replicas; ++rank) {
-    DistributedSampler sampler(n, replicas, rank, options);
-    sampler.set_epoch(2);
-    if (sampler.num_samples() != per_rank)
-      return fmt::format("rank {}: num_samples() is {}, expected ceil({}/{}) = {}", rank,
-                         sampler.num_samples(), n, replicas, per_rank);
-    const std::vector<std::size_t> shard = sampler.indices();
-    if (shard.size() != per_rank)
-      return fmt::format("rank {}: indices() has {} entries, expected num_samples() = {}", rank,
-                         shard.size(), per_rank);
-    for (std::size_t index : shard) {
-      if (index >= n)
-        return fmt::format("rank {}: index {} is past the data set (size {})", rank, index, n);
-      ++seen[index];
-    }
-  }
-  for (std::size_t index = 0; index < n; ++index)
-    if (seen.count(index) == 0)
-      return fmt::format("index {} is in no rank's shard; expected every index at least once",
-                         index);
-  // Padding repeats the list from its start, so no index can appear more than
-  // ceil(total / n) times; more means shards overlap.
-  const int most = static_cast<int>((total + n - 1) / n);
-  for (const auto& [index, count] : seen)
-    if (count > most)
+/// "" when the first `count` entries of `list` are distinct indices below n (and, without
+/// shuffle, 0, 1, 2, ...), else what is wrong.
+std::string check_epoch_order(const std::vector<std::size_t>& list, std::size_t count,
+                              const SamplerCase& c) {
+  std::vector<char> seen(c.n, 0);
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t index = list[i];
+    if (index >= c.n)
       return fmt::format(
-          "index {} appears {} times over all shards; expected at most {} ({} padded positions "
-          "for {} samples): the shards overlap",
-          index, count, most, total, n);
+          "position {} of the interleaved list holds index {}, past the data set "
+          "of {}",
+          i, index, c.n);
+    if (!c.options.shuffle && index != i)
+      return fmt::format(
+          "without shuffle, position {} of the interleaved list (rank {}, entry {}) "
+          "must hold index {}, not {}",
+          i, i % static_cast<std::size_t>(c.replicas), i / static_cast<std::size_t>(c.replicas), i,
+          index);
+    if (seen[index] != 0)
+      return fmt::format(
+          "index {} appears twice among the first {} entries of the interleaved "
+          "list (rank {} entry {}); expected every index at most once before the "
+          "padding: shards overlap, or the ranks shuffled differently",
+          index, count, i % static_cast<std::size_t>(c.replicas),
+          i / static_cast<std::size_t>(c.replicas));
+    seen[index] = 1;
+  }
   return "";
 }
 
-TEST(Lab1Sampler, PaddedShardsCoverEveryIndex) {
-  for (std::size_t n : kDatasetSizes)
-    for (int replicas = 1; replicas <= kMaxRanks; ++replicas)
-      for (bool shuffle : {false, true}) {
-        const SamplerOptions options{.shuffle = shuffle, .seed = 11, .drop_last = false};
-        const std::string problem = check_padded_shards(n, replicas, options);
-        EXPECT_EQ(problem, "") << describe(n, replicas, options);
-      }
-}
-
-TEST(Lab1Sampler, DropLastGivesEqualDisjointShards) {
-  for (std::size_t n : kDatasetSizes)
-    for (int replicas = 1; replicas <= kMaxRanks && static_cast<std::size_t>(replicas) <= n;
-         ++replicas)
-      for (bool shuffle : {false, true}) {
-        const SamplerOptions options{.shuffle = shuffle, .seed = 5, .drop_last = true};
-        const std::size_t per_rank = n / static_cast<std::size_t>(replicas);
-        std::set<std::size_t> seen;
-        for (int rank = 0; rank < replicas; ++rank) {
-          DistributedSampler sampler(n, replicas, rank, options);
-          ASSERT_EQ(sampler.num_samples(), per_rank)
-              << describe(n, replicas, options) << ": expected floor(n/ranks) per rank";
-          const std::vector<std::size_t> shard = sampler.indices();
-          ASSERT_EQ(shard.size(), per_rank) << describe(n, replicas, options) << ", rank " << rank;
-          for (std::size_t index : shard) {
-            ASSERT_LT(index, n) << describe(n, replicas, options) << ", rank " << rank;
-            ASSERT_TRUE(seen.insert(index).second)
-                << describe(n, replicas, options) << ": index " << index
-                << " is in two shards (or twice in one); with drop_last no index may repeat";
-          }
-        }
-      }
-}
-
-TEST(Lab1Sampler, UnshuffledShardsAreStrided) {
-  // PyTorch's order without shuffle: rank r takes r, r + N, r + 2N, ... (padding wraps).
-  for (std::size_t n : kDatasetSizes)
-    for (int replicas = 1; replicas <= kMaxRanks; ++replicas) {
-      const SamplerOptions options{.shuffle = false};
-      const auto shards = shards_of(n, replicas, options, 0);
-      for (int rank = 0; rank < replicas; ++rank)
-        for (std::size_t i = 0; i < shards[static_cast<std::size_t>(rank)].size(); ++i) {
-          const std::size_t expected =
-              (static_cast<std::size_t>(rank) + i * static_cast<std::size_t>(replicas)) % n;
-          ASSERT_EQ(shards[static_cast<std::size_t>(rank)][i], expected)
-              << describe(n, replicas, options) << ": rank " << rank << ", position " << i;
-        }
+/// Runs `check` on `kSamplerConfigurations` drawn configurations and fails the test on the
+/// first problem, naming the configuration; notes how many passed.
+void for_drawn_cases(const char* check_name, bool drop_last,
+                     const std::function<std::string(const SamplerCase&)>& check,
+                     bool always_shuffle = false) {
+  // Its own stream for each setting of drop_last, so that the two loops draw differently.
+  Draws draws(fmt::format("{}/drop_last={}", check_name, drop_last));
+  for (int i = 0; i < kSamplerConfigurations; ++i) {
+    SamplerCase c = draw_case(draws, drop_last);
+    if (always_shuffle) c.options.shuffle = true;
+    std::string problem;
+    try {
+      problem = check(c);
+    } catch (const NotImplemented& error) {
+      FAIL() << error.what();
+    } catch (const std::exception& error) {
+      problem = fmt::format("{}: {}", grading::type_name(error), error.what());
     }
+    if (!problem.empty())
+      FAIL() << c.describe() << ": " << problem << "\n(grading seed " << grading::grade_seed()
+             << ")";
+  }
+  grading::note_measured(
+      fmt::format("{} drawn configurations {} drop_last (n from 1 to 200, 1 "
+                  "to 8 ranks)",
+                  kSamplerConfigurations, drop_last ? "with" : "without"));
 }
 
-TEST(Lab1Sampler, ShuffleIsSeededPerEpochAndReproducible) {
-  constexpr std::size_t n = 97;
-  constexpr int replicas = 3;
-  const SamplerOptions options{.shuffle = true, .seed = 42};
-  const auto epoch0 = shards_of(n, replicas, options, 0);
-  // The same (seed, epoch) in a fresh sampler gives the same shards: ranks that never
-  // talk must agree on the permutation.
-  EXPECT_EQ(shards_of(n, replicas, options, 0), epoch0)
-      << "two samplers with equal seed and epoch gave different shards";
-  // A new epoch is a new permutation, and so is a new seed.
-  EXPECT_NE(shards_of(n, replicas, options, 1), epoch0)
-      << "epochs 0 and 1 gave the same shards: set_epoch must change the shuffle";
-  SamplerOptions other_seed = options;
-  other_seed.seed = 43;
-  EXPECT_NE(shards_of(n, replicas, other_seed, 0), epoch0)
-      << "seeds 42 and 43 gave the same shards: the seed must select the shuffle";
-  // Shuffled is not the identity order.
-  const SamplerOptions unshuffled{.shuffle = false, .seed = 42};
-  EXPECT_NE(epoch0, shards_of(n, replicas, unshuffled, 0))
-      << "shuffle=true gave the unshuffled order";
+TEST(Lab1Sampler, ShardLengths) {
+  for (bool drop_last : {false, true})
+    for_drawn_cases("Lab1Sampler.ShardLengths", drop_last, [](const SamplerCase& c) -> std::string {
+      const auto n = c.n;
+      const auto replicas = static_cast<std::size_t>(c.replicas);
+      const std::size_t expected =
+          c.options.drop_last ? n / replicas : (n + replicas - 1) / replicas;
+      for (int rank = 0; rank < c.replicas; ++rank) {
+        DistributedSampler sampler(c.n, c.replicas, rank, c.options);
+        sampler.set_epoch(c.epoch);
+        if (sampler.num_samples() != expected)
+          return fmt::format("rank {}: num_samples() is {}; expected {}({}/{}) = {}", rank,
+                             sampler.num_samples(), c.options.drop_last ? "floor" : "ceil", n,
+                             replicas, expected);
+        if (sampler.indices().size() != expected)
+          return fmt::format("rank {}: indices() has {} entries; expected num_samples() = {}", rank,
+                             sampler.indices().size(), expected);
+      }
+      return "";
+    });
+}
+
+TEST(Lab1Sampler, PaddingRepeatsTheEpochOrderFromItsStart) {
+  for_drawn_cases(
+      "Lab1Sampler.PaddingRepeatsTheEpochOrderFromItsStart", false,
+      [](const SamplerCase& c) -> std::string {
+        std::string problem;
+        const std::vector<std::size_t> list = interleave(shards_of(c), problem);
+        if (!problem.empty()) return problem;
+        const std::size_t per_rank =
+            (c.n + static_cast<std::size_t>(c.replicas) - 1) / static_cast<std::size_t>(c.replicas);
+        if (list.size() != per_rank * static_cast<std::size_t>(c.replicas))
+          return fmt::format("the shards hold {} indices in all; expected {} (ceil(n/N) per rank)",
+                             list.size(), per_rank * static_cast<std::size_t>(c.replicas));
+        problem = check_epoch_order(list, c.n, c);
+        if (!problem.empty()) return problem;
+        for (std::size_t j = c.n; j < list.size(); ++j)
+          if (list[j] != list[j % c.n])
+            return fmt::format(
+                "padding position {} (rank {}) holds index {}; expected {}, the entry at position "
+                "{}: "
+                "padding repeats the epoch's (shuffled) order from its start",
+                j, j % static_cast<std::size_t>(c.replicas), list[j], list[j % c.n], j % c.n);
+        return "";
+      });
+}
+
+TEST(Lab1Sampler, DropLastLeavesOutTheTailOfTheEpochOrder) {
+  for_drawn_cases(
+      "Lab1Sampler.DropLastLeavesOutTheTailOfTheEpochOrder", true,
+      [](const SamplerCase& c) -> std::string {
+        std::string problem;
+        const std::vector<std::size_t> list = interleave(shards_of(c), problem);
+        if (!problem.empty()) return problem;
+        const std::size_t total =
+            c.n / static_cast<std::size_t>(c.replicas) * static_cast<std::size_t>(c.replicas);
+        if (list.size() != total)
+          return fmt::format("the shards hold {} indices in all; expected {} (floor(n/N) per rank)",
+                             list.size(), total);
+        problem = check_epoch_order(list, total, c);
+        if (!problem.empty() || !c.options.shuffle || total == c.n || c.n < 10) return problem;
+        // Shuffled, the samples left out must change with the epoch: cutting the tail before
+        // shuffling would leave out the same samples every epoch.
+        std::set<std::vector<std::size_t>> left_out_sets;
+        for (std::uint64_t epoch = c.epoch; epoch < c.epoch + 8; ++epoch) {
+          SamplerCase other = c;
+          other.epoch = epoch;
+          std::vector<char> kept(c.n, 0);
+          for (const auto& shard : shards_of(other))
+            for (std::size_t index : shard)
+              if (index < c.n) kept[index] = 1;
+          std::vector<std::size_t> left_out;
+          for (std::size_t index = 0; index < c.n; ++index)
+            if (kept[index] == 0) left_out.push_back(index);
+          left_out_sets.insert(left_out);
+        }
+        if (left_out_sets.size() == 1)
+          return fmt::format(
+              "epochs {} to {} all leave out the same samples; expected the tail of each epoch's "
+              "shuffled order, which changes from epoch to epoch",
+              c.epoch, c.epoch + 7);
+        return "";
+      });
+}
+
+TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
+  for_drawn_cases(
+      "Lab1Sampler.ShuffleDependsOnSeedAndEpochOnly", false,
+      [](const SamplerCase& c) -> std::string {
+        const auto shards = shards_of(c);
+        if (shards_of(c) != shards)
+          return "two samplers with equal seed and epoch gave different shards; expected the order "
+                 "to depend on (seed, epoch) alone";
+        // Two random orders of n >= 10 samples coincide with probability 1/n! < 3e-7: only then
+        // may the check insist that they differ.
+        if (c.n < 10) return "";
+        SamplerCase next_epoch = c;
+        ++next_epoch.epoch;
+        if (shards_of(next_epoch) == shards)
+          return fmt::format(
+              "epochs {} and {} gave the same shards; expected set_epoch to change the "
+              "order",
+              c.epoch, next_epoch.epoch);
+        SamplerCase next_seed = c;
+        ++next_seed.options.seed;
+        if (shards_of(next_seed) == shards)
+          return fmt::format(
+              "seeds {} and {} gave the same shards; expected the seed to select the "
+              "order",
+              c.options.seed, next_seed.options.seed);
+        SamplerCase unshuffled = c;
+        unshuffled.options.shuffle = false;
+        if (shards_of(unshuffled) == shards) return "shuffle=true gave the unshuffled order";
+        return "";
+      },
+      /*always_shuffle=*/true);
 }
 
 // --- the broadcast ------------------------------------------------------------------------
 
-const char* const kSpec = "64-32-16-10";
+/// An MLP "64-h1-h2-10" with drawn hidden widths.
+std::string draw_spec(Draws& draws) {
+  return fmt::format("64-{}-{}-10", draws.integer("hidden1", 8, 48),
+                     draws.integer("hidden2", 8, 32));
+}
 
 TEST(Lab1Broadcast, EveryRankHoldsRankZerosWeights) {
-  const Model rank0_model = Model::mlp(kSpec, {.seed = 100});
-  const std::vector<float> expected = rank0_model.flat_parameters();
-  for (int world : world_sizes()) {
-    run_on_ranks(world, [&](Communicator& comm, Verdict& verdict) {
-      // Each rank starts from its own weights, and one parameter is frozen: the broadcast
-      // must copy frozen parameters too.
-      Model model = Model::mlp(kSpec, {.seed = 100 + static_cast<std::uint64_t>(comm.rank())});
-      model.freeze("fc1.bias");
-      if (comm.rank() != 0 && grading::compare_parameters(model, expected, 0).empty())
-        verdict.fail("check set-up: this rank's weights equal rank 0's before the broadcast");
-      broadcast_initial_weights(model, comm);
-      verdict.expect_empty(
-          grading::compare_parameters(model, expected, 0),
-          "after broadcast_initial_weights, compared with rank 0's initial weights");
-    });
+  Draws draws("Lab1Broadcast.EveryRankHoldsRankZerosWeights");
+  const std::string spec = draw_spec(draws);
+  const std::uint64_t seed = draws.seed("model seed");
+  const Model reference = Model::mlp(spec, {.seed = seed});
+  const std::vector<float> expected = reference.flat_parameters();
+  const std::string frozen =
+      draws.pick("frozen", std::vector<std::string>{"fc1.weight", "fc1.bias", "fc2.weight",
+                                                    "fc2.bias", "fc3.weight", "fc3.bias"});
+  const std::uint64_t model_bytes = expected.size() * sizeof(float);
+  for (int world : draws.world_sizes()) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          // Each rank starts from weights of its own; one parameter is frozen, and the
+          // broadcast must copy it too.
+          Model model = Model::mlp(spec, {.seed = seed + static_cast<std::uint64_t>(comm.rank())});
+          model.freeze(frozen);
+          const CommCounters before = comm.counters();
+          broadcast_initial_weights(model, comm);
+          const CommCounters moved = comm.counters().since(before);
+          verdict.expect_empty(grading::compare_parameters(model, expected, 0),
+                               "after broadcast_initial_weights, compared with rank 0's weights");
+          const std::uint64_t received = moved.total_bytes_received();
+          const std::uint64_t expected_received = comm.rank() == 0 ? 0 : model_bytes;
+          if (received != expected_received)
+            verdict.fail(fmt::format(
+                "this rank received {} bytes; expected {} (every parameter's bytes exactly once{})",
+                received, expected_received, comm.rank() == 0 ? ", and nothing on rank 0" : ""));
+          if (verdict.passed())
+            verdict.note(
+                fmt::format("{} parameter elements ({} bytes) received by each of {} ranks "
+                            "in {} call(s)",
+                            expected.size(), model_bytes, comm.size() - 1, moved.total_calls()));
+        },
+        draws);
   }
 }
 
 // --- training without synchronisation -----------------------------------------------------
 
-constexpr std::int64_t kLocalBatch = 8;
+/// One drawn training set-up of the replicated checks.
+struct ReplicatedCase {
+  std::string spec;
+  std::uint64_t model_seed = 0;
+  Dataset data;
+  ReplicatedOptions options;
+};
 
-/// This rank's model after training alone on the shard the (student's) sampler gives it:
-/// the single-process loop of the handout, written out plainly.
-std::vector<float> trained_on_own_shard(const Dataset& data, int world, int rank,
-                                        const ReplicatedOptions& options, std::size_t& steps) {
-  Model model = Model::mlp(kSpec, {.seed = 3});
+ReplicatedCase draw_training(Draws& draws, bool allow_max_steps) {
+  ReplicatedCase c;
+  c.spec = draw_spec(draws);
+  c.model_seed = draws.seed("model seed");
+  c.data = load_dataset(fmt::format("synthetic:{}", draws.integer("samples", 20, 90)),
+                        draws.seed("data seed"));
+  c.options.local_batch = draws.integer("local batch", 3, 12);
+  c.options.epochs = static_cast<int>(draws.integer("epochs", 1, 3));
+  c.options.sampler.shuffle = draws.coin("shuffle");
+  c.options.sampler.drop_last = draws.coin("drop_last");
+  c.options.sampler.seed = draws.seed("sampler seed");
+  if (allow_max_steps && draws.coin("stop early"))
+    c.options.max_steps = static_cast<int>(draws.integer("max_steps", 0, 12));
+  return c;
+}
+
+/// What this rank's training must produce: the same steps run plainly in one process on
+/// the shards of the (student's) sampler. Losses of every step, and the final parameters.
+struct Expected {
+  std::vector<float> losses;
+  std::vector<float> parameters;
+};
+
+Expected train_alone(const ReplicatedCase& c, int world, int rank) {
+  Model model = Model::mlp(c.spec, {.seed = c.model_seed});
   Sgd sgd(model.num_parameters(), {.lr = 0.1f});
-  steps = 0;
-  DistributedSampler sampler(data.size(), world, rank, options.sampler);
-  for (int epoch = 0; epoch < options.epochs; ++epoch) {
+  Expected expected;
+  DistributedSampler sampler(c.data.size(), world, rank, c.options.sampler);
+  const auto batch = static_cast<std::size_t>(c.options.local_batch);
+  for (int epoch = 0; epoch < c.options.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
     const std::vector<std::size_t> shard = sampler.indices();
-    for (std::size_t start = 0; start < shard.size(); start += kLocalBatch) {
-      const std::size_t count = std::min<std::size_t>(kLocalBatch, shard.size() - start);
-      const Batch batch = gather_batch(data, std::span(shard).subspan(start, count));
+    for (std::size_t start = 0; start < shard.size(); start += batch) {
+      if (c.options.max_steps >= 0 &&
+          expected.losses.size() >= static_cast<std::size_t>(c.options.max_steps))
+        break;
+      const Batch b = gather_batch(
+          c.data, std::span(shard).subspan(start, std::min(batch, shard.size() - start)));
       model.zero_grad();
-      const Tensor logits = model.forward(batch.inputs);
-      model.backward(logits, batch.labels);
+      const Tensor logits = model.forward(b.inputs);
+      expected.losses.push_back(model.backward(logits, b.labels));
       sgd.step(model);
-      ++steps;
     }
   }
-  return model.flat_parameters();
+  expected.parameters = model.flat_parameters();
+  return expected;
+}
+
+/// Runs the student's train_replicated on every drawn world size (up to 4 ranks) and hands
+/// each rank's outcome to `judge`.
+void for_replicated_runs(
+    const char* check_name, bool allow_max_steps,
+    const std::function<void(const ReplicatedCase&, Communicator&, Verdict&, const Model&,
+                             const std::vector<float>&, const CommCounters&)>& judge) {
+  Draws draws(check_name);
+  const ReplicatedCase c = draw_training(draws, allow_max_steps);
+  for (int world : draws.world_sizes(4)) {
+    if (c.options.sampler.drop_last && c.data.size() < static_cast<std::size_t>(world)) continue;
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = Model::mlp(c.spec, {.seed = c.model_seed});
+          Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+          const CommCounters before = comm.counters();
+          const std::vector<float> losses = train_replicated(model, sgd, c.data, comm, c.options);
+          const CommCounters during = comm.counters().since(before);
+          judge(c, comm, verdict, model, losses, during);
+        },
+        draws);
+  }
 }
 
 TEST(Lab1Replicated, EachReplicaTrainsOnItsOwnShardWithoutCommunicating) {
-  const Dataset data = load_dataset("synthetic:100", /*seed=*/1);
-  const ReplicatedOptions options{.local_batch = kLocalBatch, .epochs = 2, .sampler = {.seed = 9}};
-  for (int world : world_sizes(4)) {
-    run_on_ranks(world, [&](Communicator& comm, Verdict& verdict) {
-      std::size_t expected_steps = 0;
-      const std::vector<float> expected =
-          trained_on_own_shard(data, comm.size(), comm.rank(), options, expected_steps);
-      Model model = Model::mlp(kSpec, {.seed = 3});
-      Sgd sgd(model.num_parameters(), {.lr = 0.1f});
-      comm.reset_counters();
-      const std::vector<float> losses = train_replicated(model, sgd, data, comm, options);
-      const CommCounters counters = comm.counters();
-      if (counters.collective_calls() != 0 || counters.total_bytes_sent() != 0)
-        verdict.fail(fmt::format(
-            "train_replicated communicated ({} collective calls, {} bytes sent); expected no "
-            "communication at all in lab 1",
-            counters.collective_calls(), counters.total_bytes_sent()));
-      if (losses.size() != expected_steps)
-        verdict.fail(fmt::format(
-            "train_replicated took {} steps over 2 epochs; expected {} (every batch of {} of the "
-            "shard, the last shorter one included)",
-            losses.size(), expected_steps, kLocalBatch));
-      verdict.expect_empty(grading::compare_parameters(model, expected, 0),
-                           "compared with this rank's shard trained alone in one process");
-    });
-  }
+  for_replicated_runs(
+      "Lab1Replicated.EachReplicaTrainsOnItsOwnShardWithoutCommunicating", false,
+      [](const ReplicatedCase& c, Communicator& comm, Verdict& verdict, const Model& model,
+         const std::vector<float>& losses, const CommCounters& during) {
+        const Expected expected = train_alone(c, comm.size(), comm.rank());
+        if (during.total_calls() != 0)
+          verdict.fail(
+              fmt::format("train_replicated made {} communicator calls ({} bytes sent); "
+                          "expected none at all in lab 1",
+                          during.total_calls(), during.total_bytes_sent()));
+        if (losses.size() != expected.losses.size())
+          verdict.fail(fmt::format(
+              "train_replicated took {} steps; expected {} ({} epoch(s) of "
+              "this rank's shard in batches of {}, the last shorter)",
+              losses.size(), expected.losses.size(), c.options.epochs, c.options.local_batch));
+        verdict.expect_empty(grading::compare_parameters(model, expected.parameters, 0),
+                             "compared with this rank's shard trained alone in one process");
+        if (verdict.passed() && comm.rank() == 0)
+          verdict.note(
+              fmt::format("each replica equals its shard trained alone, bitwise, after "
+                          "{} steps; no communication",
+                          losses.size()));
+      });
+}
+
+TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
+  for_replicated_runs(
+      "Lab1Replicated.ReturnsTheLossOfEveryStepAndStopsAtMaxSteps", true,
+      [](const ReplicatedCase& c, Communicator& comm, Verdict& verdict, const Model&,
+         const std::vector<float>& losses, const CommCounters&) {
+        const Expected expected = train_alone(c, comm.size(), comm.rank());
+        if (losses.size() != expected.losses.size()) {
+          verdict.fail(fmt::format(
+              "train_replicated returned {} losses; expected {}: one per step, {} epoch(s){}",
+              losses.size(), expected.losses.size(), c.options.epochs,
+              c.options.max_steps >= 0
+                  ? fmt::format(", at most max_steps = {} steps counted over all epochs",
+                                c.options.max_steps)
+                  : std::string()));
+          return;
+        }
+        for (std::size_t step = 0; step < losses.size(); ++step)
+          if (std::memcmp(&losses[step], &expected.losses[step], sizeof(float)) != 0) {
+            verdict.fail(
+                fmt::format("the loss of step {} is {:.9g}; expected {:.9g}, the mean loss "
+                            "Model::backward returned for that step's batch{}",
+                            step + 1, losses[step], expected.losses[step],
+                            std::abs(losses[step] / expected.losses[step] - 1) > 0.5
+                                ? " (a sum, or another step's loss?)"
+                                : ""));
+            return;
+          }
+      });
 }
 
 TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
   // The lesson of the lab: equal starting weights, different shards, no exchange of
   // gradients, and after a single step the replicas are different models.
-  const Dataset data = load_dataset("synthetic:100", /*seed=*/1);
-  const ReplicatedOptions options{.local_batch = kLocalBatch, .max_steps = 1};
-  for (int world : world_sizes(4)) {
+  Draws draws("Lab1Replicated.ReplicasDivergeAfterOneStepWithoutSync");
+  ReplicatedCase c = draw_training(draws, false);
+  c.options.max_steps = 1;
+  c.options.sampler.drop_last = false;
+  for (int world : draws.world_sizes(4)) {
     if (world == 1) continue;
-    run_on_ranks(world, [&](Communicator& comm, Verdict& verdict) {
-      Model model = Model::mlp(kSpec, {.seed = 3});
-      Sgd sgd(model.num_parameters(), {.lr = 0.1f});
-      const std::vector<float> losses = train_replicated(model, sgd, data, comm, options);
-      if (losses.size() != 1)
-        verdict.fail(
-            fmt::format("with max_steps = 1, train_replicated took {} steps", losses.size()));
-      if (grading::compare_with_rank0(model, comm).empty() && comm.rank() != 0)
-        verdict.fail(
-            "after one step on different shards this replica is bitwise equal to rank 0's; "
-            "expected the replicas to diverge, since nothing synchronises their gradients");
-    });
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = Model::mlp(c.spec, {.seed = c.model_seed});
+          Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+          const std::vector<float> losses = train_replicated(model, sgd, c.data, comm, c.options);
+          if (losses.size() != 1)
+            verdict.fail(
+                fmt::format("with max_steps = 1, train_replicated took {} steps", losses.size()));
+          // Every rank measures its distance to rank 0's replica (a collective: all take part).
+          std::vector<float> mine = model.flat_parameters();
+          std::vector<float> rank0 = mine;
+          comm.broadcast(std::span<float>(rank0), 0)->wait();
+          const auto mine_to_rank0 = static_cast<float>(grading::max_abs_difference(mine, rank0));
+          std::vector<float> distance = {mine_to_rank0};
+          comm.allreduce(std::span<float>(distance), ReduceOp::kMax)->wait();
+          if (comm.rank() != 0 && mine_to_rank0 == 0)
+            verdict.fail(
+                "after one step on different shards this replica is bitwise equal to rank 0's; "
+                "expected the replicas to diverge, since nothing synchronises their gradients");
+          if (comm.rank() == 0)
+            verdict.note(
+                fmt::format("after one unsynchronised step the replicas differ by up to "
+                            "{:.2e} (largest |parameter - rank 0's|)",
+                            distance[0]));
+        },
+        draws);
   }
 }
 

@@ -1,24 +1,37 @@
 #include "grading.h"
 
+#include <cxxabi.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <typeinfo>
 #include <utility>
 
 #include "dp/error.h"
-#include "dp/optimizer.h"
 
 namespace dp::grading {
+namespace {
+
+/// FNV-1a: a check's name as a 64-bit stream number, the same on every machine.
+std::uint64_t hash_name(std::string_view name) {
+  std::uint64_t hash = 0xcbf29ce484222325ULL;
+  for (const char c : name) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 0x100000001b3ULL;
+  }
+  return hash;
+}
+
+std::mutex measured_mutex;
+std::vector<std::string> measured_notes;
+
+}  // namespace
 
 Backend check_backend() {
   const char* name = std::getenv("DPLAB_TEST_BACKEND");
@@ -37,11 +50,6 @@ std::uint64_t grade_seed() {
   return seed;
 }
 
-namespace {
-std::mutex measured_mutex;
-std::vector<std::string> measured_notes;
-}  // namespace
-
 void note_measured(std::string sentence) {
   std::lock_guard lock(measured_mutex);
   measured_notes.push_back(std::move(sentence));
@@ -52,27 +60,95 @@ std::vector<std::string> take_measured_notes() {
   return std::exchange(measured_notes, {});
 }
 
-std::vector<int> world_sizes(int largest) {
-  const int ranks =
-      check_backend() == Backend::kMpi ? std::min(largest, mpi_world_size()) : largest;
+// --- draws --------------------------------------------------------------------------------
+
+Draws::Draws(std::string_view check_name)
+    : rng_(grade_seed(), hash_name(check_name)),
+      completion_seed_(grade_seed() ^ (hash_name(check_name) >> 1)) {}
+
+std::int64_t Draws::integer(std::string_view name, std::int64_t low, std::int64_t high) {
+  DP_CHECK(low <= high, "draw {} from the empty range [{}, {}]", name, low, high);
+  const auto span = static_cast<std::uint64_t>(high - low) + 1;
+  const std::int64_t value = low + static_cast<std::int64_t>(rng_.below(span));
+  record(name, std::to_string(value));
+  return value;
+}
+
+float Draws::uniform(std::string_view name, float low, float high) {
+  const float value = rng_.uniform(low, high);
+  record(name, fmt::format("{:.4g}", value));
+  return value;
+}
+
+bool Draws::coin(std::string_view name) {
+  const bool value = (rng_.next_u32() & 1U) != 0;
+  record(name, value ? "true" : "false");
+  return value;
+}
+
+std::uint64_t Draws::seed(std::string_view name) {
+  const std::uint64_t value = rng_.next_u32() % 1'000'000;  // short, to read and retype
+  record(name, std::to_string(value));
+  return value;
+}
+
+std::vector<int> Draws::world_sizes(int largest) {
   std::vector<int> sizes;
-  for (int world = 1; world <= ranks; ++world) sizes.push_back(world);
+  if (check_backend() == Backend::kMpi) {
+    for (int world = 1; world <= std::min(largest, mpi_world_size()); ++world)
+      sizes.push_back(world);
+  } else {
+    sizes.push_back(1);
+    std::vector<int> not_powers_of_two;
+    for (int world : {3, 5, 6})
+      if (world <= largest) not_powers_of_two.push_back(world);
+    if (!not_powers_of_two.empty())
+      sizes.push_back(not_powers_of_two[rng_.below(not_powers_of_two.size())]);
+    std::vector<int> others;
+    for (int world = 2; world <= largest; ++world)
+      if (std::find(sizes.begin(), sizes.end(), world) == sizes.end()) others.push_back(world);
+    if (!others.empty()) sizes.push_back(others[rng_.below(others.size())]);
+    std::sort(sizes.begin(), sizes.end());
+  }
+  record("world sizes", fmt::format("{}", fmt::join(sizes, ",")));
   return sizes;
 }
+
+std::string Draws::describe() const {
+  return fmt::format("grading seed {}: {}", grade_seed(), fmt::join(drawn_, " "));
+}
+
+void Draws::record(std::string_view name, const std::string& value) {
+  drawn_.push_back(fmt::format("{}={}", name, value));
+}
+
+// --- verdicts and ranks -------------------------------------------------------------------
 
 void Verdict::expect_empty(const std::string& finding, std::string_view context) {
   if (!finding.empty()) fail(fmt::format("{}: {}", context, finding));
 }
 
-bool run_on_ranks(int world_size, const RankCheck& check, std::chrono::milliseconds hang_timeout) {
+std::string type_name(const std::exception& error) {
+  const char* mangled = typeid(error).name();
+  int status = 0;
+  const std::unique_ptr<char, void (*)(void*)> demangled(
+      abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
+  return status == 0 && demangled != nullptr ? std::string(demangled.get()) : mangled;
+}
+
+bool run_on_ranks(int world_size, const RankCheck& check, const Draws& draws,
+                  std::chrono::milliseconds hang_timeout) {
   LaunchOptions options;
   options.world_size = world_size;
   options.backend = check_backend();
   options.comm.hang_timeout = hang_timeout;
+  options.comm.completion = Completion::kAdversarial;
+  options.comm.completion_seed = draws.completion_seed() + static_cast<std::uint64_t>(world_size);
 
   // One slot per rank; under mpi only this process's rank fills its slot.
   std::vector<Verdict> verdicts(static_cast<std::size_t>(world_size));
   std::vector<char> ran(static_cast<std::size_t>(world_size), 0);
+  const std::string drawn = draws.describe();
   try {
     launch(options, [&](Communicator& comm) {
       const auto rank = static_cast<std::size_t>(comm.rank());
@@ -83,119 +159,25 @@ bool run_on_ranks(int world_size, const RankCheck& check, std::chrono::milliseco
     ADD_FAILURE() << fmt::format("world size {}: {}", world_size, error.what());
     return false;
   } catch (const std::exception& error) {
-    ADD_FAILURE() << fmt::format("world size {}: a rank failed with {}: {}", world_size,
-                                 typeid(error).name(), error.what());
+    ADD_FAILURE() << fmt::format("world size {}: a rank failed with {}: {}\n({})", world_size,
+                                 type_name(error), error.what(), drawn);
     return false;
   }
 
   bool passed = true;
   for (int rank = 0; rank < world_size; ++rank) {
+    const Verdict& verdict = verdicts[static_cast<std::size_t>(rank)];
     if (ran[static_cast<std::size_t>(rank)] == 0) continue;
-    for (const std::string& failure : verdicts[static_cast<std::size_t>(rank)].failures()) {
-      ADD_FAILURE() << fmt::format("world size {}, rank {}: {}", world_size, rank, failure);
+    for (const std::string& failure : verdict.failures()) {
+      ADD_FAILURE() << fmt::format("world size {}, rank {}: {}\n({})", world_size, rank, failure,
+                                   drawn);
       passed = false;
     }
+    if (rank == 0)
+      for (const std::string& sentence : verdict.notes())
+        note_measured(fmt::format("world size {}: {}", world_size, sentence));
   }
   return passed;
-}
-
-std::string position_in(const std::vector<std::int64_t>& shape, std::size_t index) {
-  std::vector<std::int64_t> position(shape.size());
-  auto remaining = static_cast<std::int64_t>(index);
-  for (std::size_t d = shape.size(); d-- > 0;) {
-    position[d] = shape[d] > 0 ? remaining % shape[d] : 0;
-    remaining = shape[d] > 0 ? remaining / shape[d] : 0;
-  }
-  return fmt::format("[{}]", fmt::join(position, ", "));
-}
-
-std::string compare_parameters(const Model& model, std::span<const float> expected_flat,
-                               float tolerance) {
-  if (expected_flat.size() != model.num_parameters())
-    return fmt::format("the model has {} parameter elements, the baseline {}",
-                       model.num_parameters(), expected_flat.size());
-  // The parameter whose largest difference is largest: that is where to look first. A
-  // NaN counts as an infinite difference.
-  const Parameter* worst = nullptr;
-  std::size_t worst_index = 0;
-  float worst_diff = -1;
-  for (const Parameter* parameter : model.parameters()) {
-    const std::span<const float> seen = parameter->value.span();
-    if (parameter->offset + seen.size() > expected_flat.size())
-      return fmt::format("parameter {} has an unexpected size {}", parameter->name, seen.size());
-    for (std::size_t i = 0; i < seen.size(); ++i) {
-      float diff = std::abs(seen[i] - expected_flat[parameter->offset + i]);
-      if (std::isnan(diff)) diff = INFINITY;
-      const bool differs =
-          tolerance == 0 ? seen[i] != expected_flat[parameter->offset + i] || std::isnan(seen[i])
-                         : diff > tolerance;
-      if (differs && diff > worst_diff) {
-        worst = parameter;
-        worst_index = i;
-        worst_diff = diff;
-      }
-    }
-  }
-  if (worst == nullptr) return "";
-  const float seen = worst->value[worst_index];
-  const float expected = expected_flat[worst->offset + worst_index];
-  return fmt::format(
-      "parameter {} differs: max abs diff {:.2e} at {} (seen {:.9g}, expected {:.9g}); "
-      "expected {}",
-      worst->name, worst_diff, position_in(worst->value.shape(), worst_index), seen, expected,
-      tolerance == 0 ? std::string("bitwise equality") : fmt::format("<= {:.2e}", tolerance));
-}
-
-std::string compare_with_rank0(const Model& model, Communicator& comm) {
-  std::vector<float> mine = model.flat_parameters();
-  std::vector<float> rank0 = mine;
-  comm.broadcast(std::span<float>(rank0), 0)->wait();
-  for (const Parameter* parameter : model.parameters()) {
-    for (std::size_t i = 0; i < parameter->value.size(); ++i) {
-      const std::size_t flat = parameter->offset + i;
-      // Bitwise: two NaNs with equal bits are equal replicas, 0.0 and -0.0 are not.
-      if (std::memcmp(&mine[flat], &rank0[flat], sizeof(float)) != 0)
-        return fmt::format(
-            "parameter {} at {} is {:.9g} here but {:.9g} on rank 0; expected the replicas to be "
-            "bitwise identical",
-            parameter->name, position_in(parameter->value.shape(), i), mine[flat], rank0[flat]);
-    }
-  }
-  return "";
-}
-
-Trajectory single_process_trajectory(const TrainOptions& options, const Dataset& data,
-                                     std::span<const std::string> frozen) {
-  Model model = make_model(options);
-  for (const std::string& name : frozen) model.freeze(name);
-  std::unique_ptr<Optimizer> optimizer =
-      make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
-                     options.weight_decay);
-  Trajectory trajectory;
-  for (int step = 0; step < options.steps; ++step) {
-    const Batch batch = local_batch(data, options, step, /*rank=*/0, /*world_size=*/1);
-    model.zero_grad();
-    const Tensor logits = model.forward(batch.inputs);
-    model.backward(logits, batch.labels);
-    for (const Parameter* parameter : model.parameters())
-      for (float g : parameter->grad.span())
-        trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient, std::abs(g));
-    optimizer->step(model);
-    trajectory.parameters_after_step.push_back(model.flat_parameters());
-  }
-  return trajectory;
-}
-
-Batch local_batch(const Dataset& data, const TrainOptions& options, int step, int rank,
-                  int world_size) {
-  DP_CHECK(world_size > 0 && options.global_batch % world_size == 0,
-           "global batch {} is not a multiple of the world size {}", options.global_batch,
-           world_size);
-  const std::vector<std::size_t> global =
-      global_batch_indices(data.size(), options.global_batch, step, options.seed);
-  const auto local = static_cast<std::size_t>(options.global_batch / world_size);
-  return gather_batch(data,
-                      std::span(global).subspan(static_cast<std::size_t>(rank) * local, local));
 }
 
 std::uint64_t allreduce_bytes_sent(Communicator& comm,

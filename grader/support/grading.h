@@ -1,30 +1,37 @@
 // grading.h: what every lab's checks share, so that a check reads as the property it
-// grades.
+// grades: the run's seed and each check's draws, running a check on several ranks, and a
+// verdict per rank that says what was expected and what was seen.
 //
-// A check runs the student's code on several world sizes, each rank records what it
-// found in a `Verdict`, and `run_on_ranks` turns every rank's findings into GoogleTest
-// failures that name the world size and the rank. The same check runs on the local
-// backend (ranks are threads of the check program) and under mpirun (each process is
-// one rank, and the grade driver merges the processes' reports).
-//
-// Equivalence checks compare with the ground truth: `single_process_trajectory` trains
-// on the global batch in one process and keeps the parameters after every step, and
-// `compare_parameters` says where a replica differs and by how much.
+// A check draws its parameters (world sizes, sizes, steps, seeds) from the run's grading
+// seed, so that a hard-coded answer fails and `dplab grade --seed S` repeats a run; runs
+// the student's code on every drawn world size in the adversarial completion mode (a
+// missing `wait()` fails every time); each rank records what it found in a `Verdict`, and
+// `run_on_ranks` turns every rank's findings into GoogleTest failures that name the world
+// size and the rank. On a pass a check says what it measured (`Verdict::note`): the lesson
+// made visible in the score table. The same check runs on the local backend (ranks are
+// threads of the check program) and under mpirun (each process is one rank).
 //
 // Example (a lab 2 check):
 //
-//   for (int world : dp::grading::world_sizes()) {
-//     dp::grading::run_on_ranks(world, [&](dp::Communicator& comm, dp::grading::Verdict& v) {
-//       dp::Model model = dp::make_model(options);
-//       ...train with the student's averaging...
-//       v.expect_empty(dp::grading::compare_with_rank0(model, comm), "after step 5");
-//     });
+//   TEST(Lab2Flat, OneCollectivePerStep) {
+//     dp::grading::Draws draws("Lab2Flat.OneCollectivePerStep");
+//     const int steps = draws.integer("steps", 2, 5);
+//     for (int world : draws.world_sizes()) {
+//       dp::grading::run_on_ranks(world, [&](dp::Communicator& comm, dp::grading::Verdict& v) {
+//         ...train with the student's averaging, read comm.counters() around each step...
+//         if (calls != 1) v.fail(fmt::format("step {}: {} collective calls; expected 1", ...));
+//         v.note(fmt::format("one all-reduce of {} bytes per step", bytes));
+//       }, draws);
+//     }
 //   }
 #pragma once
+
+#include <fmt/format.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <span>
 #include <string>
@@ -32,10 +39,9 @@
 #include <vector>
 
 #include "dp/comm.h"
-#include "dp/data.h"
+#include "dp/error.h"
 #include "dp/launch.h"
-#include "dp/model.h"
-#include "dp/trainer.h"
+#include "dp/rng.h"
 
 namespace dp::grading {
 
@@ -58,80 +64,94 @@ void note_measured(std::string sentence);
 /// program's main() collects them at the end of every test).
 std::vector<std::string> take_measured_notes();
 
-/// The world sizes a check loops over: 1 to `largest` on the local backend; under mpi
-/// 1 to the number of processes (at most `largest`), so `dplab grade --backend mpi -n 4`
-/// runs 1, 2, 3 and 4 ranks.
-std::vector<int> world_sizes(int largest = 5);
+/// The parameters one check draws in one grading run, from a random stream of its own:
+/// (grading seed, check name). Every value drawn is recorded by name, so that a failure
+/// can say exactly which configuration failed ("drawn: steps=4 k=3 world sizes 1, 3, 4").
+/// The same seed gives the same draws in every process and on every machine.
+class Draws {
+ public:
+  /// The draws of the check called `check_name` (its GoogleTest name, "Suite.Name").
+  explicit Draws(std::string_view check_name);
 
-/// What one rank found during a check: a list of failures, each a sentence that says
-/// what was expected and what was seen.
+  /// An integer uniformly distributed in [low, high], recorded as `name`.
+  std::int64_t integer(std::string_view name, std::int64_t low, std::int64_t high);
+  /// A float uniformly distributed in [low, high), recorded as `name`.
+  float uniform(std::string_view name, float low, float high);
+  /// True or false with equal probability, recorded as `name`.
+  bool coin(std::string_view name);
+  /// A seed for a data set, a model or a sampler, recorded as `name`.
+  std::uint64_t seed(std::string_view name);
+  /// One of `choices`, uniformly, recorded as `name` (with its value).
+  template <typename T>
+  const T& pick(std::string_view name, const std::vector<T>& choices) {
+    DP_CHECK(!choices.empty(), "draw {} from no choices", name);
+    const T& choice = choices[rng_.below(choices.size())];
+    record(name, fmt::format("{}", choice));
+    return choice;
+  }
+
+  /// The world sizes a check runs on. On the local backend: 1, one of the sizes 3, 5 or 6
+  /// that is at most `largest` (not a power of two: where g/N and g*(1/N) differ), and one
+  /// more from 2..largest; under mpi every size from 1 to the number of processes (at most
+  /// `largest`), since every process takes part in every launch anyway.
+  std::vector<int> world_sizes(int largest = 6);
+
+  /// Every value drawn so far, e.g. "seed 42: steps=4 k=3 lr=0.05".
+  std::string describe() const;
+  /// The seed of the adversarial completion mode for runs of this check.
+  std::uint64_t completion_seed() const { return completion_seed_; }
+
+ private:
+  void record(std::string_view name, const std::string& value);
+
+  CounterRng rng_;
+  std::uint64_t completion_seed_;
+  std::vector<std::string> drawn_;
+};
+
+/// What one rank found during a check: failures, each a sentence that says what was
+/// expected and what was seen, and notes that say what was measured.
 class Verdict {
  public:
   /// Records a failure.
   void fail(std::string message) { failures_.push_back(std::move(message)); }
   /// Records `finding` as a failure, prefixed with `context`, unless it is empty (the
-  /// comparison helpers below return "" when all is well).
+  /// comparison helpers return "" when all is well).
   void expect_empty(const std::string& finding, std::string_view context);
+  /// Records what was measured; rank 0's notes reach the score table.
+  void note(std::string sentence) { notes_.push_back(std::move(sentence)); }
   /// True when nothing failed.
   bool passed() const { return failures_.empty(); }
   /// The failures, in the order they were recorded.
   const std::vector<std::string>& failures() const { return failures_; }
+  /// The notes, in the order they were recorded.
+  const std::vector<std::string>& notes() const { return notes_; }
 
  private:
   std::vector<std::string> failures_;
+  std::vector<std::string> notes_;
 };
 
 /// A check's body on one rank.
 using RankCheck = std::function<void(Communicator& comm, Verdict& verdict)>;
 
-/// Runs `check` on `world_size` ranks of the check backend and reports as GoogleTest
-/// failures, prefixed "world size W, rank R: ", every failure a rank recorded and any
-/// exception a rank threw (a `dp::NotImplemented` of the skeleton, a `dp::CommError` of
-/// a deadlock or a mismatched collective). A rank blocked for `hang_timeout` ends the
-/// check with the runtime's hang report instead of the grader's time limit. Returns true
-/// when every rank passed. Under mpi only this process's rank is reported here.
-bool run_on_ranks(int world_size, const RankCheck& check,
+/// Runs `check` on `world_size` ranks of the check backend, in the adversarial completion
+/// mode seeded by `draws`, and reports as GoogleTest failures, prefixed "world size W, rank
+/// R: " and followed by the draws, every failure a rank recorded and any exception a rank
+/// threw (a `dp::NotImplemented` of the skeleton, a `dp::CommError` of a deadlock or a
+/// mismatched collective), with its type demangled. Rank 0's notes go to `note_measured`.
+/// A rank blocked for `hang_timeout` ends the check with the runtime's hang report instead
+/// of the grader's time limit. Returns true when every rank passed. Under mpi only this
+/// process's rank is reported here.
+bool run_on_ranks(int world_size, const RankCheck& check, const Draws& draws,
                   std::chrono::milliseconds hang_timeout = std::chrono::seconds(30));
 
-/// The position of flat element `index` of a tensor of `shape`, e.g. "[17, 3]".
-std::string position_in(const std::vector<std::int64_t>& shape, std::size_t index);
-
-/// Compares every parameter of `model` with `expected_flat` (a `Model::flat_parameters()`
-/// of the same architecture). Returns "" when every element differs by at most
-/// `tolerance`, else the parameter with the largest difference: "parameter fc1.weight
-/// differs: max abs diff 4.1e-02 at [17, 3] (seen 0.1234, expected 0.0834); expected <=
-/// 2e-06". A tolerance of 0 asks for bitwise equality.
-std::string compare_parameters(const Model& model, std::span<const float> expected_flat,
-                               float tolerance);
-
-/// Compares this rank's parameters bitwise with rank 0's (which it receives with the
-/// runtime's broadcast, so call it on every rank, after reading the counters you grade).
-/// Returns "" when they are identical, else the first parameter and element that differ.
-std::string compare_with_rank0(const Model& model, Communicator& comm);
-
-/// The ground truth of an equivalence check: one process trained on the global batch.
-struct Trajectory {
-  /// `Model::flat_parameters()` after step 1, 2, ..., steps.
-  std::vector<std::vector<float>> parameters_after_step;
-  /// The largest |gradient| met (for `dp::equivalence_tolerance`).
-  float max_abs_gradient = 0;
-};
-
-/// Trains `make_model(options)` in one process for `options.steps` steps, each on the
-/// global batch `global_batch_indices(..., step, options.seed)`, with `frozen`
-/// parameters frozen, and keeps the parameters after every step.
-Trajectory single_process_trajectory(const TrainOptions& options, const Dataset& data,
-                                     std::span<const std::string> frozen = {});
-
-/// Rank `rank`'s slice of the global batch of `step`: rows [rank B/N, (rank+1) B/N) of
-/// `global_batch_indices` (B = options.global_batch, N = world_size), as a batch.
-Batch local_batch(const Dataset& data, const TrainOptions& options, int step, int rank,
-                  int world_size);
-
 /// The bytes this rank sends when it all-reduces buffers of `element_counts` float32
-/// elements, one all-reduce each, on `comm`'s backend: measured by doing exactly that on
-/// scratch buffers (so it equals the backend's own formula) with the counters restored
-/// to zero afterwards. Call it on every rank.
+/// elements, one call each, on `comm`: measured by doing exactly that on scratch buffers
+/// (so it is the backend's own count, whatever its formula). Call it on every rank.
 std::uint64_t allreduce_bytes_sent(Communicator& comm, std::span<const std::size_t> element_counts);
+
+/// The readable name of the dynamic type of `error`, e.g. "dp::CommError".
+std::string type_name(const std::exception& error);
 
 }  // namespace dp::grading

@@ -3,11 +3,12 @@
 // average.cpp: lab 2's gradient averaging, one all-reduce per parameter and then one
 // over a flat buffer. Your part: the bodies of average_gradients and
 // FlatGradientAverager::average.
-#include <algorithm>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "dp/error.h"
+#include "dp/tensor_ops.h"
 #include "lab2.h"
 
 namespace dp::lab2 {

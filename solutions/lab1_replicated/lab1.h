@@ -1,20 +1,18 @@
-// lab1.h: lab 1, replicated training. The contract between your code and the grader.
+// lab1.h: lab 1, replicated training. The contract between your code and the grader:
+// the interfaces you implement, the invariants they must keep, and how each is checked.
 //
-// N ranks each hold a full replica of the model. Before training, every replica must
-// start from the same weights (rank 0's, broadcast); during training, each rank reads
-// its own shard of the data, which a `DistributedSampler` picks. In this lab the ranks
-// never talk while they train, and the grader shows what follows: the replicas drift
-// apart after a single step. Lab 2 repairs that.
-//
-// Read README.md beside this file first. You write the bodies marked in sampler.cpp and
-// replicated.cpp; do not change this header (the grader is compiled against it).
+// N ranks each hold a full replica of the model. Every replica must start from the same
+// weights, each rank must train on its own part of the data, and in this lab the ranks
+// never exchange gradients, so the grader can show you what follows. README.md beside
+// this file poses the problem; its Hints section, at the end, helps if you are stuck. Do
+// not change this header: the grader is compiled against it.
 //
 // Example:
 //
 //   dp::lab1::DistributedSampler sampler(data.size(), comm.size(), comm.rank(),
 //                                        {.shuffle = true, .seed = 7});
 //   sampler.set_epoch(3);
-//   std::vector<std::size_t> mine = sampler.indices();   // this rank's 3rd-epoch shard
+//   std::vector<std::size_t> mine = sampler.indices();   // this rank's shard of epoch 3
 //
 //   dp::lab1::broadcast_initial_weights(model, comm);    // every replica = rank 0's
 //   std::vector<float> losses = dp::lab1::train_replicated(model, optimizer, data, comm, {});
@@ -33,24 +31,32 @@ namespace dp::lab1 {
 
 /// How a `DistributedSampler` orders and cuts the data set (PyTorch's defaults).
 struct SamplerOptions {
-  /// Shuffle the indices every epoch (with the same permutation on every rank).
+  /// Visit the samples in a new random order every epoch (the same order on every rank).
   bool shuffle = true;
-  /// Selects the permutations: equal seeds and epochs give equal orders on every rank.
+  /// Selects the random orders: equal (seed, epoch) give equal orders.
   std::uint64_t seed = 0;
-  /// Drop the tail that does not divide evenly instead of padding with repeated indices.
+  /// Leave out the samples that would make the shards unequal instead of repeating some.
   bool drop_last = false;
 };
 
-/// Splits the indices 0..dataset_size-1 among `num_replicas` ranks, as PyTorch's
-/// `torch.utils.data.DistributedSampler` does.
+/// Gives each of `num_replicas` ranks its shard of the indices 0..n-1 of a data set of n
+/// samples, for one epoch at a time, as PyTorch's `DistributedSampler` does, without any
+/// communication.
 ///
-/// Every shard has the same length `num_samples()`: without drop_last the index list is
-/// padded to a multiple of the world size by repeating its first indices; with drop_last
-/// it is cut to the largest multiple. Rank r takes positions r, r + N, r + 2N, ... of the
-/// (shuffled) list, so the shards are disjoint apart from the padding, and together they
-/// cover every index once per epoch. With shuffle, the list is a permutation drawn from
-/// (seed, epoch) alone: the same on every rank without any communication, and different
-/// from epoch to epoch.
+/// Invariants (N = num_replicas; each is checked for drawn n, N, seeds and epochs, n < N
+/// included):
+///   * Every rank's shard has the same length, `num_samples()`: ceil(n / N), or with
+///     drop_last floor(n / N). Equal lengths keep the ranks in step, one batch each.
+///   * Interleave the shards, L[r + N i] = shard r's i-th index, into one list L of
+///     `total_size()` entries. Its first min(n, total_size()) entries are distinct indices,
+///     in the epoch's order: without shuffle 0, 1, 2, ...; with shuffle a random
+///     permutation of 0..n-1 that depends on (seed, epoch) only, so every rank computes
+///     the same one alone.
+///   * Without drop_last, L continues by repeating itself from its start:
+///     L[n + j] = L[j mod n]. With drop_last the tail of the epoch's order is left out, so
+///     with shuffle the samples left out change from epoch to epoch.
+///   * A different epoch or seed gives a different order (checked for n >= 10, where two
+///     random orders coincide with probability below 1e-6).
 class DistributedSampler {
  public:
   /// A sampler for rank `rank` of `num_replicas`. Throws `dp::Error`, saying what was
@@ -59,16 +65,15 @@ class DistributedSampler {
   DistributedSampler(std::size_t dataset_size, int num_replicas, int rank,
                      SamplerOptions options = {});
 
-  /// Selects the epoch whose permutation `indices()` returns (call it at the start of
-  /// every epoch, as with PyTorch).
+  /// Selects the epoch whose shard `indices()` returns (call it at the start of every
+  /// epoch, as with PyTorch).
   void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
   /// The epoch `set_epoch` selected (0 at first).
   std::uint64_t epoch() const { return epoch_; }
 
-  /// The length of every rank's shard: ceil(dataset_size / num_replicas), or
-  /// floor(dataset_size / num_replicas) with drop_last.
+  /// The length of every rank's shard (see the invariants).
   std::size_t num_samples() const;
-  /// num_samples() * num_replicas: the length of the padded (or cut) index list.
+  /// num_samples() * num_replicas: the length of the interleaved list L.
   std::size_t total_size() const { return num_samples() * static_cast<std::size_t>(num_replicas_); }
   /// This rank's indices for the current epoch, `num_samples()` of them, in the order to
   /// visit them.
@@ -91,8 +96,12 @@ class DistributedSampler {
   std::uint64_t epoch_ = 0;
 };
 
-/// Makes every rank's parameters equal to rank 0's: one broadcast from rank 0 per
-/// parameter, frozen parameters included, as PyTorch's DDP does when it is constructed.
+/// Makes every rank's model equal to rank 0's, as PyTorch's DDP does when it is built.
+///
+/// Invariants (checked for drawn world sizes and models, with a frozen parameter): after
+/// the call every parameter of every rank, frozen ones included, is bitwise rank 0's;
+/// rank 0's are unchanged; every rank but 0 receives each parameter's bytes exactly once
+/// (`comm.counters()`), whatever the number of calls.
 void broadcast_initial_weights(Model& model, Communicator& comm);
 
 /// How `train_replicated` walks the data.
@@ -101,18 +110,25 @@ struct ReplicatedOptions {
   std::int64_t local_batch = 16;
   /// Passes over the data set.
   int epochs = 1;
-  /// Stop after this many optimizer steps in all (-1: run every epoch to the end).
+  /// Stop after this many optimizer steps in all, counted over every epoch (-1: run every
+  /// epoch to its end).
   int max_steps = -1;
   /// The sampler's settings (the same on every rank).
   SamplerOptions sampler{};
 };
 
-/// Trains `model` on this rank's shard, with no communication at all: for each epoch e,
-/// a `DistributedSampler` for (data.size(), comm.size(), comm.rank(), options.sampler)
-/// set to epoch e gives the shard, which is walked in batches of `local_batch` indices in
-/// order (the last batch of an epoch may be shorter). Each batch is one step: zero the
-/// gradients, forward, backward (mean loss over the batch), `optimizer.step(model)`.
-/// Returns the loss of every step, in order.
+/// Trains `model` on this rank's data alone, with no communication at all.
+///
+/// Epoch e visits this rank's shard of epoch e (a `DistributedSampler` over (data.size(),
+/// comm.size(), comm.rank(), options.sampler)) in order, in batches of `local_batch`
+/// indices; the last batch of an epoch may be shorter. Each batch is one optimizer step on
+/// the batch's mean loss, from zeroed gradients. Returns the mean loss of every step, as
+/// `Model::backward` returns it, in order.
+///
+/// Invariants (checked for drawn data sets, batch sizes, epochs and max_steps): the model
+/// and the returned losses are bitwise those of the same steps run in one process on this
+/// rank's batches; the number of steps is what the epochs and max_steps give; no call
+/// reaches the communicator.
 std::vector<float> train_replicated(Model& model, Optimizer& optimizer, const Dataset& data,
                                     Communicator& comm, const ReplicatedOptions& options);
 

@@ -20,7 +20,7 @@ void broadcast_initial_weights(Model& model, Communicator& comm) {
   // one round trip each. Frozen parameters too: a replica must equal rank 0's whole model.
   std::vector<std::unique_ptr<Work>> pending;
   for (Parameter* parameter : model.parameters())
-    pending.push_back(comm.broadcast(parameter->value.span(), /*root=*/0));
+    pending.push_back(comm.broadcast(parameter->value.view(), /*root=*/0));
   for (auto& work : pending) work->wait();
   // END SOLUTION
 }

@@ -1,11 +1,12 @@
 // average.cpp: lab 2's gradient averaging, one all-reduce per parameter and then one
 // over a flat buffer. Your part: the bodies of average_gradients and
 // FlatGradientAverager::average.
-#include <algorithm>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "dp/error.h"
+#include "dp/tensor_ops.h"
 #include "lab2.h"
 
 namespace dp::lab2 {
@@ -20,13 +21,13 @@ void average_gradients(Model& model, Communicator& comm) {
   std::vector<std::pair<Parameter*, std::unique_ptr<Work>>> pending;
   for (Parameter* parameter : model.parameters())
     if (!parameter->frozen)
-      pending.emplace_back(parameter, comm.allreduce(parameter->grad.span(), ReduceOp::kSum));
-  // A post-divide, as ReduceOp::kAvg does: the sum is the same on every rank, so the
-  // quotients are too, bit for bit.
+      pending.emplace_back(parameter, comm.allreduce(parameter->grad.view(), ReduceOp::kSum));
+  // Each sum may be read only once its own call is complete. Then a post-divide, as
+  // ReduceOp::kAvg does: the sum is the same bits on every rank, so the quotients are too.
   const auto world = static_cast<float>(comm.size());
   for (auto& [parameter, work] : pending) {
     work->wait();
-    for (float& g : parameter->grad.span()) g /= world;
+    divide(parameter->grad.view(), world);
   }
   // END SOLUTION
 }
@@ -46,23 +47,22 @@ void FlatGradientAverager::average(Model& model, Communicator& comm) {
   // SKELETON: (void)comm;
   // SKELETON: throw NotImplemented("lab2::FlatGradientAverager::average");
   // Pack: trainable gradients one after another, in definition order.
-  std::span<float> flat = buffer_.span();
-  std::size_t position = 0;
+  std::size_t offset = 0;
   for (const Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    const std::span<const float> grad = parameter->grad.span();
-    std::copy(grad.begin(), grad.end(), flat.begin() + static_cast<std::ptrdiff_t>(position));
-    position += grad.size();
+    copy(parameter->grad.view(), buffer_.view(offset, parameter->grad.size()));
+    offset += parameter->grad.size();
   }
 
-  comm.allreduce(flat, ReduceOp::kSum)->wait();
+  comm.allreduce(buffer_.view(), ReduceOp::kSum)->wait();
+  divide(buffer_.view(), static_cast<float>(comm.size()));
 
-  // Unpack, dividing on the way: one pass over the data instead of two.
-  const auto world = static_cast<float>(comm.size());
-  position = 0;
+  // Unpack, in the same order.
+  offset = 0;
   for (Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    for (float& g : parameter->grad.span()) g = flat[position++] / world;
+    copy(buffer_.view(offset, parameter->grad.size()), parameter->grad.view());
+    offset += parameter->grad.size();
   }
   // END SOLUTION
 }

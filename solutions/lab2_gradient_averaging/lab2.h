@@ -1,17 +1,27 @@
-// lab2.h: lab 2, gradient averaging. The contract between your code and the grader.
+// lab2.h: lab 2, gradient averaging. The contract between your code and the grader: the
+// interfaces you implement, the invariants they must keep, and how each is checked.
 //
-// Every rank computes the gradient of the mean loss over its own B/N samples. Averaging
-// those N gradients over the ranks gives the gradient of the mean loss over all B
-// samples, so after the optimizer step every replica equals the model one process would
-// have trained on the whole global batch (up to float32 rounding). That equivalence is
-// what makes data parallelism correct, and the grader checks it step by step.
+// Each rank computes the gradient of the mean loss over its own B/N samples of the global
+// batch. Averaging those N gradients makes every replica take the step one process would
+// take on all B samples, up to float32 rounding. README.md beside this file poses the
+// problem; its Hints section, at the end, helps if you are stuck. Do not change this
+// header: the grader is compiled against it.
 //
-// You write three ways to synchronise, in average.cpp and accumulate.cpp:
-//   * `average_gradients`: one all-reduce per parameter, then divide by the world size;
-//   * `FlatGradientAverager`: every gradient packed into one buffer, one all-reduce;
-//   * `accumulation_step`: k micro-batches, gradients kept locally for the first k-1 and
-//     averaged once after the last (PyTorch's `no_sync()`).
-// Read README.md beside this file first; do not change this header.
+// What every check holds you to:
+//   * Exact arithmetic. The averaged gradient of every trainable element is
+//     (g_0 + g_1 + ... + g_{N-1}) / N: the ranks' gradients added as `ReduceOp::kSum` adds
+//     them (in rank order), then divided by N: a division, rounded once, not a
+//     multiplication by 1/N. The grader emulates exactly this in one process and compares
+//     bitwise after every step, for drawn world sizes, models, batches and steps, with SGD
+//     and AdamW. Every replica therefore holds the same bits.
+//   * The lesson. The result matches one process trained on the global batch within a
+//     float32 tolerance derived from measured reordering error (rubric.json).
+//   * Asynchrony done right. Every check runs in the adversarial completion mode
+//     (`dp::Completion::kAdversarial`): a call's result reaches your buffer only when its
+//     own `Work` is waited on.
+//   * Arithmetic with the runtime's operations. Work on gradients and buffers through
+//     tensor views and dp/tensor_ops.h (copy, divide, ...), not loops over raw memory:
+//     the same code then runs on a GPU, and the simulated clock sees its cost.
 //
 // Example (one data-parallel step):
 //
@@ -22,8 +32,10 @@
 //   optimizer.step(model);                               // the same step on every rank
 #pragma once
 
+#include <cstddef>
 #include <span>
 
+#include "dp/clock.h"
 #include "dp/comm.h"
 #include "dp/data.h"
 #include "dp/model.h"
@@ -32,26 +44,28 @@
 
 namespace dp::lab2 {
 
-/// Replaces every trainable parameter's gradient by its average over all ranks: one
-/// all-reduce (sum) per parameter, in definition order, then a division by
-/// `comm.size()`. Frozen parameters have no gradient to share: they are not
-/// communicated. Every rank ends with bitwise the same gradients.
+/// Replaces every trainable gradient of `model` by its average over all ranks (the exact
+/// arithmetic above), with one all-reduce per trainable parameter.
+///
+/// Also checked: frozen parameters are not communicated and keep their gradients; exactly
+/// one all-reduce per trainable parameter per call, of that parameter's elements (the
+/// communicator's own counters, which lab code cannot change).
 void average_gradients(Model& model, Communicator& comm);
 
 /// Averages every trainable gradient with a single all-reduce over one flat buffer.
 ///
 /// Many small all-reduces each pay the network's latency; one large one pays it once.
-/// The buffer is allocated once, at construction, and reused every step (fresh memory
-/// is slow to touch and allocation on a hot path is waste).
 class FlatGradientAverager {
  public:
-  /// Allocates the flat buffer for `model`'s trainable parameters (frozen ones excluded),
-  /// charged as communication memory.
+  /// Allocates the flat buffer for `model`'s trainable parameters (frozen ones excluded):
+  /// one element per trainable element, charged as communication memory.
   explicit FlatGradientAverager(const Model& model);
 
-  /// Copies every trainable gradient into the buffer (definition order), all-reduces it
-  /// once (sum), divides by `comm.size()`, and copies the averages back into the
-  /// gradients. Exactly one collective call per step.
+  /// Replaces every trainable gradient by its average over all ranks (the exact arithmetic
+  /// above). Checked besides: exactly one collective call per call, an all-reduce of every
+  /// trainable element and nothing else; and no allocation at all once constructed: no
+  /// tensor (the rank's `MemoryTracker`) and no heap memory (a count of operator new on
+  /// the calling thread), whatever the step.
   void average(Model& model, Communicator& comm);
 
   /// The flat buffer: (number of trainable parameter elements).
@@ -61,15 +75,32 @@ class FlatGradientAverager {
   Tensor buffer_;
 };
 
-/// One optimizer step with gradient accumulation over `micro_batches.size()` = k
-/// micro-batches (this rank's share of the global batch, cut in k equal parts).
+/// One optimizer step with gradient accumulation over k = `micro_batches.size()`
+/// micro-batches (this rank's share of the global batch, cut in k equal parts), as
+/// PyTorch's `no_sync()` does it.
 ///
-/// Zero the gradients; for each micro-batch run forward and backward with the loss
-/// scaled by 1/k (`Model::backward`'s `loss_scale`), so that the gradients add up to
-/// the mean over all k; communicate nothing until the last micro-batch's backward is
-/// done; then `average_gradients` once and `optimizer.step(model)`. Returns the mean of
-/// the k micro-batch losses. Throws `dp::Error` when there are no micro-batches.
+/// Checked, for drawn k from 1 to 6: `optimizer` steps exactly once, from gradients that
+/// are bitwise what `average_gradients` makes of each rank's G_r, where G_r is what
+/// `Model::backward` accumulates from zeroed gradients over the k micro-batches in order,
+/// each with `loss_scale` = 1.0f / k; the step communicates exactly what one
+/// `average_gradients` does, whatever k; the return value is the mean of the k losses
+/// `Model::backward` returned (within 1e-6, relative). Throws `dp::Error` when there are
+/// no micro-batches.
 float accumulation_step(Model& model, Optimizer& optimizer, std::span<const Batch> micro_batches,
                         Communicator& comm);
+
+/// Design question, graded against the simulated network: the seconds of communication
+/// that `FlatGradientAverager` saves per step against `average_gradients`, for trainable
+/// gradients of `parameter_bytes` bytes each (one entry per parameter) on `world_size`
+/// ranks over a network whose every link is `link` (latency `alpha_seconds`, bandwidth
+/// `bytes_per_second` per direction).
+///
+/// Derive it from the cost model of the simulated network (dp/clock.h: each native
+/// collective, in the order issued, occupies every link for its algorithm's time). The
+/// grader draws world sizes, parameter sizes and networks, times both ways of averaging
+/// with native all-reduces on the simulated clock, and expects your prediction within
+/// 1e-6 relative (or 1e-12 s).
+double predicted_flat_saving_seconds(std::span<const std::size_t> parameter_bytes, int world_size,
+                                     const LinkModel& link);
 
 }  // namespace dp::lab2

@@ -1,0 +1,153 @@
+#include "ground_truth.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "dp/error.h"
+
+namespace dp::grading {
+namespace {
+
+Model model_with_frozen(const TrainOptions& options, std::span<const std::string> frozen) {
+  Model model = make_model(options);
+  for (const std::string& name : frozen) model.freeze(name);
+  return model;
+}
+
+float largest_magnitude(std::span<const float> values) {
+  float largest = 0;
+  for (float value : values) largest = std::max(largest, std::abs(value));
+  return largest;
+}
+
+/// Sets every trainable gradient of `model` from `flat` (the model's flat index space).
+void set_gradients(Model& model, std::span<const float> flat) {
+  for (Parameter* parameter : model.parameters()) {
+    if (parameter->frozen) continue;
+    std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(parameter->offset),
+                parameter->grad.size(), parameter->grad.data());
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters) {
+  return make_optimizer(options.optimizer, num_parameters, options.lr, options.momentum,
+                        options.weight_decay);
+}
+
+Trajectory single_process_trajectory(const TrainOptions& options, const Dataset& data,
+                                     std::span<const std::string> frozen) {
+  Model model = model_with_frozen(options, frozen);
+  const std::unique_ptr<Optimizer> optimizer = optimizer_for(options, model.num_parameters());
+  Trajectory trajectory;
+  for (int step = 0; step < options.steps; ++step) {
+    const Batch batch = local_batch(data, options, step, /*rank=*/0, /*world_size=*/1);
+    model.zero_grad();
+    const Tensor logits = model.forward(batch.inputs);  // (B, classes)
+    model.backward(logits, batch.labels);
+    trajectory.gradients_of_step.push_back(model.flat_gradients());
+    trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient,
+                                           largest_magnitude(trajectory.gradients_of_step.back()));
+    optimizer->step(model);
+    trajectory.parameters_after_step.push_back(model.flat_parameters());
+  }
+  return trajectory;
+}
+
+Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
+                                 std::span<const std::string> frozen, int micro_batches_per_rank) {
+  DP_CHECK(world_size > 0 && micro_batches_per_rank > 0 &&
+               options.global_batch % (world_size * micro_batches_per_rank) == 0,
+           "a global batch of {} does not split into {} ranks x {} micro-batches",
+           options.global_batch, world_size, micro_batches_per_rank);
+  Model model = model_with_frozen(options, frozen);
+  const std::unique_ptr<Optimizer> optimizer = optimizer_for(options, model.num_parameters());
+  // The loss scale of a micro-batch, computed as lab code computes it: 1/k in float.
+  const float loss_scale = 1.0f / static_cast<float>(micro_batches_per_rank);
+  Trajectory trajectory;
+  for (int step = 0; step < options.steps; ++step) {
+    // sum = ((g_0 + g_1) + g_2) + ...: each rank's local gradient at the same parameters,
+    // added in rank order, as ReduceOp::kSum adds.
+    std::vector<float> sum;
+    std::vector<float>& losses = trajectory.rank_losses.emplace_back();
+    for (int rank = 0; rank < world_size; ++rank) {
+      model.zero_grad();
+      float loss_sum = 0;
+      for (const Batch& micro :
+           micro_batches(data, options, step, rank, world_size, micro_batches_per_rank)) {
+        const Tensor logits = model.forward(micro.inputs);
+        loss_sum += model.backward(logits, micro.labels, loss_scale);
+      }
+      losses.push_back(loss_sum / static_cast<float>(micro_batches_per_rank));
+      const std::vector<float> local = model.flat_gradients();
+      if (rank == 0) {
+        sum = local;
+      } else {
+        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += local[i];
+      }
+    }
+    // Then a division by N (a division: g / N, not g * (1/N)).
+    const auto divisor = static_cast<float>(world_size);
+    for (float& value : sum) value = value / divisor;
+    set_gradients(model, sum);
+    trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient, largest_magnitude(sum));
+    trajectory.gradients_of_step.push_back(std::move(sum));
+    optimizer->step(model);
+    trajectory.parameters_after_step.push_back(model.flat_parameters());
+  }
+  return trajectory;
+}
+
+std::vector<float> global_batch_gradient(const TrainOptions& options, const Dataset& data, int step,
+                                         std::span<const float> parameters,
+                                         std::span<const std::string> frozen) {
+  Model model = model_with_frozen(options, frozen);
+  model.set_flat_parameters(parameters);
+  const Batch batch = local_batch(data, options, step, /*rank=*/0, /*world_size=*/1);
+  model.zero_grad();
+  const Tensor logits = model.forward(batch.inputs);  // (B, classes)
+  model.backward(logits, batch.labels);
+  return model.flat_gradients();
+}
+
+Batch local_batch(const Dataset& data, const TrainOptions& options, int step, int rank,
+                  int world_size) {
+  return std::move(micro_batches(data, options, step, rank, world_size, 1).front());
+}
+
+std::vector<Batch> micro_batches(const Dataset& data, const TrainOptions& options, int step,
+                                 int rank, int world_size, int count) {
+  DP_CHECK(world_size > 0 && count > 0 && options.global_batch % (world_size * count) == 0,
+           "global batch {} does not split into {} ranks x {} micro-batches", options.global_batch,
+           world_size, count);
+  const std::vector<std::size_t> global =
+      global_batch_indices(data.size(), options.global_batch, step, options.seed);
+  const auto local = static_cast<std::size_t>(options.global_batch / world_size);
+  const std::size_t micro = local / static_cast<std::size_t>(count);
+  const std::span<const std::size_t> mine =
+      std::span(global).subspan(static_cast<std::size_t>(rank) * local, local);
+  std::vector<Batch> batches;
+  for (int j = 0; j < count; ++j)
+    batches.push_back(gather_batch(data, mine.subspan(static_cast<std::size_t>(j) * micro, micro)));
+  return batches;
+}
+
+RecordingOptimizer::RecordingOptimizer(std::unique_ptr<Optimizer> inner, std::size_t num_parameters)
+    : Optimizer(inner->state_size()), inner_(std::move(inner)), last_gradients_(num_parameters) {}
+
+void RecordingOptimizer::begin_step() {
+  Optimizer::begin_step();
+  inner_->begin_step();
+  std::fill(last_gradients_.begin(), last_gradients_.end(), 0.0f);
+}
+
+void RecordingOptimizer::update(std::size_t offset, std::span<float> params,
+                                std::span<const float> grads) {
+  if (offset + grads.size() <= last_gradients_.size())
+    std::copy(grads.begin(), grads.end(),
+              last_gradients_.begin() + static_cast<std::ptrdiff_t>(offset));
+  inner_->update(offset, params, grads);
+}
+
+}  // namespace dp::grading

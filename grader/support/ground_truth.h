@@ -1,0 +1,109 @@
+// ground_truth.h: what a data-parallel run must produce, computed in one process.
+//
+// Two references, for two kinds of check:
+//
+//   single_process_trajectory   one process trained on the whole global batch: the
+//                               lesson of data parallelism. N ranks match it only up to
+//                               float32 rounding, because they add the same terms in
+//                               another order, so checks compare with a tolerance.
+//   emulate_data_parallel       exactly the arithmetic lab 2's contract fixes, done in one
+//                               process: each rank's local gradient (its rows of the global
+//                               batch, optionally in k micro-batches with loss scale 1/k),
+//                               summed over ranks in rank order ((g0 + g1) + g2) + ... as
+//                               ReduceOp::kSum adds, divided by N, then the optimizer step.
+//                               A correct lab reproduces it bit for bit, so checks compare
+//                               bitwise: any lost precision, reordering or wrong scale fails.
+//
+// Example:
+//
+//   const Trajectory exact = emulate_data_parallel(options, data, /*world_size=*/3);
+//   ... after step s of the student's run on 3 ranks:
+//   verdict.expect_empty(compare_parameters(model, exact.parameters_after_step[s - 1], 0),
+//                        "after step s");
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/data.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/trainer.h"
+
+namespace dp::grading {
+
+/// A reference run: the parameters after every step and the gradients each step applied.
+struct Trajectory {
+  /// `Model::flat_parameters()` after step 1, 2, ..., steps.
+  std::vector<std::vector<float>> parameters_after_step;
+  /// The gradient the optimizer applied at step 1, 2, ... (flat, frozen parameters 0).
+  std::vector<std::vector<float>> gradients_of_step;
+  /// The largest |gradient| applied.
+  float max_abs_gradient = 0;
+  /// Emulated runs: per step, per rank, the mean of the rank's micro-batch losses (their
+  /// sum in order, divided by k in float).
+  std::vector<std::vector<float>> rank_losses;
+};
+
+/// Trains `make_model(options)` in one process for `options.steps` steps, each on the
+/// global batch `global_batch_indices(..., step, options.seed)`, with `frozen` parameters
+/// frozen.
+Trajectory single_process_trajectory(const TrainOptions& options, const Dataset& data,
+                                     std::span<const std::string> frozen = {});
+
+/// The same training as `world_size` data-parallel ranks compute it (see the top of this
+/// file): rank r's rows [r B/N, (r+1) B/N) of each global batch, cut into `micro_batches`
+/// equal micro-batches whose losses are scaled by 1/k, gradients summed in rank order and
+/// divided by N. `options.global_batch` must be a multiple of world_size * micro_batches.
+Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
+                                 std::span<const std::string> frozen = {}, int micro_batches = 1);
+
+/// The gradient one process computes on the whole global batch of `step` at `parameters`
+/// (flat, frozen parameters 0): what the averaged gradient of a data-parallel step taken
+/// from the same parameters must equal up to float32 rounding.
+std::vector<float> global_batch_gradient(const TrainOptions& options, const Dataset& data, int step,
+                                         std::span<const float> parameters,
+                                         std::span<const std::string> frozen = {});
+
+/// Rank `rank`'s slice of the global batch of `step`: rows [rank B/N, (rank+1) B/N) of
+/// `global_batch_indices` (B = options.global_batch, N = world_size), as a batch.
+Batch local_batch(const Dataset& data, const TrainOptions& options, int step, int rank,
+                  int world_size);
+
+/// Rank `rank`'s slice of the global batch of `step`, cut in order into `count` equal
+/// micro-batches.
+std::vector<Batch> micro_batches(const Dataset& data, const TrainOptions& options, int step,
+                                 int rank, int world_size, int count);
+
+/// An optimizer that records what it is given and passes it on: the gradients of every
+/// parameter it updates (in the model's flat index space) and how many steps it took. The
+/// checks hand it to lab code that steps the optimizer itself, to see the gradients the
+/// step really used.
+class RecordingOptimizer final : public Optimizer {
+ public:
+  /// Records for a model of `num_parameters` elements and steps `inner`.
+  RecordingOptimizer(std::unique_ptr<Optimizer> inner, std::size_t num_parameters);
+  std::string_view name() const override { return inner_->name(); }
+  void begin_step() override;
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  OpCost update_cost(std::size_t elements) const override { return inner_->update_cost(elements); }
+  std::vector<OptimizerState> state() override { return inner_->state(); }
+
+  /// The gradients of the latest step (flat; parameters it did not update: 0).
+  const std::vector<float>& last_gradients() const { return last_gradients_; }
+  /// Steps begun so far.
+  std::int64_t steps() const { return step_count(); }
+
+ private:
+  std::unique_ptr<Optimizer> inner_;
+  std::vector<float> last_gradients_;
+};
+
+/// `make_optimizer` with the settings of `options`, for a model of `num_parameters`.
+std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters);
+
+}  // namespace dp::grading
