@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -319,23 +320,26 @@ TEST(Lab1Broadcast, EveryRankHoldsRankZerosWeights) {
 struct ReplicatedCase {
   std::string spec;
   std::uint64_t model_seed = 0;
-  Dataset data;
+  std::shared_ptr<const Dataset> data;  // shared: a case is copied to vary max_steps
   ReplicatedOptions options;
 };
 
-ReplicatedCase draw_training(Draws& draws, bool allow_max_steps) {
+ReplicatedCase draw_training(Draws& draws) {
   ReplicatedCase c;
   c.spec = draw_spec(draws);
   c.model_seed = draws.seed("model seed");
-  c.data = load_dataset(fmt::format("synthetic:{}", draws.integer("samples", 20, 90)),
-                        draws.seed("data seed"));
+  const std::int64_t samples = draws.integer("samples", 20, 90);
+  c.data = std::make_shared<const Dataset>(
+      load_dataset(fmt::format("synthetic:{}", samples), draws.seed("data seed")));
   c.options.local_batch = draws.integer("local batch", 3, 12);
+  // On one rank the shard is the whole data set: never a multiple of the batch, so that
+  // every run has a last, shorter batch.
+  while (c.data->size() % static_cast<std::size_t>(c.options.local_batch) == 0)
+    c.options.local_batch += 1;
   c.options.epochs = static_cast<int>(draws.integer("epochs", 1, 3));
   c.options.sampler.shuffle = draws.coin("shuffle");
   c.options.sampler.drop_last = draws.coin("drop_last");
   c.options.sampler.seed = draws.seed("sampler seed");
-  if (allow_max_steps && draws.coin("stop early"))
-    c.options.max_steps = static_cast<int>(draws.integer("max_steps", 0, 12));
   return c;
 }
 
@@ -350,7 +354,7 @@ Expected train_alone(const ReplicatedCase& c, int world, int rank) {
   Model model = Model::mlp(c.spec, {.seed = c.model_seed});
   Sgd sgd(model.num_parameters(), {.lr = 0.1f});
   Expected expected;
-  DistributedSampler sampler(c.data.size(), world, rank, c.options.sampler);
+  DistributedSampler sampler(c.data->size(), world, rank, c.options.sampler);
   const auto batch = static_cast<std::size_t>(c.options.local_batch);
   for (int epoch = 0; epoch < c.options.epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
@@ -360,7 +364,7 @@ Expected train_alone(const ReplicatedCase& c, int world, int rank) {
           expected.losses.size() >= static_cast<std::size_t>(c.options.max_steps))
         break;
       const Batch b = gather_batch(
-          c.data, std::span(shard).subspan(start, std::min(batch, shard.size() - start)));
+          *c.data, std::span(shard).subspan(start, std::min(batch, shard.size() - start)));
       model.zero_grad();
       const Tensor logits = model.forward(b.inputs);
       expected.losses.push_back(model.backward(logits, b.labels));
@@ -374,20 +378,20 @@ Expected train_alone(const ReplicatedCase& c, int world, int rank) {
 /// Runs the student's train_replicated on every drawn world size (up to 4 ranks) and hands
 /// each rank's outcome to `judge`.
 void for_replicated_runs(
-    const char* check_name, bool allow_max_steps,
+    const char* check_name,
     const std::function<void(const ReplicatedCase&, Communicator&, Verdict&, const Model&,
                              const std::vector<float>&, const CommCounters&)>& judge) {
   Draws draws(check_name);
-  const ReplicatedCase c = draw_training(draws, allow_max_steps);
+  const ReplicatedCase c = draw_training(draws);
   for (int world : draws.world_sizes(4)) {
-    if (c.options.sampler.drop_last && c.data.size() < static_cast<std::size_t>(world)) continue;
+    if (c.options.sampler.drop_last && c.data->size() < static_cast<std::size_t>(world)) continue;
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
           Model model = Model::mlp(c.spec, {.seed = c.model_seed});
           Sgd sgd(model.num_parameters(), {.lr = 0.1f});
           const CommCounters before = comm.counters();
-          const std::vector<float> losses = train_replicated(model, sgd, c.data, comm, c.options);
+          const std::vector<float> losses = train_replicated(model, sgd, *c.data, comm, c.options);
           const CommCounters during = comm.counters().since(before);
           judge(c, comm, verdict, model, losses, during);
         },
@@ -397,7 +401,7 @@ void for_replicated_runs(
 
 TEST(Lab1Replicated, EachReplicaTrainsOnItsOwnShardWithoutCommunicating) {
   for_replicated_runs(
-      "Lab1Replicated.EachReplicaTrainsOnItsOwnShardWithoutCommunicating", false,
+      "Lab1Replicated.EachReplicaTrainsOnItsOwnShardWithoutCommunicating",
       [](const ReplicatedCase& c, Communicator& comm, Verdict& verdict, const Model& model,
          const std::vector<float>& losses, const CommCounters& during) {
         const Expected expected = train_alone(c, comm.size(), comm.rank());
@@ -421,41 +425,77 @@ TEST(Lab1Replicated, EachReplicaTrainsOnItsOwnShardWithoutCommunicating) {
       });
 }
 
+/// "" when `losses` are bitwise `expected`, else the first difference.
+std::string compare_losses(const std::vector<float>& losses, const std::vector<float>& expected,
+                           const ReplicatedOptions& options) {
+  if (losses.size() != expected.size())
+    return fmt::format(
+        "train_replicated returned {} losses; expected {}: one per step, {} epoch(s){}",
+        losses.size(), expected.size(), options.epochs,
+        options.max_steps >= 0
+            ? fmt::format(", at most max_steps = {} steps counted over all epochs",
+                          options.max_steps)
+            : std::string());
+  for (std::size_t step = 0; step < losses.size(); ++step)
+    if (std::memcmp(&losses[step], &expected[step], sizeof(float)) != 0)
+      return fmt::format(
+          "the loss of step {} is {:.9g}; expected {:.9g}, the mean loss "
+          "Model::backward returned for that step's batch{}",
+          step + 1, losses[step], expected[step],
+          std::abs(losses[step] / expected[step] - 1) > 0.5 ? " (a sum, or another step's loss?)"
+                                                            : "");
+  return "";
+}
+
 TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
-  for_replicated_runs(
-      "Lab1Replicated.ReturnsTheLossOfEveryStepAndStopsAtMaxSteps", true,
-      [](const ReplicatedCase& c, Communicator& comm, Verdict& verdict, const Model&,
-         const std::vector<float>& losses, const CommCounters&) {
-        const Expected expected = train_alone(c, comm.size(), comm.rank());
-        if (losses.size() != expected.losses.size()) {
-          verdict.fail(fmt::format(
-              "train_replicated returned {} losses; expected {}: one per step, {} epoch(s){}",
-              losses.size(), expected.losses.size(), c.options.epochs,
-              c.options.max_steps >= 0
-                  ? fmt::format(", at most max_steps = {} steps counted over all epochs",
-                                c.options.max_steps)
-                  : std::string()));
-          return;
-        }
-        for (std::size_t step = 0; step < losses.size(); ++step)
-          if (std::memcmp(&losses[step], &expected.losses[step], sizeof(float)) != 0) {
-            verdict.fail(
-                fmt::format("the loss of step {} is {:.9g}; expected {:.9g}, the mean loss "
-                            "Model::backward returned for that step's batch{}",
-                            step + 1, losses[step], expected.losses[step],
-                            std::abs(losses[step] / expected.losses[step] - 1) > 0.5
-                                ? " (a sum, or another step's loss?)"
-                                : ""));
-            return;
+  Draws draws("Lab1Replicated.ReturnsTheLossOfEveryStepAndStopsAtMaxSteps");
+  ReplicatedCase c = draw_training(draws);
+  c.options.epochs = 3;
+  // Where max_steps stops the run: in the second epoch, at a drawn step.
+  const std::int64_t stop_draw = draws.integer("stop position", 0, 1 << 20);
+  for (int world : draws.world_sizes(4)) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          // Steps per epoch, from the shard length of the contract (not from your sampler).
+          const std::size_t n = c.data->size();
+          const auto ranks = static_cast<std::size_t>(world);
+          const std::size_t shard =
+              c.options.sampler.drop_last ? n / ranks : (n + ranks - 1) / ranks;
+          const auto batch = static_cast<std::size_t>(c.options.local_batch);
+          const auto per_epoch = static_cast<std::int64_t>((shard + batch - 1) / batch);
+          ReplicatedCase stopped = c;
+          stopped.options.max_steps = static_cast<int>(per_epoch + 1 + stop_draw % per_epoch);
+          for (const ReplicatedCase* run : {&c, &stopped}) {
+            Model model = Model::mlp(run->spec, {.seed = run->model_seed});
+            Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+            const std::vector<float> losses =
+                train_replicated(model, sgd, *run->data, comm, run->options);
+            const Expected expected = train_alone(*run, world, comm.rank());
+            const std::string finding = compare_losses(losses, expected.losses, run->options);
+            if (!finding.empty()) {
+              verdict.fail(run->options.max_steps >= 0
+                               ? fmt::format("with max_steps = {} ({} steps per epoch): {}",
+                                             run->options.max_steps, per_epoch, finding)
+                               : finding);
+              return;
+            }
           }
-      });
+          if (comm.rank() == 0)
+            verdict.note(
+                fmt::format("3 epochs of {} steps, and max_steps = {} stopping in the second: "
+                            "every loss bitwise",
+                            per_epoch, stopped.options.max_steps));
+        },
+        draws);
+  }
 }
 
 TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
   // The lesson of the lab: equal starting weights, different shards, no exchange of
   // gradients, and after a single step the replicas are different models.
   Draws draws("Lab1Replicated.ReplicasDivergeAfterOneStepWithoutSync");
-  ReplicatedCase c = draw_training(draws, false);
+  ReplicatedCase c = draw_training(draws);
   c.options.max_steps = 1;
   c.options.sampler.drop_last = false;
   for (int world : draws.world_sizes(4)) {
@@ -465,7 +505,7 @@ TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
         [&](Communicator& comm, Verdict& verdict) {
           Model model = Model::mlp(c.spec, {.seed = c.model_seed});
           Sgd sgd(model.num_parameters(), {.lr = 0.1f});
-          const std::vector<float> losses = train_replicated(model, sgd, c.data, comm, c.options);
+          const std::vector<float> losses = train_replicated(model, sgd, *c.data, comm, c.options);
           if (losses.size() != 1)
             verdict.fail(
                 fmt::format("with max_steps = 1, train_replicated took {} steps", losses.size()));

@@ -42,11 +42,11 @@ using grading::Verdict;
 
 /// One drawn training set-up; `for_world` makes it concrete for N ranks.
 struct DrawnSetup {
-  TrainOptions options;             // global_batch is set per world size
-  std::int64_t rows_per_rank = 1;   // B / N (each micro-batch: rows_per_rank / k)
-  int micro_batches = 1;            // k
-  std::vector<std::string> frozen;  // parameters frozen in this set-up
-  Dataset data;
+  TrainOptions options;                 // global_batch is set per world size
+  std::int64_t rows_per_rank = 1;       // B / N (each micro-batch: rows_per_rank / k)
+  int micro_batches = 1;                // k
+  std::vector<std::string> frozen;      // parameters frozen in this set-up
+  std::shared_ptr<const Dataset> data;  // shared: a set-up is copied to vary k
 
   TrainOptions for_world(int world) const {
     TrainOptions concrete = options;
@@ -97,7 +97,7 @@ DrawnSetup draw_setup(Draws& draws, const std::string& optimizer, bool freeze, b
       std::erase(names, name);
     }
   }
-  setup.data = load_dataset(o.dataset, o.seed);
+  setup.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
   return setup;
 }
 
@@ -199,7 +199,7 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
   for (int step = 0; step < options.steps; ++step) {
     StepRecord record;
     record.step = step + 1;
-    const Batch batch = grading::local_batch(setup.data, options, step, comm.rank(), comm.size());
+    const Batch batch = grading::local_batch(*setup.data, options, step, comm.rank(), comm.size());
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs);  // (B/N, classes)
     model.backward(logits, batch.labels);
@@ -238,7 +238,7 @@ void run_accumulation(const DrawnSetup& setup, Communicator& comm,
   for (int step = 0; step < options.steps; ++step) {
     StepRecord record;
     record.step = step + 1;
-    const std::vector<Batch> micro = grading::micro_batches(setup.data, options, step, comm.rank(),
+    const std::vector<Batch> micro = grading::micro_batches(*setup.data, options, step, comm.rank(),
                                                             comm.size(), setup.micro_batches);
     record.before = model.flat_parameters();
     const std::int64_t steps_before = optimizer.steps();
@@ -297,7 +297,7 @@ void measure_lesson(LessonMeasure& measure, const DrawnSetup& setup, const Train
                     const Model& layout, const StepRecord& record, const Trajectory& single,
                     int world, int k) {
   const std::vector<float> expected_gradient = grading::global_batch_gradient(
-      options, setup.data, record.step - 1, record.before, setup.frozen);
+      options, *setup.data, record.step - 1, record.before, setup.frozen);
   const float gradient_tol = gradient_tolerance(largest_magnitude(expected_gradient));
   measure.gradient_ratio =
       std::max(measure.gradient_ratio,
@@ -355,8 +355,8 @@ void check_sync(const char* name, Sync sync, const std::string& optimizer, bool 
   const DrawnSetup setup = draw_setup(draws, optimizer, /*freeze=*/false, /*accumulate=*/false);
   for (int world : draws.world_sizes()) {
     const TrainOptions options = setup.for_world(world);
-    const Trajectory emulated = grading::emulate_data_parallel(options, setup.data, world);
-    const Trajectory single = grading::single_process_trajectory(options, setup.data);
+    const Trajectory emulated = grading::emulate_data_parallel(options, *setup.data, world);
+    const Trajectory single = grading::single_process_trajectory(options, *setup.data);
     const Model layout = layout_of(setup, world);
     run_on_ranks(
         world,
@@ -404,7 +404,7 @@ TEST(Lab2PerParameter, FrozenParametersStayAndAreNeverSent) {
   for (int world : draws.world_sizes()) {
     const TrainOptions options = setup.for_world(world);
     const Trajectory emulated =
-        grading::emulate_data_parallel(options, setup.data, world, setup.frozen);
+        grading::emulate_data_parallel(options, *setup.data, world, setup.frozen);
     const Model layout = layout_of(setup, world);
     const std::vector<float> initial = layout.flat_parameters();
     std::vector<std::size_t> trainable_sizes;
@@ -466,7 +466,7 @@ TEST(Lab2Flat, OneCollectivePerStepOfTheTrainableGradients) {
     const Model layout = layout_of(setup, world);
     const std::size_t trainable = layout.num_trainable_parameters();
     const Trajectory emulated =
-        grading::emulate_data_parallel(setup.for_world(world), setup.data, world, setup.frozen);
+        grading::emulate_data_parallel(setup.for_world(world), *setup.data, world, setup.frozen);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
@@ -533,49 +533,68 @@ TEST(Lab2Flat, AllocatesNothingOnceConstructed) {
 
 // --- gradient accumulation ----------------------------------------------------------------
 
+/// The set-up with k micro-batches of `rows` rows per rank.
+DrawnSetup with_micro_batches(DrawnSetup setup, int k, std::int64_t rows) {
+  setup.micro_batches = k;
+  setup.rows_per_rank = k * rows;
+  return setup;
+}
+
+/// An accumulation set-up with k >= 2 micro-batches.
+DrawnSetup at_least_two_micro_batches(Draws& draws) {
+  const DrawnSetup drawn = draw_setup(draws, "sgd", /*freeze=*/false, /*accumulate=*/true);
+  if (drawn.micro_batches >= 2) return drawn;
+  return with_micro_batches(drawn, static_cast<int>(draws.integer("k (at least 2)", 2, 6)),
+                            drawn.rows_per_rank);
+}
+
 TEST(Lab2Accumulation, ExactForAnyNumberOfMicroBatches) {
   Draws draws("Lab2Accumulation.ExactForAnyNumberOfMicroBatches");
-  const DrawnSetup setup = draw_setup(draws, "sgd", /*freeze=*/false, /*accumulate=*/true);
-  const int k = setup.micro_batches;
-  for (int world : draws.world_sizes()) {
-    const TrainOptions options = setup.for_world(world);
-    const Trajectory emulated = grading::emulate_data_parallel(options, setup.data, world, {}, k);
-    const Trajectory single = grading::single_process_trajectory(options, setup.data);
-    const Model layout = layout_of(setup, world);
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          LessonMeasure measure;
-          run_accumulation(setup, comm, [&](const StepRecord& record) {
-            if (!verdict.passed()) return;
-            if (record.optimizer_steps != 1)
-              verdict.fail(
-                  fmt::format("step {}: accumulation_step made {} optimizer steps; expected "
-                              "exactly 1 per call",
-                              record.step, record.optimizer_steps));
-            verdict.expect_empty(exact_step_finding(layout, record, emulated, world, k),
-                                 fmt::format("k = {}: compared bitwise with the emulated N-rank "
-                                             "arithmetic",
-                                             k));
-            measure_lesson(measure, setup, options, layout, record, single, world, k);
-          });
-          if (verdict.passed() && !measure.first_failure.empty())
-            verdict.fail(measure.first_failure);
-          if (verdict.passed())
-            verdict.note(
-                fmt::format("k = {}: bitwise exact; {}", k, lesson_note(measure, options)));
-        },
-        draws);
+  const DrawnSetup drawn = draw_setup(draws, "sgd", /*freeze=*/false, /*accumulate=*/true);
+  // Two different k, so that no single constant in place of k can pass.
+  const auto other_k =
+      static_cast<int>(1 + (drawn.micro_batches + draws.integer("second k offset", 0, 4)) % 6);
+  for (const int k : {drawn.micro_batches, other_k}) {
+    const DrawnSetup setup =
+        with_micro_batches(drawn, k, drawn.rows_per_rank / drawn.micro_batches);
+    for (int world : draws.world_sizes()) {
+      const TrainOptions options = setup.for_world(world);
+      const Trajectory emulated =
+          grading::emulate_data_parallel(options, *setup.data, world, {}, k);
+      const Trajectory single = grading::single_process_trajectory(options, *setup.data);
+      const Model layout = layout_of(setup, world);
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            LessonMeasure measure;
+            run_accumulation(setup, comm, [&](const StepRecord& record) {
+              if (!verdict.passed()) return;
+              if (record.optimizer_steps != 1)
+                verdict.fail(
+                    fmt::format("step {}: accumulation_step made {} optimizer steps; expected "
+                                "exactly 1 per call",
+                                record.step, record.optimizer_steps));
+              verdict.expect_empty(exact_step_finding(layout, record, emulated, world, k),
+                                   fmt::format("k = {}: compared bitwise with the emulated N-rank "
+                                               "arithmetic",
+                                               k));
+              measure_lesson(measure, setup, options, layout, record, single, world, k);
+            });
+            if (verdict.passed() && !measure.first_failure.empty())
+              verdict.fail(fmt::format("k = {}: {}", k, measure.first_failure));
+            if (verdict.passed())
+              verdict.note(
+                  fmt::format("k = {}: bitwise exact; {}", k, lesson_note(measure, options)));
+          },
+          draws);
+    }
   }
 }
 
 TEST(Lab2Accumulation, CommunicatesOncePerStepWhateverK) {
   Draws draws("Lab2Accumulation.CommunicatesOncePerStepWhateverK");
-  DrawnSetup setup = draw_setup(draws, "sgd", /*freeze=*/false, /*accumulate=*/true);
-  if (setup.micro_batches == 1) {  // k = 1 cannot tell one sync per step from one per batch
-    setup.micro_batches = 2 + static_cast<int>(draws.integer("k (at least 2)", 0, 4));
-    setup.rows_per_rank = setup.micro_batches * draws.integer("micro-batch rows", 1, 4);
-  }
+  // k = 1 cannot tell one sync per step from one per micro-batch.
+  const DrawnSetup setup = at_least_two_micro_batches(draws);
   for (int world : draws.world_sizes()) {
     if (world == 1) continue;  // one rank sends nothing: no count to tell
     const Model layout = layout_of(setup, world);
@@ -608,11 +627,12 @@ TEST(Lab2Accumulation, CommunicatesOncePerStepWhateverK) {
 
 TEST(Lab2Accumulation, ReturnsTheMeanLossOfTheMicroBatches) {
   Draws draws("Lab2Accumulation.ReturnsTheMeanLossOfTheMicroBatches");
-  DrawnSetup setup = draw_setup(draws, "sgd", /*freeze=*/false, /*accumulate=*/true);
+  // k = 1 cannot tell a mean from a sum.
+  const DrawnSetup setup = at_least_two_micro_batches(draws);
   const int k = setup.micro_batches;
   for (int world : draws.world_sizes()) {
     const Trajectory emulated =
-        grading::emulate_data_parallel(setup.for_world(world), setup.data, world, {}, k);
+        grading::emulate_data_parallel(setup.for_world(world), *setup.data, world, {}, k);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
@@ -716,12 +736,12 @@ TEST(Lab2Calibration, DISABLED_ReorderingError) {
       for (int world : {2, 3, 4, 5, 6}) {
         const TrainOptions options = setup.for_world(world);
         const Trajectory exact =
-            grading::emulate_data_parallel(options, setup.data, world, {}, setup.micro_batches);
-        const Trajectory single = grading::single_process_trajectory(options, setup.data);
+            grading::emulate_data_parallel(options, *setup.data, world, {}, setup.micro_batches);
+        const Trajectory single = grading::single_process_trajectory(options, *setup.data);
         std::vector<float> parameters = make_model(options).flat_parameters();
         for (std::size_t s = 0; s < exact.parameters_after_step.size(); ++s) {
           const std::vector<float> expected =
-              grading::global_batch_gradient(options, setup.data, static_cast<int>(s), parameters);
+              grading::global_batch_gradient(options, *setup.data, static_cast<int>(s), parameters);
           const double gradient =
               grading::max_abs_difference(exact.gradients_of_step[s], expected) /
               largest_magnitude(expected);

@@ -1,14 +1,20 @@
-# check_grades.cmake: runs one `dplab grade` and asserts what its results.json says.
+# check_grades.cmake: runs `dplab grade` once per grading seed and asserts what each
+# results.json says.
 #
 #   cmake -DDPLAB=bin/dplab-reference "-DARGS=--lab|1|--variant|bug_x" -DMODE=lost
 #         -DEXPECT=grader/selftest/lab1_replicated/x.expect -DLAB=1 -DOUT=out.json
-#         -P check_grades.cmake
+#         "-DSEEDS=1|2|3" -P check_grades.cmake
+#
+# Every seed must pass: the grader draws world sizes, sizes and steps from it, so a
+# reference that passes only some draws, or a planted bug that escapes some, fails here
+# and names the seed that shows it (repeat with `dplab grade --seed S`).
 #
 # MODE full: exit code 0 and every check at full marks.
 # MODE zero: every graded check scored 0, and the check program neither crashed nor hung
 #            (the skeleton must fail by its checks, not by dying).
-# MODE lost: each test named in EXPECT (one per line, '#' comments) lost points; the
-#            variant's check program must exist and start.
+# MODE lost: each test named in EXPECT (one per line, '#' comments, and an optional line
+#            "needs-ranks: K" that the CMake list reads) lost points; the variant's check
+#            program must exist and start.
 cmake_minimum_required(VERSION 3.25)
 
 foreach(variable DPLAB ARGS MODE LAB OUT)
@@ -17,94 +23,113 @@ foreach(variable DPLAB ARGS MODE LAB OUT)
   endif()
 endforeach()
 string(REPLACE "|" ";" arguments "${ARGS}")
-
-file(REMOVE ${OUT})
-execute_process(COMMAND ${DPLAB} grade ${arguments} --json ${OUT}
-                RESULT_VARIABLE exit_code OUTPUT_VARIABLE table ERROR_VARIABLE errors)
-message("${table}${errors}")
-if(NOT EXISTS ${OUT})
-  message(FATAL_ERROR "dplab grade wrote no ${OUT} (exit code ${exit_code})")
+if(NOT DEFINED SEEDS OR SEEDS STREQUAL "")
+  set(SEEDS 1)
 endif()
-file(READ ${OUT} results)
+string(REPLACE "|" ";" seeds "${SEEDS}")
 
-string(JSON output GET "${results}" output)
-string(JSON test_count LENGTH "${results}" tests)
-if(test_count EQUAL 0)
-  message(FATAL_ERROR "results.json lists no graded check")
-endif()
+# Fails the run for grading seed ${seed}, showing that seed's score table first; the
+# arguments are joined into one message.
+macro(fail_seed)
+  string(CONCAT failure_text ${ARGV})
+  message("${table}${errors}")
+  message(FATAL_ERROR "grading seed ${seed}: ${failure_text}")
+endmacro()
 
-# Problems of the check program as a whole (see RunResult::summary in grader/driver).
-set(program_problems "check program crashed" "timed out after" "without writing its report"
-    "not found \\(build it" "cannot start")
+# check_one_seed(seed): one `dplab grade --seed seed` and the assertions of MODE.
+function(check_one_seed seed)
+  set(OUT ${OUT}.seed${seed}.json)
+  file(REMOVE ${OUT})
+  execute_process(COMMAND ${DPLAB} grade ${arguments} --seed ${seed} --json ${OUT}
+                  RESULT_VARIABLE exit_code OUTPUT_VARIABLE table ERROR_VARIABLE errors)
+  if(NOT EXISTS ${OUT})
+    fail_seed("dplab grade wrote no ${OUT} (exit code ${exit_code})")
+  endif()
+  file(READ ${OUT} results)
 
-if(MODE STREQUAL "full")
-  string(JSON score GET "${results}" score)
-  string(JSON max_score GET "${results}" max_score)
-  if(NOT exit_code EQUAL 0 OR NOT score EQUAL max_score)
-    message(FATAL_ERROR "expected full marks: scored ${score}/${max_score}, exit code ${exit_code}")
+  string(JSON output GET "${results}" output)
+  string(JSON test_count LENGTH "${results}" tests)
+  if(test_count EQUAL 0)
+    fail_seed("results.json lists no graded check")
   endif()
-elseif(MODE STREQUAL "zero")
-  foreach(problem IN LISTS program_problems)
-    if(output MATCHES "${problem}")
-      message(FATAL_ERROR "the skeleton's check program failed as a whole (${problem}): it must "
-                          "fail check by check, not crash or hang")
+
+  # Problems of the check program as a whole (see RunResult::summary in grader/driver).
+  set(program_problems "check program crashed" "timed out after" "without writing its report"
+      "not found \\(build it" "cannot start")
+
+  if(MODE STREQUAL "full")
+    string(JSON score GET "${results}" score)
+    string(JSON max_score GET "${results}" max_score)
+    if(NOT exit_code EQUAL 0 OR NOT score EQUAL max_score)
+      fail_seed("expected full marks: scored ${score}/${max_score}, exit code ${exit_code}")
     endif()
-  endforeach()
-  math(EXPR last "${test_count} - 1")
-  foreach(i RANGE ${last})
-    string(JSON name GET "${results}" tests ${i} name)
-    string(JSON score GET "${results}" tests ${i} score)
-    if(NOT score EQUAL 0)
-      message(FATAL_ERROR "the untouched skeleton earned ${score} points on '${name}': a check "
-                          "that passes without the student's code checks nothing")
-    endif()
-  endforeach()
-  if(exit_code EQUAL 0)
-    message(FATAL_ERROR "dplab grade exited 0 for a skeleton that scored 0")
-  endif()
-elseif(MODE STREQUAL "lost")
-  foreach(problem "not found \\(build it" "cannot start")
-    if(output MATCHES "${problem}")
-      message(FATAL_ERROR "the planted bug's check program did not run (${problem})")
-    endif()
-  endforeach()
-  if(NOT DEFINED EXPECT OR NOT EXISTS "${EXPECT}")
-    message(FATAL_ERROR "MODE lost needs -DEXPECT=<file.expect>")
-  endif()
-  file(STRINGS ${EXPECT} expect_lines)
-  set(expected_count 0)
-  foreach(line IN LISTS expect_lines)
-    string(REGEX REPLACE "#.*" "" line "${line}")
-    string(STRIP "${line}" line)
-    if(line STREQUAL "")
-      continue()
-    endif()
-    math(EXPR expected_count "${expected_count} + 1")
-    set(found FALSE)
+  elseif(MODE STREQUAL "zero")
+    foreach(problem IN LISTS program_problems)
+      if(output MATCHES "${problem}")
+        fail_seed("the skeleton's check program failed as a whole (${problem}): it must "
+                            "fail check by check, not crash or hang")
+      endif()
+    endforeach()
     math(EXPR last "${test_count} - 1")
     foreach(i RANGE ${last})
       string(JSON name GET "${results}" tests ${i} name)
-      if(name STREQUAL "lab ${LAB}: ${line}")
-        set(found TRUE)
-        string(JSON score GET "${results}" tests ${i} score)
-        string(JSON max_score GET "${results}" tests ${i} max_score)
-        if(NOT score LESS max_score)
-          message(FATAL_ERROR "planted bug not caught: '${line}' scored ${score}/${max_score} "
-                              "(${EXPECT} says it must lose points)")
-        endif()
+      string(JSON score GET "${results}" tests ${i} score)
+      if(NOT score EQUAL 0)
+        fail_seed("the untouched skeleton earned ${score} points on '${name}': a check "
+                            "that passes without the student's code checks nothing")
       endif()
     endforeach()
-    if(NOT found)
-      message(FATAL_ERROR "${EXPECT} lists '${line}', which is not a graded check of lab ${LAB}")
+    if(exit_code EQUAL 0)
+      fail_seed("dplab grade exited 0 for a skeleton that scored 0")
     endif()
-  endforeach()
-  if(expected_count EQUAL 0)
-    message(FATAL_ERROR "${EXPECT} lists no check: a planted bug must be caught by something")
+  elseif(MODE STREQUAL "lost")
+    foreach(problem "not found \\(build it" "cannot start")
+      if(output MATCHES "${problem}")
+        fail_seed("the planted bug's check program did not run (${problem})")
+      endif()
+    endforeach()
+    if(NOT DEFINED EXPECT OR NOT EXISTS "${EXPECT}")
+      fail_seed("MODE lost needs -DEXPECT=<file.expect>")
+    endif()
+    file(STRINGS ${EXPECT} expect_lines)
+    set(expected_count 0)
+    foreach(line IN LISTS expect_lines)
+      string(REGEX REPLACE "#.*" "" line "${line}")
+      string(STRIP "${line}" line)
+      if(line STREQUAL "" OR line MATCHES "^needs-ranks:")
+        continue()
+      endif()
+      math(EXPR expected_count "${expected_count} + 1")
+      set(found FALSE)
+      math(EXPR last "${test_count} - 1")
+      foreach(i RANGE ${last})
+        string(JSON name GET "${results}" tests ${i} name)
+        if(name STREQUAL "lab ${LAB}: ${line}")
+          set(found TRUE)
+          string(JSON score GET "${results}" tests ${i} score)
+          string(JSON max_score GET "${results}" tests ${i} max_score)
+          if(NOT score LESS max_score)
+            fail_seed("planted bug not caught: '${line}' scored ${score}/${max_score} "
+                                "(${EXPECT} says it must lose points)")
+          endif()
+        endif()
+      endforeach()
+      if(NOT found)
+        fail_seed("${EXPECT} lists '${line}', which is not a graded check of lab ${LAB}")
+      endif()
+    endforeach()
+    if(expected_count EQUAL 0)
+      fail_seed("${EXPECT} lists no check: a planted bug must be caught by something")
+    endif()
+    if(exit_code EQUAL 0)
+      fail_seed("dplab grade exited 0 although checks lost points")
+    endif()
+  else()
+    fail_seed("unknown MODE '${MODE}': expected full, zero or lost")
   endif()
-  if(exit_code EQUAL 0)
-    message(FATAL_ERROR "dplab grade exited 0 although checks lost points")
-  endif()
-else()
-  message(FATAL_ERROR "unknown MODE '${MODE}': expected full, zero or lost")
-endif()
-message(STATUS "check_grades: ${MODE} OK")
+endfunction()
+
+foreach(seed IN LISTS seeds)
+  check_one_seed(${seed})
+endforeach()
+message(STATUS "check_grades: ${MODE} OK for grading seeds ${seeds}")
