@@ -32,6 +32,8 @@ expect_row() {
 
 # 1. The default sweep (64 B x 4^k up to 256 MiB) holds the sizes the handout quotes, and
 #    the times the handout gives for them: sendrecv on ib-ndr is about 2 us up to a few KiB.
+#    (-n 2 times sendrecv as the handout's -n 8 does, one message per link and direction,
+#    in a quarter of the memory.)
 table="$("$dplab" bench-comm -n 2 --op sendrecv --net ib-ndr)"
 for size in 64 1024 4096 65536 262144 4194304 16777216 67108864 268435456; do
   grep -Eq "^ +$size " <<<"$table" || fail "the default sweep has no row of $size bytes"
@@ -41,6 +43,12 @@ done
 expect_row "$table" 64 2.00
 expect_row "$table" 4096 2.08
 expect_row "$table" 262144 7.24
+# The all-reduce's busbw on 8 ranks: 0.255 GB/s at 4 KiB, 47.7 GB/s at 16 MiB.
+table="$("$dplab" bench-comm -n 8 --net ib-ndr --max-bytes 16M)"
+grep -Eq '^ +4096 .* 0\.255$' <<<"$table" ||
+  fail "expected busbw 0.255 GB/s at 4 KiB:"$'\n'"$table"
+grep -Eq '^ +16777216 .* 47\.724$' <<<"$table" ||
+  fail "expected busbw 47.724 GB/s at 16 MiB:"$'\n'"$table"
 
 # 2. --csv: stdout holds a header and rows only; the notes go to stderr. The handout's awk
 #    program fits the rows to the fabric's alpha (30 us) and beta (0.8 ns/B).
