@@ -4,19 +4,25 @@
 //
 //   dplab bench-comm -n 8 --net ib-ndr                 ring all-reduce on simulated NDR
 //   dplab bench-comm -n 8 --op sendrecv --alpha 5 --bandwidth 25
+//   dplab bench-comm -n 8 --op sendrecv --mystery 7 --csv > t.csv   a hidden network
 //   dplab bench-comm -n 4                              the local backend's real speed
 //   dplab run -n 4 --backend mpi -- bench-comm         Open MPI processes
 //
 // algbw = S / t with S the whole array; busbw = algbw x 2(n-1)/n for all-reduce,
 // x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast and sendrecv. Students fit
-// alpha and beta to the times (t = a + b S); --fit prints the least-squares line and what
-// it means for the op's algorithm.
+// alpha and beta to the times (t = a + b S) with any tool (--csv writes rows a spreadsheet
+// or awk reads); --fit prints the least-squares line and what it means for the op's
+// algorithm. The default sweep, 64 B to 256 MiB by factors of 4, holds every size lab 0's
+// handout quotes. --mystery draws a network whose alpha and bandwidth stay hidden, so the
+// fit is the only way to learn them; dplab-reference (instructors) adds --reveal.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,23 +31,58 @@
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/rng.h"
 #include "simulation_options.h"
 
 namespace dp::cli {
 namespace {
 
+// dplab-reference is the instructors' program: only it reveals a mystery network.
+#if DP_REFERENCE_BUILD
+constexpr bool kInstructorBuild = true;
+#else
+constexpr bool kInstructorBuild = false;
+#endif
+
 struct BenchArguments {
   int world_size = 0;  // 0: 8 on local, every process under mpi
   std::string backend = "local";
   std::string op = "allreduce";
-  std::string min_bytes = "8";
+  std::string min_bytes = "64";  // 64 B x 4^k: 4 KiB, 4 MiB, 16 MiB and 256 MiB are rows
   std::string max_bytes = "256M";
   int factor = 4;
   int iterations = 5;
   int warmup = 1;
   bool fit = false;
+  bool csv = false;
+  std::string mystery_seed;  // a seed: simulate a hidden network drawn from it
+  bool reveal = false;       // dplab-reference only: print the mystery network
   SimulationArguments simulation;
 };
+
+/// "42" -> 42: the seed of --mystery, a whole number >= 0.
+std::uint64_t parse_seed(const std::string& text) {
+  std::uint64_t seed = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, status] = std::from_chars(text.data(), end, seed);
+  if (status != std::errc() || rest != end)
+    throw Error(fmt::format("--mystery '{}' is not a seed: expected a whole number >= 0", text));
+  return seed;
+}
+
+/// The hidden network of `--mystery seed`: alpha log-uniform in [1, 50] us (to 0.1 us),
+/// bandwidth log-uniform in [1, 400] GB/s (to 3 significant digits). The ranges span the
+/// presets of dp/clock.h (10 GbE to NVLink), so any fabric a student meets is plausible.
+LinkModel mystery_link(std::uint64_t seed) {
+  CounterRng rng(seed, /*stream=*/0x6d797374);  // "myst": apart from any other use of seed
+  const auto log_uniform = [&rng](double low, double high) {
+    return low * std::pow(high / low, static_cast<double>(rng.uniform()));
+  };
+  const double alpha_us = std::round(log_uniform(1, 50) * 10) / 10;
+  const double gbps = log_uniform(1, 400);
+  const double unit = std::pow(10.0, std::floor(std::log10(gbps)) - 2);
+  return {alpha_us * 1e-6, std::round(gbps / unit) * unit * 1e9};
+}
 
 const std::vector<std::string>& op_names() {
   static const std::vector<std::string> names = {"allreduce", "reduce_scatter", "allgather",
@@ -136,7 +177,8 @@ std::pair<double, double> fit_line(const std::vector<Row>& rows) {
   return {(sy - slope * sx) / n, slope};
 }
 
-void print_fit(const std::string& op, int p, const std::vector<Row>& rows) {
+/// Prints the fit to `out` (stdout, or stderr under --csv).
+void print_fit(std::FILE* out, const std::string& op, int p, const std::vector<Row>& rows) {
   if (rows.size() < 2) return;
   const auto [a, b] = fit_line(rows);
   // What a and b are in the algorithm's alpha-beta model (dp/clock.h):
@@ -154,10 +196,11 @@ void print_fit(const std::string& op, int p, const std::vector<Row>& rows) {
   } else if (op == "broadcast") {
     messages = volume = std::ceil(std::log2(static_cast<double>(p)));
   }
-  fmt::print("# fit: t = {:.4g} us + S x {:.4g} ns/B over {} sizes\n", a * 1e6, b * 1e9,
+  fmt::print(out, "# fit: t = {:.4g} us + S x {:.4g} ns/B over {} sizes\n", a * 1e6, b * 1e9,
              rows.size());
   if (p > 1 && b > 0)
-    fmt::print("# as the {} model: alpha = {:.4g} us, beta = {:.4g} ns/B (bandwidth {:.4g} GB/s)\n",
+    fmt::print(out,
+               "# as the {} model: alpha = {:.4g} us, beta = {:.4g} ns/B (bandwidth {:.4g} GB/s)\n",
                op, a / messages * 1e6, b / volume * 1e9, volume / b / 1e9);
 }
 
@@ -169,8 +212,20 @@ void run_bench(const BenchArguments& args) {
   LaunchOptions options;
   options.backend = parse_backend(args.backend);
   options.simulation = simulation_options(args.simulation);
+  const bool mystery = !args.mystery_seed.empty();
+  if (mystery) {
+    if (options.simulation.enabled || args.simulation.ranks_per_node > 0)
+      throw Error(
+          "--mystery draws its own network: drop --net, --alpha, --bandwidth and "
+          "--ranks-per-node");
+    options.simulation.enabled = true;
+    options.simulation.network.name = "mystery";
+    options.simulation.network.fabric = mystery_link(parse_seed(args.mystery_seed));
+  }
+  if (args.reveal && !mystery) throw Error("--reveal shows the network of --mystery SEED: add it");
   if (options.simulation.enabled && options.backend != Backend::kLocal)
-    throw Error("--net simulates the local backend; on mpi the clock is the wall clock");
+    throw Error(
+        "--net and --mystery simulate the local backend; on mpi the clock is the wall clock");
   int world_size = args.world_size;
   if (options.backend == Backend::kMpi) {
     if (!started_by_mpi())
@@ -183,15 +238,23 @@ void run_bench(const BenchArguments& args) {
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
   const std::vector<std::size_t> sizes = sweep(args, world_size);
   const bool prints = mpi_world_rank() == 0;
-  const std::string clock = options.simulation.enabled
-                                ? "simulated clock: " + options.simulation.describe()
-                                : fmt::format("wall clock, {} backend", args.backend);
+  // Under --csv the rows alone go to stdout, so that `> file` is what a spreadsheet opens.
+  std::FILE* notes = args.csv ? stderr : stdout;
+  std::string clock = fmt::format("wall clock, {} backend", args.backend);
+  if (mystery)  // never describe() it: that would print what the student must measure
+    clock = fmt::format("simulated clock: mystery network {} (alpha and bandwidth hidden)",
+                        args.mystery_seed);
+  else if (options.simulation.enabled)
+    clock = "simulated clock: " + options.simulation.describe();
   if (prints) {
-    fmt::print("# dplab bench-comm: {} on {} ranks, {}\n", args.op, world_size, clock);
-    fmt::print("# time: mean of {} iterations after {} warm-up, slowest rank\n", args.iterations,
-               args.warmup);
-    fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>12} {:>12} {:>12}\n", "size(B)", "count", "type",
-               "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+    fmt::print(notes, "# dplab bench-comm: {} on {} ranks, {}\n", args.op, world_size, clock);
+    fmt::print(notes, "# time: mean of {} iterations after {} warm-up, slowest rank\n",
+               args.iterations, args.warmup);
+    if (args.csv)
+      fmt::print("bytes,count,time_us,algbw_gbps,busbw_gbps\n");
+    else
+      fmt::print("# {:>12} {:>12} {:>6} {:>6} {:>12} {:>12} {:>12}\n", "size(B)", "count", "type",
+                 "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
   }
   std::vector<Row> rows;
   launch(options, [&](Communicator& comm) {
@@ -217,14 +280,22 @@ void run_bench(const BenchArguments& args) {
       if (comm.rank() != 0) continue;
       const double seconds = static_cast<double>(elapsed[0]) * 1e-6;
       const double algbw = seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0.0;
-      if (prints)
+      const double busbw = algbw * bus_factor(args.op, comm.size());
+      if (prints && args.csv)
+        fmt::print("{},{},{:.7g},{:.6g},{:.6g}\n", bytes, elements, seconds * 1e6, algbw, busbw);
+      else if (prints)
         fmt::print("  {:>12} {:>12} {:>6} {:>6} {:>12.2f} {:>12.3f} {:>12.3f}\n", bytes, elements,
                    "float", args.op == "allreduce" || args.op == "reduce_scatter" ? "sum" : "none",
-                   seconds * 1e6, algbw, algbw * bus_factor(args.op, comm.size()));
+                   seconds * 1e6, algbw, busbw);
       rows.push_back({bytes, seconds});
     }
   });
-  if (prints && args.fit) print_fit(args.op, world_size, rows);
+  if (prints && args.fit) print_fit(notes, args.op, world_size, rows);
+  if (prints && args.reveal) {
+    const LinkModel& link = options.simulation.network.fabric;
+    fmt::print(notes, "# mystery network {}: alpha {:g} us, bandwidth {:g} GB/s\n",
+               args.mystery_seed, link.alpha_seconds * 1e6, link.bytes_per_second / 1e9);
+  }
 }
 
 }  // namespace
@@ -248,7 +319,19 @@ void add_bench_comm_command(CLI::App& app) {
       ->capture_default_str();
   bench->add_option("--warmup", args->warmup, "Untimed iterations per size")->capture_default_str();
   bench->add_flag("--fit", args->fit, "Print the least-squares fit t = a + b S");
+  bench->add_flag("--csv", args->csv,
+                  "Print the rows as CSV (bytes,count,time_us,algbw_gbps,busbw_gbps) for a "
+                  "spreadsheet or awk; the notes go to stderr");
   add_simulation_options(*bench, args->simulation);
+  bench
+      ->add_option("--mystery", args->mystery_seed,
+                   "Simulate a network drawn from this seed (alpha 1-50 us, 1-400 GB/s) and "
+                   "keep its alpha and bandwidth hidden: fit them")
+      ->group("Simulated clock");
+  if (kInstructorBuild)
+    bench
+        ->add_flag("--reveal", args->reveal, "Print the alpha and bandwidth of --mystery's network")
+        ->group("Simulated clock");
   bench->callback([args] { run_bench(*args); });
 }
 

@@ -91,7 +91,7 @@ struct NetworkModel {
   static NetworkModel preset(std::string_view name);
   /// The preset names.
   static std::vector<std::string> preset_names();
-  /// "ib-ndr (alpha 1 us, 50 GB/s)", with the inter-node fabric when two-level.
+  /// "ib-ndr (alpha 2 us, 50 GB/s)", with the inter-node fabric when two-level.
   std::string describe() const;
 };
 
@@ -111,7 +111,7 @@ struct SimulationOptions {
 
   /// Enabled, on network preset `network`, with the default device.
   static SimulationOptions preset(std::string_view network);
-  /// "ib-ndr (alpha 1 us, 50 GB/s); device a100 (19.5 TFLOP/s, 1555 GB/s, launch 4 us);
+  /// "ib-ndr (alpha 2 us, 50 GB/s); device a100 (19.5 TFLOP/s, 1555 GB/s, launch 4 us);
   /// roofline".
   std::string describe() const;
 };
