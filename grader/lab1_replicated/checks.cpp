@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -324,7 +325,8 @@ struct ReplicatedCase {
   ReplicatedOptions options;
 };
 
-ReplicatedCase draw_training(Draws& draws) {
+/// A drawn training set-up; `epochs` fixes the number of epochs instead of drawing it.
+ReplicatedCase draw_training(Draws& draws, int epochs = 0) {
   ReplicatedCase c;
   c.spec = draw_spec(draws);
   c.model_seed = draws.seed("model seed");
@@ -336,7 +338,7 @@ ReplicatedCase draw_training(Draws& draws) {
   // every run has a last, shorter batch.
   while (c.data->size() % static_cast<std::size_t>(c.options.local_batch) == 0)
     c.options.local_batch += 1;
-  c.options.epochs = static_cast<int>(draws.integer("epochs", 1, 3));
+  c.options.epochs = epochs > 0 ? epochs : static_cast<int>(draws.integer("epochs", 1, 3));
   c.options.sampler.shuffle = draws.coin("shuffle");
   c.options.sampler.drop_last = draws.coin("drop_last");
   c.options.sampler.seed = draws.seed("sampler seed");
@@ -449,8 +451,7 @@ std::string compare_losses(const std::vector<float>& losses, const std::vector<f
 
 TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
   Draws draws("Lab1Replicated.ReturnsTheLossOfEveryStepAndStopsAtMaxSteps");
-  ReplicatedCase c = draw_training(draws);
-  c.options.epochs = 3;
+  const ReplicatedCase c = draw_training(draws, /*epochs=*/3);
   // Where max_steps stops the run: in the second epoch, at a drawn step.
   const std::int64_t stop_draw = draws.integer("stop position", 0, 1 << 20);
   for (int world : draws.world_sizes(4)) {
@@ -466,7 +467,7 @@ TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
           const auto per_epoch = static_cast<std::int64_t>((shard + batch - 1) / batch);
           ReplicatedCase stopped = c;
           stopped.options.max_steps = static_cast<int>(per_epoch + 1 + stop_draw % per_epoch);
-          for (const ReplicatedCase* run : {&c, &stopped}) {
+          for (const ReplicatedCase* run : std::array<const ReplicatedCase*, 2>{&c, &stopped}) {
             Model model = Model::mlp(run->spec, {.seed = run->model_seed});
             Sgd sgd(model.num_parameters(), {.lr = 0.1f});
             const std::vector<float> losses =

@@ -262,7 +262,9 @@ std::string exact_step_finding(const Model& layout, const StepRecord& record,
   if (!finding.empty()) {
     const std::string hint =
         grading::scale_hint(record.gradients, exact.gradients_of_step[s], suspects(world, k));
-    return fmt::format("step {}: {}{}", record.step, finding, hint.empty() ? "" : "; " + hint);
+    return fmt::format(
+        "step {}: {}{}; {}", record.step, finding, hint.empty() ? "" : "; " + hint,
+        grading::per_parameter_summary(layout, record.gradients, exact.gradients_of_step[s]));
   }
   finding = grading::compare_flat(layout, record.parameters, exact.parameters_after_step[s], 0.0f,
                                   "parameter");

@@ -108,6 +108,38 @@ std::string scale_hint(std::span<const float> seen_change, std::span<const float
   return fmt::format("it is {:.3g}x the expected change", ratio);
 }
 
+std::string per_parameter_summary(const Model& layout, std::span<const float> seen,
+                                  std::span<const float> expected) {
+  if (seen.size() != layout.num_parameters() || expected.size() != layout.num_parameters())
+    return "";
+  std::vector<std::string> parts;
+  for (const Parameter* parameter : layout.parameters()) {
+    if (parameter->frozen) continue;
+    const std::span<const float> mine = seen.subspan(parameter->offset, parameter->value.size());
+    const std::span<const float> theirs =
+        expected.subspan(parameter->offset, parameter->value.size());
+    if (std::memcmp(mine.data(), theirs.data(), mine.size_bytes()) == 0) {
+      parts.push_back(parameter->name + " exact");
+      continue;
+    }
+    double dot = 0;
+    double norm_mine = 0;
+    double norm_theirs = 0;
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      dot += static_cast<double>(mine[i]) * theirs[i];
+      norm_mine += static_cast<double>(mine[i]) * mine[i];
+      norm_theirs += static_cast<double>(theirs[i]) * theirs[i];
+    }
+    const bool scaled = norm_theirs > 0 && norm_mine > 0 && std::isfinite(norm_mine) &&
+                        dot / std::sqrt(norm_mine * norm_theirs) > 0.999;
+    const double ratio = scaled ? dot / norm_theirs : 0;
+    parts.push_back(scaled && std::abs(ratio - 1) > 1e-3
+                        ? fmt::format("{} {:.2f}x", parameter->name, ratio)
+                        : parameter->name + " differs");
+  }
+  return fmt::format("per parameter: {}", fmt::join(parts, ", "));
+}
+
 std::vector<float> difference(std::span<const float> after, std::span<const float> before) {
   std::vector<float> change(std::min(after.size(), before.size()));
   for (std::size_t i = 0; i < change.size(); ++i) change[i] = after[i] - before[i];

@@ -59,6 +59,13 @@ struct Suspect {
 std::string scale_hint(std::span<const float> seen_change, std::span<const float> expected_change,
                        const std::vector<Suspect>& suspects);
 
+/// Each parameter's status in one sentence, "per parameter: fc1.weight 3.00x, fc1.bias
+/// exact, fc2.weight differs, ...": exact (bitwise), a constant factor (cosine above 0.999),
+/// or just different; frozen parameters are left out. Says at a glance whether a mistake
+/// touches every parameter (a missing division) or some (a missing wait).
+std::string per_parameter_summary(const Model& layout, std::span<const float> seen,
+                                  std::span<const float> expected);
+
 /// Element-wise `after - before`.
 std::vector<float> difference(std::span<const float> after, std::span<const float> before);
 
