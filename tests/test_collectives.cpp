@@ -261,6 +261,13 @@ TEST_P(CollectiveTest, SumsAddInRankOrderOnEveryBackend) {
   });
 }
 
+// Graders read the counters around lab code; lab code must not be able to hide its calls.
+// Counters only grow: there is no way to reset them through the interface labs receive.
+template <typename C>
+concept ResettableCounters = requires(C& comm) { comm.reset_counters(); };
+static_assert(!ResettableCounters<Communicator>,
+              "lab code receives a Communicator: it must not be able to reset the counters");
+
 TEST_P(CollectiveTest, CountersEqualTheRingFormulas) {
   const int p = GetParam();
   constexpr std::size_t kCount = 1009;  // prime: uneven chunks for p > 1
