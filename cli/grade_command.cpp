@@ -5,12 +5,14 @@
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
 //
+// The check programs send their results on a channel the driver opens
+// (grader/driver/runner.h); what they print is only shown, never scored.
+//
 // `dplab` grades your code (labs/, check programs grade_lab<N>); `dplab-reference`, the
 // same sources built with DP_REFERENCE_BUILD=1, grades the reference solutions
 // (grade_lab<N>_reference). The check programs sit next to the dplab executable; the
 // rubrics are read from the source tree's grader/ (or $DPLAB_GRADER_DIR).
 #include <fmt/format.h>
-#include <stdlib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -56,7 +58,6 @@ struct GradeArguments {
 /// A lab the grader knows: a folder grader/lab<N>_<name>/ with a rubric.json.
 struct LabEntry {
   int number = 0;
-  std::string folder;  // e.g. "lab1_replicated"
   std::filesystem::path rubric;
 };
 
@@ -78,7 +79,7 @@ std::vector<LabEntry> find_labs(const std::filesystem::path& dir) {
     std::smatch match;
     if (!entry.is_directory() || !std::regex_match(name, match, lab_folder)) continue;
     if (!std::filesystem::exists(entry.path() / "rubric.json")) continue;
-    labs.push_back({std::stoi(match[1].str()), name, entry.path() / "rubric.json"});
+    labs.push_back({std::stoi(match[1].str()), entry.path() / "rubric.json"});
   }
   std::sort(labs.begin(), labs.end(),
             [](const LabEntry& a, const LabEntry& b) { return a.number < b.number; });
@@ -91,49 +92,30 @@ std::string check_program_name(int lab, const std::string& variant) {
   return fmt::format("grade_lab{}{}", lab, kReferenceBuild ? "_reference" : "");
 }
 
-/// A temporary directory for reports and output, removed when grading ends.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-grade-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr)
-      throw Error(fmt::format("cannot create a temporary directory {}", pattern));
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
-
 /// Processes under --backend mpi: -n, or 2 (the smallest job that communicates).
 int mpi_processes(const GradeArguments& args) {
   return args.ranks == -1 ? 2 : args.ranks;
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
-                                const std::filesystem::path& bin, const ScratchDir& scratch) {
+                                const std::filesystem::path& bin) {
   grader::RunRequest request;
   request.program = bin / check_program_name(lab.number, args.variant);
   request.backend = args.backend;
   request.time_limit =
       std::chrono::milliseconds(static_cast<long long>(args.timeout_seconds * 1000));
-  request.work_dir = scratch.path();
-  request.name = lab.folder;
   if (args.backend == "mpi") {
-    MpirunOptions options;
-    options.mpirun = args.mpirun;
-    options.environment = {"DPLAB_TEST_BACKEND=mpi"};
     request.processes = mpi_processes(args);
-    // One command line per rank, so that each rank writes its own report file.
-    request.launcher = [options](const std::vector<std::vector<std::string>>& per_rank) {
-      return mpirun_command_per_rank(options, per_rank);
+    const std::string mpirun = args.mpirun;
+    request.launcher = [mpirun](const std::vector<std::string>& command, int processes,
+                                const std::vector<std::string>& variables) {
+      MpirunOptions options;
+      options.mpirun = mpirun;
+      options.ranks = processes;
+      // By name: every rank gets mpirun's value, and the channel's token stays off the
+      // command line, where any user's `ps` would show it.
+      options.environment = variables;
+      return mpirun_command(options, command);
     };
   }
   return request;
@@ -176,7 +158,6 @@ void grade(const GradeArguments& args) {
   }
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
-  const ScratchDir scratch;
   grader::GradeReport report;
   report.implementation =
       kReferenceBuild ? "reference solutions (solutions/)" : "your code (labs/)";
@@ -186,8 +167,7 @@ void grade(const GradeArguments& args) {
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
-    const grader::RunResult run =
-        grader::run_check_program(make_request(args, labs[i], bin, scratch));
+    const grader::RunResult run = grader::run_check_program(make_request(args, labs[i], bin));
     report.labs.push_back(grader::score_lab(rubrics[i], run));
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -34,7 +34,7 @@ if(test_count EQUAL 0)
 endif()
 
 # Problems of the check program as a whole (see RunResult::summary in grader/driver).
-set(program_problems "check program crashed" "timed out after" "without writing its report"
+set(program_problems "check program crashed" "timed out after" "before reporting every result"
     "not found \\(build it" "cannot start")
 
 if(MODE STREQUAL "full")
