@@ -4,9 +4,12 @@
 //   dplab grade --lab 2              # one lab
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
+//   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
 //
-// The check programs send their results on a channel the driver opens
-// (grader/driver/runner.h); what they print is only shown, never scored.
+// Every run has a grading seed, printed at the top of the score table: the checks draw
+// their world sizes, batch sizes, ... from it, so a hard-coded answer fails, and --seed
+// repeats a run exactly. The check programs send their results on a channel the driver
+// opens (grader/driver/runner.h); what they print is only shown, never scored.
 //
 // `dplab` grades your code (labs/, check programs grade_lab<N>); `dplab-reference`, the
 // same sources built with DP_REFERENCE_BUILD=1, grades the reference solutions
@@ -16,10 +19,14 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <memory>
+#include <random>
 #include <regex>
 #include <string>
 #include <vector>
@@ -28,6 +35,7 @@
 #include "dp/error.h"
 #include "mpirun.h"
 #include "report.h"
+#include "result_channel.h"
 #include "rubric.h"
 #include "runner.h"
 
@@ -53,6 +61,8 @@ struct GradeArguments {
   double timeout_seconds = 300;
   std::string variant;  // e.g. "bug_no_divide": grade grade_lab<N>_bug_no_divide
   std::string mpirun = "mpirun";
+  std::uint64_t seed = 0;
+  bool seed_given = false;  // false: draw a fresh seed
 };
 
 /// A lab the grader knows: a folder grader/lab<N>_<name>/ with a rubric.json.
@@ -92,16 +102,33 @@ std::string check_program_name(int lab, const std::string& variant) {
   return fmt::format("grade_lab{}{}", lab, kReferenceBuild ? "_reference" : "");
 }
 
+/// A fresh 64-bit seed from the operating system's entropy.
+std::uint64_t random_seed() {
+  std::random_device device;
+  return (static_cast<std::uint64_t>(device()) << 32) | device();
+}
+
+/// Accepts decimal digits that fit in 64 bits; CLI11 itself would wrap "-1" to 2^64-1.
+std::string check_seed(const std::string& text) {
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size())
+    return fmt::format("expected a whole number from 0 to {}, got '{}'",
+                       std::numeric_limits<std::uint64_t>::max(), text);
+  return "";
+}
+
 /// Processes under --backend mpi: -n, or 2 (the smallest job that communicates).
 int mpi_processes(const GradeArguments& args) {
   return args.ranks == -1 ? 2 : args.ranks;
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
-                                const std::filesystem::path& bin) {
+                                const std::filesystem::path& bin, std::uint64_t seed) {
   grader::RunRequest request;
   request.program = bin / check_program_name(lab.number, args.variant);
   request.backend = args.backend;
+  request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
   request.time_limit =
       std::chrono::milliseconds(static_cast<long long>(args.timeout_seconds * 1000));
   if (args.backend == "mpi") {
@@ -158,7 +185,9 @@ void grade(const GradeArguments& args) {
   }
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
+  const std::uint64_t seed = args.seed_given ? args.seed : random_seed();
   grader::GradeReport report;
+  report.seed = seed;
   report.implementation =
       kReferenceBuild ? "reference solutions (solutions/)" : "your code (labs/)";
   if (!args.variant.empty()) report.implementation += ", variant " + args.variant;
@@ -167,7 +196,7 @@ void grade(const GradeArguments& args) {
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
-    const grader::RunResult run = grader::run_check_program(make_request(args, labs[i], bin));
+    const grader::RunResult run = grader::run_check_program(make_request(args, labs[i], bin, seed));
     report.labs.push_back(grader::score_lab(rubrics[i], run));
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -199,9 +228,17 @@ void add_grade_command(CLI::App& app) {
                    "Seconds each lab's check program may run before it is killed")
       ->capture_default_str();
   grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  CLI::Option* seed = grade_app->add_option(
+      "--seed", args->seed,
+      "Grading seed (0 to 2^64-1) the checks draw their parameters from; repeats a run "
+      "(default: a fresh random seed, printed)");
+  seed->check(CLI::Validator(check_seed, "UINT64"));
   // Hidden (empty group): the selftests grade planted-bug builds with it.
   grade_app->add_option("--variant", args->variant, "Grade grade_lab<N>_<NAME> instead")->group("");
-  grade_app->callback([args] { grade(*args); });
+  grade_app->callback([args, seed] {
+    args->seed_given = seed->count() > 0;
+    grade(*args);
+  });
 }
 
 }  // namespace dp::cli

@@ -150,8 +150,13 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   return lab;
 }
 
+std::string seed_line(std::uint64_t seed) {
+  return fmt::format("grading seed {0} (repeat this run with --seed {0})", seed);
+}
+
 std::string format_table(const GradeReport& report, int feedback_lines) {
   std::string out;
+  if (report.seed) out += seed_line(*report.seed) + "\n";
   out += fmt::format("dplab grade: {}, {} backend\n", report.implementation, report.backend);
   for (const LabResult& lab : report.labs) {
     out += fmt::format("\nlab {}: {}\n", lab.rubric.lab, lab.rubric.title);
@@ -198,6 +203,7 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
 std::string to_gradescope_json(const GradeReport& report) {
   json tests = json::array();
   std::string overall;
+  if (report.seed) overall += seed_line(*report.seed) + "\n";
   for (const LabResult& lab : report.labs) {
     overall += fmt::format("lab {} ({}): {}/{} points\n", lab.rubric.lab, lab.rubric.title,
                            points(lab.earned()), points(lab.possible()));
@@ -306,11 +312,17 @@ std::string to_junit_xml(const GradeReport& report) {
         cases += fmt::format("      <system-out>{}</system-out>\n", xml_escape(notes_text(check)));
       cases += "    </testcase>\n";
     }
+    const std::string properties =
+        report.seed ? fmt::format(
+                          "    <properties>\n      <property name=\"grading_seed\" "
+                          "value=\"{}\"/>\n    </properties>\n",
+                          *report.seed)
+                    : "";
     suites += fmt::format(
         "  <testsuite name=\"lab{} {}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" "
-        "skipped=\"0\" time=\"{:.3f}\">\n{}  </testsuite>\n",
+        "skipped=\"0\" time=\"{:.3f}\">\n{}{}  </testsuite>\n",
         lab.rubric.lab, xml_escape(lab.rubric.title), lab.checks.size(), lab_failures, lab_errors,
-        lab.seconds, cases);
+        lab.seconds, properties, cases);
     tests += static_cast<int>(lab.checks.size());
     failures += lab_failures;
     errors += lab_errors;

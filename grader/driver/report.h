@@ -10,12 +10,15 @@
 // Example:
 //
 //   GradeReport report;
+//   report.seed = 42;
 //   report.labs.push_back(score_lab(load_rubric(rubric_file), run_check_program(request)));
 //   fmt::print("{}", format_table(report));
 //   write_text_file("results.json", to_gradescope_json(report));
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,10 +53,11 @@ struct LabResult {
 
 /// Every lab graded in one `dplab grade`.
 struct GradeReport {
-  std::string implementation;     ///< whose code, e.g. "your code (labs/)"
-  std::string backend = "local";  ///< the backend the checks ran on
-  std::vector<LabResult> labs;    ///< in lab order
-  double seconds = 0;             ///< wall time of the whole grading
+  std::string implementation;         ///< whose code, e.g. "your code (labs/)"
+  std::string backend = "local";      ///< the backend the checks ran on
+  std::optional<std::uint64_t> seed;  ///< the grading seed the checks drew from, if known
+  std::vector<LabResult> labs;        ///< in lab order
+  double seconds = 0;                 ///< wall time of the whole grading
 
   double earned() const;    ///< points earned over all labs
   double possible() const;  ///< points possible over all labs
@@ -63,7 +67,10 @@ struct GradeReport {
 /// Scores `run` against `rubric`.
 LabResult score_lab(const Rubric& rubric, const RunResult& run);
 
-/// The score table: per lab each check's points earned/possible, under a
+/// The line that names the seed: "grading seed S (repeat this run with --seed S)".
+std::string seed_line(std::uint64_t seed);
+
+/// The score table: the seed, then per lab each check's points earned/possible, under a
 /// passed check what it measured, under a failed one the first `feedback_lines` lines of
 /// its feedback, lab totals and the overall total.
 std::string format_table(const GradeReport& report, int feedback_lines = 6);
@@ -71,11 +78,11 @@ std::string format_table(const GradeReport& report, int feedback_lines = 6);
 /// The report as Gradescope's results.json (score, max_score, execution_time, output,
 /// visibility, tests[] with name, number, score, max_score, status, output, visibility,
 /// tags), per https://gradescope-autograders.readthedocs.io/en/latest/specs/. The top-level
-/// output names each lab's draws; a test's output has its notes.
+/// output names the seed and each lab's draws; a test's output has its notes.
 std::string to_gradescope_json(const GradeReport& report);
 
-/// The report as JUnit XML: a <testsuite> per lab (tests, failures, errors, time) with a
-/// <testcase> per check; a check that reported a
+/// The report as JUnit XML: a <testsuite> per lab (tests, failures, errors, time, the
+/// seed as property "grading_seed") with a <testcase> per check; a check that reported a
 /// failure has <failure>, one that did not report has <error>, and the notes go to
 /// <system-out>.
 std::string to_junit_xml(const GradeReport& report);

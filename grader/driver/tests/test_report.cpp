@@ -117,6 +117,7 @@ TEST(Table, ShowsPointsFeedbackAndTotals) {
   EXPECT_NE(table.find("> rank 2 weights differ: expected <= 2e-6, saw 4.1e-2"), std::string::npos)
       << table;
   EXPECT_NE(table.find("total: 10/17 points\n"), std::string::npos) << table;
+  EXPECT_EQ(table.find("grading seed"), std::string::npos) << "no seed, no line";
 }
 
 TEST(Table, APassShowsWhatItMeasured) {
@@ -127,10 +128,16 @@ TEST(Table, APassShowsWhatItMeasured) {
       << table;
 }
 
-TEST(Table, ShowsNotices) {
+TEST(Table, OpensWithTheSeedAndShowsNotices) {
   RunResult run = finished_run();
   run.lines_without_token = 2;
-  const std::string table = format_table(report_of(score_lab(two_check_rubric(), run)));
+  GradeReport report = report_of(score_lab(two_check_rubric(), run));
+  report.seed = 18446744073709551615u;
+  const std::string table = format_table(report);
+  EXPECT_TRUE(
+      table.starts_with("grading seed 18446744073709551615 (repeat this run with --seed "
+                        "18446744073709551615)\n"))
+      << table;
   EXPECT_NE(table.find("  note: ignored 2 line(s) on the results channel without this run's token"),
             std::string::npos)
       << table;
@@ -171,12 +178,14 @@ TEST(Gradescope, ResultsJsonHasTheSpecifiedFields) {
       << tests[2].at("output");
 }
 
-TEST(Gradescope, OutputHasTheDrawsAndTheNotes) {
+TEST(Gradescope, OutputHasTheSeedTheDrawsAndTheNotes) {
   Rubric rubric = two_check_rubric();
   rubric.draws = {"world sizes 1 to 5", "global batch 8 to 64"};
-  const GradeReport report = report_of(score_lab(rubric, finished_run()));
+  GradeReport report = report_of(score_lab(rubric, finished_run()));
+  report.seed = 42;
   const nlohmann::json results = nlohmann::json::parse(to_gradescope_json(report));
   const std::string output = results.at("output");
+  EXPECT_TRUE(output.starts_with("grading seed 42 (repeat this run with --seed 42)\n")) << output;
   EXPECT_NE(output.find("  draws: world sizes 1 to 5\n  draws: global batch 8 to 64\n"),
             std::string::npos)
       << output;
@@ -242,9 +251,12 @@ TEST(Junit, ALabWithoutResultsGivesErrors) {
       << xml;
 }
 
-TEST(Junit, HasTheNotes) {
-  const std::string xml = to_junit_xml(report_of(score_lab(two_check_rubric(), finished_run())));
-  EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit_notes")) << xml;
+TEST(Junit, HasTheSeedAndTheNotes) {
+  GradeReport report = report_of(score_lab(two_check_rubric(), finished_run()));
+  report.seed = 7;
+  const std::string xml = to_junit_xml(report);
+  EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit_seed")) << xml;
+  EXPECT_NE(xml.find("<property name=\"grading_seed\" value=\"7\"/>"), std::string::npos) << xml;
   EXPECT_NE(xml.find("<system-out>measured: replicas differ by 3.1e-02</system-out>"),
             std::string::npos)
       << xml;
