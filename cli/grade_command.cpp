@@ -5,6 +5,7 @@
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
 //   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
+//   dplab grade --sanitize thread    # the ThreadSanitizer builds (cmake -DDP_GRADE_TSAN=ON)
 //
 // Every run has a grading seed, printed at the top of the score table: the checks draw
 // their world sizes, batch sizes, ... from it, so a hard-coded answer fails, and --seed
@@ -63,6 +64,7 @@ struct GradeArguments {
   std::string mpirun = "mpirun";
   std::uint64_t seed = 0;
   bool seed_given = false;  // false: draw a fresh seed
+  std::string sanitize;     // "thread": grade the ThreadSanitizer builds, grade_lab<N>_tsan
 };
 
 /// A lab the grader knows: a folder grader/lab<N>_<name>/ with a rubric.json.
@@ -96,10 +98,12 @@ std::vector<LabEntry> find_labs(const std::filesystem::path& dir) {
   return labs;
 }
 
-/// The check program's file name: grade_lab<N>, grade_lab<N>_reference or a variant.
-std::string check_program_name(int lab, const std::string& variant) {
-  if (!variant.empty()) return fmt::format("grade_lab{}_{}", lab, variant);
-  return fmt::format("grade_lab{}{}", lab, kReferenceBuild ? "_reference" : "");
+/// The check program's file name: grade_lab<N>, grade_lab<N>_reference or a variant, with
+/// "_tsan" for the ThreadSanitizer build.
+std::string check_program_name(int lab, const GradeArguments& args) {
+  if (!args.variant.empty()) return fmt::format("grade_lab{}_{}", lab, args.variant);
+  return fmt::format("grade_lab{}{}{}", lab, kReferenceBuild ? "_reference" : "",
+                     args.sanitize == "thread" ? "_tsan" : "");
 }
 
 /// A fresh 64-bit seed from the operating system's entropy.
@@ -126,7 +130,7 @@ int mpi_processes(const GradeArguments& args) {
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
                                 const std::filesystem::path& bin, std::uint64_t seed) {
   grader::RunRequest request;
-  request.program = bin / check_program_name(lab.number, args.variant);
+  request.program = bin / check_program_name(lab.number, args);
   request.backend = args.backend;
   request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
   request.time_limit =
@@ -162,6 +166,14 @@ void grade(const GradeArguments& args) {
     throw Error(fmt::format("--timeout must be positive, got {}", args.timeout_seconds));
   if (!args.variant.empty() && args.lab == 0)
     throw Error("--variant names one lab's build: give --lab N too");
+  if (!args.variant.empty() && !args.sanitize.empty())
+    throw Error("--sanitize has no planted-bug builds: give --variant or --sanitize, not both");
+  if (!args.sanitize.empty() && args.backend != "local")
+    throw Error(fmt::format(
+        "--sanitize thread needs --backend local, got '{}': ranks are threads only on the "
+        "local backend (where they can race); under mpi, Open MPI's own locking trips "
+        "ThreadSanitizer",
+        args.backend));
 
   const std::filesystem::path dir = grader_dir();
   std::vector<LabEntry> labs = find_labs(dir);
@@ -185,12 +197,21 @@ void grade(const GradeArguments& args) {
   }
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
+  if (args.sanitize == "thread")
+    for (const LabEntry& lab : labs)
+      if (const auto program = bin / check_program_name(lab.number, args);
+          !std::filesystem::exists(program))
+        throw Error(fmt::format(
+            "--sanitize thread needs {}, which is not built: configure with -DDP_GRADE_TSAN=ON "
+            "and build it (cmake --build <build dir> --target {})",
+            program.string(), program.filename().string()));
   const std::uint64_t seed = args.seed_given ? args.seed : random_seed();
   grader::GradeReport report;
   report.seed = seed;
   report.implementation =
       kReferenceBuild ? "reference solutions (solutions/)" : "your code (labs/)";
   if (!args.variant.empty()) report.implementation += ", variant " + args.variant;
+  if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   report.backend =
       args.backend == "mpi" ? fmt::format("mpi ({} processes)", mpi_processes(args)) : "local";
   const auto start = std::chrono::steady_clock::now();
@@ -233,6 +254,11 @@ void add_grade_command(CLI::App& app) {
       "Grading seed (0 to 2^64-1) the checks draw their parameters from; repeats a run "
       "(default: a fresh random seed, printed)");
   seed->check(CLI::Validator(check_seed, "UINT64"));
+  grade_app
+      ->add_option("--sanitize", args->sanitize,
+                   "thread: grade the ThreadSanitizer builds (grade_lab<N>_tsan, configured "
+                   "with -DDP_GRADE_TSAN=ON); a data race fails the lab")
+      ->check(CLI::IsMember({"thread"}));
   // Hidden (empty group): the selftests grade planted-bug builds with it.
   grade_app->add_option("--variant", args->variant, "Grade grade_lab<N>_<NAME> instead")->group("");
   grade_app->callback([args, seed] {

@@ -119,6 +119,7 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   }
   const bool never_ran =
       run.status == RunStatus::kMissing || run.status == RunStatus::kFailedToStart;
+  lab.sanitizer_report = run.sanitizer_report;
   for (const RubricCheck& check : rubric.checks) {
     CheckResult result;
     result.check = check;
@@ -143,6 +144,15 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
       }
       if (outcome.state == TestState::kFailed && result.feedback.empty())
         result.feedback = "failed (no message)";
+    }
+    if (!run.sanitizer_report.empty()) {
+      // A data race makes every result of the run suspect, passes included.
+      result.passed = false;
+      result.feedback = fmt::format(
+          "ThreadSanitizer reported {} threading error(s) while the lab's checks ran, a data "
+          "race for instance: the lab fails whatever its checks said. The first report:\n{}{}",
+          run.sanitizer_reports, run.sanitizer_report,
+          result.feedback.empty() ? "" : "\n\nThe check itself said:\n" + result.feedback);
     }
     result.earned = result.passed ? check.points : 0;
     lab.checks.push_back(std::move(result));
@@ -171,6 +181,18 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
       }
     }
     for (const std::string& notice : lab.notices) out += fmt::format("  note: {}\n", notice);
+    if (!lab.sanitizer_report.empty()) {
+      out +=
+          fmt::format("  lab {}: ThreadSanitizer reported a threading error; every check fails:\n",
+                      lab.rubric.lab);
+      const std::vector<std::string> lines = split_lines(lab.sanitizer_report);
+      constexpr std::size_t kShown = 24;  // the two stacks' top frames say where to look
+      for (std::size_t i = 0; i < lines.size() && i < kShown; ++i)
+        out += "    | " + lines[i] + "\n";
+      if (lines.size() > kShown)
+        out += fmt::format("    | ... ({} more lines in --json/--junit output)\n",
+                           lines.size() - kShown);
+    }
     // Width of the points column: "10/10" aligned for every check of the lab.
     std::size_t width = 0;
     for (const CheckResult& check : lab.checks)
@@ -185,6 +207,7 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
           out += fmt::format("  {:{}}       {}\n", "", width, line);
         continue;
       }
+      if (!lab.sanitizer_report.empty()) continue;  // the report is shown once, above
       const std::vector<std::string> lines = split_lines(check.feedback);
       const int shown = std::min<int>(feedback_lines, static_cast<int>(lines.size()));
       for (int i = 0; i < shown; ++i) out += fmt::format("  {:{}}     > {}\n", "", width, lines[i]);
@@ -212,6 +235,8 @@ std::string to_gradescope_json(const GradeReport& report) {
       if (!lab.output_tail.empty()) overall += "  last output:\n" + lab.output_tail + "\n";
     }
     for (const std::string& notice : lab.notices) overall += fmt::format("  note: {}\n", notice);
+    if (!lab.sanitizer_report.empty())
+      overall += "  ThreadSanitizer reported a threading error: every check fails\n";
     for (const std::string& draw : lab.rubric.draws) overall += fmt::format("  draws: {}\n", draw);
     for (std::size_t i = 0; i < lab.checks.size(); ++i) {
       const CheckResult& check = lab.checks[i];

@@ -45,6 +45,7 @@ struct LabResult {
   std::string problem;  ///< why the program gave no results (crash, hang, missing); "" if it did
   std::string output_tail;           ///< the end of the program's output when there is a problem
   std::vector<std::string> notices;  ///< about the run itself (`RunResult::notices`)
+  std::string sanitizer_report;      ///< ThreadSanitizer's first report; then every check failed
   double seconds = 0;                ///< wall time of the lab's run
 
   double earned() const;    ///< points earned
@@ -64,7 +65,7 @@ struct GradeReport {
   bool full_marks() const;  ///< every graded check passed
 };
 
-/// Scores `run` against `rubric`.
+/// Scores `run` against `rubric`. A ThreadSanitizer report in the run fails every check.
 LabResult score_lab(const Rubric& rubric, const RunResult& run);
 
 /// The line that names the seed: "grading seed S (repeat this run with --seed S)".

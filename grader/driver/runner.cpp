@@ -211,6 +211,22 @@ std::string signal_name(int signal) {
   return name == nullptr ? std::to_string(signal) : fmt::format("{}: {}", signal, name);
 }
 
+/// The first ThreadSanitizer report in `output`, from its WARNING line to its SUMMARY line
+/// (at most about 8 KiB), and how many there are.
+std::string first_sanitizer_report(std::string_view output, std::size_t& count) {
+  constexpr std::string_view kStart = "WARNING: ThreadSanitizer:";
+  count = 0;
+  for (std::size_t at = output.find(kStart); at != std::string_view::npos;
+       at = output.find(kStart, at + 1))
+    ++count;
+  const std::size_t start = output.find(kStart);
+  if (start == std::string_view::npos) return "";
+  std::size_t end = output.find("SUMMARY: ThreadSanitizer", start);
+  end = end == std::string_view::npos ? output.size() : output.find('\n', end);
+  if (end == std::string_view::npos) end = output.size();
+  return std::string(output.substr(start, std::min<std::size_t>(end - start, 8 * 1024)));
+}
+
 /// "crashed (signal 11: Segmentation fault)", "timed out", "exited (code 0)".
 std::string how_it_ended(const RunResult& run) {
   if (run.status == RunStatus::kTimedOut) return "timed out";
@@ -419,6 +435,7 @@ RunResult run_check_program(const RunRequest& request) {
 
   result.output = streams.output();
   result.output_tail = last_lines(result.output, 40);
+  result.sanitizer_report = first_sanitizer_report(result.output, result.sanitizer_reports);
   if (WIFEXITED(wait_status)) result.exit_code = WEXITSTATUS(wait_status);
   if (WIFSIGNALED(wait_status)) result.signal = WTERMSIG(wait_status);
   result.ranks = collector.ranks();

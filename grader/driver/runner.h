@@ -115,6 +115,10 @@ struct RunResult {
   std::size_t malformed_lines = 0;           ///< channel lines ignored: token, but not an event
   std::size_t ignored_result_bytes = 0;      ///< channel bytes ignored beyond the 1 MiB cap
   std::vector<int> surviving_processes;      ///< pids the runner could not kill (expected empty)
+  /// The first ThreadSanitizer report in `output` (a program built with -fsanitize=thread),
+  /// or "": a lab with one fails every check.
+  std::string sanitizer_report;
+  std::size_t sanitizer_reports = 0;  ///< how many ThreadSanitizer reports `output` holds
 
   /// One line for the score table: "check program crashed (signal 11: Segmentation
   /// fault)", "timed out after 300 s", ...; "" for kFinished.

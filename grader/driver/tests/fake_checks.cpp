@@ -8,8 +8,10 @@
 // one that would: "crash" dies of SIGSEGV, "abort" calls abort(), "exit" calls exit(0),
 // "hang" sleeps forever, "print_forever" prints without end, and "orphan" starts a
 // grandchild in its own session that sleeps (its argv[0] is $FAKE_CHECKS_MARKER) and then
-// passes. Some modes act before any test: "no_report" exits 3; "forged" sends nothing on the
-// channel but writes a GoogleTest JSON report that says every test passed (to the file of
+// passes, "race" lets two threads increment one int (a data race for ThreadSanitizer, in
+// the fake_checks_tsan build), and "tsan_report" prints what ThreadSanitizer prints then. Some
+// modes act before any test: "no_report" exits 3; "forged" sends nothing on the channel but writes
+// a GoogleTest JSON report that says every test passed (to the file of
 // --gtest_output) and prints gtest's "[       OK ]" lines, then exits 0; "untokened" first
 // writes lines without the run's token (and one malformed line with it) to the channel.
 // It reports as rank $FAKE_CHECKS_RANK, else $OMPI_COMM_WORLD_RANK (under mpirun), else 0.
@@ -106,6 +108,21 @@ TEST(FakeOrder, Second) {
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   if (how == "print_forever")
     while (true) std::fputs("a lab that prints without end fills no disk and no memory\n", stdout);
+  if (how == "race") {
+    int counter = 0;
+    auto increment = [&counter] {
+      for (int i = 0; i < 1000; ++i) ++counter;  // no lock: the race ThreadSanitizer must see
+    };
+    std::thread first(increment), second(increment);
+    first.join();
+    second.join();
+  }
+  if (how == "tsan_report")
+    std::fputs(
+        "==================\nWARNING: ThreadSanitizer: data race (pid=1)\n"
+        "  Write of size 4 at 0x7b0400000010 by thread T2:\n    #0 increment fake.cpp:12\n"
+        "SUMMARY: ThreadSanitizer: data race fake.cpp:12 in increment\n==================\n",
+        stderr);
   if (how == "orphan") {
     const char* marker = std::getenv("FAKE_CHECKS_MARKER");
     ASSERT_NE(marker, nullptr);

@@ -233,6 +233,37 @@ TEST_F(RunnerTest, NoProcessTheRunStartedOutlivesIt) {
       << "the setsid grandchild " << marker << " outlived the run";
 }
 
+TEST_F(RunnerTest, AThreadSanitizerReportFailsEveryCheck) {
+  const RunResult result = run_in_mode("tsan_report");
+  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary();
+  EXPECT_EQ(result.sanitizer_reports, 1u);
+  EXPECT_TRUE(result.sanitizer_report.starts_with("WARNING: ThreadSanitizer: data race"))
+      << result.sanitizer_report;
+  EXPECT_TRUE(result.sanitizer_report.ends_with("in increment")) << result.sanitizer_report;
+  const LabResult lab = score_lab(rubric_of({"FakeChecks.Passes", "FakeOrder.Second"}), result);
+  EXPECT_DOUBLE_EQ(lab.earned(), 0);
+  EXPECT_NE(lab.checks[0].feedback.find("ThreadSanitizer reported 1 threading error(s)"),
+            std::string::npos)
+      << lab.checks[0].feedback;
+  GradeReport report;
+  report.labs.push_back(lab);
+  EXPECT_NE(format_table(report).find("    | SUMMARY: ThreadSanitizer: data race fake.cpp:12"),
+            std::string::npos)
+      << format_table(report);
+}
+
+#ifdef DP_FAKE_CHECKS_TSAN
+TEST_F(RunnerTest, ARealDataRaceUnderThreadSanitizerFailsEveryCheck) {
+  request_.program = DP_FAKE_CHECKS_TSAN;
+  const RunResult clean = run_in_mode("normal");
+  EXPECT_EQ(clean.sanitizer_reports, 0u) << clean.sanitizer_report;
+  const RunResult raced = run_in_mode("race");
+  EXPECT_GE(raced.sanitizer_reports, 1u) << raced.output_tail;
+  EXPECT_NE(raced.sanitizer_report.find("data race"), std::string::npos) << raced.sanitizer_report;
+  EXPECT_DOUBLE_EQ(score_lab(rubric_of({"FakeChecks.Passes"}), raced).earned(), 0);
+}
+#endif
+
 TEST_F(RunnerTest, AMissingProgramIsReportedNotThrown) {
   request_.program = "/nonexistent/grade_lab99";
   const RunResult result = run_check_program(request_);
