@@ -129,6 +129,21 @@ Rubric parse_rubric(std::string_view text, const std::string& source) {
                 fmt::format("\"tolerance\" must be a string, got {}", describe(*tolerance)));
     rubric.tolerance = tolerance->get<std::string>();
   }
+  if (const auto draws = document.find("draws"); draws != document.end()) {
+    const std::string expected = "\"draws\" must be a string or an array of strings";
+    if (draws->is_string()) {
+      rubric.draws.push_back(draws->get<std::string>());
+    } else if (draws->is_array()) {
+      for (std::size_t i = 0; i < draws->size(); ++i) {
+        if (!(*draws)[i].is_string())
+          malformed(source, "top level",
+                    fmt::format("{}, got {} at draws[{}]", expected, describe((*draws)[i]), i));
+        rubric.draws.push_back((*draws)[i].get<std::string>());
+      }
+    } else {
+      malformed(source, "top level", fmt::format("{}, got {}", expected, describe(*draws)));
+    }
+  }
   const json& checks = required_field(document, "checks", source, "top level");
   if (!checks.is_array() || checks.empty())
     malformed(source, "top level",
