@@ -335,16 +335,16 @@ void measure_lesson(LessonMeasure& measure, const DrawnSetup& setup, const Train
 /// The note of a passed comparison with one process.
 std::string lesson_note(const LessonMeasure& measure, const TrainOptions& options) {
   std::string note = fmt::format(
-      "averaged gradients within {:.2g} of their tolerance of 1 rank on the global batch of {} "
+      "against 1 rank on the global batch of {}: gradients differ by {:.1f}% of their tolerance "
       "(reordered float32 sums)",
-      measure.gradient_ratio, options.global_batch);
+      options.global_batch, 100 * measure.gradient_ratio);
   if (options.optimizer == "sgd")
-    note += fmt::format("; parameters {:.2e} from the 1-rank run (tolerance {:.2e})",
-                        measure.parameter_diff, sgd_parameter_tolerance(options));
+    note += fmt::format(", parameters by {:.2e} (tolerance {:.2e})", measure.parameter_diff,
+                        sgd_parameter_tolerance(options));
   else
     note += fmt::format(
-        "; AdamW's parameters part from the 1-rank run by up to {:.2e} (lr {:.2g}):"
-        " a step of sign(m)-size magnifies rounding where a gradient is near 0",
+        ", AdamW's parameters by {:.2e} with lr {:.2g} (its sign(m)-sized step "
+        "magnifies rounding where a gradient is near 0)",
         measure.parameter_diff, options.lr);
   return note;
 }
@@ -652,6 +652,10 @@ TEST(Lab2Accumulation, ReturnsTheMeanLossOfTheMicroBatches) {
                       ? " (this looks like their sum)"
                       : ""));
           });
+          if (verdict.passed() && comm.rank() == 0)
+            verdict.note(fmt::format(
+                "k = {}: the returned loss is the mean of the micro-batch losses at every step",
+                k));
         },
         draws);
   }
