@@ -88,7 +88,8 @@ std::vector<char*> pointers_to(std::vector<std::string>& strings) {
 }  // namespace
 
 SpawnedChild spawn_child(const std::vector<std::string>& argv,
-                         const std::vector<std::string>& environment) {
+                         const std::vector<std::string>& environment,
+                         const std::string& working_directory) {
   SpawnedChild child;
   int output[2];
   // O_CLOEXEC: the child gets the write end only as its stdout and stderr (dup2 clears the
@@ -105,6 +106,8 @@ SpawnedChild spawn_child(const std::vector<std::string>& argv,
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   posix_spawn_file_actions_adddup2(&actions, output[1], STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, output[1], STDERR_FILENO);
+  if (!working_directory.empty())
+    posix_spawn_file_actions_addchdir_np(&actions, working_directory.c_str());
   // Its own process group (pgid = its pid), so that a time-out reaches the program and
   // what it started (mpirun's ranks) with one signal.
   posix_spawnattr_setpgroup(&attributes, 0);

@@ -30,9 +30,11 @@ struct SpawnedChild {
 };
 
 /// Starts `argv` (found on PATH) with exactly `environment` (NAME=VALUE strings) in a new
-/// process group, stdin from /dev/null and stdout and stderr into one pipe.
+/// process group, stdin from /dev/null and stdout and stderr into one pipe, in
+/// `working_directory` (the caller's when empty).
 SpawnedChild spawn_child(const std::vector<std::string>& argv,
-                         const std::vector<std::string>& environment);
+                         const std::vector<std::string>& environment,
+                         const std::string& working_directory = {});
 
 /// Makes this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER): orphaned
 /// descendants become its children. Throws `dp::Error` when the kernel refuses.

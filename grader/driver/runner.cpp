@@ -117,6 +117,31 @@ class ChannelDirectory {
   std::vector<int> keep_open_fds_;
 };
 
+/// An empty private directory (mode 0700) the check program runs in, removed afterwards:
+/// files a lab writes with relative paths land there and go, instead of in the directory
+/// the grader was started from.
+class WorkingDirectory {
+ public:
+  WorkingDirectory() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-run-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr)
+      throw Error(fmt::format("cannot make the check program's working directory {}: {}", pattern,
+                              std::strerror(errno)));
+    path_ = pattern;
+  }
+  ~WorkingDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  WorkingDirectory(const WorkingDirectory&) = delete;
+  WorkingDirectory& operator=(const WorkingDirectory&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
 /// Everything the runner reads while the program runs: its output pipe and the FIFOs.
 class Streams {
  public:
@@ -405,7 +430,11 @@ RunResult run_check_program(const RunRequest& request) {
   if (request.launcher) command = request.launcher(command, request.processes, variable_names);
 
   const Clock::time_point start = Clock::now();
-  const SpawnedChild child = spawn_child(command, child_environment(variables));
+  // In the run's own directory: whatever files a lab writes (a forged report, say) land
+  // there and go with it, not in the directory the grader was started from.
+  const WorkingDirectory working_directory;
+  const SpawnedChild child =
+      spawn_child(command, child_environment(variables), working_directory.path().string());
   if (child.pid < 0) {
     result.status = RunStatus::kFailedToStart;
     result.start_error = child.error;
