@@ -143,8 +143,9 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
       MpirunOptions options;
       options.mpirun = mpirun;
       options.ranks = processes;
-      // By name: every rank gets mpirun's value, and the channel's token stays off the
-      // command line, where any user's `ps` would show it.
+      // By name: every rank gets mpirun's value, and no value is on the command line,
+      // where any user's `ps` would show it (the channel's token is not passed at all: each
+      // rank reads it from a file of the channel directory).
       options.environment = variables;
       return mpirun_command(options, command);
     };

@@ -145,6 +145,15 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
       if (outcome.state == TestState::kFailed && result.feedback.empty())
         result.feedback = "failed (no message)";
     }
+    if (const std::string forged = run.out_of_order(); !forged.empty()) {
+      // Someone besides the check program's reporter wrote to the channel with the token:
+      // no result of this run can be told from a forged one.
+      result.passed = false;
+      result.feedback = fmt::format(
+          "the results channel carried {}: something other than the check program's "
+          "reporter wrote to it, so no result of this run counts",
+          forged);
+    }
     if (!run.sanitizer_report.empty()) {
       // A data race makes every result of the run suspect, passes included.
       result.passed = false;

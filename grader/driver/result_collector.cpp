@@ -1,6 +1,8 @@
 // result_collector.cpp: splits channel bytes into lines, checks the token, reads the events.
 #include "result_collector.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -79,7 +81,15 @@ bool ResultCollector::handle_event(RankReport& report, std::string_view text) {
   if (!event.is_object()) return false;
   const std::string kind = string_field(event, "event");
   const std::string test = string_field(event, "test");
+  // The check program sends registered*, (start end)*, program_end, in that order, once
+  // each; anything else on a line with the token means someone else wrote to the channel.
+  const auto violation = [&](std::string what) {
+    if (report.out_of_order.empty()) report.out_of_order = std::move(what);
+  };
+  if (report.program_ended) violation(fmt::format("a \"{}\" event after the program's end", kind));
   if (kind == "program_end") {
+    if (!report.running.empty())
+      violation(fmt::format("the program's end while {} was running", report.running));
     report.program_ended = true;
     report.running.clear();
     return true;
@@ -91,6 +101,9 @@ bool ResultCollector::handle_event(RankReport& report, std::string_view text) {
     return true;
   }
   if (kind == "start") {
+    if (!report.running.empty())
+      violation(fmt::format("a start of {} while {} was running", test, report.running));
+    if (report.finished.contains(test)) violation(fmt::format("a second start of {}", test));
     report.running = test;
     return true;
   }
@@ -113,8 +126,11 @@ bool ResultCollector::handle_event(RankReport& report, std::string_view text) {
       if (note.is_string()) outcome.notes.push_back(note.get<std::string>());
   if (const auto seconds = event.find("seconds"); seconds != event.end() && seconds->is_number())
     outcome.seconds = std::max(0.0, seconds->get<double>());
+  if (report.finished.contains(test))
+    violation(fmt::format("a second result for {}", test));
+  else if (report.running != test)
+    violation(fmt::format("a result for {} that was never started", test));
   if (report.running == test) report.running.clear();
-  // The first result of a test counts; gtest sends one per test.
   report.finished.try_emplace(test, std::move(outcome));
   return true;
 }

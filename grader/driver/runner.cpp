@@ -68,11 +68,13 @@ std::string random_token() {
 }
 
 /// The run's private channel directory (mode 0700) with one FIFO per rank, whose read ends
-/// are open before anything starts. The runner also holds a write end of each, so that a
-/// FIFO never reports end-of-file: reading simply finds nothing until a rank writes.
+/// are open before anything starts, and one file per rank holding the token, which the check
+/// program reads and deletes before any of its other code runs. The runner also holds a
+/// write end of each FIFO, so that a FIFO never reports end-of-file: reading simply finds
+/// nothing until a rank writes.
 class ChannelDirectory {
  public:
-  explicit ChannelDirectory(int ranks) {
+  ChannelDirectory(int ranks, const std::string& token) {
     std::string pattern =
         (std::filesystem::temp_directory_path() / "dplab-results-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)  // mkdtemp makes it with mode 0700
@@ -80,7 +82,10 @@ class ChannelDirectory {
                               std::strerror(errno)));
     path_ = pattern;
     try {
-      for (int rank = 0; rank < ranks; ++rank) open_fifo(channel::fifo_path(path_.string(), rank));
+      for (int rank = 0; rank < ranks; ++rank) {
+        open_fifo(channel::fifo_path(path_.string(), rank));
+        write_token(channel::token_path(path_.string(), rank), token);
+      }
     } catch (const Error&) {
       clean_up();  // no destructor runs for an object whose constructor threw
       throw;
@@ -101,6 +106,15 @@ class ChannelDirectory {
     keep_open_fds_.push_back(open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
     if (read_fds_.back() < 0 || keep_open_fds_.back() < 0)
       throw Error(fmt::format("cannot open the results FIFO {}: {}", fifo, std::strerror(errno)));
+  }
+
+  static void write_token(const std::string& file, const std::string& token) {
+    const int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    const bool written =
+        fd >= 0 && write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    if (fd >= 0) close(fd);
+    if (!written)
+      throw Error(fmt::format("cannot write the results token {}: {}", file, std::strerror(errno)));
   }
 
   void clean_up() {
@@ -301,6 +315,14 @@ std::string RunResult::missing_result(const std::string& test) const {
   return fmt::format("{}", fmt::join(reasons, "\n"));
 }
 
+std::string RunResult::out_of_order() const {
+  for (std::size_t rank = 0; rank < ranks.size(); ++rank)
+    if (!ranks[rank].out_of_order.empty())
+      return rank == 0 ? ranks[rank].out_of_order
+                       : fmt::format("[rank {}] {}", rank, ranks[rank].out_of_order);
+  return "";
+}
+
 std::vector<std::string> RunResult::notices() const {
   std::vector<std::string> sentences;
   if (lines_without_token > 0)
@@ -416,12 +438,11 @@ RunResult run_check_program(const RunRequest& request) {
 
   become_child_subreaper();
   const std::set<int> callers_children = child_pids();  // not ours to kill
-  const ChannelDirectory channel_dir(request.processes);
   const std::string token = random_token();
+  const ChannelDirectory channel_dir(request.processes, token);
   std::map<std::string, std::string> variables = request.environment;
   variables["DPLAB_TEST_BACKEND"] = request.backend;
   variables[channel::kChannelVariable] = channel_dir.path().string();
-  variables[channel::kTokenVariable] = token;
   std::vector<std::string> variable_names;
   for (const auto& [name, value] : variables) variable_names.push_back(name);
 

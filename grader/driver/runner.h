@@ -63,6 +63,10 @@ struct RankReport {
   std::map<std::string, TestOutcome> finished;  ///< the tests it sent a result for
   std::string running;                          ///< the test it started and never finished, or ""
   bool program_ended = false;                   ///< it said that every test had run
+  /// The first event out of the protocol's order (a second result for a test, a result
+  /// without its start, anything after the end), or "": what a lab that forges results
+  /// on the channel betrays itself by.
+  std::string out_of_order;
 
   /// True when it sent anything at all.
   bool heard_from() const { return !registered.empty() || !finished.empty() || !running.empty(); }
@@ -137,6 +141,10 @@ struct RunResult {
   /// Sentences about the run itself for the reports: lines the channel ignored, processes
   /// that outlived the run. Empty when there is nothing to say.
   std::vector<std::string> notices() const;
+
+  /// The first out-of-order event any rank's channel carried ("a second result for
+  /// Suite.Name", prefixed "[rank r] " for r > 0), or "" when every rank kept the protocol.
+  std::string out_of_order() const;
 };
 
 /// Runs the check program as `request` says and returns what happened. Never throws for

@@ -31,15 +31,29 @@ constexpr std::size_t kFailureBudget = 8 * 1024;
 constexpr std::size_t kNoteBudget = 1024;
 constexpr std::size_t kMaxNotes = 8;
 
-/// Reads an environment variable and removes it. unsetenv alone leaves the bytes in the
-/// memory that /proc/self/environ shows, so they are overwritten first.
-std::string take_variable(const char* name) {
-  char* value = std::getenv(name);
-  if (value == nullptr) return "";
-  std::string copy = value;
-  std::memset(value, 0, copy.size());
-  unsetenv(name);
-  return copy;
+// What take_result_channel_at_start takes. Plain zero-initialised arrays: they are written
+// before any constructor of the program runs.
+char taken_directory[4096];
+char taken_token[channel::kMaxTokenBytes + 1];
+
+/// The value of `name` in `envp` (the environment as the loader passes it), or nullptr.
+/// Before the program's constructors, getenv may not see the environment yet; `envp` is it.
+char* find_variable(char** envp, std::string_view name, char*** entry = nullptr) {
+  for (char** variable = envp; variable != nullptr && *variable != nullptr; ++variable) {
+    const std::string_view text(*variable);
+    if (text.size() > name.size() && text.starts_with(name) && text[name.size()] == '=') {
+      if (entry != nullptr) *entry = variable;
+      return *variable + name.size() + 1;
+    }
+  }
+  return nullptr;
+}
+
+/// This process's rank as the launcher announces it in `envp` (0 without one).
+int rank_from_environment(char** envp) {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* value = find_variable(envp, name); value != nullptr) return std::atoi(value);
+  return 0;
 }
 
 /// `text` cut to at most `budget` bytes, with a note saying how much was left out.
@@ -147,11 +161,33 @@ class ChannelReporter : public ::testing::EmptyTestEventListener {
 
 }  // namespace
 
-ResultChannel take_result_channel() {
-  ResultChannel result;
-  result.directory = take_variable(channel::kChannelVariable);
-  result.token = take_variable(channel::kTokenVariable);
-  return result;
+void take_result_channel_at_start(int /*argc*/, char** /*argv*/, char** envp) {
+  char** entry = nullptr;
+  char* directory = find_variable(envp, channel::kChannelVariable, &entry);
+  if (directory == nullptr || taken_directory[0] != '\0') return;
+  const std::size_t length = std::strlen(directory);
+  if (length + 32 < sizeof taken_directory) std::memcpy(taken_directory, directory, length + 1);
+  // Remove the variable: overwrite its bytes (what /proc/self/environ shows) and take its
+  // entry out of the list (what getenv searches), as unsetenv would.
+  std::memset(directory, 0, length);
+  for (char** next = entry; *next != nullptr; ++next) *next = *(next + 1);
+  if (taken_directory[0] == '\0') return;
+
+  // "<directory>/rank<r>.token", as channel::token_path makes it, with C calls only.
+  char token_file[sizeof taken_directory + 32];
+  const int written = std::snprintf(token_file, sizeof token_file, "%s/rank%d.token",
+                                    taken_directory, rank_from_environment(envp));
+  if (written <= 0 || static_cast<std::size_t>(written) >= sizeof token_file) return;
+  const int fd = open(token_file, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;  // the driver's channel is not there: report nothing
+  const ssize_t got = read(fd, taken_token, channel::kMaxTokenBytes);
+  close(fd);
+  unlink(token_file);  // read once: nobody else in this process can read it after this
+  taken_token[got > 0 ? got : 0] = '\0';
+}
+
+ResultChannel taken_result_channel() {
+  return {taken_directory, taken_token};
 }
 
 bool report_results_to_driver(const ResultChannel& result_channel, int rank) {

@@ -76,18 +76,18 @@ TEST(FakeChecks, ReportsTheBackend) {
 }
 
 TEST(FakeChecks, SeesNoChannelVariables) {
-  EXPECT_EQ(std::getenv(dp::grader::channel::kTokenVariable), nullptr);
+  // Taken before main(): the variable is gone, its bytes too (/proc/self/environ shows the
+  // environment the program started with), and the token file is deleted.
   EXPECT_EQ(std::getenv(dp::grader::channel::kChannelVariable), nullptr);
-  // /proc/self/environ shows the environment the program started with: the token's bytes
-  // must be gone from there too.
   std::ifstream file("/proc/self/environ", std::ios::binary);
   const std::string environ_text((std::istreambuf_iterator<char>(file)),
                                  std::istreambuf_iterator<char>());
-  const std::string key = std::string(dp::grader::channel::kTokenVariable) + "=";
-  const std::size_t at = environ_text.find(key);
-  if (at != std::string::npos) {
-    EXPECT_TRUE(at + key.size() == environ_text.size() || environ_text[at + key.size()] == '\0')
-        << "the token is still readable in /proc/self/environ";
+  EXPECT_EQ(environ_text.find("dplab-results-"), std::string::npos)
+      << "the channel's directory is still readable in /proc/self/environ";
+  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
+  if (channel.present()) {
+    std::ifstream token_file(dp::grader::channel::token_path(channel.directory, rank()));
+    EXPECT_FALSE(token_file.good()) << "the token file is still there";
   }
 }
 
@@ -189,8 +189,24 @@ void send_lines_without_token(const dp::grading::ResultChannel& channel) {
 
 }  // namespace
 
+DP_TAKE_RESULT_CHANNEL_AT_START();
+
+/// What a lab that got hold of the token would send: a pass for a check that fails, before
+/// the check program's own reporter sends anything.
+void send_a_forged_pass_with_the_token(const dp::grading::ResultChannel& channel) {
+  const std::string fifo = dp::grader::channel::fifo_path(channel.directory, rank());
+  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd < 0) return;
+  const std::string line = channel.token +
+                           " {\"event\": \"end\", \"test\": \"FakeChecks.FailsWithFeedback\", "
+                           "\"result\": \"passed\", \"failure\": \"\", \"seconds\": 0}\n";
+  if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+    std::perror("fake_checks: write");
+  close(fd);
+}
+
 int main(int argc, char** argv) {
-  const dp::grading::ResultChannel channel = dp::grading::take_result_channel();
+  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
   const std::string how = mode();
   std::printf("fake_checks: mode %s\n", how.c_str());
@@ -198,6 +214,7 @@ int main(int argc, char** argv) {
   if (how == "no_report") return 3;
   if (how == "forged") return forge_a_pass();
   if (how == "untokened") send_lines_without_token(channel);
+  if (how == "forged_with_token") send_a_forged_pass_with_the_token(channel);
   dp::grading::report_results_to_driver(channel, rank());
   return RUN_ALL_TESTS();
 }

@@ -152,6 +152,23 @@ TEST_F(RunnerTest, LinesWithoutTheTokenAreIgnoredAndCounted) {
   EXPECT_EQ(result.notices()[1], "ignored 1 malformed line(s) on the results channel");
 }
 
+TEST_F(RunnerTest, AResultSentOutOfOrderWithTheTokenFailsEveryCheck) {
+  // A lab that read the token would forge a pass; the real reporter then sends the real
+  // result too. The channel's order gives it away, and nothing of the run counts.
+  const RunResult result = run_in_mode("forged_with_token");
+  EXPECT_EQ(result.out_of_order(),
+            "a result for FakeChecks.FailsWithFeedback that was never started");
+  const LabResult lab =
+      score_lab(rubric_of({"FakeChecks.Passes", "FakeChecks.FailsWithFeedback"}), result);
+  for (const CheckResult& check : lab.checks) {
+    EXPECT_FALSE(check.passed) << check.check.test;
+    EXPECT_NE(check.feedback.find("something other than the check program's reporter wrote to "
+                                  "it"),
+              std::string::npos)
+        << check.feedback;
+  }
+}
+
 TEST_F(RunnerTest, AnExitInsideATestFailsItAndEveryLaterOne) {
   const RunResult result = run_in_mode("exit");
   EXPECT_EQ(result.status, RunStatus::kIncomplete);
@@ -304,8 +321,9 @@ TEST_F(RunnerTest, ALauncherThatStartsNothingIsAFailedStart) {
 TEST_F(RunnerTest, RanksAreMergedAndAFailureOnAnyRankFails) {
   // Two processes that report as ranks 0 and 1, as mpirun would start them.
   request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
-    std::vector<std::string> argv = {"/bin/sh", "-c",
-                                     R"(FAKE_CHECKS_RANK=1 "$0" "$@" & "$0" "$@"; wait)"};
+    std::vector<std::string> argv = {
+        "/bin/sh", "-c",
+        R"(FAKE_CHECKS_RANK=1 OMPI_COMM_WORLD_RANK=1 "$0" "$@" & "$0" "$@"; wait)"};
     argv.insert(argv.end(), command.begin(), command.end());
     return argv;
   };
