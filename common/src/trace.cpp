@@ -3,11 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/output_file.h"
 
 namespace dp {
 namespace {
@@ -198,11 +198,7 @@ std::string chrome_trace_json(std::span<const RankTrace> traces) {
 }
 
 void write_chrome_trace(const std::string& path, std::span<const RankTrace> traces) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(fmt::format("cannot open trace file '{}' for writing", path));
-  out << chrome_trace_json(traces);
-  out.close();
-  if (!out) throw Error(fmt::format("cannot write trace file '{}'", path));
+  write_file_atomically(path, chrome_trace_json(traces));
 }
 
 }  // namespace dp

@@ -86,7 +86,8 @@ StepSummary mean_of(std::span<const StepSummary> steps);
 /// metadata events, and each rank's step summaries under "otherData".
 std::string chrome_trace_json(std::span<const RankTrace> traces);
 
-/// Writes `chrome_trace_json(traces)` to `path`; throws `dp::Error` if it cannot.
+/// Writes `chrome_trace_json(traces)` to `path` as dp/output_file.h describes (a whole file
+/// or none; only a regular file is replaced); throws `dp::Error` if it cannot.
 void write_chrome_trace(const std::string& path, std::span<const RankTrace> traces);
 
 }  // namespace dp
