@@ -24,7 +24,9 @@
 
 #include "commands.h"
 #include "dp/error.h"
+#include "dp/output_file.h"
 #include "mpirun.h"
+#include "option_checks.h"
 #include "report.h"
 #include "rubric.h"
 #include "runner.h"
@@ -35,6 +37,9 @@
 
 namespace dp::cli {
 namespace {
+
+/// The longest --timeout: a day per lab.
+constexpr std::chrono::milliseconds kMaxGradeTimeout{24LL * 3600 * 1000};
 
 #if DP_REFERENCE_BUILD
 constexpr bool kReferenceBuild = true;
@@ -122,8 +127,7 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   grader::RunRequest request;
   request.program = bin / check_program_name(lab.number, args.variant);
   request.backend = args.backend;
-  request.time_limit =
-      std::chrono::milliseconds(static_cast<long long>(args.timeout_seconds * 1000));
+  request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   request.work_dir = scratch.path();
   request.name = lab.folder;
   if (args.backend == "mpi") {
@@ -149,8 +153,10 @@ void grade(const GradeArguments& args) {
         args.ranks));
   if (args.backend == "mpi" && args.ranks != -1 && args.ranks < 1)
     throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
-  if (!(args.timeout_seconds > 0))
-    throw Error(fmt::format("--timeout must be positive, got {}", args.timeout_seconds));
+  timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
+  // The reports are written after grading: a bad path must fail before it.
+  for (const std::string& output : {args.json_file, args.junit_file})
+    if (!output.empty()) check_output_path(output);
   if (!args.variant.empty() && args.lab == 0)
     throw Error("--variant names one lab's build: give --lab N too");
 

@@ -356,6 +356,7 @@ void LocalWorld::issue_virtual(Operation& operation, std::uint64_t link_bytes) {
   timing.op = operation.op;
   timing.link_bytes = link_bytes;
   timing.wall_issue = WallTime::now();
+  network_->clock(operation.rank).call_issued();
   switch (operation.op) {
     case CommOp::kSend:
       timing.bytes = operation.input.bytes();
@@ -385,7 +386,10 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
   if (network_ && !operation.error && !operation.timing.determined) return;
   operation.ready = true;
   Rank& owner = ranks_[operation.rank];
-  if (network_ && operation.error) network_->forget(operation.timing);
+  if (network_ && operation.error) {
+    network_->forget(operation.timing);
+    network_->clock(operation.rank).call_finished(std::nullopt);
+  }
   if (network_ && !operation.error) {
     const VirtualCall& timing = operation.timing;
     SimClock& clock = network_->clock(operation.rank);
@@ -409,7 +413,7 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
         std::chrono::duration<double>(WallTime::now() - timing.wall_issue).count();
     event.bytes = timing.link_bytes;
     event.peer = timing.peer;
-    clock.record_communication(std::move(event));
+    clock.call_finished(std::move(event));
   }
   if (owner.blocked_on == operation.call_index) owner.blocked_on.reset();
   changed_.notify_all();

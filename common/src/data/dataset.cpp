@@ -111,14 +111,41 @@ std::filesystem::path datasets_directory() {
   return DP_DATASETS_DIR;
 }
 
+namespace {
+
+Error invalid_spec(std::string_view spec, std::string_view why) {
+  return Error(fmt::format(
+      "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
+      "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
+      spec, why));
+}
+
+/// The two paths of "idx:IMAGES,LABELS" (`paths` is what follows "idx:").
+std::pair<std::filesystem::path, std::filesystem::path> idx_paths(std::string_view spec,
+                                                                  std::string_view paths) {
+  const std::size_t comma = paths.find(',');
+  if (comma == std::string_view::npos || comma == 0 || comma + 1 == paths.size())
+    throw invalid_spec(spec, " (expected two paths separated by a comma after 'idx:')");
+  return {std::filesystem::path(paths.substr(0, comma)),
+          std::filesystem::path(paths.substr(comma + 1))};
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> dataset_files(std::string_view spec) {
+  if (spec == "digits") return {datasets_directory() / "digits" / "digits.csv"};
+  if (spec.starts_with("csv:") && spec.size() > 4) return {std::filesystem::path(spec.substr(4))};
+  if (spec.starts_with("idx:")) {
+    auto [images, labels] = idx_paths(spec, spec.substr(4));
+    return {std::move(images), std::move(labels)};
+  }
+  if (spec == "synthetic" || spec.starts_with("synthetic:")) return {};
+  throw invalid_spec(spec, "");
+}
+
 Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
   const auto starts_with = [&](std::string_view prefix) { return spec.starts_with(prefix); };
-  const auto invalid = [&](std::string_view why) {
-    return Error(fmt::format(
-        "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
-        "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
-        spec, why));
-  };
+  const auto invalid = [&](std::string_view why) { return invalid_spec(spec, why); };
 
   if (spec == "synthetic") {
     SyntheticOptions options;
@@ -143,12 +170,8 @@ Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
     return load_csv(std::filesystem::path(path));
   }
   if (starts_with("idx:")) {
-    const std::string_view paths = spec.substr(4);
-    const std::size_t comma = paths.find(',');
-    if (comma == std::string_view::npos || comma == 0 || comma + 1 == paths.size())
-      throw invalid(" (expected two paths separated by a comma after 'idx:')");
-    return load_idx(std::filesystem::path(paths.substr(0, comma)),
-                    std::filesystem::path(paths.substr(comma + 1)));
+    const auto [images, labels] = idx_paths(spec, spec.substr(4));
+    return load_idx(images, labels);
   }
   throw invalid("");
 }
