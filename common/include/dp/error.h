@@ -25,7 +25,8 @@ namespace dp {
 /// Base of every recoverable error thrown by dplab: the message is meant for the user.
 ///
 /// An error raised on a rank inside `dp::launch` is rethrown by `launch` naming that rank:
-/// `what()` then reads "rank 2: <message>" and `rank()` is 2.
+/// `what()` then reads "rank 2: <message>" and `rank()` is 2 (a `CommError` names the ranks
+/// it concerns itself and is left as it is).
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -99,10 +99,12 @@ struct Operation;
 
 /// One collective as all ranks see it: the n-th collective of every rank.
 struct CollectiveSlot {
-  std::vector<std::shared_ptr<Operation>> members;  // by rank, as they issue it
-  int arrived = 0;                                  // ranks that issued it
-  bool eager = false;                               // run by the ranks, not the comm threads
-  std::optional<std::string> mismatch;              // set once every rank issued it
+  // By rank, as they issue it. A call refers to its slot until its Work handle goes, which
+  // breaks the cycle: the last handle of a collective frees the slot and its calls.
+  std::vector<std::shared_ptr<Operation>> members;
+  int arrived = 0;                      // ranks that issued it
+  bool eager = false;                   // run by the ranks, not the comm threads
+  std::optional<std::string> mismatch;  // set once every rank issued it
   // The communication threads' path.
   int threads_arrived = 0;
   std::vector<int> phase_arrivals;
@@ -1091,6 +1093,7 @@ LocalWork::~LocalWork() {
         "in flight)",
         operation_->rank, operation_->record.describe()));
   world_.wait_quietly(*operation_);
+  operation_->slot.reset();  // the call and its slot refer to each other (see CollectiveSlot)
 }
 
 void LocalWork::wait() {
@@ -1221,16 +1224,6 @@ Clock& LocalCommunicator::clock() {
   return world_.clock(rank_);
 }
 
-/// Rethrows `error`; a `dp::Error` first records that it was raised on `rank`.
-[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& error, int rank) {
-  try {
-    std::rethrow_exception(error);
-  } catch (Error& raised) {
-    raised.set_rank(rank);
-    throw;
-  }
-}
-
 bool is_abort_of_another_rank(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -1242,6 +1235,17 @@ bool is_abort_of_another_rank(const std::exception_ptr& error) {
 }
 
 }  // namespace
+
+void rethrow_naming_rank(const std::exception_ptr& error, int rank) {
+  try {
+    std::rethrow_exception(error);
+  } catch (CommError&) {
+    throw;  // it names the ranks involved already (all of them, for a mismatch)
+  } catch (Error& raised) {
+    raised.set_rank(rank);
+    throw;
+  }
+}
 
 void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
   const int size = options.world_size;
