@@ -58,7 +58,12 @@ int main(int argc, char** argv) {
   const std::string how = mode();
   std::printf("fake_checks: mode %s\n", how.c_str());
   std::fflush(stdout);
-  if (how == "crash") std::raise(SIGSEGV);
+  if (how == "crash") {
+    // Sanitizers catch SIGSEGV to print a report and exit with 1: restore the default
+    // action so that the process dies of the signal, as a real crash does.
+    std::signal(SIGSEGV, SIG_DFL);
+    std::raise(SIGSEGV);
+  }
   if (how == "hang")
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   if (how == "no_report") return 3;
