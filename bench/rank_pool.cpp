@@ -2,6 +2,7 @@
 #include "rank_pool.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "dp/launch.h"
 
@@ -12,7 +13,7 @@ RankPool::RankPool(int world_size)
 
 RankPool::RankPool(const LaunchOptions& options)
     : world_size_(options.world_size),
-      start_line_(options.world_size, RecordStart{&start_}),
+      start_line_(options.world_size),
       finish_(static_cast<std::size_t>(options.world_size)) {
   launcher_ = std::thread([this, options] {
     try {
@@ -65,6 +66,23 @@ void RankPool::serve(Communicator& comm) {
   }
 }
 
+void RankPool::StartLine::arrive_and_wait(TimePoint& start) {
+  const std::uint64_t generation = generation_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == ranks_) {
+    arrived_.store(0, std::memory_order_relaxed);
+    start = std::chrono::steady_clock::now();
+    generation_.fetch_add(1, std::memory_order_release);
+    return;
+  }
+  // Spin; past a while (more ranks than cores) let the others run.
+  for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (spins > 20000) std::this_thread::yield();
+  }
+}
+
 void RankPool::run(const Job& job) {
   std::unique_lock lock(mutex_);
   if (failed_) std::rethrow_exception(error_);
@@ -78,7 +96,7 @@ void RankPool::run(const Job& job) {
 
 double RankPool::run_timed(const Job& job) {
   run([&](Communicator& comm) {
-    start_line_.arrive_and_wait();
+    start_line_.arrive_and_wait(start_);
     job(comm);
     finish_[static_cast<std::size_t>(comm.rank())] = std::chrono::steady_clock::now();
   });
