@@ -268,7 +268,9 @@ void add_bench_comm_command(CLI::App& app) {
       ->capture_default_str();
   bench->add_option("--iters", args->iterations, "Timed iterations per size")
       ->capture_default_str();
-  bench->add_option("--warmup", args->warmup, "Untimed iterations per size")->capture_default_str();
+  bench->add_option("--warmup", args->warmup, "Untimed iterations per size")
+      ->capture_default_str()
+      ->check(whole_number_at_least(0));
   bench->add_flag("--fit", args->fit, "Print the least-squares fit t = a + b S");
   add_simulation_options(*bench, args->simulation);
   bench->callback([args] { run_bench(*args); });

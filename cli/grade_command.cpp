@@ -24,6 +24,7 @@
 
 #include "commands.h"
 #include "dp/error.h"
+#include "dp/launch.h"
 #include "dp/output_file.h"
 #include "mpirun.h"
 #include "option_checks.h"
@@ -151,12 +152,10 @@ void grade(const GradeArguments& args) {
         "-n {} applies to --backend mpi only: on the local backend each check picks its own "
         "world sizes",
         args.ranks));
-  if (args.backend == "mpi" && args.ranks != -1 && args.ranks < 1)
-    throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
+  if (args.backend == "mpi" && args.ranks != -1 && (args.ranks < 1 || args.ranks > kMaxWorldSize))
+    throw Error(
+        fmt::format("-n must be between 1 and {} processes, got {}", kMaxWorldSize, args.ranks));
   timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
-  // The reports are written after grading: a bad path must fail before it.
-  for (const std::string& output : {args.json_file, args.junit_file})
-    if (!output.empty()) check_output_path(output);
   if (!args.variant.empty() && args.lab == 0)
     throw Error("--variant names one lab's build: give --lab N too");
 
@@ -180,6 +179,11 @@ void grade(const GradeArguments& args) {
       throw Error(fmt::format("malformed rubric {}: \"lab\" is {} but the folder is lab {}",
                               lab.rubric.string(), rubrics.back().lab, lab.number));
   }
+  // The reports are written after grading: a bad path (or a rubric's) must fail before it.
+  std::vector<std::filesystem::path> rubric_files;
+  for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
+  for (const std::string& output : {args.json_file, args.junit_file})
+    if (!output.empty()) check_output_path(output, rubric_files);
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
   const ScratchDir scratch;
