@@ -207,6 +207,13 @@ TEST(Safetensors, NamesTheByteOffsetOfBadJson) {
                {"bad.safetensors", "not valid JSON at byte offset 13"});
 }
 
+TEST(Safetensors, RejectsANumberBeyondAnyDouble) {
+  // Found by tests/fuzz/fuzz_safetensors: nlohmann's out_of_range escaped as an internal error.
+  const fs::path path = write_raw(test_directory() / "huge.safetensors", R"({"a": 4e60149})", "");
+  expect_error([&] { dp::load_safetensors(path); },
+               {"huge.safetensors", "is not valid JSON", "number overflow"});
+}
+
 TEST(Safetensors, RejectsAHeaderThatIsNotAnObject) {
   const fs::path path = write_raw(test_directory() / "array.safetensors", "[1, 2]  ", "");
   expect_error([&] { dp::load_safetensors(path); }, {"array.safetensors", "array", "object"});

@@ -224,6 +224,15 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
         fmt::format("safetensors file '{}': the header is not valid JSON at byte "
                     "offset {}: {}",
                     file, at, problem));
+  } catch (const nlohmann::json::exception& error) {
+    // Valid syntax the parser still refuses, e.g. a number beyond any double (found by
+    // tests/fuzz/fuzz_safetensors).
+    std::string_view problem = error.what();
+    if (const std::size_t bracket = problem.find("] "); bracket != std::string_view::npos)
+      problem.remove_prefix(bracket + 2);
+    throw Error(fmt::format(
+        "safetensors file '{}': the header (byte offsets {} to {}) is not valid JSON: {}", file,
+        kLengthBytes, data_start, problem));
   }
   if (!header.is_object())
     throw Error(
