@@ -22,10 +22,12 @@
 //   dp::TrainCheckpointing checkpointing;
 //   checkpointing.every = 50;
 //   checkpointing.save = [&](int step, const dp::Model& model, dp::Optimizer& optimizer) {
-//     dp::save_training_checkpoint("run.safetensors", options, model, optimizer, step, {});
+//     dp::save_training_checkpoint("run.safetensors", options, model, optimizer, step,
+//                                  data.size(), {.world_size = 4});
 //   };
-//   ...
-//   dp::TrainingCheckpoint start = dp::load_training_checkpoint("run.safetensors", options);
+//   ...                                   // later, in a new run with the same options:
+//   dp::TrainingCheckpoint start =
+//       dp::load_training_checkpoint("run.safetensors", options, data.size());
 //   checkpointing.resume_from = &start;   // continues at step start.step
 #pragma once
 
