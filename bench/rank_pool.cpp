@@ -74,12 +74,12 @@ void RankPool::StartLine::arrive_and_wait(TimePoint& start) {
     generation_.fetch_add(1, std::memory_order_release);
     return;
   }
-  // Spin; past a while (more ranks than cores) let the others run.
+  // Spin; past a few microseconds (more ranks than cores?) let the others run between checks.
   for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
-    if (spins > 20000) std::this_thread::yield();
+    if (spins > 512) std::this_thread::yield();
   }
 }
 
@@ -102,6 +102,32 @@ double RankPool::run_timed(const Job& job) {
   });
   const TimePoint last = *std::max_element(finish_.begin(), finish_.end());
   return std::chrono::duration<double>(last - start_).count();
+}
+
+}  // namespace dp::bench
+
+namespace dp::bench {
+
+std::vector<double> RankPool::run_timed_repeatedly(const Job& job, std::int64_t iterations) {
+  const auto count = static_cast<std::size_t>(iterations);
+  std::vector<TimePoint> starts(count);
+  std::vector<std::vector<TimePoint>> finishes(static_cast<std::size_t>(world_size_),
+                                               std::vector<TimePoint>(count));
+  run([&](Communicator& comm) {
+    std::vector<TimePoint>& mine = finishes[static_cast<std::size_t>(comm.rank())];
+    for (std::size_t i = 0; i < count; ++i) {
+      start_line_.arrive_and_wait(starts[i]);
+      job(comm);
+      mine[i] = std::chrono::steady_clock::now();
+    }
+  });
+  std::vector<double> seconds(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    TimePoint last = starts[i];
+    for (const auto& rank_finishes : finishes) last = std::max(last, rank_finishes[i]);
+    seconds[i] = std::chrono::duration<double>(last - starts[i]).count();
+  }
+  return seconds;
 }
 
 }  // namespace dp::bench

@@ -11,7 +11,7 @@
 //
 //   RankPool pool(4);
 //   std::vector<std::vector<float>> data(4, std::vector<float>(1 << 20));
-//   double seconds = pool.run_timed([&](dp::Communicator& comm) {
+//   double seconds = pool.run_timed([&](dp::Communicator& comm) {   // or run_timed_repeatedly
 //     comm.allreduce(std::span(data[comm.rank()]), dp::ReduceOp::kSum)->wait();
 //   });
 #pragma once
@@ -56,6 +56,9 @@ class RankPool {
   /// Like `run`, but every rank first waits at a barrier: returns the seconds from the
   /// barrier's release to the end of the slowest rank's job.
   double run_timed(const Job& job);
+  /// `run_timed` `iterations` times within one job, so that the ranks never sleep between
+  /// iterations (as MPI processes, which poll, never do): the seconds of each iteration.
+  std::vector<double> run_timed_repeatedly(const Job& job, std::int64_t iterations);
 
  private:
   using TimePoint = std::chrono::steady_clock::time_point;

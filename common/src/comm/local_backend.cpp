@@ -68,8 +68,11 @@ using WallTime = std::chrono::steady_clock;
 constexpr std::size_t kEagerBytes = std::size_t{256} << 10;
 /// The pieces an eager collective is cut into, claimed one at a time by the ranks.
 constexpr std::size_t kEagerPieceBytes = std::size_t{16} << 10;
-/// How long a waiting rank spins before it sleeps: a peer that is ready answers sooner.
-constexpr std::chrono::microseconds kSpinBeforeSleep{30};
+/// How long a waiting rank spins on the CPU: a peer that is ready answers sooner.
+constexpr std::chrono::microseconds kSpinOnly{5};
+/// How long it then keeps checking between yields of its core (with more ranks than cores
+/// the peer it waits for may need that core) before it sleeps.
+constexpr std::chrono::microseconds kSpinBeforeSleep{50};
 /// How long `launch` waits for the ranks after a hang or deadlock abort before it ends
 /// the process: every rank inside dplab returns at once; one that does not is stuck.
 constexpr std::chrono::seconds kStuckRankGrace{2};
@@ -657,8 +660,9 @@ std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation
   // read by one rank from another.
   const int p = size_;
   const int me = operation->rank;
-  std::vector<std::size_t> from_peer(static_cast<std::size_t>(p), 0);
-  std::vector<std::size_t> to_peer(static_cast<std::size_t>(p), 0);
+  // On the stack: this runs for every collective.
+  std::array<std::size_t, kMaxWorldSize> from_peer{};
+  std::array<std::size_t, kMaxWorldSize> to_peer{};
   std::uint64_t messages_sent = 0;
   std::uint64_t messages_received = 0;
   for (int peer = 0; peer < p; ++peer) {
@@ -949,8 +953,20 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
   complete(operation, nullptr);
 }
 
+/// True when `a` and `b` are the same collective call as far as the ranks must agree (what
+/// `CallRecord::signature` shows, without formatting it).
+bool same_signature(const CallRecord& a, const CallRecord& b) {
+  return a.op == b.op && a.count == b.count && a.type == b.type && a.reduce == b.reduce &&
+         a.peer == b.peer && a.tag == b.tag;
+}
+
 std::optional<std::string> LocalWorld::find_mismatch(std::uint64_t sequence,
                                                      const CollectiveSlot& slot) const {
+  // The usual case, checked on every collective: all match, and no text is made.
+  const CallRecord& first = slot.members[0]->record;
+  if (std::all_of(slot.members.begin(), slot.members.end(),
+                  [&](const auto& member) { return same_signature(member->record, first); }))
+    return std::nullopt;
   std::map<std::string, std::vector<int>> ranks_by_signature;
   for (int r = 0; r < size_; ++r)
     ranks_by_signature[slot.members[r]->record.signature()].push_back(r);
@@ -987,15 +1003,24 @@ std::string LocalWorld::hang_report(const std::string& headline) const {
 }
 
 bool LocalWorld::spin_until_ready(Operation& operation) {
-  const auto give_up = WallTime::now() + kSpinBeforeSleep;
+  const auto start = WallTime::now();
+  bool yielding = false;
   for (unsigned round = 1;; ++round) {
     if (operation.finished.load(std::memory_order_acquire)) return true;
     const CollectiveSlot* slot = operation.slot.get();
     if (slot != nullptr && slot->eager && slot->runnable.load(std::memory_order_acquire))
       run_eager_pieces(*operation.slot);
     if (aborted_.load(std::memory_order_acquire)) return false;
-    if (round % 64 == 0 && WallTime::now() > give_up) return false;
-    cpu_relax();
+    if (yielding) {
+      std::this_thread::yield();
+    } else {
+      cpu_relax();
+    }
+    if (yielding || round % 64 == 0) {
+      const auto waited = WallTime::now() - start;
+      if (waited > kSpinBeforeSleep) return false;
+      yielding = waited > kSpinOnly;
+    }
   }
 }
 
