@@ -34,7 +34,10 @@
 
 #include "commands.h"
 #include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/output_file.h"
 #include "mpirun.h"
+#include "option_checks.h"
 #include "report.h"
 #include "result_channel.h"
 #include "rubric.h"
@@ -46,6 +49,9 @@
 
 namespace dp::cli {
 namespace {
+
+/// The longest --timeout: a day per lab.
+constexpr std::chrono::milliseconds kMaxGradeTimeout{24LL * 3600 * 1000};
 
 #if DP_REFERENCE_BUILD
 constexpr bool kReferenceBuild = true;
@@ -133,8 +139,7 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   request.program = bin / check_program_name(lab.number, args);
   request.backend = args.backend;
   request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
-  request.time_limit =
-      std::chrono::milliseconds(static_cast<long long>(args.timeout_seconds * 1000));
+  request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (args.backend == "mpi") {
     request.processes = mpi_processes(args);
     const std::string mpirun = args.mpirun;
@@ -161,10 +166,10 @@ void grade(const GradeArguments& args) {
         "-n {} applies to --backend mpi only: on the local backend each check picks its own "
         "world sizes",
         args.ranks));
-  if (args.backend == "mpi" && args.ranks != -1 && args.ranks < 1)
-    throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
-  if (!(args.timeout_seconds > 0))
-    throw Error(fmt::format("--timeout must be positive, got {}", args.timeout_seconds));
+  if (args.backend == "mpi" && args.ranks != -1 && (args.ranks < 1 || args.ranks > kMaxWorldSize))
+    throw Error(
+        fmt::format("-n must be between 1 and {} processes, got {}", kMaxWorldSize, args.ranks));
+  timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (!args.variant.empty() && args.lab == 0)
     throw Error("--variant names one lab's build: give --lab N too");
   if (!args.variant.empty() && !args.sanitize.empty())
@@ -196,6 +201,11 @@ void grade(const GradeArguments& args) {
       throw Error(fmt::format("malformed rubric {}: \"lab\" is {} but the folder is lab {}",
                               lab.rubric.string(), rubrics.back().lab, lab.number));
   }
+  // The reports are written after grading: a bad path (or a rubric's) must fail before it.
+  std::vector<std::filesystem::path> rubric_files;
+  for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
+  for (const std::string& output : {args.json_file, args.junit_file})
+    if (!output.empty()) check_output_path(output, rubric_files);
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
   if (args.sanitize == "thread")

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dp/error.h"
+#include "dp/output_file.h"
 
 namespace dp::grader {
 namespace {
@@ -369,10 +370,7 @@ std::string to_junit_xml(const GradeReport& report) {
 }
 
 void write_text_file(const std::filesystem::path& file, const std::string& text) {
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out) throw Error(fmt::format("cannot write {}: {}", file.string(), std::strerror(errno)));
+  write_file_atomically(file, text);
 }
 
 }  // namespace dp::grader

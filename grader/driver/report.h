@@ -93,7 +93,8 @@ std::string to_junit_xml(const GradeReport& report);
 /// anything).
 std::string xml_escape(std::string_view text);
 
-/// Writes `text` to `file`; throws `dp::Error` naming the file when it cannot.
+/// Writes `text` to `file` as dp/output_file.h describes (a whole file or none; only a
+/// regular file is replaced); throws `dp::Error` naming the file when it cannot.
 void write_text_file(const std::filesystem::path& file, const std::string& text);
 
 }  // namespace dp::grader

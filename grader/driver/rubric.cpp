@@ -111,6 +111,10 @@ Rubric parse_rubric(std::string_view text, const std::string& source) {
     // editors can jump to.
     throw Error(fmt::format("malformed rubric {}: not valid JSON at byte {}: {}", source,
                             error.byte, error.what()));
+  } catch (const json::exception& error) {
+    // Valid syntax the parser still refuses, e.g. a number beyond any double (found by
+    // tests/fuzz/fuzz_rubric).
+    throw Error(fmt::format("malformed rubric {}: not valid JSON: {}", source, error.what()));
   }
   if (!document.is_object())
     malformed(source, "top level", fmt::format("expected an object, got {}", describe(document)));

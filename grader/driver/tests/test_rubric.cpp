@@ -80,6 +80,13 @@ TEST(Rubric, SyntaxErrorGivesTheByteOffset) {
   EXPECT_NE(message.find("not valid JSON at byte 25"), std::string::npos) << message;
 }
 
+TEST(Rubric, ANumberBeyondAnyDoubleIsAnErrorNotACrash) {
+  // Found by tests/fuzz/fuzz_rubric's sibling: nlohmann's out_of_range escaped the parser.
+  const std::string message = error_of(R"({"lab": 1, "title": "x", "checks": [], "p": 4e60149})");
+  EXPECT_NE(message.find("not valid JSON"), std::string::npos) << message;
+  EXPECT_NE(message.find("number overflow"), std::string::npos) << message;
+}
+
 TEST(Rubric, MissingFieldIsNamed) {
   EXPECT_NE(error_of(R"({"title": "x", "checks": []})").find("missing field \"lab\""),
             std::string::npos);
