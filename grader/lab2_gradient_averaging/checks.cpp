@@ -749,14 +749,15 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
     }
     if (!(std::abs(predicted - measured) <= 1e-6 * std::abs(measured) + 1e-12))
       FAIL() << fmt::format(
-          "{} ranks, {} parameters of {} to {} bytes, alpha {:.3g} us, {:.3g} GB/s: you predict "
+          "world size {}, {} parameters of {} to {} bytes, alpha {:.3g} us, {:.3g} GB/s: you "
+          "predict "
           "the flat buffer saves {:.6g} us; the simulated clock measures {:.6g} us "
           "(one all-reduce per parameter minus one flat all-reduce)\n({})",
           world, bytes.size(), *std::min_element(bytes.begin(), bytes.end()),
           *std::max_element(bytes.begin(), bytes.end()), link.alpha_seconds * 1e6,
           link.bytes_per_second / 1e9, predicted * 1e6, measured * 1e6, draws.describe());
     grading::note_measured(fmt::format(
-        "{} ranks, {} parameters, alpha {:.3g} us: predicted "
+        "world size {}, {} parameters, alpha {:.3g} us: predicted "
         "{:.4g} us saved, measured {:.4g} us",
         world, bytes.size(), link.alpha_seconds * 1e6, predicted * 1e6, measured * 1e6));
   }
@@ -796,7 +797,7 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
     }
     if (!(std::abs(predicted - expected) <= 1e-6 * std::abs(expected)))
       FAIL() << fmt::format(
-          "{} ranks, {} parameters, alpha {:.3g} us, {:.3g} GB/s: you predict the flat buffer "
+          "world size {}, {} parameters, alpha {:.3g} us, {:.3g} GB/s: you predict the flat buffer "
           "saves {:.6g} ms; the simulated network's cost model gives {:.6g} ms\n({})",
           world, bytes.size(), link.alpha_seconds * 1e6, link.bytes_per_second / 1e9,
           predicted * 1e3, expected * 1e3, draws.describe());
