@@ -83,6 +83,7 @@ bool overlap(ConstBuffer a, ConstBuffer b) {
 struct Pending {
   std::string_view call;     // "allreduce", for messages
   std::uint64_t number = 0;  // the call's position among this rank's calls
+  int rank = 0;              // the rank that made it
   ConstBuffer input;         // the caller's input (checked at wait), or empty
   Staging input_copy;        // what the backend reads
   MutableBuffer output;      // the caller's output, or empty
@@ -140,10 +141,10 @@ class AdversarialWork final : public Work {
     if (!pending_.check_input || pending_.input.bytes() == 0) return;
     if (std::memcmp(pending_.input.data, pending_.input_copy.data(), pending_.input.bytes()) != 0)
       throw Error(fmt::format(
-          "{} (call #{} of rank): its input buffer was changed before the call completed; "
-          "expected it unchanged until wait() returns (a transport may read it at any moment "
-          "until then)",
-          pending_.call, pending_.number));
+          "rank {}: {} (its call #{}): its input buffer was changed before the call "
+          "completed; expected it unchanged until wait() returns (a transport may read it at "
+          "any moment until then)",
+          pending_.rank, pending_.call, pending_.number));
   }
 
   void deliver() {
@@ -225,6 +226,7 @@ class AdversarialCommunicator final : public Communicator {
     Pending pending;
     pending.call = call;
     pending.number = ++calls_;
+    pending.rank = inner_.rank();
     pending.input = input;
     pending.input_copy = copy_of(input);
     pending.check_input = check;
