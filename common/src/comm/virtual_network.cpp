@@ -267,10 +267,12 @@ void VirtualNetwork::commit_send(VirtualCall& send) {
   const LinkModel& link = options_.network.link_between(s, d);
   double& sender_free = send_free_[static_cast<std::size_t>(s)][port];
   double& receiver_free = receive_free_[static_cast<std::size_t>(d)][port];
+  // Only the transfer holds the two directions; the latency follows it off the link.
   send.start = std::max({send.issue, sender_free, receiver_free});
-  send.end = send.start + link.time_of(static_cast<double>(send.bytes));
+  send.end = send.start + static_cast<double>(send.bytes) / link.bytes_per_second;
+  send.arrival = send.end + link.alpha_seconds;
   sender_free = receiver_free = send.end;
-  send.completion = send.end;
+  send.completion = send.arrival;
   send.pending = false;
   send.committed = true;
   determine(send);
@@ -280,7 +282,8 @@ void VirtualNetwork::commit_send(VirtualCall& send) {
 void VirtualNetwork::determine_receive(VirtualCall& receive, VirtualCall& send) {
   receive.start = send.start;
   receive.end = send.end;
-  receive.completion = std::max(send.end, receive.issue);
+  receive.arrival = send.arrival;
+  receive.completion = std::max(send.arrival, receive.issue);
   determine(receive);
   // Both times are final: neither needs the other again (and may outlive it).
   receive.match = nullptr;

@@ -16,11 +16,16 @@
 // commit order, and with it every time, is the same in every run.
 //
 // Placement. A message of n bytes from s to d over a fabric (alpha, bandwidth) starts at
-// max(issue, s's send direction free, d's receive direction free), lasts alpha + n /
-// bandwidth and occupies both directions for that long; the send completes at its end and
-// the receive at max(end, receive issue time). A collective starts when every rank issued
-// it and every link is free, lasts its algorithm's time (see dp/clock.h) and occupies every
-// link. With two levels, ranks have one port per fabric.
+// max(issue, s's send direction free, d's receive direction free) and occupies both
+// directions for n / bandwidth: the transfer. Its last byte arrives alpha after the
+// transfer ends; the latency does not hold the link, so messages that share a link overlap
+// their latencies and queue for the bandwidth alone (p-1 workers pushing n bytes each to
+// one server: the last arrives at (p-1) n / bandwidth + alpha, not (p-1) (alpha + n /
+// bandwidth)). Each direction is serialised, first come first served in commit order
+// (see "Why serialised" in dp/clock.h). The send completes at the arrival and the receive
+// at max(arrival, receive issue time). A collective starts when every rank issued it and
+// every link is free, lasts its algorithm's time (see dp/clock.h) and occupies every link
+// for all of it. With two levels, ranks have one port per fabric.
 //
 // Not thread-safe: the local backend calls it with its mutex held (the same mutex the
 // clocks take to read what was recorded on them).
@@ -58,8 +63,9 @@ struct VirtualCall {
   bool committed = false;        // a send placed on the links
   VirtualCall* match = nullptr;  // send <-> receive
   bool determined = false;       // the times below are final
-  double start = 0;              // the link is busy [start, end)
+  double start = 0;              // the link is busy [start, end): the transfer
   double end = 0;
+  double arrival = 0;     // point-to-point: the last byte at the receiver, end + alpha
   double completion = 0;  // when wait() returns, on the compute timeline
 };
 
