@@ -514,6 +514,34 @@ TEST(PointToPoint, AReceivePostedLateCompletesWhenPosted) {
   expect_time(ends[1], 1e-3, "the receive completes when posted (the message is there)");
 }
 
+TEST(PointToPoint, ASendDoesNotWaitForItsReceiveToBePosted) {
+  // Rank 1's send is complete at alpha + n beta, as the network model says, although rank
+  // 0 posts the matching receive only after 1 ms and a send of its own: its wait() returns
+  // without it. (With sends that waited for their receive, rank 0 would wait for the
+  // virtual time of its send, which waits for rank 1's next calls, which wait for rank
+  // 0's receive: a deadlock that only the simulation made.)
+  const double one = message(1024);
+  std::vector<double> ends(2);
+  launch(simulated(2), [&](Communicator& comm) {
+    std::vector<float> mine(256, 1.0f);
+    std::vector<float> theirs(256);
+    if (comm.rank() == 1) {
+      auto receive = comm.irecv(std::span(theirs), 0, /*tag=*/2);
+      comm.isend(std::span<const float>(mine), 0, /*tag=*/1)->wait();
+      ends[1] = comm.clock().now();
+      receive->wait();
+    } else {
+      comm.clock().compute("busy", 1e-3);
+      comm.isend(std::span<const float>(mine), 1, /*tag=*/2)->wait();
+      comm.irecv(std::span(theirs), 1, /*tag=*/1)->wait();
+      EXPECT_EQ(theirs[255], 1.0f);
+      ends[0] = comm.clock().now();
+    }
+  });
+  expect_time(ends[1], one, "the send, complete on arrival");
+  expect_time(ends[0], 1e-3 + one, "the late receive, complete when posted");
+}
+
 TEST(PointToPoint, TwoLevelTopologyUsesTheFabricOfEachPair) {
   NetworkModel network = NetworkModel::preset("100gbe");
   network.fabric = NetworkModel::preset("nvlink").fabric;
