@@ -514,6 +514,48 @@ TEST(PointToPoint, AReceivePostedLateCompletesWhenPosted) {
   expect_time(ends[1], 1e-3, "the receive completes when posted (the message is there)");
 }
 
+TEST(PointToPoint, AMessageWaitingForABusyReceiverDoesNotHoldBackItsSendersOthers) {
+  // Rank 2 sends 1 MiB to rank 1 at time 0. At 1 us rank 0 sends 4 KiB to rank 1, which
+  // must wait for the big transfer, then 4 KiB to rank 3, whose link is idle: that one
+  // goes at once (the sender's link is free), and arrives 1 us + n beta + alpha.
+  const double big = 1 << 20;
+  const double small = 4096;
+  std::vector<double> ends(4);
+  launch(simulated(4), [&](Communicator& comm) {
+    std::vector<std::uint8_t> large(static_cast<std::size_t>(big));
+    std::vector<std::uint8_t> little(static_cast<std::size_t>(small));
+    const MutableBuffer large_buffer(large.data(), large.size(), DataType::kUInt8);
+    const MutableBuffer little_buffer(little.data(), little.size(), DataType::kUInt8);
+    switch (comm.rank()) {
+      case 0: {
+        comm.clock().compute("first", 1e-6);
+        auto blocked = comm.isend(little_buffer, 1, 0);
+        auto free = comm.isend(little_buffer, 3, 0);
+        free->wait();
+        ends[0] = comm.clock().now();
+        blocked->wait();
+        break;
+      }
+      case 1: {
+        std::vector<std::uint8_t> other(little.size());
+        auto from_two = comm.irecv(large_buffer, 2, 0);
+        comm.irecv(MutableBuffer(other.data(), other.size(), DataType::kUInt8), 0, 0)->wait();
+        ends[1] = comm.clock().now();
+        from_two->wait();
+        break;
+      }
+      case 2: comm.isend(large_buffer, 1, 0)->wait(); break;
+      case 3:
+        comm.irecv(little_buffer, 0, 0)->wait();
+        ends[3] = comm.clock().now();
+        break;
+    }
+  });
+  expect_time(ends[3], 1e-6 + message(small), "the message to the idle rank");
+  expect_time(ends[0], 1e-6 + message(small), "its send");
+  expect_time(ends[1], transfer(big) + message(small), "the message behind the big one");
+}
+
 TEST(PointToPoint, ASendDoesNotWaitForItsReceiveToBePosted) {
   // Rank 1's send is complete at alpha + n beta, as the network model says, although rank
   // 0 posts the matching receive only after 1 ms and a send of its own: its wait() returns

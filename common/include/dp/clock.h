@@ -12,9 +12,11 @@
 //
 // An asynchronous call is issued at the rank's current compute time onto the link;
 // `Work::wait()` moves the compute time to the call's completion. A message from s to d
-// starts at max(issue time, s's send direction free, d's receive direction free), holds
-// both directions for its transfer, n / bandwidth, and arrives alpha after the transfer
-// ends; both sides complete at the arrival (a receive posted later, when it is posted).
+// holds s's send direction and d's receive direction for its transfer, n / bandwidth, in
+// the earliest interval from its issue time on in which both are free (so a message
+// waiting for a busy receiver does not hold back its sender's messages to idle ones), and
+// arrives alpha after the transfer ends; both sides complete at the arrival (a receive
+// posted later, when it is posted).
 // The latency is paid by every message but does not hold the link, so messages that share
 // a link overlap their latencies and queue only for the bandwidth, as on a real network:
 //
@@ -23,13 +25,16 @@
 //   outcast   one rank sends n bytes to each of p-1 ranks: the same (its pull)
 //   tree      a binomial-tree broadcast over p = 2^k ranks: k (alpha + n / bandwidth)
 //
-// Why serialised, first come first served, rather than shared fairly: messages are placed
-// once, in a fixed order (virtual_network.h), and their times never change after that,
-// which is what makes the clock deterministic; under fair sharing a later message would
-// slow down one already placed. Both rules finish a batch of equal messages through one
-// link at the same time (the link is never idle while bytes wait), so incast, outcast,
-// rings and trees complete as under fair sharing; only the order in which the individual
-// messages of a batch arrive differs (one after another instead of all at the end).
+// Why serialised (one transfer at a time per direction, placed in issue order) rather than
+// shared fairly: messages are placed once, in a fixed order (virtual_network.h), and their
+// times never change after that, which is what makes the clock deterministic; under fair
+// sharing a later message would slow down one already placed. Both rules finish a batch
+// of equal messages through one link at the same time (the link is never idle while bytes
+// wait), so incast, outcast, rings and trees complete as under fair sharing; only the
+// order in which the messages of a batch arrive differs (one after another instead of all
+// at the end). Where many links are busy at once (all-to-all), placing whole messages can
+// leave a gap slightly too short for the next one: a skew of a few microseconds between
+// senders can then cost a transfer time that fair sharing would not.
 //
 // A native collective starts when every rank has issued it and every link is free, holds
 // every link for all of its time, and is charged by its algorithm: ring all-reduce
