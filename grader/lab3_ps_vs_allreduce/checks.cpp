@@ -1,15 +1,15 @@
 // Lab 3's graded checks. The ring all-reduce must add in the order lab3.h fixes (compared
 // bitwise with its emulation) and send exactly its share of the buffer; the latency-optimal
-// all-reduce must give every rank the same bits, the exact sum of exact values and the
-// rank-order sum within a measured tolerance otherwise; training through each all-reduce
-// and through the parameter server must be lab 2's arithmetic (bitwise where the order is
-// fixed); the server's pushes and pulls must move the formula's bytes; on the simulated
-// network the ring must meet its formula, beat the one-server parameter server by the
-// predicted ratio and lose to the latency-optimal algorithm on small messages where the
-// student's prediction says; the bounded-staleness server must be exact, keep its bound
-// and run ahead of a straggler. Every check draws its configuration from the grading seed
-// and runs in the adversarial completion mode. rubric.json gives the points, the ranges
-// drawn and the derivation of the tolerances.
+// all-reduce must give every rank the same bits and the rank-order sum within a measured
+// tolerance; both must give the native all-reduce's bits on values whose sums are exact in
+// any order; training through each all-reduce and through the parameter server must be
+// lab 2's arithmetic (bitwise where the order is fixed); the server's pushes and pulls must
+// move the formula's bytes; on the simulated network the ring must meet its formula, beat
+// the one-server parameter server by the predicted ratio and lose to the latency-optimal
+// algorithm on small messages where the student's prediction says; the bounded-staleness
+// server must be exact, keep its bound and run ahead of a straggler. Every check draws its
+// configuration from the grading seed and runs in the adversarial completion mode.
+// rubric.json gives the points, the ranges drawn and the derivation of the tolerances.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
@@ -180,6 +180,33 @@ bool same_bits(float a, float b) {
   return std::memcmp(&a, &b, sizeof(float)) == 0;
 }
 
+/// The runtime's native all-reduce (`Communicator::allreduce`, kSum) of this rank's `mine`
+/// over every rank: what the student's all-reduce is compared with where the orders of
+/// additions cannot differ in their bits. Call it on every rank.
+std::vector<float> native_sum(std::span<const float> mine, Communicator& comm) {
+  std::vector<float> sum(mine.begin(), mine.end());
+  comm.allreduce(std::span(sum), ReduceOp::kSum)->wait();
+  return sum;
+}
+
+/// "" when `seen` is bitwise `native`, the native all-reduce of `exact`: values whose sums
+/// are exact in any order, so that every correct all-reduce gives the native bits.
+std::string exact_sum_finding(std::span<const float> seen, std::span<const float> native,
+                              const std::vector<std::vector<float>>& exact, int rank) {
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (same_bits(seen[i], native[i])) continue;
+    return fmt::format(
+        "values whose sums are exact in any order (multiples of 2^-10): element {} is {:.9g}, "
+        "the native all-reduce's sum is {:.9g}{}",
+        i, seen[i], native[i],
+        std::isnan(seen[i]) ? " (NaN: a receive not waited for)"
+        : same_bits(seen[i], exact[static_cast<std::size_t>(rank)][i])
+            ? " (this rank's own value: its sum never reached it)"
+            : " (a rank's values missing or added twice?)");
+  }
+  return "";
+}
+
 /// Why element `i` of a ring all-reduce's result differs from the ring-order sum.
 std::string diagnose_ring_element(std::size_t i, float seen, float expected,
                                   const std::vector<std::vector<float>>& values, int rank) {
@@ -195,12 +222,6 @@ std::string diagnose_ring_element(std::size_t i, float seen, float expected,
     return what +
            "; NaN is what the adversarial mode leaves in a buffer whose receive was not waited "
            "for: a missing wait()";
-  float rank_order = values[0][i];
-  for (int r = 1; r < ranks; ++r) rank_order += values[static_cast<std::size_t>(r)][i];
-  if (same_bits(seen, rank_order) && !same_bits(rank_order, expected))
-    return what +
-           "; it is the rank-order sum x_0 + x_1 + ... (the native all-reduce's order), not the "
-           "ring order of lab3.h";
   if (same_bits(seen, values[static_cast<std::size_t>(rank)][i]))
     return what +
            "; it is this rank's own value: the element was never reduced or never "
@@ -216,8 +237,8 @@ std::string diagnose_ring_element(std::size_t i, float seen, float expected,
                         "all-gather did not replace with the complete one",
                         k + 1);
   }
-  for (int start = 0; start < ranks; ++start) {
-    if (start == c) continue;
+  for (int shift = 1; shift < ranks; ++shift) {  // the likeliest mistakes first: c+1, c+2
+    const int start = (c + shift) % ranks;
     float other = values[static_cast<std::size_t>(start)][i];
     for (int k = 1; k < ranks; ++k)
       other += values[static_cast<std::size_t>((start + k) % ranks)][i];
@@ -227,6 +248,12 @@ std::string diagnose_ring_element(std::size_t i, float seen, float expected,
                         "rank {} (or the chunk boundaries are not lab3.h's)",
                         start, c, c);
   }
+  float rank_order = values[0][i];
+  for (int r = 1; r < ranks; ++r) rank_order += values[static_cast<std::size_t>(r)][i];
+  if (same_bits(seen, rank_order) && !same_bits(rank_order, expected))
+    return what +
+           "; it is the rank-order sum x_0 + x_1 + ... (the native all-reduce's order), not the "
+           "ring order of lab3.h";
   return what;
 }
 
@@ -381,38 +408,89 @@ TEST(Lab3Chunks, FollowTheStatedRule) {
 
 // --- the ring -----------------------------------------------------------------------------
 
+// The checks below run the student's code on every drawn size on every rank, also after a
+// failure: a rank that stopped calling would leave the others waiting for its messages,
+// and the report would be a deadlock instead of the first failure.
+
+/// "" when the ring's result `seen` is bitwise the ring-order sum of `values`, else why not.
+std::string ring_result_finding(std::span<const float> seen,
+                                const std::vector<std::vector<float>>& values, int rank) {
+  const std::vector<float> expected = ring_order_sum(values);
+  for (std::size_t i = 0; i < seen.size(); ++i)
+    if (!same_bits(seen[i], expected[i]))
+      return diagnose_ring_element(i, seen[i], expected[i], values, rank);
+  return "";
+}
+
 TEST(Lab3Ring, BitwiseTheContractOrderOnEveryRank) {
   check_allreduce(
       "Lab3Ring.BitwiseTheContractOrderOnEveryRank",
       [](Communicator& comm, Verdict& verdict, const std::vector<std::size_t>& sizes,
          std::uint64_t seed) {
         const int world = comm.size();
+        const auto mine = static_cast<std::size_t>(comm.rank());
         std::size_t differing_from_native = 0;
         std::size_t elements = 0;
         for (std::size_t n : sizes) {
           const auto values =
               all_values(world, [&](int rank) { return real_values(seed + n, rank, n); });
-          const std::vector<float> expected = ring_order_sum(values);
-          Tensor data = tensor_of(values[static_cast<std::size_t>(comm.rank())]);
+          Tensor data = tensor_of(values[mine]);
           ring_allreduce(data.view(), comm);
-          for (std::size_t i = 0; i < n; ++i) {
-            if (!same_bits(data[i], expected[i])) {
-              verdict.fail(
-                  fmt::format("n = {}: {}", n,
-                              diagnose_ring_element(i, data[i], expected[i], values, comm.rank())));
-              return;
-            }
-            differing_from_native += same_bits(expected[i], rank_order_element(values, i)) ? 0 : 1;
-          }
+          // Values whose sums are exact: there every order gives the native all-reduce's bits.
+          const auto exact =
+              all_values(world, [&](int rank) { return exact_values(seed + 3 * n, rank, n); });
+          Tensor exact_sum = tensor_of(exact[mine]);
+          ring_allreduce(exact_sum.view(), comm);
+          const std::vector<float> native = native_sum(values[mine], comm);
+          const std::vector<float> native_exact = native_sum(exact[mine], comm);
+          const std::string across_ranks = differs_from_rank0(data.span(), comm);
+          if (!verdict.passed()) continue;
+          const std::string context = fmt::format("n = {}", n);
+          verdict.expect_empty(ring_result_finding(data.span(), values, comm.rank()), context);
+          verdict.expect_empty(
+              exact_sum_finding(exact_sum.span(), native_exact, exact, comm.rank()), context);
+          verdict.expect_empty(across_ranks, context);
+          for (std::size_t i = 0; i < n; ++i)
+            differing_from_native += same_bits(data[i], native[i]) ? 0 : 1;
           elements += n;
-          verdict.expect_empty(differs_from_rank0(data.span(), comm), fmt::format("n = {}", n));
-          if (!verdict.passed()) return;
         }
-        verdict.note(fmt::format(
-            "bitwise the ring order for n = {}; {} of {} elements differ from the native "
-            "(rank-order) sum in the last bits",
-            fmt::join(sizes, ", "), differing_from_native, elements));
+        if (verdict.passed())
+          verdict.note(fmt::format(
+              "bitwise the ring order for n = {}, and the native all-reduce's bits where every "
+              "order gives them; {} of {} elements differ from the native all-reduce's sum in "
+              "the last bits",
+              fmt::join(sizes, ", "), differing_from_native, elements));
       });
+}
+
+/// "" when rank `rank`'s counters `c` of one ring all-reduce of `n` floats on `world`
+/// ranks show exactly the ring's bytes, to rank + 1 only, else what they show.
+std::string ring_traffic_finding(const CommCounters& c, std::size_t n, int world, int rank) {
+  if (c.collective_calls() != 0)
+    return fmt::format("n = {}: {} collective call(s); expected isend and irecv only", n,
+                       c.collective_calls());
+  const int next = (rank + 1) % world;
+  const int previous = (rank + world - 1) % world;
+  const std::uint64_t expected = ring_bytes(n, world, rank);
+  const std::uint64_t buffer = n * sizeof(float);
+  for (int peer = 0; peer < world; ++peer) {
+    const std::uint64_t sent = c.bytes_sent_to[static_cast<std::size_t>(peer)];
+    const std::uint64_t received = c.bytes_received_from[static_cast<std::size_t>(peer)];
+    const std::uint64_t want_sent = peer == next ? expected : 0;
+    const std::uint64_t want_received = peer == previous ? ring_bytes(n, world, previous) : 0;
+    if (sent == want_sent && received == want_received) continue;
+    const bool whole_buffers = buffer > 0 && sent >= static_cast<std::uint64_t>(world - 1) * buffer;
+    return fmt::format(
+        "n = {} floats: rank {} sent {} bytes to rank {} and received {} from it; expected {} "
+        "and {} (a ring sends only to rank r+1, every chunk but one in each phase: {:.3f} of "
+        "the buffer's {} bytes){}",
+        n, rank, sent, peer, received, want_sent, want_received,
+        buffer == 0 ? 0.0 : static_cast<double>(expected) / static_cast<double>(buffer), buffer,
+        whole_buffers ? fmt::format("; {:.2f} buffers: whole buffers passed where chunks belong?",
+                                    static_cast<double>(sent) / static_cast<double>(buffer))
+                      : "");
+  }
+  return "";
 }
 
 TEST(Lab3Ring, SendsTwoNMinusOneOverNOfTheBuffer) {
@@ -422,49 +500,24 @@ TEST(Lab3Ring, SendsTwoNMinusOneOverNOfTheBuffer) {
          std::uint64_t) {
         const int world = comm.size();
         const int rank = comm.rank();
-        const int next = (rank + 1) % world;
-        const int previous = (rank + world - 1) % world;
-        for (std::size_t n : sizes) {
-          Tensor data({static_cast<std::int64_t>(n)}, MemoryCategory::kCommunication);
+        // Largest first: the first failure reported is the most telling.
+        for (auto n = sizes.rbegin(); n != sizes.rend(); ++n) {
+          Tensor data({static_cast<std::int64_t>(*n)}, MemoryCategory::kCommunication);
           fill(data.view(), 1.0f);
           const CommCounters before = comm.counters();
           ring_allreduce(data.view(), comm);
-          const CommCounters c = comm.counters().since(before);
-          const std::uint64_t expected = ring_bytes(n, world, rank);
-          const std::uint64_t whole = 2 * static_cast<std::uint64_t>(world - 1) * n * sizeof(float);
-          if (c.collective_calls() != 0) {
-            verdict.fail(
-                fmt::format("n = {}: {} collective call(s); expected isend and irecv "
-                            "only",
-                            n, c.collective_calls()));
-            return;
-          }
-          for (int peer = 0; peer < world; ++peer) {
-            const std::uint64_t sent = c.bytes_sent_to[static_cast<std::size_t>(peer)];
-            const std::uint64_t received = c.bytes_received_from[static_cast<std::size_t>(peer)];
-            const std::uint64_t want_sent = peer == next ? expected : 0;
-            const std::uint64_t want_received =
-                peer == previous ? ring_bytes(n, world, previous) : 0;
-            if (sent == want_sent && received == want_received) continue;
-            verdict.fail(fmt::format(
-                "n = {} floats: rank {} sent {} bytes to rank {} and received {} from it; "
-                "expected {} and {} (a ring sends only to rank r+1, every chunk but one in each "
-                "phase: {} bytes, {:.3f} of the buffer's {} bytes{})",
-                n, rank, sent, peer, received, want_sent, want_received, expected,
-                n == 0 ? 0.0 : static_cast<double>(expected) / static_cast<double>(n * 4), n * 4,
-                sent == whole && whole > 0
-                    ? "; it sent the whole buffer at each of the 2(N-1) steps"
-                    : ""));
-            return;
-          }
+          if (verdict.passed())
+            verdict.expect_empty(
+                ring_traffic_finding(comm.counters().since(before), *n, world, rank), "traffic");
         }
-        const std::size_t largest = sizes.back();
-        verdict.note(fmt::format(
-            "n = {} floats: {} bytes to rank {} only, {:.4f} of the buffer (2(N-1)/N = {:.4f})",
-            largest, ring_bytes(largest, world, rank), next,
-            static_cast<double>(ring_bytes(largest, world, rank)) /
-                (4.0 * static_cast<double>(largest)),
-            2.0 * (world - 1) / world));
+        const std::size_t largest = *std::max_element(sizes.begin(), sizes.end());
+        if (verdict.passed())
+          verdict.note(fmt::format(
+              "n = {} floats: {} bytes to rank {} only, {:.4f} of the buffer (2(N-1)/N = {:.4f})",
+              largest, ring_bytes(largest, world, rank), (rank + 1) % world,
+              static_cast<double>(ring_bytes(largest, world, rank)) /
+                  (4.0 * static_cast<double>(largest)),
+              2.0 * (world - 1) / world));
       });
 }
 
@@ -499,56 +552,56 @@ TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
 
 // --- the latency-optimal all-reduce --------------------------------------------------------
 
+/// "" when `seen` is within the reordering tolerance of the rank-order sum of `values`;
+/// `worst_ratio` grows to the largest difference / tolerance seen.
+std::string reordered_sum_finding(std::span<const float> seen,
+                                  const std::vector<std::vector<float>>& values,
+                                  double& worst_ratio) {
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    const double tolerance = reordering_tolerance(values, i);
+    const double expected = rank_order_element(values, i);
+    const double difference = std::abs(static_cast<double>(seen[i]) - expected);
+    worst_ratio = std::max(worst_ratio, tolerance > 0 ? difference / tolerance : 0.0);
+    if (!(difference <= tolerance))
+      return fmt::format(
+          "element {} is {:.9g}; the rank-order sum is {:.9g} and any order of additions stays "
+          "within {:.3g} of it",
+          i, seen[i], expected, tolerance);
+  }
+  return "";
+}
+
 TEST(Lab3LatencyOptimal, TheSumOnEveryRankWithTheSameBits) {
   check_allreduce(
       "Lab3LatencyOptimal.TheSumOnEveryRankWithTheSameBits",
       [](Communicator& comm, Verdict& verdict, const std::vector<std::size_t>& sizes,
          std::uint64_t seed) {
         const int world = comm.size();
+        const auto mine = static_cast<std::size_t>(comm.rank());
         double worst_ratio = 0;
         for (std::size_t n : sizes) {
-          // Exact values: every order of additions gives the same bits.
           const auto exact =
               all_values(world, [&](int rank) { return exact_values(seed + n, rank, n); });
-          Tensor data = tensor_of(exact[static_cast<std::size_t>(comm.rank())]);
-          latency_optimal_allreduce(data.view(), comm);
-          for (std::size_t i = 0; i < n; ++i) {
-            const float expected = rank_order_element(exact, i);
-            if (same_bits(data[i], expected)) continue;
-            verdict.fail(fmt::format(
-                "n = {}, values whose sums are exact in any order: element {} is {:.9g}, the "
-                "exact sum is {:.9g}{}",
-                n, i, data[i], expected,
-                std::isnan(data[i]) ? " (NaN: a receive not waited for)"
-                : same_bits(data[i], exact[static_cast<std::size_t>(comm.rank())][i])
-                    ? " (this rank's own value: its sum never reached it)"
-                    : " (a rank's values missing or added twice?)"));
-            return;
-          }
-          // Real values: the order is the student's; within the measured tolerance.
+          Tensor exact_sum = tensor_of(exact[mine]);
+          latency_optimal_allreduce(exact_sum.view(), comm);
           const auto real =
               all_values(world, [&](int rank) { return real_values(seed + 7 * n, rank, n); });
-          Tensor reals = tensor_of(real[static_cast<std::size_t>(comm.rank())]);
-          latency_optimal_allreduce(reals.view(), comm);
-          for (std::size_t i = 0; i < n; ++i) {
-            const double tolerance = reordering_tolerance(real, i);
-            const double difference =
-                std::abs(static_cast<double>(reals[i]) - rank_order_element(real, i));
-            worst_ratio = std::max(worst_ratio, tolerance > 0 ? difference / tolerance : 0.0);
-            if (difference <= tolerance) continue;
-            verdict.fail(fmt::format(
-                "n = {}: element {} is {:.9g}; the rank-order sum is {:.9g} and any order of "
-                "additions stays within {:.3g} of it",
-                n, i, reals[i], rank_order_element(real, i), tolerance));
-            return;
-          }
-          verdict.expect_empty(differs_from_rank0(reals.span(), comm), fmt::format("n = {}", n));
-          if (!verdict.passed()) return;
+          Tensor real_sum = tensor_of(real[mine]);
+          latency_optimal_allreduce(real_sum.view(), comm);
+          const std::vector<float> native_exact = native_sum(exact[mine], comm);
+          const std::string across_ranks = differs_from_rank0(real_sum.span(), comm);
+          if (!verdict.passed()) continue;
+          const std::string context = fmt::format("n = {}", n);
+          verdict.expect_empty(
+              exact_sum_finding(exact_sum.span(), native_exact, exact, comm.rank()), context);
+          verdict.expect_empty(reordered_sum_finding(real_sum.span(), real, worst_ratio), context);
+          verdict.expect_empty(across_ranks, context);
         }
-        verdict.note(fmt::format(
-            "exact sums exact, the same bits on every rank, reordering at most {:.2g} of the "
-            "tolerance, for n = {}",
-            worst_ratio, fmt::join(sizes, ", ")));
+        if (verdict.passed())
+          verdict.note(fmt::format(
+              "exact sums bitwise the native all-reduce's, the same bits on every rank, "
+              "reordering at most {:.2g} of the tolerance, for n = {}",
+              worst_ratio, fmt::join(sizes, ", ")));
       });
 }
 
@@ -661,37 +714,45 @@ TEST(Lab3Training, EachAllReduceTrainsLikeLab2) {
                            comm);
               if (use_ring) {
                 optimizer->step(model);
-                verdict.expect_empty(
-                    grading::compare_parameters(
-                        model, ring.parameters_after_step[static_cast<std::size_t>(step)], 0.0f),
-                    fmt::format("{}: after step {}, compared bitwise with lab 2's arithmetic in "
-                                "the ring's order",
-                                name, step + 1));
-              } else {
-                const std::vector<float> seen = model.flat_gradients();
-                const std::vector<float> sum = grading::sum_in_rank_order(local);
-                for (std::size_t i = 0; i < seen.size() && verdict.passed(); ++i) {
-                  const double expected = sum[i] / static_cast<float>(world);
-                  const double tolerance = reordering_tolerance(local, i) / world;
-                  const double difference = std::abs(seen[i] - expected);
-                  worst_ratio = std::max(worst_ratio, tolerance > 0 ? difference / tolerance : 0);
-                  if (difference > tolerance)
-                    verdict.fail(fmt::format(
-                        "{}: step {}: averaged gradient element {} is {:.9g}, lab 2's (rank "
-                        "order) {:.9g}; any order of additions stays within {:.3g}",
-                        name, step + 1, i, seen[i], expected, tolerance));
-                }
-                optimizer->step(model);
-                verdict.expect_empty(grading::compare_with_rank0(model, comm),
-                                     fmt::format("{}: after step {}", name, step + 1));
+                if (verdict.passed())
+                  verdict.expect_empty(
+                      grading::compare_parameters(
+                          model, ring.parameters_after_step[static_cast<std::size_t>(step)], 0.0f),
+                      fmt::format("{}: after step {}, compared bitwise with lab 2's arithmetic "
+                                  "in the ring's order",
+                                  name, step + 1));
+                continue;
               }
-              if (!verdict.passed()) return;
+              // The average the optimizer gets, against the rank-order average of every
+              // rank's local gradient at the same parameters (each divided by N).
+              const std::vector<float> seen = model.flat_gradients();
+              std::vector<std::vector<float>> scaled = local;
+              for (auto& gradient : scaled)
+                for (float& value : gradient) value /= static_cast<float>(world);
+              std::vector<float> expected = grading::sum_in_rank_order(local);
+              for (float& value : expected) value /= static_cast<float>(world);
+              optimizer->step(model);
+              const std::string across_ranks = grading::compare_with_rank0(model, comm);
+              if (!verdict.passed()) continue;
+              for (std::size_t i = 0; i < seen.size() && verdict.passed(); ++i) {
+                const double tolerance = reordering_tolerance(scaled, i);
+                const double difference = std::abs(static_cast<double>(seen[i]) - expected[i]);
+                worst_ratio = std::max(worst_ratio, tolerance > 0 ? difference / tolerance : 0);
+                if (!(difference <= tolerance))
+                  verdict.fail(fmt::format(
+                      "{}: step {}: averaged gradient element {} is {:.9g}, lab 2's (rank order) "
+                      "{:.9g}; any order of additions stays within {:.3g}",
+                      name, step + 1, i, seen[i], expected[i], tolerance));
+              }
+              verdict.expect_empty(across_ranks, fmt::format("{}: after step {}", name, step + 1));
             }
           }
-          verdict.note(fmt::format(
-              "{} {} steps: the ring bitwise lab 2's arithmetic in ring order; the latency-optimal "
-              "average within {:.2g} of its tolerance of lab 2's, replicas identical",
-              options.steps, options.optimizer, worst_ratio));
+          if (verdict.passed())
+            verdict.note(
+                fmt::format("{} {} steps: the ring bitwise lab 2's arithmetic in ring order; the "
+                            "latency-optimal "
+                            "average within {:.2g} of its tolerance of lab 2's, replicas identical",
+                            options.steps, options.optimizer, worst_ratio));
         },
         draws);
   }
@@ -709,9 +770,10 @@ struct Layout {
   bool works(int rank) const { return rank >= first_worker(); }
   bool serves(int rank) const { return rank < options.servers; }
   std::string describe() const {
-    return fmt::format("{} {} server(s) on {} ranks (W = {} workers), staleness {}",
-                       options.servers, options.dedicated ? "dedicated" : "co-located", ranks,
-                       workers(), options.staleness);
+    return fmt::format("{} {} server{} on {} rank{} (W = {} worker{}), staleness {}",
+                       options.servers, options.dedicated ? "dedicated" : "co-located",
+                       options.servers == 1 ? "" : "s", ranks, ranks == 1 ? "" : "s", workers(),
+                       workers() == 1 ? "" : "s", options.staleness);
   }
 };
 
@@ -760,14 +822,42 @@ int version_after(const Layout& layout, int step, int steps) {
   return std::max(0, step + 1 - layout.options.staleness);
 }
 
+/// The likely causes of a server's update that is a constant factor off.
+std::vector<grading::Suspect> server_suspects(const Layout& layout) {
+  return {{static_cast<double>(layout.workers()) / layout.ranks,
+           fmt::format("averaged over N = {} ranks instead of W = {} workers", layout.ranks,
+                       layout.workers())},
+          {static_cast<double>(layout.workers()),
+           fmt::format("the sum not divided by W = {}", layout.workers())}};
+}
+
+/// Elements `range` of `values`.
+std::vector<float> part_of(const std::vector<float>& values, Range range) {
+  const auto first = values.begin() + static_cast<std::ptrdiff_t>(range.offset);
+  return {first, first + static_cast<std::ptrdiff_t>(range.count)};
+}
+
 /// Compares what rank `rank` holds after a call with the emulation: a worker's whole model
-/// (the version it must hold), a dedicated server's shard (the newest version).
+/// (the version it must hold), a dedicated server's shard (the newest version). A wrong
+/// version is named; a wrong update is described as a change from the version before it
+/// (a factor, per parameter and as a whole, where the parameters themselves would all
+/// read 1.00x).
 std::string server_step_finding(const Layout& layout, const Model& shapes, const ServerStep& seen,
                                 const Trajectory& exact, const std::vector<float>& initial,
                                 int rank, int steps) {
   const auto version_values = [&](int version) -> const std::vector<float>& {
     return version == 0 ? initial
                         : exact.parameters_after_step[static_cast<std::size_t>(version - 1)];
+  };
+  // The seen and the expected change from version `version - 1` to `version`, in `range`.
+  const auto scale = [&](int version, Range range) -> std::string {
+    if (version == 0) return "";
+    const std::vector<float> before = part_of(version_values(version - 1), range);
+    const std::string hint =
+        grading::scale_hint(grading::difference(part_of(seen.parameters, range), before),
+                            grading::difference(part_of(version_values(version), range), before),
+                            server_suspects(layout));
+    return hint.empty() ? "" : "; as an update, " + hint;
   };
   const std::string when =
       seen.step >= steps ? "after finish()" : fmt::format("after step {}", seen.step + 1);
@@ -776,15 +866,23 @@ std::string server_step_finding(const Layout& layout, const Model& shapes, const
     const std::string finding =
         grading::compare_flat(shapes, seen.parameters, version_values(version), 0.0f, "parameter");
     if (finding.empty()) return "";
-    std::string hint;
+    std::string other_version;
     for (int other = 0; other <= steps; ++other)
       if (other != version &&
           grading::max_abs_difference(seen.parameters, version_values(other)) == 0)
-        hint = fmt::format(" (it holds version {} instead)", other);
-    return fmt::format(
-        "{}, worker {}: expected version {} of the parameters{}: {}; {}", when,
-        rank - layout.first_worker(), version, hint, finding,
-        grading::per_parameter_summary(shapes, seen.parameters, version_values(version)));
+        other_version = fmt::format(" (it holds version {} instead)", other);
+    const std::string per_parameter =
+        version == 0
+            ? grading::per_parameter_summary(shapes, seen.parameters, version_values(0))
+            : fmt::format(
+                  "as updates from version {}, {}", version - 1,
+                  grading::per_parameter_summary(
+                      shapes, grading::difference(seen.parameters, version_values(version - 1)),
+                      grading::difference(version_values(version), version_values(version - 1))));
+    return fmt::format("{}, worker {}: expected version {} of the parameters{}: {}{}; {}", when,
+                       rank - layout.first_worker(), version, other_version, finding,
+                       other_version.empty() ? scale(version, {0, initial.size()}) : "",
+                       per_parameter);
   }
   // A dedicated server: its shard only, at the newest version.
   const int version = std::min(seen.step + 1, steps);
@@ -794,25 +892,10 @@ std::string server_step_finding(const Layout& layout, const Model& shapes, const
     if (!same_bits(seen.parameters[i], expected[i]))
       return fmt::format(
           "{}, dedicated server {}: element {} of its shard [{}, {}) is {:.9g}; expected "
-          "{:.9g}, version {} (the model's shard must hold the newest version)",
+          "{:.9g}, version {} (the model's shard must hold the newest version){}",
           when, rank, i, shard.offset, shard.offset + shard.count, seen.parameters[i], expected[i],
-          version);
+          version, scale(version, shard));
   return "";
-}
-
-/// Likely causes of a server's update that is a constant factor off.
-std::string server_hint(const Layout& layout, const ServerStep& seen, const Trajectory& exact,
-                        const std::vector<float>& initial, int rank) {
-  if (seen.step != 0 || layout.options.staleness != 0 || !layout.works(rank)) return "";
-  const std::vector<grading::Suspect> suspects = {
-      {static_cast<double>(layout.workers()) / layout.ranks,
-       fmt::format("averaged over N = {} ranks instead of W = {} workers", layout.ranks,
-                   layout.workers())},
-      {static_cast<double>(layout.workers()),
-       fmt::format("the sum not divided by W = {}", layout.workers())}};
-  return grading::scale_hint(grading::difference(seen.parameters, initial),
-                             grading::difference(exact.parameters_after_step[0], initial),
-                             suspects);
 }
 
 /// Trains through every layout on its world size and compares every rank after every step
@@ -833,10 +916,7 @@ void check_server_exact(const Training& training, const std::vector<Layout>& lay
             if (!verdict.passed()) return;
             const std::string finding = server_step_finding(layout, shapes, seen, exact, initial,
                                                             comm.rank(), options.steps);
-            if (finding.empty()) return;
-            const std::string hint = server_hint(layout, seen, exact, initial, comm.rank());
-            verdict.fail(fmt::format("{}: {}{}", layout.describe(), finding,
-                                     hint.empty() ? "" : "; the update " + hint));
+            if (!finding.empty()) verdict.fail(fmt::format("{}: {}", layout.describe(), finding));
           });
           if (verdict.passed())
             verdict.note(
@@ -879,7 +959,11 @@ std::vector<Layout> draw_layouts(Draws& draws, int largest, int fewest_colocated
 TEST(Lab3Server, ShardedAndDedicatedServersAreLab2Bitwise) {
   Draws draws("Lab3Server.ShardedAndDedicatedServersAreLab2Bitwise");
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
-  check_server_exact(training, draw_layouts(draws, 6, 2, 0, 0), draws);
+  std::vector<Layout> layouts = draw_layouts(draws, 6, 2, 0, 0);
+  // And one server on every rank of the largest world: the layout that moves what a ring does.
+  const int largest = layouts.empty() ? 1 : layouts.back().ranks;
+  if (largest > 1) layouts.push_back({{.servers = largest}, largest});
+  check_server_exact(training, layouts, draws);
 }
 
 /// The bytes rank `rank` sends to and receives from `peer` in one step of `layout` for a
