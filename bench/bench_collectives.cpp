@@ -152,8 +152,9 @@ class RankGroup {
   virtual int size() const = 0;
   /// Runs `step` on every rank, untimed.
   virtual void run(const RankStep& step) = 0;
-  /// Runs `step` on every rank from a common start; the slowest rank's seconds.
-  virtual double run_timed(const RankStep& step) = 0;
+  /// Runs `step` `iterations` times on every rank, each from a common start: the slowest
+  /// rank's seconds of each iteration.
+  virtual std::vector<double> run_timed(const RankStep& step, std::int64_t iterations) = 0;
   /// Runs `check` on every rank: empty if every rank passed, else a failure message. Every
   /// rank returns the same verdict, so all skip a failed benchmark together.
   virtual std::string check(const RankCheck& check) = 0;
@@ -168,8 +169,9 @@ class LocalRanks final : public RankGroup {
   void run(const RankStep& step) override {
     pool_.run([&](Communicator& comm) { step(comm, buffers_of(comm)); });
   }
-  double run_timed(const RankStep& step) override {
-    return pool_.run_timed([&](Communicator& comm) { step(comm, buffers_of(comm)); });
+  std::vector<double> run_timed(const RankStep& step, std::int64_t iterations) override {
+    return pool_.run_timed_repeatedly([&](Communicator& comm) { step(comm, buffers_of(comm)); },
+                                      iterations);
   }
   std::string check(const RankCheck& check) override {
     std::vector<std::string> verdicts(buffers_.size());
@@ -208,14 +210,18 @@ class MpiRanks final : public RankGroup {
   int size() const override { return comm_.size(); }
   void run(const RankStep& step) override { step(comm_, buffers_); }
 
-  double run_timed(const RankStep& step) override {
+  std::vector<double> run_timed(const RankStep& step, std::int64_t iterations) override {
     // MPI_Wtime need not be one clock across machines, so each process times itself
     // from the barrier and the slowest process's time is the collective's.
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double start = MPI_Wtime();
-    step(comm_, buffers_);
-    double seconds = MPI_Wtime() - start;
-    MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    std::vector<double> seconds(static_cast<std::size_t>(iterations));
+    for (double& elapsed : seconds) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = MPI_Wtime();
+      step(comm_, buffers_);
+      elapsed = MPI_Wtime() - start;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, seconds.data(), static_cast<int>(seconds.size()), MPI_DOUBLE,
+                  MPI_MAX, MPI_COMM_WORLD);
     return seconds;
   }
 
@@ -266,15 +272,19 @@ void benchmark_collective(benchmark::State& state, RankGroup& group, const Colle
     // One untimed call first: the backend's own temporaries get touched here, not timed.
     group.run([&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); });
 
-    double total_seconds = 0;
+    // Every iteration runs first, without the benchmark loop between them (the ranks keep
+    // running, as MPI processes do); the loop then reports each iteration's time.
     const ProcessCpuMeter cpu;
-    for (auto _ : state) {
-      const double seconds = group.run_timed(
-          [&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); });
-      state.SetIterationTime(seconds);
-      total_seconds += seconds;
-    }
+    const std::vector<double> times =
+        group.run_timed([&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); },
+                        state.max_iterations);
     state.counters["cpu_cores"] = cpu.cores_busy();
+    double total_seconds = 0;
+    std::size_t iteration = 0;
+    for (auto _ : state) {
+      state.SetIterationTime(times[iteration]);
+      total_seconds += times[iteration++];
+    }
 
     // The timed loop summed in place over and over; check one call on fresh inputs.
     group.run([&](Communicator& comm, RankBuffers& buffers) {

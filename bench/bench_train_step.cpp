@@ -8,8 +8,9 @@
 //                                      the all-reduce (average) of every gradient
 //
 // The counter samples_per_s is B / (step time); for N ranks the step time is the slowest
-// rank's from a common start. After the timed loop, every rank's parameters must equal
-// rank 0's bit for bit (the gradient average is the same on every rank).
+// rank's from a common start. For one process, blas_fraction is the share of the step spent
+// in BLAS (dp::blas_seconds_of_this_thread). After the timed loop, every rank's parameters must
+// equal rank 0's bit for bit (the gradient average is the same on every rank).
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -87,6 +88,7 @@ void benchmark_single(benchmark::State& state, std::size_t batch) {
     Replica replica(dataset(), 0, batch);
     replica.step(nullptr);  // warm-up: the caching allocator fills up here
     double total_seconds = 0;
+    const double blas_before = blas_seconds_of_this_thread();
     for (auto _ : state) {
       const auto start = std::chrono::steady_clock::now();
       replica.step(nullptr);
@@ -100,6 +102,9 @@ void benchmark_single(benchmark::State& state, std::size_t batch) {
       return;
     }
     set_throughput_counters(state, batch, 1, total_seconds);
+    // The share of the step spent in matrix products (the rest: element-wise layers, the
+    // loss, the optimizer, gathering the batch).
+    state.counters["blas_fraction"] = (blas_seconds_of_this_thread() - blas_before) / total_seconds;
   } catch (const std::exception& e) {
     state.SkipWithError(e.what());
   }
@@ -128,13 +133,16 @@ void benchmark_data_parallel(benchmark::State& state, int ranks, std::size_t bat
       replicas[rank]->step(&comm);  // warm-up
     });
 
+    // The steps run back to back within one job (as a training loop runs them), then the
+    // benchmark loop reports each one's time.
+    const std::vector<double> times = pool.run_timed_repeatedly(
+        [&](Communicator& comm) { replicas[static_cast<std::size_t>(comm.rank())]->step(&comm); },
+        state.max_iterations);
     double total_seconds = 0;
+    std::size_t iteration = 0;
     for (auto _ : state) {
-      const double seconds = pool.run_timed([&](Communicator& comm) {
-        replicas[static_cast<std::size_t>(comm.rank())]->step(&comm);
-      });
-      state.SetIterationTime(seconds);
-      total_seconds += seconds;
+      state.SetIterationTime(times[iteration]);
+      total_seconds += times[iteration++];
     }
 
     const std::vector<float> reference = replicas[0]->model.flat_parameters();

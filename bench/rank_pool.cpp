@@ -2,6 +2,7 @@
 #include "rank_pool.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "dp/launch.h"
 
@@ -12,7 +13,7 @@ RankPool::RankPool(int world_size)
 
 RankPool::RankPool(const LaunchOptions& options)
     : world_size_(options.world_size),
-      start_line_(options.world_size, RecordStart{&start_}),
+      start_line_(options.world_size),
       finish_(static_cast<std::size_t>(options.world_size)) {
   launcher_ = std::thread([this, options] {
     try {
@@ -65,6 +66,23 @@ void RankPool::serve(Communicator& comm) {
   }
 }
 
+void RankPool::StartLine::arrive_and_wait(TimePoint& start) {
+  const std::uint64_t generation = generation_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == ranks_) {
+    arrived_.store(0, std::memory_order_relaxed);
+    start = std::chrono::steady_clock::now();
+    generation_.fetch_add(1, std::memory_order_release);
+    return;
+  }
+  // Spin; past a few microseconds (more ranks than cores?) let the others run between checks.
+  for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (spins > 512) std::this_thread::yield();
+  }
+}
+
 void RankPool::run(const Job& job) {
   std::unique_lock lock(mutex_);
   if (failed_) std::rethrow_exception(error_);
@@ -78,12 +96,38 @@ void RankPool::run(const Job& job) {
 
 double RankPool::run_timed(const Job& job) {
   run([&](Communicator& comm) {
-    start_line_.arrive_and_wait();
+    start_line_.arrive_and_wait(start_);
     job(comm);
     finish_[static_cast<std::size_t>(comm.rank())] = std::chrono::steady_clock::now();
   });
   const TimePoint last = *std::max_element(finish_.begin(), finish_.end());
   return std::chrono::duration<double>(last - start_).count();
+}
+
+}  // namespace dp::bench
+
+namespace dp::bench {
+
+std::vector<double> RankPool::run_timed_repeatedly(const Job& job, std::int64_t iterations) {
+  const auto count = static_cast<std::size_t>(iterations);
+  std::vector<TimePoint> starts(count);
+  std::vector<std::vector<TimePoint>> finishes(static_cast<std::size_t>(world_size_),
+                                               std::vector<TimePoint>(count));
+  run([&](Communicator& comm) {
+    std::vector<TimePoint>& mine = finishes[static_cast<std::size_t>(comm.rank())];
+    for (std::size_t i = 0; i < count; ++i) {
+      start_line_.arrive_and_wait(starts[i]);
+      job(comm);
+      mine[i] = std::chrono::steady_clock::now();
+    }
+  });
+  std::vector<double> seconds(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    TimePoint last = starts[i];
+    for (const auto& rank_finishes : finishes) last = std::max(last, rank_finishes[i]);
+    seconds[i] = std::chrono::duration<double>(last - starts[i]).count();
+  }
+  return seconds;
 }
 
 }  // namespace dp::bench

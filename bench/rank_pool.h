@@ -3,19 +3,20 @@
 // Benchmarks must not time thread creation or a new `LocalWorld` per iteration, so a
 // `RankPool` starts `dp::launch` once on a background thread and keeps its ranks waiting
 // for work. `run` hands every rank the same job and returns when all have finished;
-// `run_timed` also lines the ranks up at a barrier and returns the time from the moment
-// the last rank arrived (the common start) to the moment the slowest rank finished.
+// `run_timed` also lines the ranks up at a spinning start line and returns the time from
+// the moment the last rank arrived (the common start) to the moment the slowest rank
+// finished.
 //
 // Example:
 //
 //   RankPool pool(4);
 //   std::vector<std::vector<float>> data(4, std::vector<float>(1 << 20));
-//   double seconds = pool.run_timed([&](dp::Communicator& comm) {
+//   double seconds = pool.run_timed([&](dp::Communicator& comm) {   // or run_timed_repeatedly
 //     comm.allreduce(std::span(data[comm.rank()]), dp::ReduceOp::kSum)->wait();
 //   });
 #pragma once
 
-#include <barrier>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -55,15 +56,26 @@ class RankPool {
   /// Like `run`, but every rank first waits at a barrier: returns the seconds from the
   /// barrier's release to the end of the slowest rank's job.
   double run_timed(const Job& job);
+  /// `run_timed` `iterations` times within one job, so that the ranks never sleep between
+  /// iterations (as MPI processes, which poll, never do): the seconds of each iteration.
+  std::vector<double> run_timed_repeatedly(const Job& job, std::int64_t iterations);
 
  private:
   using TimePoint = std::chrono::steady_clock::time_point;
 
-  // The barrier's completion step runs once per phase, after the last rank arrives and
-  // before any rank is released: that instant is the common start.
-  struct RecordStart {
-    TimePoint* start;
-    void operator()() noexcept { *start = std::chrono::steady_clock::now(); }
+  /// The start line of a timed job: the last rank to arrive records the common start and
+  /// releases the others, who spin meanwhile. (std::barrier puts waiters to sleep: waking
+  /// them would be timed too, tens of microseconds against a 4 KiB all-reduce's few.)
+  class StartLine {
+   public:
+    explicit StartLine(int ranks) : ranks_(ranks) {}
+    /// Waits for every rank; returns once the last one has recorded `start`.
+    void arrive_and_wait(TimePoint& start);
+
+   private:
+    const int ranks_;
+    std::atomic<int> arrived_{0};
+    std::atomic<std::uint64_t> generation_{0};
   };
 
   void serve(Communicator& comm);
@@ -80,7 +92,7 @@ class RankPool {
   std::exception_ptr error_;
 
   TimePoint start_;
-  std::barrier<RecordStart> start_line_;
+  StartLine start_line_;
   std::vector<TimePoint> finish_;  // per rank, of the last timed job
 
   std::thread launcher_;  // runs dp::launch; last member, so it starts after the rest

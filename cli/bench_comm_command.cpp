@@ -16,6 +16,7 @@
 // handout quotes. --mystery draws a network whose alpha and bandwidth stay hidden, so the
 // fit is the only way to learn them; dplab-reference (instructors) adds --reveal.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,6 +34,7 @@
 #include "dp/error.h"
 #include "dp/launch.h"
 #include "dp/rng.h"
+#include "option_checks.h"
 #include "simulation_options.h"
 
 namespace dp::cli {
@@ -104,7 +107,8 @@ std::size_t parse_size(const std::string& text) {
       default: multiplier = 0; break;
     }
   }
-  if (status != std::errc() || value == 0 || multiplier == 0 || (rest != end && rest + 1 != end))
+  if (status != std::errc() || value == 0 || multiplier == 0 || (rest != end && rest + 1 != end) ||
+      value > std::numeric_limits<std::size_t>::max() / multiplier)
     throw Error(
         fmt::format("'{}' is not a size: expected a positive number of bytes, "
                     "optionally with K, M or G (e.g. 256M)",
@@ -204,6 +208,21 @@ void print_fit(std::FILE* out, const std::string& op, int p, const std::vector<R
                op, a / messages * 1e6, b / volume * 1e9, volume / b / 1e9);
 }
 
+/// Throws unless the buffers of the sweep (an input and an output of `bytes` per rank, for
+/// `ranks_here` ranks in this process) fit in half of this machine's memory.
+void check_fits_in_memory(std::size_t bytes, int ranks_here) {
+  const double physical =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double needed = 2.0 * static_cast<double>(bytes) * ranks_here;
+  constexpr double kGiB = 1 << 30;
+  if (physical > 0 && needed > physical / 2)
+    throw Error(fmt::format(
+        "the sweep's largest size, {} bytes, needs two buffers of {:.1f} GiB on each of the {} "
+        "ranks in this process ({:.1f} GiB), more than half of this machine's {:.1f} GiB of "
+        "memory: lower --max-bytes or -n",
+        bytes, static_cast<double>(bytes) / kGiB, ranks_here, needed / kGiB, physical / kGiB));
+}
+
 void run_bench(const BenchArguments& args) {
   if (std::find(op_names().begin(), op_names().end(), args.op) == op_names().end())
     throw Error(
@@ -237,6 +256,7 @@ void run_bench(const BenchArguments& args) {
   options.world_size = world_size;
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
   const std::vector<std::size_t> sizes = sweep(args, world_size);
+  check_fits_in_memory(sizes.back(), options.backend == Backend::kLocal ? world_size : 1);
   const bool prints = mpi_world_rank() == 0;
   // Under --csv the rows alone go to stdout, so that `> file` is what a spreadsheet opens.
   std::FILE* notes = args.csv ? stderr : stdout;
@@ -304,8 +324,10 @@ void add_bench_comm_command(CLI::App& app) {
   auto args = std::make_shared<BenchArguments>();
   CLI::App* bench = app.add_subcommand(
       "bench-comm", "Sweep message sizes over one op and print algbw and busbw (nccl-tests style)");
-  bench->add_option("-n,--world-size", args->world_size,
-                    "Ranks (default: 8 on local, every process under mpi)");
+  bench
+      ->add_option("-n,--world-size", args->world_size,
+                   "Ranks (default: 8 on local, every process under mpi)")
+      ->check(world_size_range());
   bench->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
   bench->add_option("--op", args->op, fmt::format("The op: {}", fmt::join(op_names(), ", ")))
       ->capture_default_str();
@@ -317,7 +339,9 @@ void add_bench_comm_command(CLI::App& app) {
       ->capture_default_str();
   bench->add_option("--iters", args->iterations, "Timed iterations per size")
       ->capture_default_str();
-  bench->add_option("--warmup", args->warmup, "Untimed iterations per size")->capture_default_str();
+  bench->add_option("--warmup", args->warmup, "Untimed iterations per size")
+      ->capture_default_str()
+      ->check(whole_number_at_least(0));
   bench->add_flag("--fit", args->fit, "Print the least-squares fit t = a + b S");
   bench->add_flag("--csv", args->csv,
                   "Print the rows as CSV (bytes,count,time_us,algbw_gbps,busbw_gbps) for a "

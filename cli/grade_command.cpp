@@ -4,28 +4,42 @@
 //   dplab grade --lab 2              # one lab
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
+//   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
+//   dplab grade --sanitize thread    # the ThreadSanitizer builds (cmake -DDP_GRADE_TSAN=ON)
+//
+// Every run has a grading seed, printed at the top of the score table: the checks draw
+// their world sizes, batch sizes, ... from it, so a hard-coded answer fails, and --seed
+// repeats a run exactly. The check programs send their results on a channel the driver
+// opens (grader/driver/runner.h); what they print is only shown, never scored.
 //
 // `dplab` grades your code (labs/, check programs grade_lab<N>); `dplab-reference`, the
 // same sources built with DP_REFERENCE_BUILD=1, grades the reference solutions
 // (grade_lab<N>_reference). The check programs sit next to the dplab executable; the
 // rubrics are read from the source tree's grader/ (or $DPLAB_GRADER_DIR).
 #include <fmt/format.h>
-#include <stdlib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <memory>
+#include <random>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/output_file.h"
 #include "mpirun.h"
+#include "option_checks.h"
 #include "report.h"
+#include "result_channel.h"
 #include "rubric.h"
 #include "runner.h"
 
@@ -35,6 +49,9 @@
 
 namespace dp::cli {
 namespace {
+
+/// The longest --timeout: a day per lab.
+constexpr std::chrono::milliseconds kMaxGradeTimeout{24LL * 3600 * 1000};
 
 #if DP_REFERENCE_BUILD
 constexpr bool kReferenceBuild = true;
@@ -51,12 +68,14 @@ struct GradeArguments {
   double timeout_seconds = 300;
   std::string variant;  // e.g. "bug_no_divide": grade grade_lab<N>_bug_no_divide
   std::string mpirun = "mpirun";
+  std::uint64_t seed = 0;
+  bool seed_given = false;  // false: draw a fresh seed
+  std::string sanitize;     // "thread": grade the ThreadSanitizer builds, grade_lab<N>_tsan
 };
 
 /// A lab the grader knows: a folder grader/lab<N>_<name>/ with a rubric.json.
 struct LabEntry {
   int number = 0;
-  std::string folder;  // e.g. "lab1_replicated"
   std::filesystem::path rubric;
 };
 
@@ -78,39 +97,36 @@ std::vector<LabEntry> find_labs(const std::filesystem::path& dir) {
     std::smatch match;
     if (!entry.is_directory() || !std::regex_match(name, match, lab_folder)) continue;
     if (!std::filesystem::exists(entry.path() / "rubric.json")) continue;
-    labs.push_back({std::stoi(match[1].str()), name, entry.path() / "rubric.json"});
+    labs.push_back({std::stoi(match[1].str()), entry.path() / "rubric.json"});
   }
   std::sort(labs.begin(), labs.end(),
             [](const LabEntry& a, const LabEntry& b) { return a.number < b.number; });
   return labs;
 }
 
-/// The check program's file name: grade_lab<N>, grade_lab<N>_reference or a variant.
-std::string check_program_name(int lab, const std::string& variant) {
-  if (!variant.empty()) return fmt::format("grade_lab{}_{}", lab, variant);
-  return fmt::format("grade_lab{}{}", lab, kReferenceBuild ? "_reference" : "");
+/// The check program's file name: grade_lab<N>, grade_lab<N>_reference or a variant, with
+/// "_tsan" for the ThreadSanitizer build.
+std::string check_program_name(int lab, const GradeArguments& args) {
+  if (!args.variant.empty()) return fmt::format("grade_lab{}_{}", lab, args.variant);
+  return fmt::format("grade_lab{}{}{}", lab, kReferenceBuild ? "_reference" : "",
+                     args.sanitize == "thread" ? "_tsan" : "");
 }
 
-/// A temporary directory for reports and output, removed when grading ends.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-grade-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr)
-      throw Error(fmt::format("cannot create a temporary directory {}", pattern));
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  const std::filesystem::path& path() const { return path_; }
+/// A fresh 64-bit seed from the operating system's entropy.
+std::uint64_t random_seed() {
+  std::random_device device;
+  return (static_cast<std::uint64_t>(device()) << 32) | device();
+}
 
- private:
-  std::filesystem::path path_;
-};
+/// Accepts decimal digits that fit in 64 bits; CLI11 itself would wrap "-1" to 2^64-1.
+std::string check_seed(const std::string& text) {
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size())
+    return fmt::format("expected a whole number from 0 to {}, got '{}'",
+                       std::numeric_limits<std::uint64_t>::max(), text);
+  return "";
+}
 
 /// Processes under --backend mpi: -n, or 2 (the smallest job that communicates).
 int mpi_processes(const GradeArguments& args) {
@@ -118,22 +134,25 @@ int mpi_processes(const GradeArguments& args) {
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
-                                const std::filesystem::path& bin, const ScratchDir& scratch) {
+                                const std::filesystem::path& bin, std::uint64_t seed) {
   grader::RunRequest request;
-  request.program = bin / check_program_name(lab.number, args.variant);
+  request.program = bin / check_program_name(lab.number, args);
   request.backend = args.backend;
-  request.time_limit =
-      std::chrono::milliseconds(static_cast<long long>(args.timeout_seconds * 1000));
-  request.work_dir = scratch.path();
-  request.name = lab.folder;
+  request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
+  request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (args.backend == "mpi") {
-    MpirunOptions options;
-    options.mpirun = args.mpirun;
-    options.environment = {"DPLAB_TEST_BACKEND=mpi"};
     request.processes = mpi_processes(args);
-    // One command line per rank, so that each rank writes its own report file.
-    request.launcher = [options](const std::vector<std::vector<std::string>>& per_rank) {
-      return mpirun_command_per_rank(options, per_rank);
+    const std::string mpirun = args.mpirun;
+    request.launcher = [mpirun](const std::vector<std::string>& command, int processes,
+                                const std::vector<std::string>& variables) {
+      MpirunOptions options;
+      options.mpirun = mpirun;
+      options.ranks = processes;
+      // By name: every rank gets mpirun's value, and no value is on the command line,
+      // where any user's `ps` would show it (the channel's token is not passed at all: each
+      // rank reads it from a file of the channel directory).
+      options.environment = variables;
+      return mpirun_command(options, command);
     };
   }
   return request;
@@ -147,12 +166,20 @@ void grade(const GradeArguments& args) {
         "-n {} applies to --backend mpi only: on the local backend each check picks its own "
         "world sizes",
         args.ranks));
-  if (args.backend == "mpi" && args.ranks != -1 && args.ranks < 1)
-    throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
-  if (!(args.timeout_seconds > 0))
-    throw Error(fmt::format("--timeout must be positive, got {}", args.timeout_seconds));
+  if (args.backend == "mpi" && args.ranks != -1 && (args.ranks < 1 || args.ranks > kMaxWorldSize))
+    throw Error(
+        fmt::format("-n must be between 1 and {} processes, got {}", kMaxWorldSize, args.ranks));
+  timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (!args.variant.empty() && args.lab == 0)
     throw Error("--variant names one lab's build: give --lab N too");
+  if (!args.variant.empty() && !args.sanitize.empty())
+    throw Error("--sanitize has no planted-bug builds: give --variant or --sanitize, not both");
+  if (!args.sanitize.empty() && args.backend != "local")
+    throw Error(fmt::format(
+        "--sanitize thread needs --backend local, got '{}': ranks are threads only on the "
+        "local backend (where they can race); under mpi, Open MPI's own locking trips "
+        "ThreadSanitizer",
+        args.backend));
 
   const std::filesystem::path dir = grader_dir();
   std::vector<LabEntry> labs = find_labs(dir);
@@ -174,20 +201,34 @@ void grade(const GradeArguments& args) {
       throw Error(fmt::format("malformed rubric {}: \"lab\" is {} but the folder is lab {}",
                               lab.rubric.string(), rubrics.back().lab, lab.number));
   }
+  // The reports are written after grading: a bad path (or a rubric's) must fail before it.
+  std::vector<std::filesystem::path> rubric_files;
+  for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
+  for (const std::string& output : {args.json_file, args.junit_file})
+    if (!output.empty()) check_output_path(output, rubric_files);
 
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
-  const ScratchDir scratch;
+  if (args.sanitize == "thread")
+    for (const LabEntry& lab : labs)
+      if (const auto program = bin / check_program_name(lab.number, args);
+          !std::filesystem::exists(program))
+        throw Error(fmt::format(
+            "--sanitize thread needs {}, which is not built: configure with -DDP_GRADE_TSAN=ON "
+            "and build it (cmake --build <build dir> --target {})",
+            program.string(), program.filename().string()));
+  const std::uint64_t seed = args.seed_given ? args.seed : random_seed();
   grader::GradeReport report;
+  report.seed = seed;
   report.implementation =
       kReferenceBuild ? "reference solutions (solutions/)" : "your code (labs/)";
   if (!args.variant.empty()) report.implementation += ", variant " + args.variant;
+  if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   report.backend =
       args.backend == "mpi" ? fmt::format("mpi ({} processes)", mpi_processes(args)) : "local";
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
-    const grader::RunResult run =
-        grader::run_check_program(make_request(args, labs[i], bin, scratch));
+    const grader::RunResult run = grader::run_check_program(make_request(args, labs[i], bin, seed));
     report.labs.push_back(grader::score_lab(rubrics[i], run));
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -219,9 +260,22 @@ void add_grade_command(CLI::App& app) {
                    "Seconds each lab's check program may run before it is killed")
       ->capture_default_str();
   grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  CLI::Option* seed = grade_app->add_option(
+      "--seed", args->seed,
+      "Grading seed (0 to 2^64-1) the checks draw their parameters from; repeats a run "
+      "(default: a fresh random seed, printed)");
+  seed->check(CLI::Validator(check_seed, "UINT64"));
+  grade_app
+      ->add_option("--sanitize", args->sanitize,
+                   "thread: grade the ThreadSanitizer builds (grade_lab<N>_tsan, configured "
+                   "with -DDP_GRADE_TSAN=ON); a data race fails the lab")
+      ->check(CLI::IsMember({"thread"}));
   // Hidden (empty group): the selftests grade planted-bug builds with it.
   grade_app->add_option("--variant", args->variant, "Grade grade_lab<N>_<NAME> instead")->group("");
-  grade_app->callback([args] { grade(*args); });
+  grade_app->callback([args, seed] {
+    args->seed_given = seed->count() > 0;
+    grade(*args);
+  });
 }
 
 }  // namespace dp::cli

@@ -29,13 +29,12 @@ std::vector<std::string> job_options(const MpirunOptions& options) {
   return argv;
 }
 
-/// Options of one group of processes ("app context"): Open MPI applies -x per context, so
-/// in the per-rank form every context repeats them.
-void append_context(std::vector<std::string>& argv, const MpirunOptions& options, int ranks,
+/// The processes to start: how many, their environment and the program.
+void append_context(std::vector<std::string>& argv, const MpirunOptions& options,
                     const std::vector<std::string>& program) {
   if (program.empty()) throw Error("mpirun: no program to start (expected a command line)");
   argv.push_back("-n");
-  argv.push_back(std::to_string(ranks));
+  argv.push_back(std::to_string(options.ranks));
   // Keep freed memory mapped in every rank: an MPI_Allreduce of 64 MiB drops from 3.4 to
   // 0.17 GB/s when its temporaries are fresh mmap memory (measured on 2 vCPUs).
   for (const char* arg : {"-x", "MALLOC_MMAP_MAX_=0", "-x", "MALLOC_TRIM_THRESHOLD_=1073741824"})
@@ -53,18 +52,7 @@ std::vector<std::string> mpirun_command(const MpirunOptions& options,
                                         const std::vector<std::string>& program) {
   if (options.ranks < 1) throw Error(fmt::format("-n must be at least 1, got {}", options.ranks));
   std::vector<std::string> argv = job_options(options);
-  append_context(argv, options, options.ranks, program);
-  return argv;
-}
-
-std::vector<std::string> mpirun_command_per_rank(
-    const MpirunOptions& options, const std::vector<std::vector<std::string>>& per_rank) {
-  if (per_rank.empty()) throw Error("mpirun: expected at least one rank's command line, got none");
-  std::vector<std::string> argv = job_options(options);
-  for (std::size_t rank = 0; rank < per_rank.size(); ++rank) {
-    if (rank > 0) argv.push_back(":");  // Open MPI's separator between app contexts
-    append_context(argv, options, 1, per_rank[rank]);
-  }
+  append_context(argv, options, program);
   return argv;
 }
 

@@ -10,9 +10,6 @@
 //   options.ranks = 4;
 //   auto argv = mpirun_command(options, {this_executable(), "train", "--backend", "mpi"});
 //   // mpirun -n 4 [--allow-run-as-root] --oversubscribe --mca ... -x ... /path/dplab train ...
-//
-//   // One command line per rank (Open MPI's MPMD form, "a : b"), e.g. a file name per rank:
-//   auto argv2 = mpirun_command_per_rank(options, {{"prog", "out0"}, {"prog", "out1"}});
 #pragma once
 
 #include <string>
@@ -26,7 +23,8 @@ struct MpirunOptions {
   std::string mpirun = "mpirun";        ///< the mpirun program
   std::string hostfile;                 ///< an Open MPI host file; empty: this machine only
   std::vector<std::string> extra_args;  ///< more mpirun options, passed before the program
-  /// More NAME=VALUE variables for every rank (exported with -x, so remote ranks get them).
+  /// More variables for every rank (exported with -x, so remote ranks get them): NAME=VALUE,
+  /// or NAME alone for the value in mpirun's own environment (kept off the command line).
   std::vector<std::string> environment;
 };
 
@@ -34,12 +32,6 @@ struct MpirunOptions {
 /// `options.ranks` processes. Throws `dp::Error` for fewer than 1 rank or no program.
 std::vector<std::string> mpirun_command(const MpirunOptions& options,
                                         const std::vector<std::string>& program);
-
-/// The mpirun command line that starts one process per entry of `per_rank` (rank r runs
-/// `per_rank[r]`), all in one MPI job; `options.ranks` is ignored. Throws `dp::Error` when
-/// `per_rank` or one of its command lines is empty.
-std::vector<std::string> mpirun_command_per_rank(
-    const MpirunOptions& options, const std::vector<std::vector<std::string>>& per_rank);
 
 /// The absolute path of the running dplab executable (from /proc/self/exe).
 std::string this_executable();

@@ -13,21 +13,26 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "commands.h"
 #include "dp/error.h"
 #include "mpirun.h"
+#include "option_checks.h"
 
 namespace dp::cli {
 namespace {
 
 struct RunArguments {
-  int ranks = 1;
+  std::optional<int> ranks;  // not given: the command's own -n, or 1
   std::string backend = "mpi";
   std::string hostfile;
   std::string mpirun = "mpirun";
@@ -36,9 +41,52 @@ struct RunArguments {
   std::vector<std::string> command;
 };
 
-std::vector<std::string> mpi_command_line(const RunArguments& args) {
+/// The value of the command's own -n / --world-size (in any of CLI11's spellings), if any.
+std::optional<std::string> inner_world_size(const std::vector<std::string>& command) {
+  for (std::size_t i = 0; i < command.size(); ++i) {
+    const std::string& argument = command[i];
+    if ((argument == "-n" || argument == "--world-size") && i + 1 < command.size())
+      return command[i + 1];
+    if (argument.starts_with("--world-size=")) return argument.substr(13);
+    if (argument.starts_with("-n") && argument.size() > 2 && argument[2] != '-')
+      return argument.substr(argument[2] == '=' ? 3 : 2);
+  }
+  return std::nullopt;
+}
+
+/// The number of ranks: `dplab run -n`, else the command's own -n (`dplab run -- train -n 2`
+/// means 2 ranks), else 1. Both given must agree.
+int ranks_of(const RunArguments& args) {
+  const std::optional<std::string> inner = inner_world_size(args.command);
+  if (!inner) return args.ranks.value_or(1);
+  int inner_ranks = 0;
+  const auto [end, error] =
+      std::from_chars(inner->data(), inner->data() + inner->size(), inner_ranks);
+  if (error != std::errc() || end != inner->data() + inner->size() || inner_ranks < 1)
+    throw Error(fmt::format("the command's -n {} is not a number of ranks (1 or more)", *inner));
+  if (args.ranks && *args.ranks != inner_ranks)
+    throw Error(fmt::format(
+        "dplab run -n {} and the command's -n {} disagree: give the number of ranks once, "
+        "to dplab run (`dplab run -n {} -- {} ...`)",
+        *args.ranks, inner_ranks, *args.ranks, args.command.front()));
+  return inner_ranks;
+}
+
+/// `argument` as a POSIX shell reads it back: quoted when empty or when it holds anything
+/// but letters, digits and -_./=:,+@%.
+std::string shell_quoted(const std::string& argument) {
+  const bool plain = !argument.empty() && std::all_of(argument.begin(), argument.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("-_./=:,+@%", c) != nullptr;
+  });
+  if (plain) return argument;
+  std::string quoted = "'";
+  for (char c : argument) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+std::vector<std::string> mpi_command_line(const RunArguments& args, int ranks) {
   MpirunOptions options;
-  options.ranks = args.ranks;
+  options.ranks = ranks;
   options.mpirun = args.mpirun;
   options.hostfile = args.hostfile;
   options.extra_args = args.mpirun_args;
@@ -61,25 +109,31 @@ std::vector<std::string> mpi_command_line(const RunArguments& args) {
 }
 
 void run(const RunArguments& args) {
-  if (args.ranks < 1) throw Error(fmt::format("-n must be at least 1, got {}", args.ranks));
   if (args.command.empty())
     throw Error(
         "nothing to run: give a dplab command after --, e.g. "
         "`dplab run -n 4 --backend mpi -- train`");
+  const int ranks = ranks_of(args);
+  const bool inner_ranks = inner_world_size(args.command).has_value();
   std::vector<std::string> argv;
   if (args.backend == "mpi") {
-    argv = mpi_command_line(args);
+    argv = mpi_command_line(args, ranks);
   } else if (args.backend == "local") {
     // Local ranks are threads of one process: the command itself starts them.
     argv = {this_executable()};
     argv.insert(argv.end(), args.command.begin(), args.command.end());
-    for (const char* arg : {"--backend", "local", "-n"}) argv.push_back(arg);
-    argv.push_back(std::to_string(args.ranks));
+    for (const char* arg : {"--backend", "local"}) argv.push_back(arg);
+    if (!inner_ranks) {
+      argv.push_back("-n");
+      argv.push_back(std::to_string(ranks));
+    }
   } else {
     throw Error(fmt::format("unknown backend '{}': expected 'local' or 'mpi'", args.backend));
   }
   if (args.dry_run) {
-    fmt::print("{}\n", fmt::join(argv, " "));
+    std::vector<std::string> quoted;
+    for (const std::string& argument : argv) quoted.push_back(shell_quoted(argument));
+    fmt::print("{}\n", fmt::join(quoted, " "));
     return;
   }
   exec(argv);
@@ -91,7 +145,10 @@ void add_run_command(CLI::App& app) {
   auto args = std::make_shared<RunArguments>();
   CLI::App* run_app =
       app.add_subcommand("run", "Start a dplab command on N ranks (mpirun for --backend mpi)");
-  run_app->add_option("-n,--ranks", args->ranks, "Number of ranks")->capture_default_str();
+  run_app
+      ->add_option("-n,--ranks", args->ranks,
+                   "Number of ranks (default: the command's own -n, else 1)")
+      ->check(world_size_range());
   run_app->add_option("--backend", args->backend, "mpi or local")->capture_default_str();
   run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines");
   run_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();

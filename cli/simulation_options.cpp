@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "dp/error.h"
+#include "option_checks.h"
 
 namespace dp::cli {
 
@@ -12,17 +15,21 @@ void add_simulation_options(CLI::App& command, SimulationArguments& args) {
       .add_option("--net", args.net,
                   fmt::format("Simulate time on this network (local backend): {}", nets))
       ->group("Simulated clock");
+  // Checked as they are parsed: before, --alpha -5 was ignored and --bandwidth nan accepted.
   command
       .add_option("--alpha", args.alpha_us,
                   "Simulated latency per message in microseconds (overrides --net's)")
+      ->check(finite_in(0, 1e9))
       ->group("Simulated clock");
   command
       .add_option("--bandwidth", args.bandwidth_gbps,
                   "Simulated link bandwidth per direction in GB/s (overrides --net's)")
+      ->check(positive_finite(1e9))
       ->group("Simulated clock");
   command
       .add_option("--ranks-per-node", args.ranks_per_node,
                   "Two levels: this many ranks per node on --intra-net, nodes on --net")
+      ->check(whole_number_at_least(0))
       ->group("Simulated clock");
   command.add_option("--intra-net", args.intra_net, "The network inside a node (two levels)")
       ->capture_default_str()
@@ -41,15 +48,22 @@ void add_simulation_options(CLI::App& command, SimulationArguments& args) {
 
 SimulationOptions simulation_options(const SimulationArguments& args) {
   SimulationOptions options;
-  const bool custom = args.alpha_us >= 0 || args.bandwidth_gbps >= 0;
+  const bool custom = args.alpha_us.has_value() || args.bandwidth_gbps.has_value();
   options.enabled = !args.net.empty() || custom;
   if (!options.enabled) return options;
   if (!args.net.empty()) options.network = NetworkModel::preset(args.net);
   if (custom) options.network.name = args.net.empty() ? "custom" : args.net + " (modified)";
-  if (args.alpha_us >= 0) options.network.fabric.alpha_seconds = args.alpha_us * 1e-6;
-  if (args.bandwidth_gbps >= 0) {
-    if (args.bandwidth_gbps == 0) throw Error("--bandwidth must be positive, got 0");
-    options.network.fabric.bytes_per_second = args.bandwidth_gbps * 1e9;
+  // The same ranges as the options' checks, for callers that fill the arguments in code.
+  if (args.alpha_us) {
+    if (!(std::isfinite(*args.alpha_us) && *args.alpha_us >= 0))
+      throw Error(fmt::format("--alpha must be a finite number >= 0, got {}", *args.alpha_us));
+    options.network.fabric.alpha_seconds = *args.alpha_us * 1e-6;
+  }
+  if (args.bandwidth_gbps) {
+    if (!(std::isfinite(*args.bandwidth_gbps) && *args.bandwidth_gbps > 0))
+      throw Error(
+          fmt::format("--bandwidth must be a finite number above 0, got {}", *args.bandwidth_gbps));
+    options.network.fabric.bytes_per_second = *args.bandwidth_gbps * 1e9;
   }
   if (args.ranks_per_node < 0)
     throw Error(fmt::format("--ranks-per-node must be >= 0, got {}", args.ranks_per_node));

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <optional>
 #include <string>
 
 #include "dp/clock.h"
@@ -17,13 +18,13 @@ namespace dp::cli {
 
 /// What the simulation options hold before they are turned into `SimulationOptions`.
 struct SimulationArguments {
-  std::string net;                   ///< network preset; empty: no simulation
-  double alpha_us = -1;              ///< custom latency in microseconds (< 0: the preset's)
-  double bandwidth_gbps = -1;        ///< custom bandwidth in GB/s (< 0: the preset's)
-  int ranks_per_node = 0;            ///< two levels when > 0
-  std::string intra_net = "nvlink";  ///< the fabric inside a node (two levels)
-  std::string device = "a100";       ///< device preset
-  std::string compute = "roofline";  ///< roofline or measured
+  std::string net;                       ///< network preset; empty: no simulation
+  std::optional<double> alpha_us;        ///< custom latency in microseconds (the preset's if unset)
+  std::optional<double> bandwidth_gbps;  ///< custom bandwidth in GB/s (the preset's if unset)
+  int ranks_per_node = 0;                ///< two levels when > 0
+  std::string intra_net = "nvlink";      ///< the fabric inside a node (two levels)
+  std::string device = "a100";           ///< device preset
+  std::string compute = "roofline";      ///< roofline or measured
 };
 
 /// Adds --net, --alpha, --bandwidth, --ranks-per-node, --intra-net, --device and --compute.

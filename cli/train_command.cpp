@@ -3,11 +3,21 @@
 // backend simulates the interconnect and the clock: it then prints the simulated step time,
 // the exposed communication and the overlap fraction, and --trace writes every rank's ops
 // as a Chrome trace (open it in https://ui.perfetto.dev).
+//
+// Checkpoints hold the whole state of the run (parameters, optimizer state, step), so
+//
+//   dplab train --steps 1000 --checkpoint-every 100     # stopped at step 730
+//   dplab train --steps 1000 --resume dplab-train.safetensors
+//
+// continues from step 700 and ends with bitwise the parameters of an uninterrupted run.
+// Every number is checked and every output path is tried before the data is loaded.
 #include <fmt/format.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,8 +26,10 @@
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/output_file.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
+#include "option_checks.h"
 #include "simulation_options.h"
 
 namespace dp::cli {
@@ -25,9 +37,12 @@ namespace {
 
 struct TrainArguments {
   TrainOptions options;
-  int world_size = 0;  // 0: 1 on local, every process under mpi
+  std::optional<int> world_size;  // not given: 1 on local, every process under mpi
   std::string backend = "local";
   std::string checkpoint = "dplab-train.safetensors";
+  int checkpoint_every = 0;  // 0: only at the end
+  std::string resume;
+  bool save_non_finite = false;
   bool verify = false;
   double hang_timeout_seconds = 60;
   SimulationArguments simulation;
@@ -45,20 +60,17 @@ bool replicas_identical(const Model& model, Communicator& comm) {
   return differing[0] == 0;
 }
 
-void save_checkpoint(const TrainArguments& args, const Model& model, int world_size) {
-  std::vector<NamedTensor> tensors;
-  for (const Parameter* parameter : model.parameters())
-    tensors.push_back({parameter->name, &parameter->value});
-  const std::map<std::string, std::string> metadata = {
-      {"model", args.options.model},
-      {"dataset", args.options.dataset},
-      {"steps", std::to_string(args.options.steps)},
-      {"seed", std::to_string(args.options.seed)},
-      {"world_size", std::to_string(world_size)},
-      {"backend", args.backend},
-      {"producer", "dplab train"}};
-  save_safetensors(args.checkpoint, tensors, metadata);
-  fmt::print("checkpoint: {} ({} tensors)\n", args.checkpoint, tensors.size());
+/// Saves the run's state after `step` steps to --checkpoint (rank 0 only).
+void save_checkpoint(const TrainArguments& args, const Dataset& data, const Model& model,
+                     Optimizer& optimizer, int step, int world_size) {
+  TrainingCheckpointInfo info;
+  info.world_size = world_size;
+  info.backend = args.backend;
+  info.allow_non_finite = args.save_non_finite;
+  save_training_checkpoint(args.checkpoint, args.options, model, optimizer, step, data.size(),
+                           info);
+  fmt::print("checkpoint: {} (step {}: {} parameters and {} optimizer state tensors)\n",
+             args.checkpoint, step, model.parameters().size(), optimizer.state().size());
 }
 
 /// Trains a single-process baseline on the global batch and compares it with `model`.
@@ -84,10 +96,14 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
       "of {}; tolerance {:.3g} -> {}\n",
       world_size, max_difference, where, expected.size(), tolerance, within ? "OK" : "FAILED");
   if (!within)
-    throw Error(
-        fmt::format("data-parallel training differs from single-process training by "
-                    "{:.3g}, more than the tolerance {:.3g}",
-                    max_difference, tolerance));
+    throw Error(fmt::format(
+        "data-parallel training differs from single-process training by {:.3g}, more than the "
+        "tolerance {:.3g}{}",
+        max_difference, tolerance,
+        args.options.optimizer == "adamw"
+            ? " (AdamW's normalised step can turn float32 reordering noise into a chaotic "
+              "drift over long runs with a large learning rate: verify with fewer --steps)"
+            : ""));
 }
 
 std::string format_bytes(double bytes) {
@@ -102,8 +118,7 @@ void print_simulated_time(const SimulationOptions& simulation,
   StepSummary slowest;
   int slowest_rank = 0;
   for (const RankTrace& trace : traces) {
-    const std::vector<StepSummary> steps = summarize_steps(trace);
-    const StepSummary mean = mean_of(steps);
+    const StepSummary mean = mean_step(trace);
     if (trace.rank == 0 || mean.total > slowest.total) {
       slowest = mean;
       slowest_rank = trace.rank;
@@ -120,11 +135,14 @@ void print_simulated_time(const SimulationOptions& simulation,
 }
 
 void run_train(const TrainArguments& args) {
+  // Everything that can be checked without the data is checked first: a bad number or an
+  // unwritable path must not cost a training run.
   LaunchOptions launch_options;
   launch_options.backend = parse_backend(args.backend);
   launch_options.comm.hang_timeout =
-      std::chrono::milliseconds(static_cast<std::int64_t>(args.hang_timeout_seconds * 1000));
-  int world_size = args.world_size;
+      timeout_milliseconds(args.hang_timeout_seconds, "--hang-timeout", kMaxHangTimeout);
+  check_train_options(args.options);
+  int world_size = args.world_size.value_or(0);
   if (launch_options.backend == Backend::kMpi) {
     if (!started_by_mpi())
       throw Error(
@@ -142,34 +160,70 @@ void run_train(const TrainArguments& args) {
         "the wall clock");
   if (!args.trace.empty() && !simulated)
     throw Error("--trace records the simulated clock: add --net (e.g. --net ib-ndr)");
+  // Without --trace only the step summaries are kept, so memory does not grow per step.
+  launch_options.simulation.record_trace = !args.trace.empty();
+  if (args.checkpoint_every > 0 && args.checkpoint.empty())
+    throw Error("--checkpoint-every saves to --checkpoint, which is empty: give a path");
   const bool prints = mpi_world_rank() == 0;
+  const std::vector<std::filesystem::path> inputs = dataset_files(args.options.dataset);
+  if (prints) {
+    // The resumed checkpoint may be replaced: it was read whole, and what replaces it is a
+    // later state of the same run (that is what --checkpoint-every is for).
+    if (!args.checkpoint.empty()) check_output_path(args.checkpoint, inputs);
+    if (!args.trace.empty()) check_output_path(args.trace, inputs);
+  }
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);
-  if (prints)
+  check_data_fits_model(args.options, data);
+  std::optional<TrainingCheckpoint> resumed;
+  if (!args.resume.empty())
+    resumed = load_training_checkpoint(args.resume, args.options, data.size());
+  if (prints) {
     fmt::print(
         "dplab train: model {} on {} ({} samples), {} ranks on the {} backend, global "
         "batch {}, {} steps, {} lr {}\n",
         args.options.model, data.name, data.size(), world_size, args.backend,
         args.options.global_batch, args.options.steps, args.options.optimizer, args.options.lr);
+    if (resumed) {
+      fmt::print("resuming from {} at step {}\n", args.resume, resumed->step);
+      const auto saved_by = resumed->info.find("world_size");
+      if (saved_by != resumed->info.end() && saved_by->second != std::to_string(world_size))
+        fmt::print(
+            "note: {} was saved by {} ranks and continues on {}: the sums of the gradient "
+            "average change order, so the result differs from an uninterrupted run in "
+            "float32 rounding\n",
+            args.resume, saved_by->second, world_size);
+    }
+  }
 
+  TrainCheckpointing checkpointing;
+  if (resumed) checkpointing.resume_from = &*resumed;
+  checkpointing.every = args.checkpoint_every;
+  checkpointing.save = [&](int step, const Model& model, Optimizer& optimizer) {
+    save_checkpoint(args, data, model, optimizer, step, world_size);
+  };
   std::vector<RankTrace> traces(static_cast<std::size_t>(world_size));
   launch(launch_options, [&](Communicator& comm) {
-    const TrainResult result =
-        train_data_parallel(args.options, data, comm, [simulated](const StepReport& report) {
+    const TrainResult result = train_data_parallel(
+        args.options, data, comm,
+        [simulated](const StepReport& report) {
           fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}", report.step,
                      report.loss, report.accuracy, report.samples_per_second);
           if (simulated)
             fmt::print("  simulated step {:.3f} us", report.clock_seconds_per_step * 1e6);
           fmt::print("\n");
-        });
+        },
+        checkpointing);
     if (simulated) traces[static_cast<std::size_t>(comm.rank())] = comm.clock().trace();
     const bool identical = replicas_identical(result.model, comm);
     if (comm.rank() != 0) return;
     fmt::print("replicas: {} ranks {}\n", comm.size(),
                identical ? "bitwise identical" : "DIFFER (a bug: all-reduce results must agree)");
     if (!identical) throw Error("the replicas' parameters differ after training");
+    // Saved before --verify: a failed comparison must not lose the training.
+    if (!args.checkpoint.empty())
+      save_checkpoint(args, data, result.model, *result.optimizer, args.options.steps, comm.size());
     if (args.verify) verify_against_single_process(args, data, result, comm.size());
-    if (!args.checkpoint.empty()) save_checkpoint(args, result.model, comm.size());
   });
   if (simulated) print_simulated_time(launch_options.simulation, traces);
   if (!args.trace.empty()) {
@@ -193,27 +247,50 @@ void add_train_command(CLI::App& app) {
   train->add_option("--dataset", o.dataset, "synthetic[:N], digits, csv:PATH, idx:IMAGES,LABELS")
       ->capture_default_str();
   train->add_option("--batch", o.global_batch, "Global batch size (all ranks together)")
-      ->capture_default_str();
-  train->add_option("--steps", o.steps, "Optimizer steps")->capture_default_str();
+      ->capture_default_str()
+      ->check(whole_number_at_least(1));
+  train->add_option("--steps", o.steps, "Optimizer steps (in all, a resumed run included)")
+      ->capture_default_str()
+      ->check(whole_number_at_least(0));
   train->add_option("--optimizer", o.optimizer, "sgd or adamw")->capture_default_str();
-  train->add_option("--lr", o.lr, "Learning rate")->capture_default_str();
-  train->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
-  train->add_option("--weight-decay", o.weight_decay, "Weight decay")->capture_default_str();
+  train->add_option("--lr", o.lr, "Learning rate")->capture_default_str()->check(finite_in(0, 1e6));
+  train->add_option("--momentum", o.momentum, "SGD momentum, in [0, 1)")
+      ->capture_default_str()
+      ->check(finite_in(0, 0.999999));
+  train->add_option("--weight-decay", o.weight_decay, "Weight decay")
+      ->capture_default_str()
+      ->check(finite_in(0, 1e6));
   train->add_option("--seed", o.seed, "Seed of the initial weights and data order")
       ->capture_default_str();
   train->add_option("--log-every", o.log_every, "Print progress every N steps")
-      ->capture_default_str();
-  train->add_option("-n,--world-size", args->world_size,
-                    "Ranks (default: 1 on local, every process under mpi)");
+      ->capture_default_str()
+      ->check(whole_number_at_least(1));
+  train
+      ->add_option("-n,--world-size", args->world_size,
+                   "Ranks (default: 1 on local, every process under mpi)")
+      ->check(world_size_range());
   train->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
-  train->add_option("--checkpoint", args->checkpoint, "safetensors file to save ('' for none)")
+  train
+      ->add_option("--checkpoint", args->checkpoint,
+                   "safetensors file of the run's state, saved at the end ('' for none)")
       ->capture_default_str();
+  train
+      ->add_option("--checkpoint-every", args->checkpoint_every,
+                   "Also save --checkpoint every K steps (0: only at the end)")
+      ->capture_default_str()
+      ->check(whole_number_at_least(0));
+  train->add_option("--resume", args->resume,
+                    "Continue from this checkpoint: its step, parameters, optimizer state and "
+                    "data position (the options must be those of the run that saved it)");
+  train->add_flag("--save-non-finite", args->save_non_finite,
+                  "Save a checkpoint even if a weight is NaN or infinite");
   train->add_flag("--verify", args->verify,
                   "Also train 1 rank on the global batch and compare the parameters");
   train
       ->add_option("--hang-timeout", args->hang_timeout_seconds,
                    "Seconds a rank may wait before the hang report")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(positive_finite(std::chrono::duration<double>(kMaxHangTimeout).count()));
   train->add_flag("--overlap", o.overlap,
                   "All-reduce each gradient from its gradient-ready hook, during backward");
   add_simulation_options(*train, args->simulation);

@@ -21,7 +21,9 @@ namespace {
 using testing::test_launch;
 
 // 0, 1, a prime, and 8 MiB of float32 plus a few elements (so chunks are uneven).
-const std::vector<std::size_t> kCounts = {0, 1, 1009, 2 * 1024 * 1024 + 3};
+// Empty, one element, eager calls of one piece and of several (shards crossing pieces),
+// and a call for the communication threads.
+const std::vector<std::size_t> kCounts = {0, 1, 1009, 5003, 2 * 1024 * 1024 + 3};
 
 float value_of(int rank, std::size_t index) {
   return static_cast<float>((rank + 1) * static_cast<int>(index % 7 + 1));

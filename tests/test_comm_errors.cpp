@@ -1,9 +1,12 @@
 // The local backend's error policy: mismatched collectives fail on every rank with the
 // ranks and sizes named; a deadlock is detected at once and a hang after the timeout,
 // each with every rank's pending call; a failing rank ends everyone's calls.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -112,8 +115,9 @@ TEST(CommErrors, HangIsReportedAfterTheTimeout) {
   const auto start = SteadyClock::now();
   const std::string message = comm_error_of(local(2, milliseconds(300)), [](Communicator& comm) {
     std::vector<float> data(4);
-    // Rank 1 computes for far longer than the timeout before it joins.
-    if (comm.rank() == 1) std::this_thread::sleep_for(seconds(2));
+    // Rank 1 computes for far longer than the timeout before it joins (and returns within
+    // the grace `launch` gives the ranks after a hang).
+    if (comm.rank() == 1) std::this_thread::sleep_for(seconds(1));
     comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
   });
   EXPECT_LT(SteadyClock::now() - start, seconds(10));
@@ -135,6 +139,70 @@ TEST(CommErrors, AFailingRankEndsTheOthersAndItsErrorIsRethrown) {
     EXPECT_STREQ(e.what(), "rank 2 broke");
   }
   EXPECT_LT(SteadyClock::now() - start, seconds(5));
+}
+
+TEST(CommErrors, ARankStuckInItsOwnCodeEndsTheProcessWithTheReport) {
+  // Before: the report was made at the timeout but printed only once the stuck rank
+  // returned, which an endless loop never does.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto stuck = [] {
+    const auto start = SteadyClock::now();
+    try {
+      launch(local(3, milliseconds(500)), [](Communicator& comm) {
+        std::vector<float> data(4);
+        if (comm.rank() == 1)
+          while (true) std::this_thread::sleep_for(milliseconds(10));  // never returns
+        comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+      });
+    } catch (...) {
+    }
+    std::fprintf(stderr, "launch returned after %.1f s\n",
+                 std::chrono::duration<double>(SteadyClock::now() - start).count());
+    std::exit(0);
+  };
+  const auto start = SteadyClock::now();
+  EXPECT_EXIT(stuck(), ::testing::ExitedWithCode(3),
+              "timeout: rank [02] waited 0.5 s for call #0 allreduce(.|\n)*rank 1: is not "
+              "waiting in dplab(.|\n)*rank 1 did not return from its function after the abort");
+  // The timeout (0.5 s) plus the grace (2 s), and the death test's own start-up.
+  EXPECT_LT(SteadyClock::now() - start, seconds(8));
+}
+
+TEST(CommErrors, AnErrorOfARankNamesTheRank) {
+  // Before: `launch` rethrew "bad shard", and the user could not tell which rank it was.
+  try {
+    launch(local(3), [](Communicator& comm) {
+      if (comm.rank() == 1) throw Error("bad shard");
+      std::vector<float> data(4);
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    });
+    FAIL() << "expected the rank's dp::Error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rank 1: bad shard");
+    EXPECT_EQ(e.rank(), 1);
+  }
+  // The type survives: a skeleton's NotImplemented is still one.
+  EXPECT_THROW(launch(local(2),
+                      [](Communicator& comm) {
+                        if (comm.rank() == 0) throw NotImplemented("lab0::nothing");
+                      }),
+               NotImplemented);
+}
+
+TEST(CommErrors, AMismatchBetweenASmallAndALargeCallIsReported) {
+  // The first rank's call decides between the eager path and the communication threads;
+  // a mismatched peer follows it and the mismatch is reported either way.
+  for (int small_rank : {0, 1}) {
+    const std::string message = comm_error_of(local(2), [&](Communicator& comm) {
+      std::vector<float> data(comm.rank() == small_rank ? 16 : 1 << 20);
+      if (comm.rank() != small_rank) std::this_thread::sleep_for(milliseconds(50));
+      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+    });
+    EXPECT_NE(message.find(fmt::format("rank {} called allreduce(count=16 float32", small_rank)),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("called allreduce(count=1048576 float32"), std::string::npos) << message;
+  }
 }
 
 TEST(CommErrors, PointToPointSizeMismatchNamesBothSides) {

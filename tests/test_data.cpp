@@ -345,6 +345,44 @@ TEST(Csv, RejectsAMissingFile) {
                {"cannot open", "absent.csv"});
 }
 
+TEST(Csv, RejectsADirectoryInsteadOfReadingItAsEmpty) {
+  // Before: a directory opened fine and read as a file of no samples.
+  const fs::path dir = test_directory();
+  fs::create_directory(dir / "data.csv");
+  expect_error([&] { dp::load_csv(dir / "data.csv"); }, {"data.csv", "is a directory"});
+  expect_error([&] { dp::load_dataset("csv:" + (dir / "data.csv").string()); }, {"is a directory"});
+  expect_error([&] { dp::load_idx(dir / "data.csv", dir / "data.csv"); }, {"is a directory"});
+}
+
+TEST(Csv, QuotesTheStartOfAnEnormousField) {
+  const std::string huge(100000, '7');
+  const fs::path csv = write_file(test_directory() / "huge.csv", "1,2,0\n1," + huge + "x,1\n");
+  try {
+    dp::load_csv(csv);
+    ADD_FAILURE() << "expected a dp::Error";
+  } catch (const dp::Error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("huge.csv:2:3: expected a number in field 2, found '777"),
+              std::string::npos)
+        << message.substr(0, 200);
+    EXPECT_LT(message.size(), 1000u) << "the message quotes the start of the field only";
+  }
+}
+
+TEST(Csv, ReadsLinesLongerThanTheReadBlock) {
+  // 20000 features per line: each line spans several of the loader's 64 KiB blocks.
+  std::string text;
+  for (int line = 0; line < 3; ++line) {
+    for (int f = 0; f < 20000; ++f) text += std::to_string((f + line) % 7) + ",";
+    text += std::to_string(line) + "\n";
+  }
+  const dp::Dataset data = dp::load_csv(write_file(test_directory() / "wide.csv", text));
+  ASSERT_EQ(data.size(), 3u);
+  EXPECT_EQ(data.feature_dim(), 20000);
+  EXPECT_EQ(data.labels, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(data.features[2 * 20000 + 19999], static_cast<float>((19999 + 2) % 7));
+}
+
 // --- IDX ---------------------------------------------------------------------------------
 
 std::string big_endian(std::uint32_t value) {

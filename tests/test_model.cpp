@@ -84,7 +84,8 @@ TEST(Model, BadSpecsAreRejectedWithClearMessages) {
       {"64-+5-10", "width 2 is \"+5\""},
   };
   for (const auto& [spec, reason] : cases) {
-    const std::string message = error_message([&] { dp::Model::mlp(spec); });
+    // (Clang 14, the sanitize build's compiler, cannot capture a structured binding.)
+    const std::string message = error_message([&spec = spec] { dp::Model::mlp(spec); });
     EXPECT_NE(message.find("\"" + spec + "\""), std::string::npos) << message;
     EXPECT_NE(message.find(reason), std::string::npos) << message;
     EXPECT_NE(message.find("expected two or more positive layer widths"), std::string::npos)

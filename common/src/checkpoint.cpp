@@ -9,16 +9,18 @@
 
 #include <algorithm>
 #include <bit>
-#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 #include <string_view>
 #include <vector>
 
 #include "data/file_io.h"
 #include "dp/error.h"
+#include "dp/output_file.h"
+#include "parsers.h"
 
 namespace dp {
 
@@ -32,14 +34,6 @@ namespace {
 constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr std::size_t kLengthBytes = 8;  // the header length field
 constexpr std::size_t kHeaderAlignment = 8;
-
-void write_or_throw(std::ofstream& out, const void* data, std::size_t bytes,
-                    const std::filesystem::path& path) {
-  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
-  if (!out)
-    throw Error(
-        fmt::format("cannot write safetensors file '{}': {}", path.string(), std::strerror(errno)));
-}
 
 // One tensor entry of a header, checked against the data section.
 struct Entry {
@@ -167,37 +161,26 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
   header_text.append((kHeaderAlignment - header_text.size() % kHeaderAlignment) % kHeaderAlignment,
                      ' ');
 
-  std::filesystem::path temporary = path;
-  temporary += ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out)
-      throw Error(fmt::format("cannot create safetensors file '{}': {}", temporary.string(),
-                              std::strerror(errno)));
-    const std::uint64_t header_length = header_text.size();  // little-endian: see above
-    write_or_throw(out, &header_length, sizeof header_length, temporary);
-    write_or_throw(out, header_text.data(), header_text.size(), temporary);
-    for (const NamedTensor& named : tensors) {
-      if (!named.tensor->empty())
-        write_or_throw(out, named.tensor->data(), named.tensor->bytes(), temporary);
-    }
-    out.close();
-    if (!out)
-      throw Error(fmt::format("cannot finish writing safetensors file '{}'", temporary.string()));
+  // A unique temporary file, fsync and rename: see dp/output_file.h.
+  AtomicFile out(path);
+  const std::uint64_t header_length = header_text.size();  // little-endian: see above
+  out.write(&header_length, sizeof header_length);
+  out.write(header_text);
+  for (const NamedTensor& named : tensors) {
+    if (!named.tensor->empty()) out.write(named.tensor->data(), named.tensor->bytes());
   }
-  std::error_code rename_error;
-  std::filesystem::rename(temporary, path, rename_error);
-  if (rename_error) {
-    std::filesystem::remove(temporary, rename_error);
-    throw Error(fmt::format("cannot move '{}' to '{}': {}", temporary.string(), file,
-                            rename_error.message()));
-  }
+  out.commit();
 }
 
 Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory category) {
-  const std::string file = path.string();
-  const std::string bytes = detail::read_whole_file(path, "safetensors file");
+  return detail::parse_safetensors(detail::read_whole_file(path, "safetensors file"), path.string(),
+                                   category);
+}
 
+namespace detail {
+
+Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
+                             MemoryCategory category) {
   if (bytes.size() < kLengthBytes)
     throw Error(
         fmt::format("safetensors file '{}' is {} bytes long: expected at least the "
@@ -214,9 +197,21 @@ Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory ca
   const std::uint64_t data_size = bytes.size() - data_start;
 
   nlohmann::json header;
+  // JSON lets a key appear twice and the parser keeps the last value; in a checkpoint that
+  // would hide a tensor, so the keys of the top-level object are collected as they are read.
+  std::set<std::string> keys;
+  std::optional<std::string> duplicate;
+  const auto find_duplicate = [&](int depth, nlohmann::json::parse_event_t event,
+                                  nlohmann::json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && !duplicate &&
+        !keys.insert(parsed.get<std::string>()).second)
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
   try {
     header = nlohmann::json::parse(bytes.begin() + kLengthBytes,
-                                   bytes.begin() + static_cast<std::ptrdiff_t>(data_start));
+                                   bytes.begin() + static_cast<std::ptrdiff_t>(data_start),
+                                   find_duplicate);
   } catch (const nlohmann::json::parse_error& error) {
     // `error.byte` counts from 1 within the parsed text. The message after the first
     // ": " says what was wrong; the line and column before it count within the header,
@@ -229,12 +224,26 @@ Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory ca
         fmt::format("safetensors file '{}': the header is not valid JSON at byte "
                     "offset {}: {}",
                     file, at, problem));
+  } catch (const nlohmann::json::exception& error) {
+    // Valid syntax the parser still refuses, e.g. a number beyond any double (found by
+    // tests/fuzz/fuzz_safetensors).
+    std::string_view problem = error.what();
+    if (const std::size_t bracket = problem.find("] "); bracket != std::string_view::npos)
+      problem.remove_prefix(bracket + 2);
+    throw Error(fmt::format(
+        "safetensors file '{}': the header (byte offsets {} to {}) is not valid JSON: {}", file,
+        kLengthBytes, data_start, problem));
   }
   if (!header.is_object())
     throw Error(
         fmt::format("safetensors file '{}': the header at byte offset {} is a JSON {}, "
                     "expected an object",
                     file, kLengthBytes, header.type_name()));
+  if (duplicate)
+    throw Error(fmt::format(
+        "safetensors file '{}': header (byte offsets {} to {}): the name '{}' appears twice, "
+        "expected each tensor name (and \"__metadata__\") once",
+        file, kLengthBytes, data_start, *duplicate));
 
   Checkpoint checkpoint;
   std::vector<Entry> entries;
@@ -289,5 +298,7 @@ Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory ca
   }
   return checkpoint;
 }
+
+}  // namespace detail
 
 }  // namespace dp

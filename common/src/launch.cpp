@@ -54,11 +54,12 @@ int mpi_world_size() {
 }
 
 void launch(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
-  if (options.world_size < 1)
-    throw Error(fmt::format("world size must be at least 1, got {}", options.world_size));
-  if (options.comm.hang_timeout.count() <= 0)
-    throw Error(
-        fmt::format("hang timeout must be positive, got {} ms", options.comm.hang_timeout.count()));
+  if (options.world_size < 1 || options.world_size > kMaxWorldSize)
+    throw Error(fmt::format("world size must be between 1 and {}, got {}", kMaxWorldSize,
+                            options.world_size));
+  if (options.comm.hang_timeout.count() <= 0 || options.comm.hang_timeout > kMaxHangTimeout)
+    throw Error(fmt::format("hang timeout must be positive and at most {} ms (a week), got {} ms",
+                            kMaxHangTimeout.count(), options.comm.hang_timeout.count()));
   configure_process_allocator();
   // Ranks run in parallel already; one BLAS thread per rank also keeps every matrix
   // product's summation order, and so its result, fixed.

@@ -2,6 +2,7 @@
 
 #include <cblas.h>
 
+#include <chrono>
 #include <limits>
 
 #include "dp/error.h"
@@ -31,12 +32,34 @@ std::pair<std::int64_t, std::int64_t> op_shape(const Tensor& t, Transpose transp
                                       : std::pair{t.dim(0), t.dim(1)};
 }
 
+thread_local double blas_seconds = 0;
+
+/// Adds the wall time of its own lifetime to this thread's BLAS time.
+class BlasTimer {
+ public:
+  BlasTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~BlasTimer() {
+    blas_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  BlasTimer(const BlasTimer&) = delete;
+  BlasTimer& operator=(const BlasTimer&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
 }  // namespace
+
+double blas_seconds_of_this_thread() {
+  return blas_seconds;
+}
 
 void gemm(Transpose transpose_a, Transpose transpose_b, std::int64_t m, std::int64_t n,
           std::int64_t k, float alpha, const float* a, std::int64_t lda, const float* b,
           std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;  // nothing to write; BLAS rejects some zero strides
+  const BlasTimer timer;
   cblas_sgemm(CblasRowMajor, to_cblas(transpose_a), to_cblas(transpose_b), to_blas_int(m, "m"),
               to_blas_int(n, "n"), to_blas_int(k, "k"), alpha, a, to_blas_int(lda, "lda"), b,
               to_blas_int(ldb, "ldb"), beta, c, to_blas_int(ldc, "ldc"));
@@ -50,6 +73,7 @@ void gemv(Transpose transpose_a, std::int64_t rows, std::int64_t cols, float alp
     for (std::int64_t i = 0; i < y_size; ++i) y[i] = beta == 0.0f ? 0.0f : beta * y[i];
     return;
   }
+  const BlasTimer timer;
   cblas_sgemv(CblasRowMajor, to_cblas(transpose_a), to_blas_int(rows, "rows"),
               to_blas_int(cols, "cols"), alpha, a, to_blas_int(lda, "lda"), x, 1, beta, y, 1);
 }

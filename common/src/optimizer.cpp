@@ -62,9 +62,14 @@ void Optimizer::check_update(std::size_t offset, std::span<float> params,
 // --- SGD ---------------------------------------------------------------------------------
 
 Sgd::Sgd(std::size_t state_size, SgdOptions options) : Optimizer(state_size), options_(options) {
-  if (!(options.lr >= 0.0f) || !(options.momentum >= 0.0f) || !(options.weight_decay >= 0.0f))
-    throw Error(fmt::format("sgd needs lr, momentum and weight_decay >= 0, got {}, {}, {}",
-                            options.lr, options.momentum, options.weight_decay));
+  // Finite and in range: an infinite rate or a momentum of 1 or more only makes NaNs.
+  if (!(options.lr >= 0.0f && std::isfinite(options.lr)) ||
+      !(options.momentum >= 0.0f && options.momentum < 1.0f) ||
+      !(options.weight_decay >= 0.0f && std::isfinite(options.weight_decay)))
+    throw Error(fmt::format(
+        "sgd needs finite lr >= 0, momentum in [0, 1) and finite weight_decay >= 0, got {}, {}, "
+        "{}",
+        options.lr, options.momentum, options.weight_decay));
   // A zero buffer makes the first step buf = 0 * momentum + g = g, exactly as PyTorch.
   if (options.momentum != 0.0f)
     momentum_buffer_ =
@@ -77,14 +82,21 @@ void Sgd::update(std::size_t offset, std::span<float> params, std::span<const fl
   const float momentum = options_.momentum;
   const float weight_decay = options_.weight_decay;
   float* buffer = momentum != 0.0f ? momentum_buffer_.data() + offset : nullptr;
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    float g = grads[i];
-    if (weight_decay != 0.0f) g += weight_decay * params[i];
-    if (buffer != nullptr) {
+  float* p = params.data();
+  const float* grad = grads.data();
+  const std::size_t n = params.size();
+  // One branch-free loop per case, so that each vectorizes; the arithmetic per element is
+  // exactly that of the general formula.
+  if (buffer == nullptr && weight_decay == 0.0f) {
+    for (std::size_t i = 0; i < n; ++i) p[i] -= lr * grad[i];
+  } else if (buffer == nullptr) {
+    for (std::size_t i = 0; i < n; ++i) p[i] -= lr * (grad[i] + weight_decay * p[i]);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      const float g = weight_decay != 0.0f ? grad[i] + weight_decay * p[i] : grad[i];
       buffer[i] = momentum * buffer[i] + g;
-      g = buffer[i];
+      p[i] -= lr * buffer[i];
     }
-    params[i] -= lr * g;
   }
 }
 
@@ -102,11 +114,13 @@ AdamW::AdamW(std::size_t state_size, AdamWOptions options)
       exp_avg_sq_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState) {
   const bool betas_ok = options.beta1 >= 0.0f && options.beta1 < 1.0f && options.beta2 >= 0.0f &&
                         options.beta2 < 1.0f;
-  if (!betas_ok || !(options.eps > 0.0f) || !(options.lr >= 0.0f) ||
-      !(options.weight_decay >= 0.0f))
+  if (!betas_ok || !(options.eps > 0.0f && std::isfinite(options.eps)) ||
+      !(options.lr >= 0.0f && std::isfinite(options.lr)) ||
+      !(options.weight_decay >= 0.0f && std::isfinite(options.weight_decay)))
     throw Error(
-        fmt::format("adamw needs betas in [0, 1), eps > 0, lr >= 0 and weight_decay >= "
-                    "0, got beta1 = {}, beta2 = {}, eps = {}, lr = {}, weight_decay = {}",
+        fmt::format("adamw needs betas in [0, 1), finite eps > 0, finite lr >= 0 and finite "
+                    "weight_decay >= 0, got beta1 = {}, beta2 = {}, eps = {}, lr = {}, "
+                    "weight_decay = {}",
                     options.beta1, options.beta2, options.eps, options.lr, options.weight_decay));
 }
 

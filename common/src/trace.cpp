@@ -3,11 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/output_file.h"
 
 namespace dp {
 namespace {
@@ -113,27 +113,45 @@ std::vector<StepSummary> summarize_steps(const RankTrace& trace) {
   return steps;
 }
 
-StepSummary mean_of(std::span<const StepSummary> steps) {
-  StepSummary mean;
-  mean.step = static_cast<int>(steps.size());
-  if (steps.empty()) return mean;
-  double bytes = 0;
-  for (const StepSummary& s : steps) {
-    mean.total += s.total;
-    mean.compute += s.compute;
-    mean.communication += s.communication;
-    mean.exposed_communication += s.exposed_communication;
-    mean.overlap_fraction += s.overlap_fraction;
-    bytes += static_cast<double>(s.link_bytes);
-  }
-  const double n = static_cast<double>(steps.size());
+void add_step(StepSummary& sum, const StepSummary& step) {
+  sum.step += 1;
+  sum.total += step.total;
+  sum.compute += step.compute;
+  sum.communication += step.communication;
+  sum.exposed_communication += step.exposed_communication;
+  sum.overlap_fraction += step.overlap_fraction;
+  sum.link_bytes += step.link_bytes;
+}
+
+namespace {
+
+/// The mean of the sums in `sum` over its `sum.step` steps.
+StepSummary mean_of_sum(const StepSummary& sum) {
+  StepSummary mean = sum;
+  mean.start = 0;
+  if (sum.step == 0) return mean;
+  const double n = static_cast<double>(sum.step);
   mean.total /= n;
   mean.compute /= n;
   mean.communication /= n;
   mean.exposed_communication /= n;
   mean.overlap_fraction /= n;
-  mean.link_bytes = static_cast<std::uint64_t>(bytes / n + 0.5);
+  mean.link_bytes = static_cast<std::uint64_t>(static_cast<double>(sum.link_bytes) / n + 0.5);
   return mean;
+}
+
+}  // namespace
+
+StepSummary mean_of(std::span<const StepSummary> steps) {
+  StepSummary sum;
+  for (const StepSummary& step : steps) add_step(sum, step);
+  return mean_of_sum(sum);
+}
+
+StepSummary mean_step(const RankTrace& trace) {
+  StepSummary sum = trace.folded;
+  for (const StepSummary& step : summarize_steps(trace)) add_step(sum, step);
+  return mean_of_sum(sum);
 }
 
 std::string chrome_trace_json(std::span<const RankTrace> traces) {
@@ -198,11 +216,7 @@ std::string chrome_trace_json(std::span<const RankTrace> traces) {
 }
 
 void write_chrome_trace(const std::string& path, std::span<const RankTrace> traces) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(fmt::format("cannot open trace file '{}' for writing", path));
-  out << chrome_trace_json(traces);
-  out.close();
-  if (!out) throw Error(fmt::format("cannot write trace file '{}'", path));
+  write_file_atomically(path, chrome_trace_json(traces));
 }
 
 }  // namespace dp

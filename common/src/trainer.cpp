@@ -1,11 +1,15 @@
 #include "dp/trainer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <map>
 #include <memory>
 #include <numeric>
 
+#include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/rng.h"
@@ -42,29 +46,50 @@ std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const
                         options.weight_decay);
 }
 
+/// Restores the parameters and the optimizer of a run from `checkpoint` (checked against the
+/// options by `load_training_checkpoint`).
+void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& optimizer) {
+  for (Parameter* parameter : model.parameters()) {
+    const Tensor& saved = checkpoint.tensors.at(parameter->name);
+    std::copy_n(saved.data(), saved.size(), parameter->value.data());
+  }
+  for (const OptimizerState& state : optimizer.state()) {
+    const Tensor& saved = checkpoint.tensors.at("optimizer." + state.name);
+    std::copy_n(saved.data(), saved.size(), state.tensor->data());
+  }
+  optimizer.set_step_count(checkpoint.optimizer_steps);
+}
+
 /// The training loop shared by both entry points; `comm` is null for a single process.
 TrainResult train(const TrainOptions& options, const Dataset& data, Communicator* comm,
-                  const ReportCallback& on_report) {
+                  const ReportCallback& on_report, const TrainCheckpointing& checkpointing) {
   const int world = comm != nullptr ? comm->size() : 1;
   const int rank = comm != nullptr ? comm->rank() : 0;
-  if (options.global_batch <= 0 || options.global_batch % world != 0)
+  check_train_options(options);
+  if (options.global_batch % world != 0)
     throw Error(fmt::format(
         "the global batch must be a positive multiple of the world size {} so that every "
         "rank gets an equal slice, got {}",
         world, options.global_batch));
-  if (options.steps < 0) throw Error(fmt::format("steps must be >= 0, got {}", options.steps));
   if (static_cast<std::size_t>(options.global_batch) > data.size())
     throw Error(fmt::format("the global batch {} is larger than the data set '{}' ({} samples)",
                             options.global_batch, data.name, data.size()));
+  check_data_fits_model(options, data);
+  if (checkpointing.every < 0)
+    throw Error(
+        fmt::format("checkpoints every {} steps: expected 0 (never) or more", checkpointing.every));
 
-  TrainResult result{make_model(options), {}, 0.0f};
+  TrainResult result{make_model(options), nullptr, {}, 0.0f};
   Model& model = result.model;
+  result.optimizer = make_optimizer_for(options, model);
+  Optimizer& optimizer = *result.optimizer;
+  const int first_step = checkpointing.resume_from != nullptr ? checkpointing.resume_from->step : 0;
+  if (checkpointing.resume_from != nullptr) restore(*checkpointing.resume_from, model, optimizer);
   if (comm != nullptr) {
     // As DDP does at construction: every replica starts from rank 0's weights.
     for (Parameter* parameter : model.parameters())
       comm->broadcast(parameter->value.span(), 0)->wait();
   }
-  std::unique_ptr<Optimizer> optimizer = make_optimizer_for(options, model);
   // With overlap, each gradient's all-reduce starts the moment backward has finished it.
   std::vector<std::unique_ptr<Work>> pending;
   const bool overlap = comm != nullptr && options.overlap;
@@ -76,14 +101,13 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
 
   const std::int64_t local_batch = options.global_batch / world;
+  GlobalBatches batches(data.size(), options.global_batch, options.seed);
   auto last_report_time = WallClock::now();
-  int last_report_step = 0;
-  for (int step = 0; step < options.steps; ++step) {
-    const std::vector<std::size_t> global =
-        global_batch_indices(data.size(), options.global_batch, step, options.seed);
-    const auto begin = global.begin() + rank * local_batch;
-    const std::vector<std::size_t> local(begin, begin + local_batch);
-    const Batch batch = gather_batch(data, local);
+  int last_report_step = first_step;
+  for (int step = first_step; step < options.steps; ++step) {
+    const Batch batch = gather_batch(
+        data, batches.of_step(step).subspan(static_cast<std::size_t>(rank * local_batch),
+                                            static_cast<std::size_t>(local_batch)));
 
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs);  // (B/N, classes)
@@ -106,11 +130,14 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       if (overlap) check_gradients_finite(model, rank, step + 1, "after averaging");
     }
     result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
-    optimizer->step(model);
+    optimizer.step(model);
     if (comm != nullptr) comm->clock().mark_step();
 
     const int done = step + 1;
-    if (done % std::max(options.log_every, 1) == 0 || done == options.steps) {
+    if (checkpointing.every > 0 && done % checkpointing.every == 0 && done < options.steps &&
+        checkpointing.save && rank == 0)
+      checkpointing.save(done, model, optimizer);
+    if (done % options.log_every == 0 || done == options.steps) {
       const auto now = WallClock::now();
       const double seconds = std::chrono::duration<double>(now - last_report_time).count();
       StepReport report;
@@ -137,25 +164,218 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   return result;
 }
 
+// --- training checkpoints ----------------------------------------------------------------
+
+constexpr const char* kCheckpointFormat = "dplab-train-1";
+
+/// The options that decide a run's trajectory, as the text a checkpoint stores: floats in
+/// their shortest exact form, so that reading them back gives the same bits.
+std::map<std::string, std::string> trajectory_options(const TrainOptions& options,
+                                                      std::size_t dataset_size) {
+  return {{"model", options.model},
+          {"activation", options.activation},
+          {"layer_norm", options.layer_norm ? "true" : "false"},
+          {"dataset", options.dataset},
+          {"dataset_samples", std::to_string(dataset_size)},
+          {"global_batch", std::to_string(options.global_batch)},
+          {"seed", std::to_string(options.seed)},
+          {"optimizer", options.optimizer},
+          {"lr", fmt::format("{}", options.lr)},
+          {"momentum", fmt::format("{}", options.momentum)},
+          {"weight_decay", fmt::format("{}", options.weight_decay)}};
+}
+
+/// Throws unless every value of `tensor` is finite, naming the first that is not.
+void check_finite(const std::filesystem::path& path, const std::string& name, const Tensor& tensor,
+                  int step) {
+  const std::span<const float> values = tensor.span();
+  for (std::size_t i = 0; i < values.size(); ++i)
+    if (!std::isfinite(values[i]))
+      throw Error(fmt::format(
+          "refusing to save '{}': {} holds {} at element {} after step {}; the training "
+          "diverged (try a lower learning rate), or save it anyway with --save-non-finite",
+          path.string(), name, values[i], i, step));
+}
+
+/// The integer metadata entry `key` of checkpoint `file`.
+std::int64_t integer_entry(const std::map<std::string, std::string>& metadata,
+                           const std::string& key, const std::string& file) {
+  const auto it = metadata.find(key);
+  std::int64_t value = 0;
+  if (it != metadata.end()) {
+    const std::string& text = it->second;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (error == std::errc() && end == text.data() + text.size() && value >= 0) return value;
+  }
+  throw Error(fmt::format(
+      "'{}' is not a training checkpoint of dplab: its metadata has no non-negative integer "
+      "\"{}\"{}",
+      file, key, it == metadata.end() ? "" : fmt::format(" (it has \"{}\")", it->second)));
+}
+
 }  // namespace
+
+void check_train_options(const TrainOptions& options) {
+  parse_mlp_spec(options.model);
+  if (options.activation != "relu" && options.activation != "gelu")
+    throw Error(
+        fmt::format("unknown activation '{}': expected 'relu' or 'gelu'", options.activation));
+  if (options.optimizer != "sgd" && options.optimizer != "adamw")
+    throw Error(
+        fmt::format("unknown optimizer '{}': expected 'sgd' or 'adamw'", options.optimizer));
+  if (options.global_batch < 1)
+    throw Error(fmt::format("the global batch must be at least 1, got {}", options.global_batch));
+  if (options.steps < 0) throw Error(fmt::format("steps must be >= 0, got {}", options.steps));
+  if (!std::isfinite(options.lr) || options.lr < 0)
+    throw Error(fmt::format("the learning rate must be a finite number >= 0, got {}", options.lr));
+  if (!(options.momentum >= 0 && options.momentum < 1))
+    throw Error(fmt::format("momentum must be in [0, 1), got {}", options.momentum));
+  if (!std::isfinite(options.weight_decay) || options.weight_decay < 0)
+    throw Error(
+        fmt::format("weight decay must be a finite number >= 0, got {}", options.weight_decay));
+  if (options.log_every < 1)
+    throw Error(fmt::format("log_every must be at least 1 (a report every that many steps), got {}",
+                            options.log_every));
+}
+
+void check_data_fits_model(const TrainOptions& options, const Dataset& data) {
+  const std::vector<std::int64_t> widths = parse_mlp_spec(options.model);
+  if (data.feature_dim() != widths.front())
+    throw Error(fmt::format(
+        "the data set '{}' has {} features per sample but the model {} takes {}: make the "
+        "model's first width {}",
+        data.name, data.feature_dim(), options.model, widths.front(), data.feature_dim()));
+  const std::int64_t outputs = widths.back();
+  for (std::size_t sample = 0; sample < data.size(); ++sample) {
+    const int label = data.labels[sample];
+    if (label < 0 || label >= outputs)
+      throw Error(fmt::format(
+          "sample {} of the data set '{}' has label {}, but the model {} has {} outputs "
+          "(labels 0 to {}): make its last width at least {}",
+          sample, data.name, label, options.model, outputs, outputs - 1,
+          std::max(label + 1, data.num_classes)));
+  }
+}
+
+GlobalBatches::GlobalBatches(std::size_t dataset_size, std::int64_t global_batch,
+                             std::uint64_t seed)
+    : batch_(static_cast<std::size_t>(global_batch)), seed_(seed) {
+  if (global_batch < 1 || batch_ > dataset_size)
+    throw Error(fmt::format("a global batch of {} cannot be drawn from {} samples", global_batch,
+                            dataset_size));
+  batches_per_epoch_ = dataset_size / batch_;  // drop_last
+  order_.resize(dataset_size);
+}
+
+std::size_t GlobalBatches::epoch_of(int step) const {
+  return static_cast<std::size_t>(step) / batches_per_epoch_;
+}
+
+std::span<const std::size_t> GlobalBatches::of_step(int step) {
+  if (step < 0) throw Error(fmt::format("global batches: step {} is negative", step));
+  const std::size_t epoch = epoch_of(step);
+  if (epochs_drawn_ == 0 || epoch != epoch_) {
+    // Fisher-Yates with the epoch's own stream: every rank computes the same order.
+    std::iota(order_.begin(), order_.end(), std::size_t{0});
+    CounterRng rng(seed_, 0x5EED0000 + epoch);
+    for (std::size_t i = order_.size() - 1; i > 0; --i)
+      std::swap(order_[i], order_[rng.below(i + 1)]);
+    epoch_ = epoch;
+    ++epochs_drawn_;
+  }
+  const std::size_t position = static_cast<std::size_t>(step) % batches_per_epoch_;
+  return std::span<const std::size_t>(order_).subspan(position * batch_, batch_);
+}
 
 std::vector<std::size_t> global_batch_indices(std::size_t dataset_size, std::int64_t global_batch,
                                               int step, std::uint64_t seed) {
-  const std::size_t batch = static_cast<std::size_t>(global_batch);
-  if (batch == 0 || batch > dataset_size)
-    throw Error(fmt::format("a global batch of {} cannot be drawn from {} samples", global_batch,
-                            dataset_size));
-  const std::size_t batches_per_epoch = dataset_size / batch;  // drop_last
-  const std::size_t epoch = static_cast<std::size_t>(step) / batches_per_epoch;
-  const std::size_t position = static_cast<std::size_t>(step) % batches_per_epoch;
+  GlobalBatches batches(dataset_size, global_batch, seed);
+  const std::span<const std::size_t> batch = batches.of_step(step);
+  return {batch.begin(), batch.end()};
+}
 
-  // Fisher-Yates with the epoch's own stream: every rank computes the same order.
-  std::vector<std::size_t> order(dataset_size);
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  CounterRng rng(seed, 0x5EED0000 + epoch);
-  for (std::size_t i = dataset_size - 1; i > 0; --i) std::swap(order[i], order[rng.below(i + 1)]);
-  return {order.begin() + static_cast<std::ptrdiff_t>(position * batch),
-          order.begin() + static_cast<std::ptrdiff_t>((position + 1) * batch)};
+void save_training_checkpoint(const std::filesystem::path& path, const TrainOptions& options,
+                              const Model& model, Optimizer& optimizer, int step,
+                              std::size_t dataset_size, const TrainingCheckpointInfo& info) {
+  std::vector<NamedTensor> tensors;
+  for (const Parameter* parameter : model.parameters())
+    tensors.push_back({parameter->name, &parameter->value});
+  for (const OptimizerState& state : optimizer.state())
+    tensors.push_back({"optimizer." + state.name, state.tensor});
+  if (!info.allow_non_finite)
+    for (const NamedTensor& named : tensors) check_finite(path, named.name, *named.tensor, step);
+
+  std::map<std::string, std::string> metadata = trajectory_options(options, dataset_size);
+  const GlobalBatches position(dataset_size, options.global_batch, options.seed);
+  metadata["format"] = kCheckpointFormat;
+  metadata["producer"] = "dplab train";
+  metadata["step"] = std::to_string(step);
+  metadata["steps"] = std::to_string(options.steps);
+  metadata["epoch"] = std::to_string(position.epoch_of(step));
+  metadata["batch_in_epoch"] =
+      std::to_string(static_cast<std::size_t>(step) % position.batches_per_epoch());
+  metadata["optimizer_steps"] = std::to_string(optimizer.step_count());
+  metadata["world_size"] = std::to_string(info.world_size);
+  if (!info.backend.empty()) metadata["backend"] = info.backend;
+  save_safetensors(path, tensors, metadata);
+}
+
+TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
+                                            const TrainOptions& options, std::size_t dataset_size) {
+  const std::string file = path.string();
+  Checkpoint contents = load_safetensors(path, MemoryCategory::kOther);
+  const auto& metadata = contents.metadata;
+  const auto format = metadata.find("format");
+  if (format == metadata.end() || format->second != kCheckpointFormat)
+    throw Error(fmt::format(
+        "'{}' is not a training checkpoint of dplab (its metadata \"format\" is {}, expected "
+        "\"{}\"): only `dplab train --checkpoint` files can be resumed",
+        file, format == metadata.end() ? "missing" : "\"" + format->second + "\"",
+        kCheckpointFormat));
+  for (const auto& [key, value] : trajectory_options(options, dataset_size)) {
+    const auto saved = metadata.find(key);
+    if (saved == metadata.end() || saved->second != value)
+      throw Error(fmt::format(
+          "cannot resume from '{}': it was saved with {} = {}, this run has {}; a resumed "
+          "run must train with the same options as the one it continues",
+          file, key, saved == metadata.end() ? "(nothing)" : saved->second, value));
+  }
+
+  TrainingCheckpoint checkpoint;
+  checkpoint.step = static_cast<int>(std::min<std::int64_t>(integer_entry(metadata, "step", file),
+                                                            std::numeric_limits<int>::max()));
+  checkpoint.optimizer_steps = integer_entry(metadata, "optimizer_steps", file);
+  if (checkpoint.step > options.steps)
+    throw Error(
+        fmt::format("cannot resume from '{}': it is at step {}, past the {} steps of this "
+                    "run (raise --steps)",
+                    file, checkpoint.step, options.steps));
+
+  // Every tensor the model and optimizer have, with its shape, and nothing else.
+  Model model = make_model(options);
+  const std::unique_ptr<Optimizer> optimizer = make_optimizer_for(options, model);
+  std::map<std::string, std::vector<std::int64_t>> expected;
+  for (const Parameter* parameter : model.parameters())
+    expected[parameter->name] = parameter->value.shape();
+  for (const OptimizerState& state : optimizer->state())
+    expected["optimizer." + state.name] = state.tensor->shape();
+  for (const auto& [name, shape] : expected) {
+    const auto it = contents.tensors.find(name);
+    if (it == contents.tensors.end())
+      throw Error(fmt::format("cannot resume from '{}': it has no tensor '{}'", file, name));
+    if (it->second.shape() != shape)
+      throw Error(fmt::format("cannot resume from '{}': tensor '{}' has shape {}, expected {}",
+                              file, name, it->second.shape_string(), shape_to_string(shape)));
+  }
+  for (const auto& [name, tensor] : contents.tensors)
+    if (!expected.contains(name))
+      throw Error(fmt::format(
+          "cannot resume from '{}': its tensor '{}' belongs to no parameter or optimizer state "
+          "of this run",
+          file, name));
+  checkpoint.tensors = std::move(contents.tensors);
+  checkpoint.info = std::move(contents.metadata);
+  return checkpoint;
 }
 
 Model make_model(const TrainOptions& options) {
@@ -167,20 +387,25 @@ Model make_model(const TrainOptions& options) {
 }
 
 TrainResult train_single_process(const TrainOptions& options, const Dataset& data,
-                                 const ReportCallback& on_report) {
-  return train(options, data, nullptr, on_report);
+                                 const ReportCallback& on_report,
+                                 const TrainCheckpointing& checkpointing) {
+  return train(options, data, nullptr, on_report, checkpointing);
 }
 
 TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data,
-                                Communicator& comm, const ReportCallback& on_report) {
-  return train(options, data, &comm, on_report);
+                                Communicator& comm, const ReportCallback& on_report,
+                                const TrainCheckpointing& checkpointing) {
+  return train(options, data, &comm, on_report, checkpointing);
 }
 
 float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient) {
   constexpr float kUnitRoundoff = 0x1.0p-24f;
+  // Measured amplification of AdamW's normalised step, with headroom (see trainer.h).
+  constexpr float kAdamWAmplification = 20.0f;
   float effective_lr = options.lr;
   if (options.optimizer == "sgd" && options.momentum > 0 && options.momentum < 1)
     effective_lr /= 1.0f - options.momentum;
+  if (options.optimizer == "adamw") effective_lr *= kAdamWAmplification;
   const float per_step = effective_lr * static_cast<float>(options.global_batch) * kUnitRoundoff *
                          std::max(max_abs_gradient, 1.0f);
   return 2.0f * static_cast<float>(std::max(options.steps, 1)) * per_step;

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dp/error.h"
+#include "dp/output_file.h"
 
 namespace dp::grader {
 namespace {
@@ -57,10 +58,20 @@ std::string without_locations(std::string_view failure) {
   return fmt::format("{}", fmt::join(kept, "\n"));
 }
 
-std::string lab_problem_feedback(const LabResult& lab) {
-  std::string text = lab.problem;
-  if (!lab.output_tail.empty()) text += "; last output:\n" + lab.output_tail;
+/// What a failed check's own report says: its feedback and, when its result never arrived
+/// because the program died or hung, the end of the program's output.
+std::string full_feedback(const LabResult& lab, const CheckResult& check) {
+  std::string text = check.feedback;
+  if (!check.reported && !lab.problem.empty() && !lab.output_tail.empty())
+    text += "\n\nlast output of the check program:\n" + lab.output_tail;
   return text;
+}
+
+/// The notes of a check as lines "measured: ...".
+std::string notes_text(const CheckResult& check) {
+  std::vector<std::string> lines;
+  for (const std::string& note : check.notes) lines.push_back("measured: " + note);
+  return fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 std::string check_status_word(const CheckResult& check) {
@@ -102,36 +113,56 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   LabResult lab;
   lab.rubric = rubric;
   lab.seconds = run.seconds;
+  lab.notices = run.notices();
   if (run.status != RunStatus::kFinished) {
     lab.problem = run.summary();
     lab.output_tail = run.output_tail;
   }
+  const bool never_ran =
+      run.status == RunStatus::kMissing || run.status == RunStatus::kFailedToStart;
+  lab.sanitizer_report = run.sanitizer_report;
   for (const RubricCheck& check : rubric.checks) {
     CheckResult result;
     result.check = check;
-    if (!lab.problem.empty()) {
+    if (never_ran) {
       result.feedback = "not run: " + lab.problem;
     } else if (const auto it = run.tests.find(check.test); it == run.tests.end()) {
-      result.feedback = fmt::format(
-          "\"{}\" not found in the check program {} (is the rubric's test name spelled as "
-          "gtest prints it, Suite.Name?)",
-          check.test, run.program);
+      // Only what arrived on the driver's channel counts: no result, no points.
+      result.feedback = run.missing_result(check.test);
     } else {
       const TestOutcome& outcome = it->second;
+      result.reported = true;
       result.seconds = outcome.seconds;
+      result.notes = outcome.notes;
       switch (outcome.state) {
         case TestState::kPassed: result.passed = true; break;
         case TestState::kFailed: result.feedback = without_locations(outcome.failure); break;
         case TestState::kSkipped:
           result.feedback = "skipped: a skipped check checks nothing and earns nothing";
-          if (!outcome.failure.empty()) result.feedback += "\n" + outcome.failure;
-          break;
-        case TestState::kNotRun:
-          result.feedback = "not run: the check is disabled or filtered out of the program";
+          if (!outcome.failure.empty())
+            result.feedback += "\n" + without_locations(outcome.failure);
           break;
       }
       if (outcome.state == TestState::kFailed && result.feedback.empty())
         result.feedback = "failed (no message)";
+    }
+    if (const std::string forged = run.out_of_order(); !forged.empty()) {
+      // Someone besides the check program's reporter wrote to the channel with the token:
+      // no result of this run can be told from a forged one.
+      result.passed = false;
+      result.feedback = fmt::format(
+          "the results channel carried {}: something other than the check program's "
+          "reporter wrote to it, so no result of this run counts",
+          forged);
+    }
+    if (!run.sanitizer_report.empty()) {
+      // A data race makes every result of the run suspect, passes included.
+      result.passed = false;
+      result.feedback = fmt::format(
+          "ThreadSanitizer reported {} threading error(s) while the lab's checks ran, a data "
+          "race for instance: the lab fails whatever its checks said. The first report:\n{}{}",
+          run.sanitizer_reports, run.sanitizer_report,
+          result.feedback.empty() ? "" : "\n\nThe check itself said:\n" + result.feedback);
     }
     result.earned = result.passed ? check.points : 0;
     lab.checks.push_back(std::move(result));
@@ -139,8 +170,13 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   return lab;
 }
 
+std::string seed_line(std::uint64_t seed) {
+  return fmt::format("grading seed {0} (repeat this run with --seed {0})", seed);
+}
+
 std::string format_table(const GradeReport& report, int feedback_lines) {
   std::string out;
+  if (report.seed) out += seed_line(*report.seed) + "\n";
   out += fmt::format("dplab grade: {}, {} backend\n", report.implementation, report.backend);
   for (const LabResult& lab : report.labs) {
     out += fmt::format("\nlab {}: {}\n", lab.rubric.lab, lab.rubric.title);
@@ -154,6 +190,19 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
         out += "\n";
       }
     }
+    for (const std::string& notice : lab.notices) out += fmt::format("  note: {}\n", notice);
+    if (!lab.sanitizer_report.empty()) {
+      out +=
+          fmt::format("  lab {}: ThreadSanitizer reported a threading error; every check fails:\n",
+                      lab.rubric.lab);
+      const std::vector<std::string> lines = split_lines(lab.sanitizer_report);
+      constexpr std::size_t kShown = 24;  // the two stacks' top frames say where to look
+      for (std::size_t i = 0; i < lines.size() && i < kShown; ++i)
+        out += "    | " + lines[i] + "\n";
+      if (lines.size() > kShown)
+        out += fmt::format("    | ... ({} more lines in --json/--junit output)\n",
+                           lines.size() - kShown);
+    }
     // Width of the points column: "10/10" aligned for every check of the lab.
     std::size_t width = 0;
     for (const CheckResult& check : lab.checks)
@@ -162,7 +211,13 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
       const std::string score = points(check.earned) + "/" + points(check.check.points);
       out += fmt::format("  {} {:>{}}  {}  ({})\n", check.passed ? "PASS" : "FAIL", score, width,
                          check.check.test, check.check.description);
-      if (check.passed || !lab.problem.empty()) continue;  // the lab's problem is shown once
+      if (check.passed) {
+        // What the check measured: on a pass, this is the lab's lesson made visible.
+        for (const std::string& line : split_lines(notes_text(check)))
+          out += fmt::format("  {:{}}       {}\n", "", width, line);
+        continue;
+      }
+      if (!lab.sanitizer_report.empty()) continue;  // the report is shown once, above
       const std::vector<std::string> lines = split_lines(check.feedback);
       const int shown = std::min<int>(feedback_lines, static_cast<int>(lines.size()));
       for (int i = 0; i < shown; ++i) out += fmt::format("  {:{}}     > {}\n", "", width, lines[i]);
@@ -181,15 +236,23 @@ std::string format_table(const GradeReport& report, int feedback_lines) {
 std::string to_gradescope_json(const GradeReport& report) {
   json tests = json::array();
   std::string overall;
+  if (report.seed) overall += seed_line(*report.seed) + "\n";
   for (const LabResult& lab : report.labs) {
     overall += fmt::format("lab {} ({}): {}/{} points\n", lab.rubric.lab, lab.rubric.title,
                            points(lab.earned()), points(lab.possible()));
-    if (!lab.problem.empty()) overall += fmt::format("  {}\n", lab_problem_feedback(lab));
+    if (!lab.problem.empty()) {
+      overall += fmt::format("  {}\n", lab.problem);
+      if (!lab.output_tail.empty()) overall += "  last output:\n" + lab.output_tail + "\n";
+    }
+    for (const std::string& notice : lab.notices) overall += fmt::format("  note: {}\n", notice);
+    if (!lab.sanitizer_report.empty())
+      overall += "  ThreadSanitizer reported a threading error: every check fails\n";
+    for (const std::string& draw : lab.rubric.draws) overall += fmt::format("  draws: {}\n", draw);
     for (std::size_t i = 0; i < lab.checks.size(); ++i) {
       const CheckResult& check = lab.checks[i];
       std::string output = check.check.description;
-      if (!check.passed)
-        output += "\n\n" + (lab.problem.empty() ? check.feedback : lab_problem_feedback(lab));
+      if (!check.notes.empty()) output += "\n\n" + notes_text(check);
+      if (!check.passed) output += "\n\n" + full_feedback(lab, check);
       tests.push_back({
           {"name", fmt::format("lab {}: {}", lab.rubric.lab, check.check.test)},
           {"number", fmt::format("{}.{}", lab.rubric.lab, i + 1)},
@@ -265,24 +328,36 @@ std::string to_junit_xml(const GradeReport& report) {
           dot == std::string::npos ? check.check.test : check.check.test.substr(dot + 1);
       cases += fmt::format("    <testcase name=\"{}\" classname=\"lab{}.{}\" time=\"{:.3f}\"",
                            xml_escape(name), lab.rubric.lab, xml_escape(suite), check.seconds);
-      if (check.passed) {
+      if (check.passed && check.notes.empty()) {
         cases += "/>\n";
         continue;
       }
-      const bool error = !lab.problem.empty();
-      const std::string text = error ? lab_problem_feedback(lab) : check.feedback;
-      const std::string message = split_lines(text).empty() ? "" : split_lines(text).front();
-      cases +=
-          fmt::format(">\n      <{0} message=\"{1}\" type=\"{2}\">{3}</{0}>\n    </testcase>\n",
-                      error ? "error" : "failure", xml_escape(message),
-                      error ? "CheckProgramError" : "CheckFailed", xml_escape(text));
-      ++(error ? lab_errors : lab_failures);
+      cases += ">\n";
+      if (!check.passed) {
+        // A check that never reported is the program's error, not a failed assertion.
+        const bool error = !check.reported;
+        const std::string text = full_feedback(lab, check);
+        const std::string message = split_lines(text).empty() ? "" : split_lines(text).front();
+        cases += fmt::format("      <{0} message=\"{1}\" type=\"{2}\">{3}</{0}>\n",
+                             error ? "error" : "failure", xml_escape(message),
+                             error ? "CheckProgramError" : "CheckFailed", xml_escape(text));
+        ++(error ? lab_errors : lab_failures);
+      }
+      if (!check.notes.empty())
+        cases += fmt::format("      <system-out>{}</system-out>\n", xml_escape(notes_text(check)));
+      cases += "    </testcase>\n";
     }
+    const std::string properties =
+        report.seed ? fmt::format(
+                          "    <properties>\n      <property name=\"grading_seed\" "
+                          "value=\"{}\"/>\n    </properties>\n",
+                          *report.seed)
+                    : "";
     suites += fmt::format(
         "  <testsuite name=\"lab{} {}\" tests=\"{}\" failures=\"{}\" errors=\"{}\" "
-        "skipped=\"0\" time=\"{:.3f}\">\n{}  </testsuite>\n",
+        "skipped=\"0\" time=\"{:.3f}\">\n{}{}  </testsuite>\n",
         lab.rubric.lab, xml_escape(lab.rubric.title), lab.checks.size(), lab_failures, lab_errors,
-        lab.seconds, cases);
+        lab.seconds, properties, cases);
     tests += static_cast<int>(lab.checks.size());
     failures += lab_failures;
     errors += lab_errors;
@@ -295,10 +370,7 @@ std::string to_junit_xml(const GradeReport& report) {
 }
 
 void write_text_file(const std::filesystem::path& file, const std::string& text) {
-  std::ofstream out(file, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.close();
-  if (!out) throw Error(fmt::format("cannot write {}: {}", file.string(), std::strerror(errno)));
+  write_file_atomically(file, text);
 }
 
 }  // namespace dp::grader

@@ -111,6 +111,10 @@ Rubric parse_rubric(std::string_view text, const std::string& source) {
     // editors can jump to.
     throw Error(fmt::format("malformed rubric {}: not valid JSON at byte {}: {}", source,
                             error.byte, error.what()));
+  } catch (const json::exception& error) {
+    // Valid syntax the parser still refuses, e.g. a number beyond any double (found by
+    // tests/fuzz/fuzz_rubric).
+    throw Error(fmt::format("malformed rubric {}: not valid JSON: {}", source, error.what()));
   }
   if (!document.is_object())
     malformed(source, "top level", fmt::format("expected an object, got {}", describe(document)));
@@ -128,6 +132,21 @@ Rubric parse_rubric(std::string_view text, const std::string& source) {
       malformed(source, "top level",
                 fmt::format("\"tolerance\" must be a string, got {}", describe(*tolerance)));
     rubric.tolerance = tolerance->get<std::string>();
+  }
+  if (const auto draws = document.find("draws"); draws != document.end()) {
+    const std::string expected = "\"draws\" must be a string or an array of strings";
+    if (draws->is_string()) {
+      rubric.draws.push_back(draws->get<std::string>());
+    } else if (draws->is_array()) {
+      for (std::size_t i = 0; i < draws->size(); ++i) {
+        if (!(*draws)[i].is_string())
+          malformed(source, "top level",
+                    fmt::format("{}, got {} at draws[{}]", expected, describe((*draws)[i]), i));
+        rubric.draws.push_back((*draws)[i].get<std::string>());
+      }
+    } else {
+      malformed(source, "top level", fmt::format("{}, got {}", expected, describe(*draws)));
+    }
   }
   const json& checks = required_field(document, "checks", source, "top level");
   if (!checks.is_array() || checks.empty())

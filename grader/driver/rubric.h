@@ -7,16 +7,19 @@
 //   {"lab": 1, "title": "Replicated training",
 //    "checks": [{"test": "Lab1Sampler.CoversEveryIndexExactlyOnce", "points": 10,
 //                "visibility": "visible", "description": "every index once per epoch"}],
-//    "tolerance": "how equivalence tolerances were derived (optional)"}
+//    "tolerance": "how equivalence tolerances were derived (optional)",
+//    "draws": ["world sizes 1 to 5", "global batch 8 to 64, a multiple of the world size"]}
 //
-// Tests of the check program that the rubric does not list earn nothing. A malformed
-// rubric is a `dp::Error` naming the file and what is wrong with it.
+// "draws" (optional, a string or an array of strings) documents the ranges the checks draw
+// their parameters from at grade time; the Gradescope output shows it. Tests of the check
+// program that the rubric does not list earn nothing. A malformed rubric is a `dp::Error`
+// naming the file and what is wrong with it.
 //
 // Example:
 //
 //   const dp::grader::Rubric rubric =
-//   dp::grader::load_rubric("grader/lab1_replicated/rubric.json"); fmt::print("lab {}: {} checks,
-//   {} points\n", rubric.lab, rubric.checks.size(),
+//       dp::grader::load_rubric("grader/lab1_replicated/rubric.json");
+//   fmt::print("lab {}: {} checks, {} points\n", rubric.lab, rubric.checks.size(),
 //              rubric.max_points());
 #pragma once
 
@@ -54,6 +57,7 @@ struct Rubric {
   std::string title;                ///< e.g. "Replicated training"
   std::vector<RubricCheck> checks;  ///< in the order of the file (and of the table)
   std::string tolerance;            ///< how equivalence tolerances were derived; may be empty
+  std::vector<std::string> draws;   ///< the ranges the checks draw parameters from; may be empty
   std::string source;               ///< the file it was read from, for messages
 
   /// Sum of the points of every check.
@@ -62,7 +66,8 @@ struct Rubric {
 
 /// Parses a rubric from JSON text; `source` names it in error messages. Throws
 /// `dp::Error` for a JSON syntax error (with its byte offset), a missing or mistyped
-/// field, negative points, an unknown visibility, or a test listed twice.
+/// field ("draws" that is neither a string nor an array of strings, too), negative points,
+/// an unknown visibility, or a test listed twice.
 Rubric parse_rubric(std::string_view text, const std::string& source);
 
 /// Reads and parses a rubric file; throws `dp::Error` when it cannot be read or is

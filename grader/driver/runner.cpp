@@ -1,97 +1,236 @@
-// runner.cpp: starts a check program with posix_spawn, enforces the time limit on its
-// process group, and reads its GoogleTest JSON reports.
+// runner.cpp: runs a check program with a results channel, a capped output pipe and a time
+// limit, then ends everything it started and merges what its ranks reported.
 #include "runner.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <spawn.h>
+#include <poll.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
-#include <thread>
+#include <random>
+#include <set>
 
+#include "child_process.h"
 #include "dp/error.h"
+#include "result_channel.h"
+#include "result_collector.h"
 
 extern char** environ;  // NOLINT: POSIX defines it, no header declares it
 
 namespace dp::grader {
 namespace {
 
-using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::string read_file(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+/// Keeps the first and the last `half` bytes of a stream, however long it gets, and says
+/// how much it left out between them.
+class HeadAndTail {
+ public:
+  explicit HeadAndTail(std::size_t half) : half_(half) {}
 
-/// gtest writes durations as "0.123s".
-double parse_seconds(const json& value) {
-  if (!value.is_string()) return 0;
-  try {
-    return std::stod(value.get<std::string>());
-  } catch (const std::exception&) {
-    return 0;
+  void append(std::string_view bytes) {
+    total_ += bytes.size();
+    const std::size_t to_head = std::min(bytes.size(), half_ - head_.size());
+    head_.append(bytes.substr(0, to_head));
+    tail_.append(bytes.substr(to_head));
+    // Trim only once the tail is twice its size, so that appending stays linear.
+    if (tail_.size() > 2 * half_) tail_.erase(0, tail_.size() - half_);
   }
-}
 
-/// This process's environment with DPLAB_TEST_BACKEND set to `backend`.
-std::vector<std::string> child_environment(const std::string& backend) {
-  const std::string key = "DPLAB_TEST_BACKEND=";
-  std::vector<std::string> variables;
-  for (char** entry = environ; *entry != nullptr; ++entry)
-    if (std::string_view(*entry).substr(0, key.size()) != key) variables.emplace_back(*entry);
-  variables.push_back(key + backend);
-  return variables;
-}
-
-std::vector<char*> pointers_to(std::vector<std::string>& strings) {
-  std::vector<char*> pointers;
-  for (std::string& text : strings) pointers.push_back(text.data());
-  pointers.push_back(nullptr);
-  return pointers;
-}
-
-/// Starts `argv` in a new process group with stdin from /dev/null and stdout and stderr
-/// into `output`. Returns the pid, or -1 with `error` set.
-pid_t spawn(std::vector<std::string> argv, std::vector<std::string> environment,
-            const std::filesystem::path& output, std::string& error) {
-  posix_spawn_file_actions_t actions;
-  posix_spawnattr_t attributes;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawnattr_init(&attributes);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, output.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  // Its own process group (pgid = its pid), so that a time-out kills the program and
-  // everything it started (mpirun's ranks, threads' children) with one signal.
-  posix_spawnattr_setpgroup(&attributes, 0);
-  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
-  std::vector<char*> args = pointers_to(argv);
-  std::vector<char*> env = pointers_to(environment);
-  pid_t pid = -1;
-  // posix_spawnp: a launcher such as "mpirun" is found on PATH.
-  const int status = posix_spawnp(&pid, args[0], &actions, &attributes, args.data(), env.data());
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attributes);
-  if (status != 0) {
-    error = fmt::format("cannot start {}: {}", argv[0], std::strerror(status));
-    return -1;
+  std::string text() const {
+    const std::string_view tail =
+        std::string_view(tail_).substr(tail_.size() > half_ ? tail_.size() - half_ : 0);
+    const std::size_t left_out = total_ - head_.size() - tail.size();
+    if (left_out == 0) return head_ + std::string(tail);
+    return fmt::format("{}\n[... {} bytes left out ...]\n{}", head_, left_out, tail);
   }
-  return pid;
+
+ private:
+  std::size_t half_;
+  std::string head_;
+  std::string tail_;
+  std::size_t total_ = 0;
+};
+
+/// A fresh random token: 128 bits as 32 hex digits.
+std::string random_token() {
+  std::random_device device;
+  std::string token;
+  for (int i = 0; i < 4; ++i) token += fmt::format("{:08x}", device());
+  return token;
 }
 
-/// Waits for `pid` until `deadline`; returns true with its wait status when it ended.
-bool wait_until(pid_t pid, Clock::time_point deadline, int& wait_status) {
+/// The run's private channel directory (mode 0700) with one FIFO per rank, whose read ends
+/// are open before anything starts, and one file per rank holding the token, which the check
+/// program reads and deletes before any of its other code runs. The runner also holds a
+/// write end of each FIFO, so that a FIFO never reports end-of-file: reading simply finds
+/// nothing until a rank writes.
+class ChannelDirectory {
+ public:
+  ChannelDirectory(int ranks, const std::string& token) {
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "dplab-results-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr)  // mkdtemp makes it with mode 0700
+      throw Error(fmt::format("cannot make the results channel directory {}: {}", pattern,
+                              std::strerror(errno)));
+    path_ = pattern;
+    try {
+      for (int rank = 0; rank < ranks; ++rank) {
+        open_fifo(channel::fifo_path(path_.string(), rank));
+        write_token(channel::token_path(path_.string(), rank), token);
+      }
+    } catch (const Error&) {
+      clean_up();  // no destructor runs for an object whose constructor threw
+      throw;
+    }
+  }
+  ~ChannelDirectory() { clean_up(); }
+  ChannelDirectory(const ChannelDirectory&) = delete;
+  ChannelDirectory& operator=(const ChannelDirectory&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  const std::vector<int>& read_fds() const { return read_fds_; }
+
+ private:
+  void open_fifo(const std::string& fifo) {
+    if (mkfifo(fifo.c_str(), 0600) != 0)
+      throw Error(fmt::format("cannot make the results FIFO {}: {}", fifo, std::strerror(errno)));
+    read_fds_.push_back(open(fifo.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+    keep_open_fds_.push_back(open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC));
+    if (read_fds_.back() < 0 || keep_open_fds_.back() < 0)
+      throw Error(fmt::format("cannot open the results FIFO {}: {}", fifo, std::strerror(errno)));
+  }
+
+  static void write_token(const std::string& file, const std::string& token) {
+    const int fd = open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    const bool written =
+        fd >= 0 && write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+    if (fd >= 0) close(fd);
+    if (!written)
+      throw Error(fmt::format("cannot write the results token {}: {}", file, std::strerror(errno)));
+  }
+
+  void clean_up() {
+    for (int fd : read_fds_)
+      if (fd >= 0) close(fd);
+    for (int fd : keep_open_fds_)
+      if (fd >= 0) close(fd);
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+
+  std::filesystem::path path_;
+  std::vector<int> read_fds_;
+  std::vector<int> keep_open_fds_;
+};
+
+/// An empty private directory (mode 0700) the check program runs in, removed afterwards:
+/// files a lab writes with relative paths land there and go, instead of in the directory
+/// the grader was started from.
+class WorkingDirectory {
+ public:
+  WorkingDirectory() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-run-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr)
+      throw Error(fmt::format("cannot make the check program's working directory {}: {}", pattern,
+                              std::strerror(errno)));
+    path_ = pattern;
+  }
+  ~WorkingDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  WorkingDirectory(const WorkingDirectory&) = delete;
+  WorkingDirectory& operator=(const WorkingDirectory&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// Everything the runner reads while the program runs: its output pipe and the FIFOs.
+class Streams {
+ public:
+  Streams(int output_fd, const ChannelDirectory& channel, ResultCollector& collector)
+      : output_fd_(output_fd), output_(kOutputCapBytes / 2), collector_(collector) {
+    polled_.push_back({output_fd, POLLIN, 0});
+    for (int fd : channel.read_fds()) polled_.push_back({fd, POLLIN, 0});
+  }
+  ~Streams() { close(output_fd_); }
+  Streams(const Streams&) = delete;
+  Streams& operator=(const Streams&) = delete;
+
+  /// Waits up to `timeout` for input, then reads what is there (a bounded amount per
+  /// stream, so that a program that prints without pause cannot keep the caller here).
+  /// Returns the bytes read.
+  std::size_t pump(std::chrono::milliseconds timeout) {
+    if (poll(polled_.data(), polled_.size(), static_cast<int>(timeout.count())) <= 0) return 0;
+    std::size_t total = 0;
+    for (std::size_t i = 0; i < polled_.size(); ++i) {
+      if (polled_[i].fd < 0 || polled_[i].revents == 0) continue;
+      total += read_some(i);
+    }
+    return total;
+  }
+
+  /// Reads until nothing is left (the writers are gone), within about a second.
+  void drain() {
+    const Clock::time_point deadline = Clock::now() + std::chrono::seconds(1);
+    while (pump(std::chrono::milliseconds(0)) > 0 && Clock::now() < deadline) {
+    }
+  }
+
+  std::string output() const { return output_.text(); }
+
+ private:
+  std::size_t read_some(std::size_t index) {
+    std::array<char, 64 * 1024> buffer;
+    std::size_t total = 0;
+    while (total < 4 * buffer.size()) {
+      const ssize_t count = read(polled_[index].fd, buffer.data(), buffer.size());
+      if (count < 0 && errno == EINTR) continue;
+      if (count == 0) polled_[index].fd = -1;  // the pipe's writers are gone: poll it no more
+      if (count <= 0) break;
+      const std::string_view bytes(buffer.data(), static_cast<std::size_t>(count));
+      if (index == 0)
+        output_.append(bytes);
+      else
+        collector_.add(static_cast<int>(index - 1), bytes);
+      total += bytes.size();
+    }
+    return total;
+  }
+
+  int output_fd_;
+  std::vector<pollfd> polled_;  ///< [0]: the output pipe; [1 + r]: rank r's FIFO
+  HeadAndTail output_;
+  ResultCollector& collector_;
+};
+
+/// The program's environment: this process's, with `variables` set (replacing any of the
+/// same name).
+std::vector<std::string> child_environment(const std::map<std::string, std::string>& variables) {
+  std::vector<std::string> environment;
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string_view text = *entry;
+    if (!variables.contains(std::string(text.substr(0, text.find('=')))))
+      environment.emplace_back(text);
+  }
+  for (const auto& [name, value] : variables) environment.push_back(name + "=" + value);
+  return environment;
+}
+
+/// Waits for `pid` until `deadline` while reading `streams`; true with its wait status when
+/// it ended.
+bool wait_reading(pid_t pid, Clock::time_point deadline, Streams& streams, int& wait_status) {
   while (true) {
     const pid_t done = waitpid(pid, &wait_status, WNOHANG);
     if (done == pid) return true;
@@ -99,8 +238,10 @@ bool wait_until(pid_t pid, Clock::time_point deadline, int& wait_status) {
       wait_status = 0;
       return true;  // not our child any more; nothing left to wait for
     }
-    if (Clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    streams.pump(std::min(left, std::chrono::milliseconds(20)));
   }
 }
 
@@ -109,80 +250,134 @@ std::string signal_name(int signal) {
   return name == nullptr ? std::to_string(signal) : fmt::format("{}: {}", signal, name);
 }
 
-}  // namespace
-
-std::vector<TestOutcome> parse_gtest_report(std::string_view json_text, const std::string& source) {
-  json document;
-  try {
-    document = json::parse(json_text);
-  } catch (const json::parse_error& error) {
-    throw Error(fmt::format("the check report {} is not valid JSON at byte {}: {}", source,
-                            error.byte, error.what()));
-  }
-  const auto suites = document.find("testsuites");
-  if (!document.is_object() || suites == document.end() || !suites->is_array())
-    throw Error(fmt::format(
-        "the check report {} is not a GoogleTest JSON report: expected an object with an "
-        "array \"testsuites\"",
-        source));
-  std::vector<TestOutcome> outcomes;
-  for (const json& suite : *suites) {
-    const auto tests = suite.find("testsuite");
-    if (tests == suite.end() || !tests->is_array()) continue;
-    for (const json& test : *tests) {
-      TestOutcome outcome;
-      // gtest's "classname" is the suite name with its instantiation prefix
-      // ("WorldSizes/Lab2Equivalence"); "name" carries the parameter ("Sgd/ranks3").
-      outcome.name =
-          test.value("classname", suite.value("name", "")) + "." + test.value("name", "");
-      outcome.seconds = parse_seconds(test.value("time", json()));
-      std::vector<std::string> messages;
-      if (const auto failures = test.find("failures");
-          failures != test.end() && failures->is_array())
-        for (const json& failure : *failures) messages.push_back(failure.value("failure", ""));
-      outcome.failure = fmt::format("{}", fmt::join(messages, "\n"));
-      if (test.value("status", "RUN") != "RUN")
-        outcome.state = TestState::kNotRun;
-      else if (!messages.empty())
-        outcome.state = TestState::kFailed;
-      else if (test.value("result", "COMPLETED") == "SKIPPED")
-        outcome.state = TestState::kSkipped;
-      else
-        outcome.state = TestState::kPassed;
-      outcomes.push_back(std::move(outcome));
-    }
-  }
-  return outcomes;
+/// The first ThreadSanitizer report in `output`, from its WARNING line to its SUMMARY line
+/// (at most about 8 KiB), and how many there are.
+std::string first_sanitizer_report(std::string_view output, std::size_t& count) {
+  constexpr std::string_view kStart = "WARNING: ThreadSanitizer:";
+  count = 0;
+  for (std::size_t at = output.find(kStart); at != std::string_view::npos;
+       at = output.find(kStart, at + 1))
+    ++count;
+  const std::size_t start = output.find(kStart);
+  if (start == std::string_view::npos) return "";
+  std::size_t end = output.find("SUMMARY: ThreadSanitizer", start);
+  end = end == std::string_view::npos ? output.size() : output.find('\n', end);
+  if (end == std::string_view::npos) end = output.size();
+  return std::string(output.substr(start, std::min<std::size_t>(end - start, 8 * 1024)));
 }
 
-std::map<std::string, TestOutcome> merge_reports(
-    const std::map<int, std::vector<TestOutcome>>& reports_by_rank) {
+/// "crashed (signal 11: Segmentation fault)", "timed out", "exited (code 0)".
+std::string how_it_ended(const RunResult& run) {
+  if (run.status == RunStatus::kTimedOut) return "timed out";
+  if (run.signal != 0) return fmt::format("crashed (signal {})", signal_name(run.signal));
+  return fmt::format("exited (code {})", run.exit_code);
+}
+
+}  // namespace
+
+std::string RunResult::missing_result(const std::string& test, int rank) const {
+  static const RankReport silent;
+  const RankReport& report = rank >= 0 && rank < static_cast<int>(ranks.size())
+                                 ? ranks[static_cast<std::size_t>(rank)]
+                                 : silent;
+  if (!report.registered.empty()) {
+    const auto it = report.registered.find(test);
+    if (it == report.registered.end())
+      return fmt::format(
+          "\"{}\" not found in the check program {} (is the rubric's test name spelled as "
+          "gtest prints it, Suite.Name?)",
+          test, program);
+    if (!it->second) return "not run: the check is disabled or filtered out of the program";
+  }
+  if (report.program_ended)
+    return "did not report a result: the check program ended without running it";
+  const std::string ended = how_it_ended(*this);
+  if (report.running == test)
+    return fmt::format("did not report a result: the check program {} while running it", ended);
+  if (!report.running.empty())
+    return fmt::format(
+        "did not report a result: the check program {} while running {}, before "
+        "this check",
+        ended, report.running);
+  return fmt::format("did not report a result: the check program {} before running it{}", ended,
+                     report.heard_from() ? "" : " (it sent no result at all)");
+}
+
+std::string RunResult::missing_result(const std::string& test) const {
+  const int count = std::max<int>(1, static_cast<int>(ranks.size()));
+  std::vector<std::string> reasons;
+  for (int rank = 0; rank < count; ++rank) reasons.push_back(missing_result(test, rank));
+  if (std::all_of(reasons.begin(), reasons.end(),
+                  [&](const std::string& reason) { return reason == reasons.front(); }))
+    return reasons.front();
+  for (int rank = 1; rank < count; ++rank)
+    reasons[static_cast<std::size_t>(rank)].insert(0, fmt::format("[rank {}] ", rank));
+  return fmt::format("{}", fmt::join(reasons, "\n"));
+}
+
+std::string RunResult::out_of_order() const {
+  for (std::size_t rank = 0; rank < ranks.size(); ++rank)
+    if (!ranks[rank].out_of_order.empty())
+      return rank == 0 ? ranks[rank].out_of_order
+                       : fmt::format("[rank {}] {}", rank, ranks[rank].out_of_order);
+  return "";
+}
+
+std::vector<std::string> RunResult::notices() const {
+  std::vector<std::string> sentences;
+  if (lines_without_token > 0)
+    sentences.push_back(fmt::format(
+        "ignored {} line(s) on the results channel without this run's token", lines_without_token));
+  if (malformed_lines > 0)
+    sentences.push_back(
+        fmt::format("ignored {} malformed line(s) on the results channel", malformed_lines));
+  if (ignored_result_bytes > 0)
+    sentences.push_back(fmt::format("ignored {} bytes on the results channel beyond its {} MiB cap",
+                                    ignored_result_bytes,
+                                    channel::kMaxResultBytes / (1024 * 1024)));
+  if (!surviving_processes.empty())
+    sentences.push_back(fmt::format("could not end {} process(es) the check program started: {}",
+                                    surviving_processes.size(),
+                                    fmt::join(surviving_processes, ", ")));
+  return sentences;
+}
+
+std::map<std::string, TestOutcome> merge_reports(const RunResult& run) {
+  std::set<std::string> names;
+  for (const RankReport& report : run.ranks)
+    for (const auto& [name, outcome] : report.finished) names.insert(name);
+
+  // The worst state wins: failed > skipped > passed.
+  auto severity = [](TestState state) {
+    switch (state) {
+      case TestState::kFailed: return 2;
+      case TestState::kSkipped: return 1;
+      case TestState::kPassed: return 0;
+    }
+    return 0;
+  };
   std::map<std::string, TestOutcome> merged;
-  for (const auto& [rank, report] : reports_by_rank) {
-    for (const TestOutcome& outcome : report) {
-      std::string failure = outcome.failure;
-      if (rank > 0 && !failure.empty()) failure = fmt::format("[rank {}] {}", rank, failure);
-      auto [it, inserted] = merged.try_emplace(outcome.name, outcome);
-      TestOutcome& combined = it->second;
-      if (inserted) {
-        combined.failure = failure;
+  for (const std::string& name : names) {
+    TestOutcome combined;
+    combined.name = name;
+    combined.state = TestState::kPassed;
+    std::vector<std::string> failures;
+    for (std::size_t rank = 0; rank < run.ranks.size(); ++rank) {
+      const std::string prefix = rank > 0 ? fmt::format("[rank {}] ", rank) : "";
+      const auto it = run.ranks[rank].finished.find(name);
+      if (it == run.ranks[rank].finished.end()) {
+        combined.state = TestState::kFailed;
+        failures.push_back(prefix + run.missing_result(name, static_cast<int>(rank)));
         continue;
       }
-      // The worst state wins: failed > skipped > not run > passed.
-      auto severity = [](TestState state) {
-        switch (state) {
-          case TestState::kFailed: return 3;
-          case TestState::kSkipped: return 2;
-          case TestState::kNotRun: return 1;
-          case TestState::kPassed: return 0;
-        }
-        return 0;
-      };
+      const TestOutcome& outcome = it->second;
       if (severity(outcome.state) > severity(combined.state)) combined.state = outcome.state;
-      if (!failure.empty())
-        combined.failure = combined.failure.empty() ? failure : combined.failure + "\n" + failure;
+      if (!outcome.failure.empty()) failures.push_back(prefix + outcome.failure);
+      if (rank == 0) combined.notes = outcome.notes;
       combined.seconds = std::max(combined.seconds, outcome.seconds);
     }
+    combined.failure = fmt::format("{}", fmt::join(failures, "\n"));
+    merged.emplace(name, std::move(combined));
   }
   return merged;
 }
@@ -215,16 +410,14 @@ std::string RunResult::summary() const {
     case RunStatus::kTimedOut:
       return fmt::format("timed out after {:g} s (the check program was killed)",
                          time_limit_seconds);
-    case RunStatus::kNoReport:
-      return fmt::format("check program exited with code {} without writing its report", exit_code);
+    case RunStatus::kIncomplete:
+      return fmt::format("check program exited with code {} before reporting every result",
+                         exit_code);
   }
   return "";
 }
 
 RunResult run_check_program(const RunRequest& request) {
-  if (request.work_dir.empty() || !std::filesystem::is_directory(request.work_dir))
-    throw Error(fmt::format("run_check_program: work_dir '{}' is not a directory",
-                            request.work_dir.string()));
   if (request.processes < 1)
     throw Error(
         fmt::format("run_check_program: processes must be at least 1, got {}", request.processes));
@@ -243,72 +436,74 @@ RunResult run_check_program(const RunRequest& request) {
     return result;
   }
 
-  // One report file per process; the launcher puts each on its rank's command line.
-  std::vector<std::filesystem::path> reports;
-  std::vector<std::vector<std::string>> per_rank;
-  for (int rank = 0; rank < request.processes; ++rank) {
-    reports.push_back(request.work_dir / fmt::format("{}.rank{}.json", request.name, rank));
-    std::filesystem::remove(reports.back());
-    std::vector<std::string> argv = {request.program.string(),
-                                     "--gtest_output=json:" + reports.back().string()};
-    argv.insert(argv.end(), request.arguments.begin(), request.arguments.end());
-    per_rank.push_back(std::move(argv));
-  }
-  const std::vector<std::string> command =
-      request.launcher ? request.launcher(per_rank) : per_rank.front();
-  const std::filesystem::path output = request.work_dir / (request.name + ".output.txt");
+  become_child_subreaper();
+  const std::set<int> callers_children = child_pids();  // not ours to kill
+  const std::string token = random_token();
+  const ChannelDirectory channel_dir(request.processes, token);
+  std::map<std::string, std::string> variables = request.environment;
+  variables["DPLAB_TEST_BACKEND"] = request.backend;
+  variables[channel::kChannelVariable] = channel_dir.path().string();
+  std::vector<std::string> variable_names;
+  for (const auto& [name, value] : variables) variable_names.push_back(name);
+
+  std::vector<std::string> command = {request.program.string()};
+  command.insert(command.end(), request.arguments.begin(), request.arguments.end());
+  if (request.launcher) command = request.launcher(command, request.processes, variable_names);
 
   const Clock::time_point start = Clock::now();
-  const pid_t pid = spawn(command, child_environment(request.backend), output, result.start_error);
-  if (pid < 0) {
+  // In the run's own directory: whatever files a lab writes (a forged report, say) land
+  // there and go with it, not in the directory the grader was started from.
+  const WorkingDirectory working_directory;
+  const SpawnedChild child =
+      spawn_child(command, child_environment(variables), working_directory.path().string());
+  if (child.pid < 0) {
     result.status = RunStatus::kFailedToStart;
+    result.start_error = child.error;
     return result;
   }
+  ResultCollector collector(token, request.processes);
+  Streams streams(child.output_fd, channel_dir, collector);
   int wait_status = 0;
-  bool ended = wait_until(pid, start + request.time_limit, wait_status);
-  bool timed_out = false;
+  bool ended = wait_reading(child.pid, start + request.time_limit, streams, wait_status);
+  const bool timed_out = !ended;
   if (!ended) {
     // SIGTERM first so that mpirun can take its ranks down; SIGKILL for whatever ignores it.
-    timed_out = true;
-    kill(-pid, SIGTERM);
-    ended = wait_until(pid, Clock::now() + std::chrono::seconds(3), wait_status);
+    kill(-child.pid, SIGTERM);
+    ended = wait_reading(child.pid, Clock::now() + std::chrono::seconds(3), streams, wait_status);
     if (!ended) {
-      kill(-pid, SIGKILL);
-      waitpid(pid, &wait_status, 0);
+      kill(-child.pid, SIGKILL);
+      wait_reading(child.pid, Clock::now() + std::chrono::seconds(5), streams, wait_status);
     }
   }
-  kill(-pid, SIGKILL);  // anything the program left behind in its group
+  // Whatever the program left behind: its process group (mpirun's ranks), then every
+  // other descendant, wherever it moved.
+  kill(-child.pid, SIGKILL);
+  result.surviving_processes = kill_descendants(callers_children);
+  streams.drain();
+  collector.finish();
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  result.output_tail = last_lines(read_file(output), 40);
+
+  result.output = streams.output();
+  result.output_tail = last_lines(result.output, 40);
+  result.sanitizer_report = first_sanitizer_report(result.output, result.sanitizer_reports);
   if (WIFEXITED(wait_status)) result.exit_code = WEXITSTATUS(wait_status);
   if (WIFSIGNALED(wait_status)) result.signal = WTERMSIG(wait_status);
-
-  if (timed_out) {
+  result.ranks = collector.ranks();
+  result.lines_without_token = collector.lines_without_token();
+  result.malformed_lines = collector.malformed_lines();
+  result.ignored_result_bytes = collector.ignored_bytes();
+  const bool every_rank_ended =
+      std::all_of(result.ranks.begin(), result.ranks.end(),
+                  [](const RankReport& report) { return report.program_ended; });
+  if (timed_out)
     result.status = RunStatus::kTimedOut;
-    return result;
-  }
-  // Rank 0's report decides whether the run finished; other ranks add their failures.
-  std::map<int, std::vector<TestOutcome>> parsed;
-  for (int rank = 0; rank < static_cast<int>(reports.size()); ++rank) {
-    if (!std::filesystem::exists(reports[rank])) {
-      if (rank == 0) break;
-      continue;
-    }
-    try {
-      parsed[rank] = parse_gtest_report(read_file(reports[rank]), reports[rank].string());
-    } catch (const Error& error) {
-      if (rank == 0) {
-        result.output_tail += fmt::format("\n(dplab grade: {})", error.what());
-        break;
-      }
-    }
-  }
-  if (parsed.empty()) {
-    result.status = result.signal != 0 ? RunStatus::kCrashed : RunStatus::kNoReport;
-    return result;
-  }
-  result.status = RunStatus::kFinished;
-  result.tests = merge_reports(parsed);
+  else if (result.signal != 0)
+    result.status = RunStatus::kCrashed;
+  else if (every_rank_ended)
+    result.status = RunStatus::kFinished;
+  else
+    result.status = RunStatus::kIncomplete;
+  result.tests = merge_reports(result);
   return result;
 }
 

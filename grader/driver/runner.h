@@ -1,24 +1,32 @@
-// runner.h: runs a lab's check program in its own process and reads what it reports.
+// runner.h: runs a lab's check program in its own process and collects what it reports on
+// the driver's own results channel.
 //
-// A check program is a GoogleTest executable (grade_lab1, grade_lab1_reference, ...). The
-// runner starts it with `--gtest_output=json:<file>` and the backend in the environment
-// variable DPLAB_TEST_BACKEND, captures its stdout and stderr in a file, and kills its
-// whole process group when the time limit passes. So a crash, a hang or a missing
-// program ends that lab's run, never the grader: the result says which happened.
+// A check program is a GoogleTest executable (grade_lab1, grade_lab1_reference, ...) whose
+// main() is grader/support/check_main.cpp. Student code runs inside it, so the runner
+// trusts nothing the program prints or writes: before starting it, the runner makes a
+// private directory with one FIFO per process and a fresh token (result_channel.h), and
+// only lines that carry the token count. A rubric check whose result never arrived has
+// failed, and the runner says why: the program crashed, exited or timed out while running
+// it or before.
 //
-// Under mpi every process writes its own report (see `RunRequest::launcher`); the runner
-// merges them, and a test fails when it failed on any rank.
+// The runner also bounds what the lab can do to the grader: stdout and stderr go through a
+// pipe it reads, of which it keeps at most `kOutputCapBytes`; the time limit kills the
+// program's process group; and after every run it kills every process the run left behind,
+// a `setsid` or double-forked one too (the runner makes the calling process a child
+// subreaper, so that such orphans become its children).
 //
 // Example:
 //
 //   dp::grader::RunRequest request;
 //   request.program = "build/default/bin/grade_lab1";
-//   request.work_dir = "/tmp/dplab-grade";
+//   request.environment["DPLAB_GRADE_SEED"] = "42";
 //   const dp::grader::RunResult result = dp::grader::run_check_program(request);
 //   if (result.status != dp::grader::RunStatus::kFinished) fmt::print("{}\n", result.summary());
+//   for (const auto& [name, test] : result.tests) fmt::print("{}: {}\n", name, test.failure);
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -28,81 +36,129 @@
 
 namespace dp::grader {
 
+/// The most of a run's stdout and stderr that the runner keeps: the first and the last half.
+inline constexpr std::size_t kOutputCapBytes = 1024 * 1024;
+
 /// How one GoogleTest test ended.
 enum class TestState {
   kPassed,   ///< ran, no failed assertion
-  kFailed,   ///< ran, at least one failed assertion (or an exception)
+  kFailed,   ///< ran and failed (an assertion or an exception), or did not report on a rank
   kSkipped,  ///< GTEST_SKIP: it did not check anything, so it earns nothing
-  kNotRun,   ///< disabled or filtered out
 };
 
-/// One test of a check program's report.
+/// One test's result as the check program reported it.
 struct TestOutcome {
   std::string name;  ///< full gtest name, "Suite.Name" ("Prefix/Suite.Name/param" too)
-  TestState state = TestState::kNotRun;  ///< how it ended
-  std::string failure;  ///< the failure messages (gtest's "file:line\nmessage"), or ""
-  double seconds = 0;   ///< the test's run time
+  TestState state = TestState::kFailed;  ///< how it ended
+  std::string failure;             ///< the failure messages (gtest's "file:line\nmessage"), or ""
+  std::vector<std::string> notes;  ///< what it measured (`dp::grading::note_measured`)
+  double seconds = 0;              ///< the test's run time
 };
 
-/// Parses one GoogleTest JSON report (the file --gtest_output=json writes). `source`
-/// names it in error messages; throws `dp::Error` when it is not such a report.
-std::vector<TestOutcome> parse_gtest_report(std::string_view json_text, const std::string& source);
+/// What one process (rank) of a run said on the results channel.
+struct RankReport {
+  /// Every test of its program, and whether it was to run (not disabled or filtered out);
+  /// empty when it never said.
+  std::map<std::string, bool> registered;
+  std::map<std::string, TestOutcome> finished;  ///< the tests it sent a result for
+  std::string running;                          ///< the test it started and never finished, or ""
+  bool program_ended = false;                   ///< it said that every test had run
+  /// The first event out of the protocol's order (a second result for a test, a result
+  /// without its start, anything after the end), or "": what a lab that forges results
+  /// on the channel betrays itself by.
+  std::string out_of_order;
 
-/// Merges the reports of several processes of one run (keyed by rank; a rank may be
-/// missing when its main() writes no report): a test that failed on any process failed,
-/// with the failures of ranks other than 0 prefixed "[rank r] ", and a test counts as
-/// passed only when every report that lists it says so.
-std::map<std::string, TestOutcome> merge_reports(
-    const std::map<int, std::vector<TestOutcome>>& reports_by_rank);
+  /// True when it sent anything at all.
+  bool heard_from() const { return !registered.empty() || !finished.empty() || !running.empty(); }
+};
 
-/// Turns per-process command lines into the one command line to start (e.g. an mpirun
-/// MPMD job that gives rank r `per_rank[r]`).
+/// Turns the check program's command line into the one to start `processes` processes of
+/// it (e.g. `mpirun -n 4 ...`), which must pass on to each of them the environment variables
+/// named in `variables` (the runner sets them in the launcher's own environment).
 using Launcher =
-    std::function<std::vector<std::string>(const std::vector<std::vector<std::string>>& per_rank)>;
+    std::function<std::vector<std::string>(const std::vector<std::string>& command, int processes,
+                                           const std::vector<std::string>& variables)>;
 
 /// What to run, how, and for how long.
 struct RunRequest {
   std::filesystem::path program;       ///< the check executable
   std::vector<std::string> arguments;  ///< more arguments for it (e.g. --gtest_filter=...)
   std::string backend = "local";       ///< DPLAB_TEST_BACKEND for the program: local or mpi
-  int processes = 1;                   ///< processes the launcher starts, each with its own report
-  Launcher launcher;                   ///< empty: run the program directly (processes must be 1)
+  /// More environment variables for the program, e.g. {"DPLAB_GRADE_SEED", "42"}.
+  std::map<std::string, std::string> environment;
+  int processes = 1;  ///< processes the launcher starts, each with its own channel (rank)
+  Launcher launcher;  ///< empty: run the program directly (processes must be 1)
   std::chrono::milliseconds time_limit{std::chrono::seconds(300)};  ///< then it is killed
-  std::filesystem::path work_dir;  ///< where reports and the output file go (must exist)
-  std::string name = "check";      ///< file name stem in work_dir, e.g. "lab1"
 };
 
 /// How a run ended.
 enum class RunStatus {
-  kFinished,       ///< rank 0's report was written and read: its tests count
+  kFinished,       ///< every process said that its tests had run
   kMissing,        ///< the check program does not exist (not built)
   kFailedToStart,  ///< it could not be started (e.g. mpirun is not installed)
-  kCrashed,        ///< killed by a signal before writing its report
-  kTimedOut,       ///< still running at the time limit: its process group was killed
-  kNoReport,       ///< exited without writing a report (e.g. a rank aborted the MPI job)
+  kCrashed,        ///< killed by a signal
+  kTimedOut,       ///< still running at the time limit: it was killed
+  kIncomplete,     ///< it exited before every process said that its tests had run
 };
 
 /// What a run produced.
 struct RunResult {
-  RunStatus status = RunStatus::kNoReport;   ///< how it ended
-  int exit_code = -1;                        ///< the exit status when it exited, else -1
-  int signal = 0;                            ///< the signal that killed it, else 0
-  double seconds = 0;                        ///< wall time of the run
-  double time_limit_seconds = 0;             ///< the limit it ran under
-  std::string program;                       ///< the check program, for messages
-  std::string start_error;                   ///< why it did not start (kMissing, kFailedToStart)
-  std::string output_tail;                   ///< the last lines of its stdout and stderr
-  std::map<std::string, TestOutcome> tests;  ///< merged reports (kFinished only)
+  RunStatus status = RunStatus::kIncomplete;  ///< how it ended
+  int exit_code = -1;                         ///< the exit status when it exited, else -1
+  int signal = 0;                             ///< the signal that killed it, else 0
+  double seconds = 0;                         ///< wall time of the run
+  double time_limit_seconds = 0;              ///< the limit it ran under
+  std::string program;                        ///< the check program, for messages
+  std::string start_error;                    ///< why it did not start (kMissing, kFailedToStart)
+  /// Its stdout and stderr: at most `kOutputCapBytes`, the middle left out with a note.
+  std::string output;
+  std::string output_tail;                   ///< the last lines of `output`
+  std::vector<RankReport> ranks;             ///< what each process reported, by rank
+  std::map<std::string, TestOutcome> tests;  ///< the merged results (`merge_reports`)
+  std::size_t lines_without_token = 0;       ///< channel lines ignored: not this run's token
+  std::size_t malformed_lines = 0;           ///< channel lines ignored: token, but not an event
+  std::size_t ignored_result_bytes = 0;      ///< channel bytes ignored beyond the 1 MiB cap
+  std::vector<int> surviving_processes;      ///< pids the runner could not kill (expected empty)
+  /// The first ThreadSanitizer report in `output` (a program built with -fsanitize=thread),
+  /// or "": a lab with one fails every check.
+  std::string sanitizer_report;
+  std::size_t sanitizer_reports = 0;  ///< how many ThreadSanitizer reports `output` holds
 
   /// One line for the score table: "check program crashed (signal 11: Segmentation
   /// fault)", "timed out after 300 s", ...; "" for kFinished.
   std::string summary() const;
+
+  /// Why `test` has no result (on rank `rank`): "did not report a result: the check
+  /// program crashed (signal 11: Segmentation fault) while running it", "... exited (code 0)
+  /// before running it", "... timed out while running Suite.Other, before this check", or
+  /// that the program has no such test or did not run it.
+  std::string missing_result(const std::string& test, int rank) const;
+
+  /// Why `test` has no result on any rank: `missing_result` of rank 0, or of every rank
+  /// ("[rank r] ..." for r > 0) when they differ.
+  std::string missing_result(const std::string& test) const;
+
+  /// Sentences about the run itself for the reports: lines the channel ignored, processes
+  /// that outlived the run. Empty when there is nothing to say.
+  std::vector<std::string> notices() const;
+
+  /// The first out-of-order event any rank's channel carried ("a second result for
+  /// Suite.Name", prefixed "[rank r] " for r > 0), or "" when every rank kept the protocol.
+  std::string out_of_order() const;
 };
 
 /// Runs the check program as `request` says and returns what happened. Never throws for
-/// anything the program does (crash, hang, garbage report); throws `dp::Error` only for
-/// a bad request (no work_dir, processes < 1, several processes without a launcher).
+/// anything the program does (crash, hang, garbage on the channel, endless output); throws
+/// `dp::Error` for a bad request (processes < 1, several processes without a launcher) or
+/// when the channel cannot be made. Kills every descendant of the calling process that
+/// the run started, and makes the calling process a child subreaper for good.
 RunResult run_check_program(const RunRequest& request);
+
+/// Merges `run.ranks`: a test that some rank finished passed when every rank reported it
+/// passed; it failed when any rank reported a failure or did not report it at all (that
+/// rank's `missing_result`), with the failures of ranks other than 0 prefixed "[rank r] ";
+/// otherwise it is skipped if any rank skipped it. The notes are rank 0's.
+std::map<std::string, TestOutcome> merge_reports(const RunResult& run);
 
 /// The last `max_lines` lines of `text` (and at most `max_chars` characters of them).
 std::string last_lines(std::string_view text, int max_lines, std::size_t max_chars = 4000);

@@ -145,8 +145,7 @@ void for_drawn_cases(const char* check_name, bool drop_last,
              << ")";
   }
   grading::note_measured(
-      fmt::format("{} drawn configurations {} drop_last (n from 1 to 200, 1 "
-                  "to 8 ranks)",
+      fmt::format("{} drawn configurations {} drop_last (n up to 200, 1 to 8 ranks)",
                   kSamplerConfigurations, drop_last ? "with" : "without"));
 }
 
@@ -260,12 +259,49 @@ TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
               "seeds {} and {} gave the same shards; expected the seed to select the "
               "order",
               c.options.seed, next_seed.options.seed);
+        // (seed, epoch) select the order as a pair: seed + epoch would give seed s at epoch
+        // e + 1 the order of seed s + 1 at epoch e.
+        SamplerCase diagonal = next_epoch;
+        diagonal.epoch = c.epoch;
+        ++diagonal.options.seed;
+        if (shards_of(next_epoch) == shards_of(diagonal))
+          return fmt::format(
+              "seed {} at epoch {} and seed {} at epoch {} gave the same shards; expected the "
+              "pair (seed, epoch) to select the order, not, say, their sum",
+              c.options.seed, next_epoch.epoch, diagonal.options.seed, diagonal.epoch);
         SamplerCase unshuffled = c;
         unshuffled.options.shuffle = false;
         if (shards_of(unshuffled) == shards) return "shuffle=true gave the unshuffled order";
         return "";
       },
       /*always_shuffle=*/true);
+
+  // Random, not just different: a family of at most 2n orders (rotations, i * a mod n, ...)
+  // must repeat within 2n + 1 epochs; n! random orders (n >= 13) do so with probability
+  // below 1e-7 (the birthday bound: (2n + 1)^2 / 2 / n!).
+  Draws draws("Lab1Sampler.ShuffleDependsOnSeedAndEpochOnly/random");
+  for (int trial = 0; trial < 4; ++trial) {
+    SamplerCase c;
+    c.n = static_cast<std::size_t>(draws.integer("n", 13, 30));
+    c.replicas = static_cast<int>(draws.integer("ranks", 1, 4));
+    c.options.shuffle = true;
+    c.options.seed = draws.seed("sampler seed");
+    std::set<std::vector<std::vector<std::size_t>>> orders;
+    for (std::uint64_t epoch = 0; epoch < 2 * c.n + 1; ++epoch) {
+      c.epoch = epoch;
+      try {
+        if (!orders.insert(shards_of(c)).second)
+          FAIL() << fmt::format(
+              "{}: epoch {} repeats the order of an earlier epoch; expected a random "
+              "permutation per epoch (n! of them), which repeats within {} epochs with "
+              "probability below 1e-7; a shuffle with few possible orders (a rotation, i * a mod "
+              "n) repeats within n\n({})",
+              c.describe(), epoch, 2 * c.n + 1, draws.describe());
+      } catch (const NotImplemented& error) {
+        FAIL() << error.what();
+      }
+    }
+  }
 }
 
 // --- the broadcast ------------------------------------------------------------------------
@@ -305,11 +341,11 @@ TEST(Lab1Broadcast, EveryRankHoldsRankZerosWeights) {
             verdict.fail(fmt::format(
                 "this rank received {} bytes; expected {} (every parameter's bytes exactly once{})",
                 received, expected_received, comm.rank() == 0 ? ", and nothing on rank 0" : ""));
-          if (verdict.passed())
+          if (verdict.passed() && comm.size() > 1)
             verdict.note(
-                fmt::format("{} parameter elements ({} bytes) received by each of {} ranks "
-                            "in {} call(s)",
-                            expected.size(), model_bytes, comm.size() - 1, moved.total_calls()));
+                fmt::format("each of the {} other ranks received the {} parameter "
+                            "elements ({} bytes) once, in {} call(s)",
+                            comm.size() - 1, expected.size(), model_bytes, moved.total_calls()));
         },
         draws);
   }
@@ -330,7 +366,10 @@ ReplicatedCase draw_training(Draws& draws, int epochs = 0) {
   ReplicatedCase c;
   c.spec = draw_spec(draws);
   c.model_seed = draws.seed("model seed");
-  const std::int64_t samples = draws.integer("samples", 20, 90);
+  std::int64_t samples = draws.integer("samples", 20, 90);
+  // Not a multiple of 2 or 3, so that drop_last and padding change the shards on 2, 3 and
+  // 4 ranks.
+  while (samples % 2 == 0 || samples % 3 == 0) ++samples;
   c.data = std::make_shared<const Dataset>(
       load_dataset(fmt::format("synthetic:{}", samples), draws.seed("data seed")));
   c.options.local_batch = draws.integer("local batch", 3, 12);
@@ -350,6 +389,7 @@ ReplicatedCase draw_training(Draws& draws, int epochs = 0) {
 struct Expected {
   std::vector<float> losses;
   std::vector<float> parameters;
+  std::vector<int> epoch_of_step;  // the epoch each step belongs to
 };
 
 Expected train_alone(const ReplicatedCase& c, int world, int rank) {
@@ -370,6 +410,7 @@ Expected train_alone(const ReplicatedCase& c, int world, int rank) {
       model.zero_grad();
       const Tensor logits = model.forward(b.inputs);
       expected.losses.push_back(model.backward(logits, b.labels));
+      expected.epoch_of_step.push_back(epoch);
       sgd.step(model);
     }
   }
@@ -384,20 +425,27 @@ void for_replicated_runs(
     const std::function<void(const ReplicatedCase&, Communicator&, Verdict&, const Model&,
                              const std::vector<float>&, const CommCounters&)>& judge) {
   Draws draws(check_name);
-  const ReplicatedCase c = draw_training(draws);
-  for (int world : draws.world_sizes(4)) {
-    if (c.options.sampler.drop_last && c.data->size() < static_cast<std::size_t>(world)) continue;
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          Model model = Model::mlp(c.spec, {.seed = c.model_seed});
-          Sgd sgd(model.num_parameters(), {.lr = 0.1f});
-          const CommCounters before = comm.counters();
-          const std::vector<float> losses = train_replicated(model, sgd, *c.data, comm, c.options);
-          const CommCounters during = comm.counters().since(before);
-          judge(c, comm, verdict, model, losses, during);
-        },
-        draws);
+  ReplicatedCase drawn = draw_training(draws, static_cast<int>(draws.integer("epochs", 2, 3)));
+  // Shuffled over several epochs, so that a forgotten set_epoch shows; and with drop_last
+  // both off and on, so that ignoring it shows.
+  drawn.options.sampler.shuffle = true;
+  for (const bool drop_last : {false, true}) {
+    ReplicatedCase c = drawn;
+    c.options.sampler.drop_last = drop_last;
+    for (int world : draws.world_sizes(4)) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            Model model = Model::mlp(c.spec, {.seed = c.model_seed});
+            Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+            const CommCounters before = comm.counters();
+            const std::vector<float> losses =
+                train_replicated(model, sgd, *c.data, comm, c.options);
+            const CommCounters during = comm.counters().since(before);
+            judge(c, comm, verdict, model, losses, during);
+          },
+          draws);
+    }
   }
 }
 
@@ -419,11 +467,24 @@ TEST(Lab1Replicated, EachReplicaTrainsOnItsOwnShardWithoutCommunicating) {
               losses.size(), expected.losses.size(), c.options.epochs, c.options.local_batch));
         verdict.expect_empty(grading::compare_parameters(model, expected.parameters, 0),
                              "compared with this rank's shard trained alone in one process");
+        // Where the run first went another way says a lot: a later epoch that starts wrong
+        // after a right first epoch is a sampler left at epoch 0.
+        for (std::size_t step = 0; step < std::min(losses.size(), expected.losses.size()); ++step)
+          if (std::memcmp(&losses[step], &expected.losses[step], sizeof(float)) != 0) {
+            const int epoch = expected.epoch_of_step[step];
+            verdict.fail(fmt::format(
+                "the first step whose loss differs is step {} (epoch {}){}", step + 1, epoch,
+                epoch > 0 && (step == 0 || expected.epoch_of_step[step - 1] != epoch)
+                    ? ": every earlier epoch was right; is the sampler set to each new epoch?"
+                    : ""));
+            break;
+          }
         if (verdict.passed() && comm.rank() == 0)
           verdict.note(
-              fmt::format("each replica equals its shard trained alone, bitwise, after "
-                          "{} steps; no communication",
-                          losses.size()));
+              fmt::format("drop_last={}: each replica equals its shard trained alone, "
+                          "bitwise, after {} step(s) over {} shuffled epochs; no "
+                          "communication",
+                          c.options.sampler.drop_last, losses.size(), c.options.epochs));
       });
 }
 
@@ -467,7 +528,10 @@ TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
           const auto per_epoch = static_cast<std::int64_t>((shard + batch - 1) / batch);
           ReplicatedCase stopped = c;
           stopped.options.max_steps = static_cast<int>(per_epoch + 1 + stop_draw % per_epoch);
-          for (const ReplicatedCase* run : std::array<const ReplicatedCase*, 2>{&c, &stopped}) {
+          ReplicatedCase no_steps = c;  // max_steps = 0: no step at all, not "no limit"
+          no_steps.options.max_steps = 0;
+          for (const ReplicatedCase* run :
+               std::array<const ReplicatedCase*, 3>{&c, &stopped, &no_steps}) {
             Model model = Model::mlp(run->spec, {.seed = run->model_seed});
             Sgd sgd(model.num_parameters(), {.lr = 0.1f});
             const std::vector<float> losses =
@@ -484,8 +548,8 @@ TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
           }
           if (comm.rank() == 0)
             verdict.note(
-                fmt::format("3 epochs of {} steps, and max_steps = {} stopping in the second: "
-                            "every loss bitwise",
+                fmt::format("3 epochs of {} step(s), max_steps = {} stopping in the second, and "
+                            "max_steps = 0: every loss bitwise",
                             per_epoch, stopped.options.max_steps));
         },
         draws);

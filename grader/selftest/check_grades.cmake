@@ -48,13 +48,16 @@ function(check_one_seed seed)
   file(READ ${OUT} results)
 
   string(JSON output GET "${results}" output)
+  if(NOT output MATCHES "^grading seed ${seed} \\(repeat this run with --seed ${seed}\\)\n")
+    fail_seed("results.json's output does not open with the grading seed:\n${output}")
+  endif()
   string(JSON test_count LENGTH "${results}" tests)
   if(test_count EQUAL 0)
     fail_seed("results.json lists no graded check")
   endif()
 
   # Problems of the check program as a whole (see RunResult::summary in grader/driver).
-  set(program_problems "check program crashed" "timed out after" "without writing its report"
+  set(program_problems "check program crashed" "timed out after" "before reporting every result"
       "not found \\(build it" "cannot start")
 
   if(MODE STREQUAL "full")

@@ -1,17 +1,21 @@
 // The main() of every lab's check program (grade_lab<N>, grade_lab<N>_reference, ...) and
 // of the runtime's own tests under mpiexec (dp_mpi_tests).
 //
-// On the local backend it is GoogleTest's usual main. Under mpi (DPLAB_TEST_BACKEND=mpi,
-// started by `dplab grade --backend mpi`) every process runs every check, so that every
-// process makes the same sequence of dp::launch calls; each writes its own JSON report,
-// which the grade driver merges, and only rank 0 prints the usual progress: the other
-// ranks print just their failures, prefixed with their rank.
+// Started by `dplab grade`, it reports every test on the driver's results channel (see
+// result_reporter.h): the driver scores what arrives there, never what the program prints
+// or writes to files. Started by hand, it says which grading seed its checks draw from. On the
+// local backend it is otherwise GoogleTest's usual main. Under mpi (DPLAB_TEST_BACKEND=mpi, started
+// by `dplab grade --backend mpi`) every process runs every check, so that every process makes the
+// same sequence of dp::launch calls; each reports on its own rank's channel, the driver merges
+// them, and only rank 0 prints the usual progress: the other ranks print just their failures,
+// prefixed with their rank.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 
 #include "dp/launch.h"
 #include "grading.h"
+#include "result_reporter.h"
 
 namespace {
 
@@ -38,15 +42,25 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 
 }  // namespace
 
+// Before any constructor of the program runs, the lab's static objects included: the token
+// file is read and deleted and the channel's variable removed (see result_reporter.h).
+DP_TAKE_RESULT_CHANNEL_AT_START();
+
 int main(int argc, char** argv) {
+  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
   if (dp::grading::check_backend() == dp::Backend::kMpi) {
-    const int rank = dp::mpi_world_rank();  // starts MPI
+    rank = dp::mpi_world_rank();  // starts MPI
     if (rank != 0) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());
       listeners.Append(new FailurePrinter(rank));
     }
   }
+  if (!channel.present() && rank == 0)
+    std::printf("grading seed %llu (set DPLAB_GRADE_SEED to draw another configuration)\n",
+                static_cast<unsigned long long>(dp::grading::grade_seed()));
+  dp::grading::report_results_to_driver(channel, rank);
   return RUN_ALL_TESTS();
 }

@@ -21,9 +21,10 @@
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a call's result reaches your buffer only when its
 //     own `Work` is waited on.
-//   * Arithmetic with the runtime's operations. Work on gradients and buffers through
-//     tensor views and dp/tensor_ops.h (copy, divide, ...), not loops over raw memory:
-//     the same code then runs on a GPU, and the simulated clock sees its cost.
+//   * Arithmetic with the runtime's operations (a rule, not graded here). Work on
+//     gradients and buffers through tensor views and dp/tensor_ops.h (copy, divide, ...),
+//     not loops over raw memory: the simulated clock then sees the work's cost, and the same
+//     code will run on a GPU, where a loop over a device tensor's memory cannot.
 //
 // Example (one data-parallel step):
 //
@@ -64,10 +65,11 @@ class FlatGradientAverager {
   explicit FlatGradientAverager(const Model& model);
 
   /// Replaces every trainable gradient by its average over all ranks (the exact arithmetic
-  /// above). Checked besides: exactly one collective call per call, an all-reduce of every
-  /// trainable element and nothing else; and no allocation at all once constructed: no
-  /// tensor (the rank's `MemoryTracker`) and no heap memory (a count of operator new on
-  /// the calling thread), whatever the step.
+  /// above), through the buffer: afterwards `buffer()` holds the averaged trainable
+  /// gradients, one after another in definition order. Checked besides: exactly one
+  /// collective call per call, an all-reduce of every trainable element and nothing else;
+  /// and no allocation at all once constructed: no tensor (the rank's `MemoryTracker`) and
+  /// no heap memory (a count of operator new on the calling thread), whatever the step.
   void average(Model& model, Communicator& comm);
 
   /// The flat buffer: (number of trainable parameter elements).
@@ -101,7 +103,8 @@ float accumulation_step(Model& model, Optimizer& optimizer, std::span<const Batc
 /// collective, in the order issued, occupies every link for its algorithm's time). The
 /// grader draws world sizes, parameter sizes and networks, times both ways of averaging
 /// with native all-reduces on the simulated clock, and expects your prediction within
-/// 1e-6 relative (or 1e-12 s).
+/// 1e-6 relative (or 1e-12 s); it also asks about networks of up to 65536 ranks, too
+/// large to simulate, and compares with the cost model itself.
 double predicted_flat_saving_seconds(std::span<const std::size_t> parameter_bytes, int world_size,
                                      const LinkModel& link);
 

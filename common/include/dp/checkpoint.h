@@ -37,9 +37,11 @@ struct NamedTensor {
 /// little-endian header length, a JSON header {name: {"dtype": "F32", "shape": [...],
 /// "data_offsets": [begin, end]}, "__metadata__": {key: value}} padded with spaces to a
 /// multiple of 8 bytes, then each tensor's float32 data in the order given. The metadata
-/// entry is left out when `metadata` is empty. The file is written under a temporary name
-/// and renamed, so a crash never leaves a half-written checkpoint at `path`. Throws
-/// `dp::Error` on a duplicate or reserved name, a null or empty tensor, or an I/O failure.
+/// entry is left out when `metadata` is empty. The file is written as dp/output_file.h
+/// describes: `path` must be a regular file or absent, and a unique temporary file is
+/// flushed and renamed onto it, so a crash never leaves a half-written checkpoint at
+/// `path`. Throws `dp::Error` on a duplicate or reserved name, a null or empty tensor, a
+/// target that is not a regular file, or an I/O failure (with the system's reason).
 void save_safetensors(const std::filesystem::path& path, std::span<const NamedTensor> tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

@@ -132,7 +132,10 @@ struct SimulationOptions {
   NetworkModel network;                            ///< latency and bandwidth
   DeviceModel device;                              ///< compute speed (roofline)
   ComputeModel compute = ComputeModel::kRoofline;  ///< how compute is charged
-  bool record_trace = true;                        ///< keep every op as a `TraceEvent`
+  /// Keep every op as a `TraceEvent` (for a Chrome trace). Off, each step's events are
+  /// summarized once the step is over and dropped (`RankTrace::folded`), so memory stays
+  /// constant however long the run; the step summaries are the same.
+  bool record_trace = true;
 
   /// Enabled, on network preset `network`, with the default device.
   static SimulationOptions preset(std::string_view network);

@@ -176,6 +176,10 @@ class Work {
   virtual bool test() = 0;
 };
 
+/// The longest hang timeout `dp::launch` accepts (a week); beyond it the deadline
+/// arithmetic of the clocks would overflow.
+inline constexpr std::chrono::milliseconds kMaxHangTimeout{7LL * 24 * 3600 * 1000};
+
 /// When a call's results reach the caller's buffers.
 enum class Completion {
   /// As soon as the backend has moved the data: calls complete in the order the backend
@@ -193,7 +197,9 @@ enum class Completion {
 /// Settings every backend honours.
 struct CommOptions {
   /// A rank blocked in `wait()` or `barrier()` for longer than this reports every rank's
-  /// pending call and aborts all ranks.
+  /// pending call and aborts all ranks; positive and at most `kMaxHangTimeout`. On the
+  /// local backend the process ends with the report if a rank has not returned a few
+  /// seconds after that (a rank stuck in its own code cannot be stopped otherwise).
   std::chrono::milliseconds hang_timeout{60'000};
   /// Check before each collective that every rank called the same collective with
   /// matching sizes (the mpi backend pays one small exchange per collective for it).

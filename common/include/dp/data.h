@@ -116,6 +116,12 @@ Dataset load_digits(const std::filesystem::path& csv_path);
 /// differ between the two files) throws `dp::Error` naming the file and byte offset.
 Dataset load_idx(const std::filesystem::path& images, const std::filesystem::path& labels);
 
+/// The files a data set spec reads (see `load_dataset`): none for "synthetic", the shipped
+/// CSV for "digits", PATH for "csv:PATH", both files for "idx:IMAGES,LABELS". Commands use
+/// it to refuse an output path that would overwrite their own data. Throws `dp::Error` for
+/// a spec `load_dataset` would reject.
+std::vector<std::filesystem::path> dataset_files(std::string_view spec);
+
 /// Makes or loads a data set by the name the CLI takes: "synthetic" (default options),
 /// "synthetic:N" (N samples), "digits", "csv:PATH" or "idx:IMAGES,LABELS". `seed`
 /// selects the synthetic set and is ignored by the others. Any other spec throws

@@ -16,15 +16,30 @@
 
 #include <fmt/format.h>
 
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 namespace dp {
 
 /// Base of every recoverable error thrown by dplab: the message is meant for the user.
+///
+/// An error raised on a rank inside `dp::launch` is rethrown by `launch` naming that rank:
+/// `what()` then reads "rank 2: <message>" and `rank()` is 2 (a `CommError` names the ranks
+/// it concerns itself and is left as it is).
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+  /// The message, after "rank R: " when the rank is known.
+  const char* what() const noexcept override;
+  /// The rank the error was raised on, or -1 when not known (outside `dp::launch`).
+  int rank() const noexcept { return rank_; }
+  /// Records the rank the error was raised on (the first one recorded stays).
+  void set_rank(int rank);
+
+ private:
+  int rank_ = -1;
+  std::shared_ptr<const std::string> ranked_message_;  // shared: copying must not throw
 };
 
 /// A communication failure: mismatched collectives, a deadlock, a timeout, or an abort

@@ -32,10 +32,15 @@ std::string_view to_string(Backend backend);
 /// Parses "local" or "mpi"; throws `dp::Error` naming the accepted values otherwise.
 Backend parse_backend(std::string_view name);
 
+/// The largest world size `launch` accepts. A local rank is two threads of this process
+/// (its own and its communication thread) and every rank keeps counters per peer, so a
+/// few hundred ranks is where a laptop stops coping; no lab needs more than 64.
+inline constexpr int kMaxWorldSize = 256;
+
 /// How to start the ranks.
 struct LaunchOptions {
-  /// Number of ranks. Under mpi it may be smaller than the number of processes (the
-  /// others sit this launch out) but not larger.
+  /// Number of ranks, from 1 to `kMaxWorldSize`. Under mpi it may be smaller than the
+  /// number of processes (the others sit this launch out) but not larger.
   int world_size = 1;
   Backend backend = Backend::kLocal;  ///< the transport
   CommOptions comm{};                 ///< timeouts and validation
@@ -45,7 +50,9 @@ struct LaunchOptions {
   SimulationOptions simulation{};
 };
 
-/// Runs `rank_main` on every rank and returns when all have returned.
+/// Runs `rank_main` on every rank and returns when all have returned. Throws `dp::Error`
+/// for a world size outside [1, kMaxWorldSize] or a hang timeout outside
+/// (0, kMaxHangTimeout].
 ///
 /// If a rank throws, the other ranks' pending and later calls fail with `dp::CommError`
 /// ("aborted because rank r failed"), so nobody hangs, and `launch` rethrows the first

@@ -52,6 +52,11 @@ void matmul_into(const Tensor& a, Transpose transpose_a, const Tensor& b, Transp
 Tensor matmul(const Tensor& a, Transpose transpose_a, const Tensor& b, Transpose transpose_b,
               MemoryCategory category = MemoryCategory::kActivations);
 
+/// Wall seconds the calling thread has spent inside BLAS (every `gemm` and `gemv` it made),
+/// since it started: a benchmark's measure of how much of a training step is matrix
+/// products. Timing costs two clock reads per call, nothing next to a product.
+double blas_seconds_of_this_thread();
+
 /// Sets the number of threads BLAS uses in this process (openblas_set_num_threads).
 /// Throws `dp::Error` unless `threads` is positive.
 void set_blas_threads(int threads);

@@ -105,7 +105,8 @@ class Optimizer {
 class Sgd final : public Optimizer {
  public:
   /// SGD over `state_size` elements; the momentum buffer exists only when momentum != 0.
-  /// Throws `dp::Error` on a negative learning rate, momentum or weight decay.
+  /// Throws `dp::Error` unless lr and weight decay are finite and >= 0 and momentum is in
+  /// [0, 1).
   Sgd(std::size_t state_size, SgdOptions options);
   /// "sgd".
   std::string_view name() const override { return "sgd"; }
@@ -129,7 +130,8 @@ class Sgd final : public Optimizer {
 class AdamW final : public Optimizer {
  public:
   /// AdamW over `state_size` elements: m and v take 2 * 4 * state_size bytes.
-  /// Throws `dp::Error` on settings out of range (betas in [0, 1), eps > 0, lr >= 0).
+  /// Throws `dp::Error` on settings out of range (betas in [0, 1), finite eps > 0, finite
+  /// lr >= 0 and weight decay >= 0).
   AdamW(std::size_t state_size, AdamWOptions options);
   /// "adamw".
   std::string_view name() const override { return "adamw"; }

@@ -52,16 +52,6 @@ struct TraceEvent {
   int peer = -1;                         ///< point-to-point: the other rank; else -1
 };
 
-/// Everything one rank's clock recorded.
-struct RankTrace {
-  int rank = 0;            ///< the rank
-  bool simulated = false;  ///< times are virtual (simulated clock) or wall
-  std::string
-      clock_description;  ///< e.g. "simulated: ib-ndr (alpha 2 us, 50 GB/s); device a100 ..."
-  std::vector<TraceEvent> events;  ///< in the order they were recorded
-  std::vector<double> step_marks;  ///< compute times at which `Clock::mark_step` was called
-};
-
 /// The time a rank spent on one training step: the interval between two step marks.
 struct StepSummary {
   int step = 0;                      ///< 1-based step number
@@ -75,6 +65,21 @@ struct StepSummary {
                                      ///< that started in the step
 };
 
+/// Everything one rank's clock recorded.
+struct RankTrace {
+  int rank = 0;            ///< the rank
+  bool simulated = false;  ///< times are virtual (simulated clock) or wall
+  std::string
+      clock_description;  ///< e.g. "simulated: ib-ndr (alpha 2 us, 50 GB/s); device a100 ..."
+  std::vector<TraceEvent> events;  ///< in the order they were recorded
+  std::vector<double> step_marks;  ///< compute times at which `Clock::mark_step` was called
+  /// Steps that were summarized and then dropped from `events` and `step_marks` because the
+  /// clock keeps no trace (`SimulationOptions::record_trace` off), which keeps its memory
+  /// constant over a long run: `step` counts them and every other field holds their sum
+  /// (`start` is unused). `mean_step` includes them; `summarize_steps` cannot.
+  StepSummary folded{};
+};
+
 /// One summary per pair of consecutive step marks of `trace`. Communication that spans a
 /// mark is split at it.
 std::vector<StepSummary> summarize_steps(const RankTrace& trace);
@@ -82,13 +87,22 @@ std::vector<StepSummary> summarize_steps(const RankTrace& trace);
 /// The mean over steps of each field of `steps` (`step` is the number of steps; `start` 0).
 StepSummary mean_of(std::span<const StepSummary> steps);
 
+/// The mean over every step of `trace`, its folded steps included: the same bits as
+/// `mean_of(summarize_steps(trace))` would give had nothing been folded.
+StepSummary mean_step(const RankTrace& trace);
+
+/// Adds each field of `step` to `sum` (`sum.step` counts the steps added; `start` is left
+/// alone): how `mean_of` and `RankTrace::folded` accumulate.
+void add_step(StepSummary& sum, const StepSummary& step);
+
 /// Chrome Trace Event JSON of every rank's events: {"traceEvents": [...], "displayTimeUnit":
 /// "ns", "otherData": {...}} with one complete ("ph": "X") event per op (ts and dur in
 /// microseconds of the rank's clock, relative to the launch), process_name and thread_name
 /// metadata events, and each rank's step summaries under "otherData".
 std::string chrome_trace_json(std::span<const RankTrace> traces);
 
-/// Writes `chrome_trace_json(traces)` to `path`; throws `dp::Error` if it cannot.
+/// Writes `chrome_trace_json(traces)` to `path` as dp/output_file.h describes (a whole file
+/// or none; only a regular file is replaced); throws `dp::Error` if it cannot.
 void write_chrome_trace(const std::string& path, std::span<const RankTrace> traces);
 
 }  // namespace dp

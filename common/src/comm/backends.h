@@ -1,12 +1,18 @@
 // backends.h (internal): the entry points `dp::launch` dispatches to.
 #pragma once
 
+#include <exception>
 #include <functional>
 
 #include "dp/comm.h"
 #include "dp/launch.h"
 
 namespace dp::detail {
+
+/// Rethrows `error`; a `dp::Error` first records that it was raised on `rank`, so that its
+/// message names the rank (`Error::set_rank`). A `dp::CommError` (it names the ranks it
+/// concerns) and other exceptions are rethrown unchanged.
+[[noreturn]] void rethrow_naming_rank(const std::exception_ptr& error, int rank);
 
 /// Runs `rank_main` on `options.world_size` threads of this process (local backend).
 void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);

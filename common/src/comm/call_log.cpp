@@ -56,8 +56,13 @@ void CallLog::complete(std::uint64_t index) {
   auto it = std::find_if(pending_.begin(), pending_.end(),
                          [&](const CallRecord& call) { return call.index == index; });
   if (it != pending_.end()) pending_.erase(it);
-  for (auto& call : collectives_)
-    if (call.index == index) call.done = true;
+  // A completing collective is almost always among the newest: search from the back.
+  for (auto call = collectives_.rbegin(); call != collectives_.rend(); ++call) {
+    if (call->index == index) {
+      call->done = true;
+      break;
+    }
+  }
 }
 
 std::optional<CallRecord> CallLog::find(std::uint64_t index) const {

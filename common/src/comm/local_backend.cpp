@@ -12,10 +12,22 @@
 // between ranks are those of a ring all-reduce, 2 (p-1)/p n per rank, and they are what
 // the counters record. Nothing is copied beyond that: no staging buffers.
 //
+// Small collectives (at most kEagerBytes, without the simulation) skip the communication
+// threads: the last rank to issue one starts the work itself, split into pieces that any
+// rank waiting for it claims too, and a rank waiting for a call spins briefly before it
+// sleeps. When the peers are ready, a small all-reduce thus costs no system call and no
+// thread switch, only the reduction; the bits are those of the threads' path (every
+// element is summed in rank order either way).
+//
 // All shared state sits behind one mutex (`mutex_`), which keeps the deadlock detector
 // exact: a deadlock is declared when every rank waits on a call, no communication
 // thread can make progress and no transfer is in flight. Data is moved outside the
 // lock.
+//
+// A rank that waits longer than the hang timeout aborts every rank with a report. A rank
+// stuck in its own code cannot be stopped (threads cannot be killed), so `launch` waits
+// a short grace for the ranks to return and otherwise prints the report and ends the
+// process: a hang never lasts much longer than the timeout.
 //
 // With `LaunchOptions::simulation` enabled, a `VirtualNetwork` (virtual_network.h) keeps
 // each call's virtual times beside the data movement: a call is complete for `wait()` once
@@ -26,8 +38,11 @@
 // receiver posts would hold back the virtual clock of a receiver that posts only after
 // waiting for the clock (a bounded-staleness parameter server does exactly this).
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -37,6 +52,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <span>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -53,6 +69,64 @@ namespace {
 
 using WallTime = std::chrono::steady_clock;
 
+/// Collectives up to this size run eagerly on the ranks' own threads (see the top).
+constexpr std::size_t kEagerBytes = std::size_t{256} << 10;
+/// The pieces an eager collective is cut into, claimed one at a time by the ranks.
+constexpr std::size_t kEagerPieceBytes = std::size_t{16} << 10;
+/// How long a waiting rank spins on the CPU: a peer that is ready answers sooner.
+constexpr std::chrono::microseconds kSpinOnly{5};
+/// How long it then keeps checking between yields of its core (with more ranks than cores
+/// the peer it waits for may need that core) before it sleeps.
+constexpr std::chrono::microseconds kSpinBeforeSleep{50};
+/// How long `launch` waits for the ranks after a hang or deadlock abort before it ends
+/// the process: every rank inside dplab returns at once; one that does not is stuck.
+constexpr std::chrono::seconds kStuckRankGrace{2};
+/// The exit status of a process ended because a rank never returned.
+constexpr int kStuckRankExitStatus = 3;
+
+/// Tells the CPU this is a spin loop (cheaper for the sibling hyper-thread).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+/// Takes `lock`, spinning briefly first: the lock is held for well under a microsecond,
+/// and sleeping on it would cost a system call on both sides.
+void lock_spinning(std::unique_lock<std::mutex>& lock) {
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    if (lock.try_lock()) return;
+    cpu_relax();
+  }
+  lock.lock();
+}
+
+struct Operation;
+
+/// One collective as all ranks see it: the n-th collective of every rank.
+struct CollectiveSlot {
+  // By rank, as they issue it. A call refers to its slot until its Work handle goes, which
+  // breaks the cycle: the last handle of a collective frees the slot and its calls.
+  std::vector<std::shared_ptr<Operation>> members;
+  int arrived = 0;                      // ranks that issued it
+  bool eager = false;                   // run by the ranks, not the comm threads
+  std::optional<std::string> mismatch;  // set once every rank issued it
+  // The communication threads' path.
+  int threads_arrived = 0;
+  std::vector<int> phase_arrivals;
+  // The eager path: pieces of the index space [0, elements), claimed by any rank.
+  std::atomic<bool> runnable{false};  // every rank issued it and the calls match
+  std::size_t elements = 0;
+  std::size_t piece_elements = 0;
+  std::size_t pieces = 0;
+  std::vector<ConstBuffer> inputs;     // by rank
+  std::vector<MutableBuffer> outputs;  // by rank
+  std::atomic<std::size_t> next_piece{0};
+  std::atomic<std::size_t> pieces_done{0};
+};
+
 /// The shared state of one call, referred to by its `Work` handle.
 struct Operation {
   CommOp op = CommOp::kBarrier;
@@ -68,8 +142,10 @@ struct Operation {
   // Simulated sends posted before their receive: a copy of the input (malloc'd, so that
   // the grader's count of lab code's operator new does not see it).
   std::unique_ptr<unsigned char, decltype(&std::free)> eager_copy{nullptr, &std::free};
-  VirtualCall timing;  // simulated times (when the simulation is on)
-  bool ready = false;  // done and, when simulated, its completion time known
+  VirtualCall timing;                    // simulated times (when the simulation is on)
+  bool ready = false;                    // done and, when simulated, its completion time known
+  std::atomic<bool> finished{false};     // `ready`, readable without the mutex
+  std::shared_ptr<CollectiveSlot> slot;  // collectives: where the ranks meet
 };
 
 /// Element range [begin, end) of chunk `index` when `count` elements are split `parts` ways.
@@ -87,7 +163,7 @@ Chunk chunk_of(std::size_t count, int parts, int index) {
 /// dst[k] = combine(src_0[k], ..., src_{p-1}[k]) in rank order, for every destination;
 /// destinations may alias sources.
 template <typename T>
-void reduce_in_rank_order(const std::vector<T*>& destinations, const std::vector<const T*>& sources,
+void reduce_in_rank_order(std::span<T* const> destinations, std::span<const T* const> sources,
                           std::size_t count, ReduceOp op) {
   // Blocks are combined in a small buffer that stays in L1 cache and then stored, so every
   // source is read before its block of a destination (possibly the same memory) is
@@ -116,23 +192,25 @@ void reduce_in_rank_order(const std::vector<T*>& destinations, const std::vector
 }
 
 template <typename T>
-void reduce_typed(const std::vector<MutableBuffer>& destinations, std::size_t dst_offset,
-                  const std::vector<ConstBuffer>& sources, std::size_t src_offset,
-                  std::size_t count, ReduceOp op) {
-  std::vector<T*> outputs;
-  for (const auto& destination : destinations)
-    outputs.push_back(static_cast<T*>(destination.data) + dst_offset);
-  std::vector<const T*> inputs;
-  for (const auto& source : sources)
-    inputs.push_back(static_cast<const T*>(source.data) + src_offset);
-  reduce_in_rank_order(outputs, inputs, count, op);
+void reduce_typed(std::span<const MutableBuffer> destinations, std::size_t dst_offset,
+                  std::span<const ConstBuffer> sources, std::size_t src_offset, std::size_t count,
+                  ReduceOp op) {
+  // On the stack: this runs for every piece of a small collective.
+  std::array<T*, kMaxWorldSize> outputs;
+  for (std::size_t d = 0; d < destinations.size(); ++d)
+    outputs[d] = static_cast<T*>(destinations[d].data) + dst_offset;
+  std::array<const T*, kMaxWorldSize> inputs;
+  for (std::size_t s = 0; s < sources.size(); ++s)
+    inputs[s] = static_cast<const T*>(sources[s].data) + src_offset;
+  reduce_in_rank_order<T>(std::span<T* const>(outputs.data(), destinations.size()),
+                          std::span<const T* const>(inputs.data(), sources.size()), count, op);
 }
 
 /// Reduces elements [src_offset, src_offset + count) of every source into elements
 /// [dst_offset, dst_offset + count) of every destination.
-void reduce_chunk(const std::vector<MutableBuffer>& destinations, std::size_t dst_offset,
-                  const std::vector<ConstBuffer>& sources, std::size_t src_offset,
-                  std::size_t count, ReduceOp op) {
+void reduce_chunk(std::span<const MutableBuffer> destinations, std::size_t dst_offset,
+                  std::span<const ConstBuffer> sources, std::size_t src_offset, std::size_t count,
+                  ReduceOp op) {
   if (count == 0) return;
   switch (sources[0].type) {
     case DataType::kFloat32:
@@ -225,6 +303,11 @@ class LocalWorld {
   void abort(const std::string& reason);
   /// Rank `rank` has returned (or thrown) from its function.
   void mark_finished(int rank);
+  /// Waits until every rank has returned from its function; after an abort, for at most
+  /// the abort's grace. Returns the ranks still running then (empty when all returned).
+  std::vector<int> wait_for_ranks();
+  /// Why the ranks were aborted ("" if they were not).
+  std::string abort_reason() const;
 
  private:
   struct Rank {
@@ -236,15 +319,6 @@ class LocalWorld {
     bool comm_thread_waiting_for_peers = false;
     std::optional<std::uint64_t> blocked_on;  // call the rank's own thread waits for
     bool finished = false;
-  };
-
-  /// One collective as all ranks see it (the n-th collective of every rank).
-  struct CollectiveSlot {
-    std::vector<std::shared_ptr<Operation>> members;
-    int arrived = 0;
-    int left = 0;
-    std::vector<int> phase_arrivals;
-    std::optional<std::string> mismatch;
   };
 
   /// Point-to-point calls waiting for their match, per (source, destination, tag).
@@ -259,6 +333,13 @@ class LocalWorld {
   void transfer(const std::shared_ptr<Operation>& send, const std::shared_ptr<Operation>& receive,
                 std::unique_lock<std::mutex>& lock);
   void complete(Operation& operation, std::exception_ptr error);
+  // The eager path: the calls every rank issued are checked, then cut into pieces.
+  void start_eager(CollectiveSlot& slot);
+  void run_eager_pieces(CollectiveSlot& slot);
+  void execute_piece(const CollectiveSlot& slot, std::size_t piece) const;
+  // Spins (and helps an eager collective) until `operation` is ready; false if it is not
+  // after kSpinBeforeSleep or the ranks were aborted.
+  bool spin_until_ready(Operation& operation);
   // Simulation: what follows a change of virtual state (caller holds mutex_).
   void issue_virtual(Operation& operation, std::uint64_t link_bytes);
   void settle();
@@ -267,7 +348,8 @@ class LocalWorld {
                                            const CollectiveSlot& slot) const;
   void check_for_deadlock();
   std::string hang_report(const std::string& headline) const;
-  void abort_locked(const std::string& reason);
+  void abort_locked(const std::string& reason,
+                    std::optional<std::chrono::milliseconds> grace = std::nullopt);
   void throw_if_aborted() const;
 
   const int size_;
@@ -275,14 +357,19 @@ class LocalWorld {
   mutable std::mutex mutex_;
   std::unique_ptr<VirtualNetwork> network_;              // null without simulation
   std::vector<std::unique_ptr<WallClock>> wall_clocks_;  // without simulation
-  std::condition_variable changed_;
+  std::condition_variable changed_;                      // a call became ready: for waiting ranks
+  std::condition_variable comm_changed_;                 // work for the communication threads
+  std::condition_variable finished_changed_;  // a rank returned, or the ranks were aborted
   std::vector<Rank> ranks_;
-  std::map<std::uint64_t, CollectiveSlot> slots_;  // by collective sequence number
-  std::vector<std::uint64_t> next_sequence_;       // per rank
+  // Collectives some but not all ranks have issued, by sequence number.
+  std::map<std::uint64_t, std::shared_ptr<CollectiveSlot>> slots_;
+  std::vector<std::uint64_t> next_sequence_;  // per rank
   std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
   int transfers_in_flight_ = 0;  // copies and collective phases running outside the lock
   bool shutting_down_ = false;
   std::optional<std::string> abort_reason_;
+  std::atomic<bool> aborted_{false};     // abort_reason_ is set, readable without the mutex
+  WallTime::time_point abort_deadline_;  // when `launch` stops waiting for the ranks
 };
 
 LocalWorld::LocalWorld(int size, CommOptions options, const SimulationOptions& simulation)
@@ -309,7 +396,7 @@ LocalWorld::~LocalWorld() {
     std::lock_guard lock(mutex_);
     shutting_down_ = true;
   }
-  changed_.notify_all();
+  comm_changed_.notify_all();
   for (auto& rank : ranks_) rank.comm_thread.join();
 }
 
@@ -322,11 +409,17 @@ void LocalWorld::abort(const std::string& reason) {
   abort_locked(reason);
 }
 
-void LocalWorld::abort_locked(const std::string& reason) {
+void LocalWorld::abort_locked(const std::string& reason,
+                              std::optional<std::chrono::milliseconds> grace) {
   if (abort_reason_) return;  // the first reason is the root cause
   abort_reason_ = reason;
+  aborted_.store(true, std::memory_order_release);
+  // A rank that failed may leave its peers in the middle of long computations: they get a
+  // hang timeout to come back. After a hang every rank inside dplab returns at once.
+  abort_deadline_ = WallTime::now() + grace.value_or(options_.hang_timeout);
   if (network_) network_->clear();  // no more virtual times: every pending call will fail
-  // Unmatched messages will never match now; collectives are ended by the comm threads.
+  // Unmatched messages and eager collectives some rank never issued will never complete
+  // now; the communication threads end their own collectives.
   const auto error = std::make_exception_ptr(CommError(reason));
   for (auto& [key, mailbox] : mailboxes_) {
     for (auto& operation : mailbox.sends)
@@ -334,12 +427,44 @@ void LocalWorld::abort_locked(const std::string& reason) {
     for (auto& operation : mailbox.receives) complete(*operation, error);
   }
   mailboxes_.clear();
+  for (auto& [sequence, slot] : slots_)
+    if (slot->eager)
+      for (auto& member : slot->members)
+        if (member) complete(*member, error);
   changed_.notify_all();
+  comm_changed_.notify_all();
+  finished_changed_.notify_all();
+}
+
+std::string LocalWorld::abort_reason() const {
+  std::lock_guard lock(mutex_);
+  return abort_reason_.value_or("");
+}
+
+std::vector<int> LocalWorld::wait_for_ranks() {
+  std::unique_lock lock(mutex_);
+  const auto all_returned = [&] {
+    return std::all_of(ranks_.begin(), ranks_.end(),
+                       [](const Rank& rank) { return rank.finished; });
+  };
+  while (!all_returned()) {
+    if (!abort_reason_) {
+      finished_changed_.wait(lock);
+    } else if (finished_changed_.wait_until(lock, abort_deadline_) == std::cv_status::timeout &&
+               !all_returned()) {
+      break;
+    }
+  }
+  std::vector<int> running;
+  for (int r = 0; r < size_; ++r)
+    if (!ranks_[r].finished) running.push_back(r);
+  return running;
 }
 
 void LocalWorld::mark_finished(int rank) {
   std::lock_guard lock(mutex_);
   ranks_[rank].finished = true;
+  finished_changed_.notify_all();
   if (network_) {
     network_->finish(rank);
     settle();
@@ -364,6 +489,7 @@ void LocalWorld::issue_virtual(Operation& operation, std::uint64_t link_bytes) {
   timing.op = operation.op;
   timing.link_bytes = link_bytes;
   timing.wall_issue = WallTime::now();
+  network_->clock(operation.rank).call_issued();
   switch (operation.op) {
     case CommOp::kSend:
       timing.bytes = operation.input.bytes();
@@ -392,8 +518,12 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
   if (operation.ready || !operation.done) return;
   if (network_ && !operation.error && !operation.timing.determined) return;
   operation.ready = true;
+  operation.finished.store(true, std::memory_order_release);
   Rank& owner = ranks_[operation.rank];
-  if (network_ && operation.error) network_->forget(operation.timing);
+  if (network_ && operation.error) {
+    network_->forget(operation.timing);
+    network_->clock(operation.rank).call_finished(std::nullopt);
+  }
   if (network_ && !operation.error) {
     const VirtualCall& timing = operation.timing;
     SimClock& clock = network_->clock(operation.rank);
@@ -417,7 +547,7 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
         std::chrono::duration<double>(WallTime::now() - timing.wall_issue).count();
     event.bytes = timing.link_bytes;
     event.peer = timing.peer;
-    clock.record_communication(std::move(event));
+    clock.call_finished(std::move(event));
   }
   if (owner.blocked_on == operation.call_index) owner.blocked_on.reset();
   changed_.notify_all();
@@ -441,7 +571,8 @@ void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
 
 std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Operation> operation,
                                                            int peer, int tag) {
-  std::unique_lock lock(mutex_);
+  std::unique_lock lock(mutex_, std::defer_lock);
+  lock_spinning(lock);
   throw_if_aborted();
   const bool is_send = operation->op == CommOp::kSend;
   Rank& self = ranks_[operation->rank];
@@ -524,7 +655,8 @@ void LocalWorld::transfer(const std::shared_ptr<Operation>& send,
 }
 
 std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation> operation) {
-  std::unique_lock lock(mutex_);
+  std::unique_lock lock(mutex_, std::defer_lock);
+  lock_spinning(lock);
   throw_if_aborted();
   Rank& self = ranks_[operation->rank];
   operation->call_index = self.log.record(operation->record);
@@ -535,8 +667,9 @@ std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation
   // read by one rank from another.
   const int p = size_;
   const int me = operation->rank;
-  std::vector<std::size_t> from_peer(static_cast<std::size_t>(p), 0);
-  std::vector<std::size_t> to_peer(static_cast<std::size_t>(p), 0);
+  // On the stack: this runs for every collective.
+  std::array<std::size_t, kMaxWorldSize> from_peer{};
+  std::array<std::size_t, kMaxWorldSize> to_peer{};
   std::uint64_t messages_sent = 0;
   std::uint64_t messages_received = 0;
   for (int peer = 0; peer < p; ++peer) {
@@ -591,16 +724,125 @@ std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation
     settle();
   }
 
-  self.collective_queue.push_back(operation);
-  changed_.notify_all();
+  // Rendezvous: the n-th collective of every rank meets in slot n.
+  const std::uint64_t sequence = next_sequence_[me]++;
+  std::shared_ptr<CollectiveSlot>& entry = slots_[sequence];
+  if (!entry) {
+    entry = std::make_shared<CollectiveSlot>();
+    entry->members.resize(static_cast<std::size_t>(p));
+    entry->phase_arrivals.assign(3, 0);
+    // The first rank decides the path and the others follow it, so that a mismatch (which
+    // may differ in size) still meets in one slot and is reported.
+    const std::size_t whole = operation->op == CommOp::kReduceScatter ? operation->input.bytes()
+                                                                      : operation->output.bytes();
+    entry->eager = !network_ && whole <= kEagerBytes;
+  }
+  const std::shared_ptr<CollectiveSlot> slot = entry;
+  slot->members[static_cast<std::size_t>(me)] = operation;
+  operation->slot = slot;
+  const bool last = ++slot->arrived == p;
+  if (last) {
+    slots_.erase(sequence);
+    // Always validated (it costs nothing in shared memory): a mismatch would otherwise
+    // read past the end of a peer's buffer.
+    slot->mismatch = find_mismatch(sequence, *slot);
+  }
+  if (!slot->eager) {
+    self.collective_queue.push_back(operation);
+    comm_changed_.notify_all();
+    return operation;
+  }
+  if (!last) return operation;
+  if (slot->mismatch) {
+    const auto error = std::make_exception_ptr(CommError(*slot->mismatch));
+    for (auto& member : slot->members) complete(*member, error);
+    return operation;
+  }
+  start_eager(*slot);
+  if (slot->pieces == 0) {  // a barrier: meeting was all of it
+    for (auto& member : slot->members) complete(*member, nullptr);
+    return operation;
+  }
+  lock.unlock();
+  // The last rank to arrive starts the work; ranks waiting for the call claim pieces too.
+  run_eager_pieces(*slot);
   return operation;
+}
+
+void LocalWorld::start_eager(CollectiveSlot& slot) {
+  // Caller holds mutex_; every rank has issued the call and the calls match.
+  const Operation& first = *slot.members[0];
+  for (const auto& member : slot.members) {
+    slot.inputs.push_back(member->input);
+    slot.outputs.push_back(member->output);
+  }
+  switch (first.op) {
+    case CommOp::kReduceScatter: slot.elements = first.input.count; break;
+    case CommOp::kBarrier: slot.elements = 0; break;
+    default: slot.elements = first.output.count; break;  // the whole array
+  }
+  slot.piece_elements = std::max<std::size_t>(1, kEagerPieceBytes / element_size(first.input.type));
+  slot.pieces = (slot.elements + slot.piece_elements - 1) / slot.piece_elements;
+  slot.runnable.store(true, std::memory_order_release);
+}
+
+void LocalWorld::run_eager_pieces(CollectiveSlot& slot) {
+  while (true) {
+    const std::size_t piece = slot.next_piece.fetch_add(1, std::memory_order_relaxed);
+    if (piece >= slot.pieces) return;
+    execute_piece(slot, piece);
+    // acq_rel: whoever finishes last sees every piece's writes and publishes them.
+    if (slot.pieces_done.fetch_add(1, std::memory_order_acq_rel) + 1 == slot.pieces) {
+      std::unique_lock lock(mutex_, std::defer_lock);
+      lock_spinning(lock);
+      for (auto& member : slot.members) complete(*member, nullptr);
+      return;
+    }
+  }
+}
+
+void LocalWorld::execute_piece(const CollectiveSlot& slot, std::size_t piece) const {
+  // Pieces cover [begin, end) of the index space: the whole array, or for reduce-scatter
+  // and all-gather the concatenation of the ranks' shards.
+  const Operation& first = *slot.members[0];
+  const std::size_t begin = piece * slot.piece_elements;
+  const std::size_t end = std::min(begin + slot.piece_elements, slot.elements);
+  switch (first.op) {
+    case CommOp::kAllReduce:
+      reduce_chunk(slot.outputs, begin, slot.inputs, begin, end - begin, first.reduce);
+      return;
+    case CommOp::kReduceScatter:
+    case CommOp::kAllGather: {
+      const std::size_t shard =
+          first.op == CommOp::kReduceScatter ? first.output.count : first.input.count;
+      for (std::size_t owner = begin / shard; owner * shard < end; ++owner) {
+        const std::size_t from = std::max(begin, owner * shard);
+        const std::size_t to = std::min(end, (owner + 1) * shard);
+        if (first.op == CommOp::kReduceScatter) {
+          reduce_chunk(std::span(&slot.outputs[owner], 1), from - owner * shard, slot.inputs, from,
+                       to - from, first.reduce);
+        } else {
+          for (const MutableBuffer& output : slot.outputs)
+            copy_elements(output, from, slot.inputs[owner], from - owner * shard, to - from);
+        }
+      }
+      return;
+    }
+    case CommOp::kBroadcast:
+      for (std::size_t r = 0; r < slot.outputs.size(); ++r)
+        if (static_cast<int>(r) != first.root)
+          copy_elements(slot.outputs[r], begin, slot.outputs[static_cast<std::size_t>(first.root)],
+                        begin, end - begin);
+      return;
+    default: DP_CHECK(false, "{} has no pieces", to_string(first.op));
+  }
 }
 
 void LocalWorld::run_comm_thread(int rank) {
   Rank& self = ranks_[rank];
   std::unique_lock lock(mutex_);
   while (true) {
-    changed_.wait(lock, [&] { return shutting_down_ || !self.collective_queue.empty(); });
+    comm_changed_.wait(lock, [&] { return shutting_down_ || !self.collective_queue.empty(); });
     if (self.collective_queue.empty()) return;  // shutting down with nothing left
     std::shared_ptr<Operation> operation = self.collective_queue.front();
     if (abort_reason_) {
@@ -609,35 +851,28 @@ void LocalWorld::run_comm_thread(int rank) {
       continue;
     }
 
-    // Rendezvous: the n-th collective of every rank meets in slot n.
-    const std::uint64_t sequence = next_sequence_[rank]++;
-    CollectiveSlot& slot = slots_[sequence];
-    if (slot.members.empty()) {
-      slot.members.resize(static_cast<std::size_t>(size_));
-      slot.phase_arrivals.assign(3, 0);
-    }
-    slot.members[rank] = operation;
-    if (++slot.arrived == size_) {
-      // Always validated here (it costs nothing in shared memory): a mismatch would
-      // otherwise read past the end of a peer's buffer.
-      slot.mismatch = find_mismatch(sequence, slot);
+    // Rendezvous of the communication threads in the call's slot (every rank's call sits
+    // there since it was issued; the mismatch check ran when the last one arrived).
+    const std::shared_ptr<CollectiveSlot> shared_slot = operation->slot;
+    CollectiveSlot& slot = *shared_slot;
+    if (++slot.threads_arrived == size_) {
       // The peers are runnable from now on, even before their threads wake up.
       for (Rank& peer : ranks_) peer.comm_thread_waiting_for_peers = false;
-      changed_.notify_all();
+      comm_changed_.notify_all();
     } else {
       self.comm_thread_waiting_for_peers = true;
       check_for_deadlock();
-      changed_.wait(lock, [&] {
-        return slot.arrived == size_ || abort_reason_.has_value() || shutting_down_;
+      comm_changed_.wait(lock, [&] {
+        return slot.threads_arrived == size_ || abort_reason_.has_value() || shutting_down_;
       });
       self.comm_thread_waiting_for_peers = false;
     }
 
-    if (slot.arrived < size_ && shutting_down_ && !abort_reason_) {
+    if (slot.threads_arrived < size_ && shutting_down_ && !abort_reason_) {
       complete(*operation, std::make_exception_ptr(CommError(fmt::format(
                                "dplab: {} was still waiting for its peers when the ranks ended",
                                operation->record.describe()))));
-    } else if (slot.arrived < size_) {
+    } else if (slot.threads_arrived < size_) {
       complete(*operation, std::make_exception_ptr(CommError(*abort_reason_)));
     } else if (slot.mismatch) {
       complete(*operation, std::make_exception_ptr(CommError(*slot.mismatch)));
@@ -645,17 +880,16 @@ void LocalWorld::run_comm_thread(int rank) {
       execute_collective(rank, slot, lock);
     }
     self.collective_queue.pop_front();
-    if (++slot.left == size_) slots_.erase(sequence);
   }
 }
 
 void LocalWorld::phase_barrier(CollectiveSlot& slot, int phase,
                                std::unique_lock<std::mutex>& lock) {
   if (++slot.phase_arrivals[phase] == size_) {
-    changed_.notify_all();
+    comm_changed_.notify_all();
     return;
   }
-  changed_.wait(lock, [&] { return slot.phase_arrivals[phase] == size_; });
+  comm_changed_.wait(lock, [&] { return slot.phase_arrivals[phase] == size_; });
 }
 
 void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
@@ -695,8 +929,8 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
     case CommOp::kReduceScatter: {
       const std::size_t shard = operation.output.count;
       run_unlocked([&] {
-        reduce_chunk({operation.output}, 0, inputs, shard * static_cast<std::size_t>(rank), shard,
-                     operation.reduce);
+        reduce_chunk(std::span(&operation.output, 1), 0, inputs,
+                     shard * static_cast<std::size_t>(rank), shard, operation.reduce);
       });
       phase_barrier(slot, 0, lock);
       break;
@@ -726,8 +960,20 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
   complete(operation, nullptr);
 }
 
+/// True when `a` and `b` are the same collective call as far as the ranks must agree (what
+/// `CallRecord::signature` shows, without formatting it).
+bool same_signature(const CallRecord& a, const CallRecord& b) {
+  return a.op == b.op && a.count == b.count && a.type == b.type && a.reduce == b.reduce &&
+         a.peer == b.peer && a.tag == b.tag;
+}
+
 std::optional<std::string> LocalWorld::find_mismatch(std::uint64_t sequence,
                                                      const CollectiveSlot& slot) const {
+  // The usual case, checked on every collective: all match, and no text is made.
+  const CallRecord& first = slot.members[0]->record;
+  if (std::all_of(slot.members.begin(), slot.members.end(),
+                  [&](const auto& member) { return same_signature(member->record, first); }))
+    return std::nullopt;
   std::map<std::string, std::vector<int>> ranks_by_signature;
   for (int r = 0; r < size_; ++r)
     ranks_by_signature[slot.members[r]->record.signature()].push_back(r);
@@ -752,7 +998,8 @@ void LocalWorld::check_for_deadlock() {
   for (const Rank& rank : ranks_) anyone_waits = anyone_waits || rank.blocked_on.has_value();
   if (!anyone_waits) return;  // everyone has finished: that is the end, not a deadlock
   abort_locked(
-      hang_report("dplab: deadlock: every rank is waiting and no communication can make progress"));
+      hang_report("dplab: deadlock: every rank is waiting and no communication can make progress"),
+      kStuckRankGrace);
 }
 
 std::string LocalWorld::hang_report(const std::string& headline) const {
@@ -762,8 +1009,36 @@ std::string LocalWorld::hang_report(const std::string& headline) const {
   return format_hang_report(headline, states);
 }
 
+bool LocalWorld::spin_until_ready(Operation& operation) {
+  const auto start = WallTime::now();
+  bool yielding = false;
+  for (unsigned round = 1;; ++round) {
+    if (operation.finished.load(std::memory_order_acquire)) return true;
+    const CollectiveSlot* slot = operation.slot.get();
+    if (slot != nullptr && slot->eager && slot->runnable.load(std::memory_order_acquire))
+      run_eager_pieces(*operation.slot);
+    if (aborted_.load(std::memory_order_acquire)) return false;
+    if (yielding) {
+      std::this_thread::yield();
+    } else {
+      cpu_relax();
+    }
+    if (yielding || round % 64 == 0) {
+      const auto waited = WallTime::now() - start;
+      if (waited > kSpinBeforeSleep) return false;
+      yielding = waited > kSpinOnly;
+    }
+  }
+}
+
 void LocalWorld::wait(Operation& operation) {
-  std::unique_lock lock(mutex_);
+  // Without the simulation a ready call needs nothing under the lock: the fast path.
+  if (!network_ && spin_until_ready(operation)) {
+    if (operation.error) std::rethrow_exception(operation.error);
+    return;
+  }
+  std::unique_lock lock(mutex_, std::defer_lock);
+  lock_spinning(lock);
   // On the simulated clock, returning moves the rank's compute time to the completion.
   const auto finish = [&] {
     if (operation.error) std::rethrow_exception(operation.error);
@@ -805,7 +1080,7 @@ void LocalWorld::wait(Operation& operation) {
         hang_report(fmt::format("dplab: timeout: rank {} waited {:.1f} s for {}", operation.rank,
                                 seconds, operation.record.describe()));
     self.blocked_on.reset();
-    abort_locked(report);
+    abort_locked(report, kStuckRankGrace);
   }
   // After an abort every call completes soon (with an error, unless its data was already
   // moving): waiting for that keeps a peer from reading a buffer this rank unwinds.
@@ -827,13 +1102,12 @@ void LocalWorld::wait_quietly(Operation& operation) {
 }
 
 bool LocalWorld::is_ready(const Operation& operation) {
-  std::lock_guard lock(mutex_);
-  return operation.ready;
+  return operation.finished.load(std::memory_order_acquire);
 }
 
 bool LocalWorld::test(const Operation& operation) {
+  if (!network_) return operation.finished.load(std::memory_order_acquire);
   std::lock_guard lock(mutex_);
-  if (!network_) return operation.done;
   network_->publish(operation.rank);
   settle();
   return operation.ready &&
@@ -851,6 +1125,7 @@ LocalWork::~LocalWork() {
         "in flight)",
         operation_->rank, operation_->record.describe()));
   world_.wait_quietly(*operation_);
+  operation_->slot.reset();  // the call and its slot refer to each other (see CollectiveSlot)
 }
 
 void LocalWork::wait() {
@@ -989,6 +1264,17 @@ bool is_abort_of_another_rank(const std::exception_ptr& error) {
 
 }  // namespace
 
+void rethrow_naming_rank(const std::exception_ptr& error, int rank) {
+  try {
+    std::rethrow_exception(error);
+  } catch (CommError&) {
+    throw;  // it names the ranks involved already (all of them, for a mismatch)
+  } catch (Error& raised) {
+    raised.set_rank(rank);
+    throw;
+  }
+}
+
 void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {
   const int size = options.world_size;
   LocalWorld world(size, options.comm, options.simulation);
@@ -1011,16 +1297,34 @@ void run_local(const LaunchOptions& options, const std::function<void(Communicat
       world.mark_finished(r);
     });
   }
+  const std::vector<int> stuck = world.wait_for_ranks();
+  if (!stuck.empty()) {
+    // A thread cannot be stopped, and returning would destroy what it still uses: report
+    // and end the process, as the mpi backend ends the job.
+    std::fprintf(stderr,
+                 "%s\ndplab: rank%s %s did not return from its function after the abort (stuck "
+                 "in its own code, outside dplab); ending the process\n",
+                 world.abort_reason().c_str(), stuck.size() > 1 ? "s" : "",
+                 fmt::format("{}", fmt::join(stuck, ", ")).c_str());
+    std::fflush(stderr);
+    std::_Exit(kStuckRankExitStatus);
+  }
   for (auto& thread : threads) thread.join();
 
-  // Rethrow the root cause: the lowest rank's error that is not an echo of another's.
+  // Rethrow the root cause: the lowest rank's error that is not an echo of another's,
+  // naming its rank.
   std::exception_ptr first_echo;
-  for (const auto& error : errors) {
+  int first_echo_rank = 0;
+  for (int r = 0; r < size; ++r) {
+    const std::exception_ptr& error = errors[static_cast<std::size_t>(r)];
     if (!error) continue;
-    if (!is_abort_of_another_rank(error)) std::rethrow_exception(error);
-    if (!first_echo) first_echo = error;
+    if (!is_abort_of_another_rank(error)) rethrow_naming_rank(error, r);
+    if (!first_echo) {
+      first_echo = error;
+      first_echo_rank = r;
+    }
   }
-  if (first_echo) std::rethrow_exception(first_echo);
+  if (first_echo) rethrow_naming_rank(first_echo, first_echo_rank);
 }
 
 }  // namespace dp::detail

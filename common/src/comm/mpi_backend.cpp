@@ -1100,7 +1100,7 @@ void MpiCommunicator::finish(std::exception_ptr error) {
   const bool anyone_failed = verdict[0] == 1;
   const bool everyone_failed = verdict[1] == -1;
   if (!anyone_failed) return;
-  if (everyone_failed) std::rethrow_exception(error);
+  if (everyone_failed) rethrow_naming_rank(error, rank_);
   if (error)
     end_job(fmt::format("dplab: rank {} failed: {}\n(the other ranks did not; ending the job)",
                         rank_, describe_exception(error)),

@@ -56,7 +56,8 @@ void SimClock::finish_compute(const ComputeStart& start, std::string_view name,
   const double seconds = options_.compute == ComputeModel::kMeasured
                              ? static_cast<double>(thread_cpu_ns() - start.cpu_ns) * 1e-9
                              : options_.device.time_of(cost);
-  if (options_.record_trace) {
+  {
+    // Kept even without a trace: the step summaries are made of them (then folded).
     TraceEvent event;
     event.name = phase.empty() ? std::string(name) : fmt::format("{} {}", name, phase);
     event.lane = TraceLane::kCompute;
@@ -74,7 +75,7 @@ void SimClock::finish_compute(const ComputeStart& start, std::string_view name,
 void SimClock::compute(std::string_view name, double seconds) {
   if (!(seconds >= 0))
     throw Error(fmt::format("Clock::compute(\"{}\", {}): expected seconds >= 0", name, seconds));
-  if (options_.record_trace) {
+  {
     TraceEvent event;
     event.name = std::string(name);
     event.lane = TraceLane::kCompute;
@@ -88,10 +89,34 @@ void SimClock::compute(std::string_view name, double seconds) {
 
 void SimClock::mark_step() {
   step_marks_.push_back(now_);
+  if (options_.record_trace) return;
+  std::lock_guard lock(mutex_);
+  fold_finished_steps();
 }
 
-void SimClock::record_communication(TraceEvent event) {
-  if (options_.record_trace) communication_events_.push_back(std::move(event));
+void SimClock::call_finished(std::optional<TraceEvent> event) {
+  --calls_in_flight_;
+  if (event) communication_events_.push_back(std::move(*event));
+}
+
+void SimClock::fold_finished_steps() {
+  // Exact only when every event of the closed steps is here: no call of this rank is still
+  // on its way, and nothing recorded reaches past the last mark. Otherwise try again at the
+  // next mark (memory then grows only while calls stay in flight across steps).
+  if (calls_in_flight_ > 0 || step_marks_.size() < 2) return;
+  const double last_mark = step_marks_.back();
+  for (const std::vector<TraceEvent>* events : {&compute_events_, &communication_events_})
+    for (const TraceEvent& event : *events)
+      if (event.start + event.duration > last_mark) return;
+  RankTrace closed;
+  closed.step_marks = step_marks_;
+  closed.events = compute_events_;
+  closed.events.insert(closed.events.end(), communication_events_.begin(),
+                       communication_events_.end());
+  for (const StepSummary& step : summarize_steps(closed)) add_step(folded_, step);
+  compute_events_.clear();
+  communication_events_.clear();
+  step_marks_.assign(1, last_mark);
 }
 
 RankTrace SimClock::trace() const {
@@ -105,6 +130,7 @@ RankTrace SimClock::trace() const {
     std::lock_guard lock(mutex_);
     trace.events.insert(trace.events.end(), communication_events_.begin(),
                         communication_events_.end());
+    trace.folded = folded_;
   }
   // Communication events are recorded when their data has moved, in wall-clock order: sort
   // by virtual time (ties by what they are) so that the same run gives the same list.

@@ -39,6 +39,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -93,8 +94,11 @@ class SimClock final : public Clock {
   void advance_to(double time) {
     if (time > now_) now_ = time;
   }
-  /// Records a communication event (caller holds the backend's mutex).
-  void record_communication(TraceEvent event);
+  /// A call of this rank was issued; its event comes later (caller holds the mutex).
+  void call_issued() { ++calls_in_flight_; }
+  /// A call of this rank ended: `event` is what it did, or nothing when it failed (caller
+  /// holds the backend's mutex).
+  void call_finished(std::optional<TraceEvent> event);
   /// Wall seconds from the launch's start to `time`.
   double wall_seconds(Steady::time_point time) const;
 
@@ -104,10 +108,16 @@ class SimClock final : public Clock {
   std::mutex& mutex_;
   const VirtualNetwork& network_;
   Steady::time_point epoch_;
+  // Without a trace, summarizes the steps before the last mark and drops their events, if
+  // no event can still arrive for them (caller holds mutex_).
+  void fold_finished_steps();
+
   double now_ = 0;
   std::vector<TraceEvent> compute_events_;        // the rank's thread only
   std::vector<TraceEvent> communication_events_;  // under mutex_
-  std::vector<double> step_marks_;
+  std::vector<double> step_marks_;                // the rank's thread only
+  int calls_in_flight_ = 0;                       // under mutex_
+  StepSummary folded_;                            // under mutex_ (see RankTrace::folded)
 };
 
 /// The links, the queue of items and the clocks of every rank.

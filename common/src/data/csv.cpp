@@ -1,5 +1,6 @@
 // The CSV loader, and the digits set that ships as CSV.
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -8,34 +9,14 @@
 #include "data/file_io.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "parsers.h"
 
 namespace dp {
 
 namespace {
 
-// One comma-separated field of a line, without surrounding blanks.
-struct Field {
-  std::string_view text;
-  std::size_t column = 0;  // 1-based character column of the field's first character
-};
-
 bool is_blank(char c) {
   return c == ' ' || c == '\t';
-}
-
-std::vector<Field> split_fields(std::string_view line) {
-  std::vector<Field> fields;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = std::min(line.find(',', start), line.size());
-    std::size_t begin = start;
-    std::size_t end = comma;
-    while (begin < end && is_blank(line[begin])) ++begin;
-    while (end > begin && is_blank(line[end - 1])) --end;
-    fields.push_back({line.substr(begin, end - begin), begin + 1});
-    if (comma == line.size()) return fields;
-    start = comma + 1;
-  }
 }
 
 // The field as a finite number, or nothing if it is not one (empty, text, nan, inf).
@@ -49,84 +30,232 @@ std::optional<float> parse_number(std::string_view text) {
   return value;
 }
 
-bool is_blank_line(std::string_view line) {
-  return std::all_of(line.begin(), line.end(), is_blank);
-}
+// One comma-separated field, without surrounding blanks.
+struct Field {
+  std::string text;        // at most kKeptCharacters of it
+  bool truncated = false;  // the field is longer than `text`
+  std::size_t line = 0;    // 1-based
+  std::size_t column = 0;  // 1-based column of its first non-blank character
+  bool ends_line = false;  // the last field of its line
+  std::string shown() const { return truncated ? text + "..." : text; }
+};
 
-}  // namespace
+// A number is never this long; a longer field is kept only to quote its start.
+constexpr std::size_t kKeptCharacters = 512;
 
-Dataset load_csv(const std::filesystem::path& path, float feature_scale, std::string name) {
-  const std::string text = detail::read_whole_file(path, "CSV file");
-  const std::string file = path.string();
+// Reads the fields of a CSV stream one by one from a block buffer: no line is ever held
+// whole, so a file of one enormous line costs no more memory than one of many short ones.
+class FieldReader {
+ public:
+  explicit FieldReader(std::istream& in) : in_(in) {}
 
-  std::vector<float> features;
-  std::vector<int> labels;
-  std::size_t expected_fields = 0;  // fixed by the header or the first sample
-  std::size_t fields_line = 0;      // the line that fixed it
+  // The next field; false at the end of the input. A final newline ends the last line
+  // without starting another; "\r\n" ends a line as "\n" does.
+  bool next(Field& field) {
+    if (line_done_) {
+      if (peek() == kEnd) return false;
+      ++line_;
+      column_ = 1;
+      line_done_ = false;
+    }
+    field.text.clear();
+    field.truncated = false;
+    field.line = line_;
+    field.column = 0;
+    for (;;) {
+      const int c = get();
+      if (c == kEnd || c == '\n') {
+        field.ends_line = true;
+        line_done_ = true;
+        break;
+      }
+      const std::size_t column = column_++;
+      if (c == ',') {
+        field.ends_line = false;
+        break;
+      }
+      if (field.column == 0) {
+        if (is_blank(static_cast<char>(c))) continue;  // a leading blank
+        field.column = column;
+      }
+      if (field.text.size() < kKeptCharacters) {
+        field.text.push_back(static_cast<char>(c));
+      } else {
+        field.truncated = true;
+      }
+    }
+    if (field.column == 0) field.column = column_;  // empty: the column of its end
+    // A carriage return before the newline belongs to the line ending (Windows files).
+    if (field.ends_line && !field.truncated && field.text.ends_with('\r')) field.text.pop_back();
+    while (!field.truncated && !field.text.empty() && is_blank(field.text.back()))
+      field.text.pop_back();
+    return true;
+  }
+
+ private:
+  static constexpr int kEnd = -1;
+
+  int peek() {
+    if (position_ == filled_ && !refill()) return kEnd;
+    return static_cast<unsigned char>(buffer_[position_]);
+  }
+  int get() {
+    const int c = peek();
+    if (c != kEnd) ++position_;
+    return c;
+  }
+  bool refill() {
+    in_.read(buffer_.data(), static_cast<std::streamsize>(buffer_.size()));
+    filled_ = static_cast<std::size_t>(in_.gcount());
+    position_ = 0;
+    return filled_ > 0;
+  }
+
+  std::istream& in_;
+  std::array<char, 1 << 16> buffer_{};
+  std::size_t filled_ = 0;
+  std::size_t position_ = 0;
+  std::size_t line_ = 1;
+  std::size_t column_ = 1;
+  bool line_done_ = false;
+};
+
+// What the first pass learns about a file.
+struct CsvShape {
+  std::size_t samples = 0;
+  std::size_t fields = 0;       // per line: the features, then the label
+  std::size_t header_line = 0;  // 0 when there is no header
+  int max_label = 0;
+};
+
+// The first pass: validates every line and counts the samples, keeping nothing per sample.
+CsvShape validate_csv(std::istream& in, const std::string& file) {
+  CsvShape shape;
+  std::size_t fields_line = 0;  // the line that fixed shape.fields
   bool first_line = true;
+  // The current line: its field count, numbers, first non-number and last field.
+  std::size_t count = 0;
+  std::size_t numbers = 0;
+  std::optional<std::pair<std::size_t, Field>> first_bad;  // (1-based index, field)
+  Field field;
+  FieldReader reader(in);
+  while (reader.next(field)) {
+    ++count;
+    const std::optional<float> value = parse_number(field.truncated ? "" : field.text);
+    if (value) {
+      ++numbers;
+    } else if (!first_bad) {
+      first_bad.emplace(count, field);
+    }
+    if (!field.ends_line) continue;
 
-  std::size_t line_number = 0;
-  for (std::size_t line_start = 0; line_start < text.size();) {
-    ++line_number;
-    const std::size_t newline = std::min(text.find('\n', line_start), text.size());
-    std::string_view line(text.data() + line_start, newline - line_start);
-    line_start = newline + 1;
-    if (line.ends_with('\r')) line.remove_suffix(1);  // files written on Windows
-    if (is_blank_line(line)) continue;
+    const std::size_t line = field.line;
+    const std::size_t fields = count;
+    const std::size_t numeric = numbers;
+    const auto bad = std::move(first_bad);
+    count = 0;
+    numbers = 0;
+    first_bad.reset();
+    if (fields == 1 && field.text.empty() && !field.truncated) continue;  // a blank line
 
-    const std::vector<Field> fields = split_fields(line);
     if (first_line) {
       first_line = false;
-      const bool any_number = std::any_of(fields.begin(), fields.end(), [](const Field& field) {
-        return parse_number(field.text).has_value();
-      });
-      if (!any_number) {  // a header such as "pixel0,...,label"
-        expected_fields = fields.size();
-        fields_line = line_number;
+      if (numeric == 0) {  // a header such as "pixel0,...,label"
+        shape.fields = fields;
+        shape.header_line = line;
+        fields_line = line;
         continue;
       }
     }
-    if (expected_fields == 0) {
-      expected_fields = fields.size();
-      fields_line = line_number;
+    if (shape.fields == 0) {
+      shape.fields = fields;
+      fields_line = line;
     }
-    if (fields.size() != expected_fields)
-      throw Error(fmt::format("{}:{}: expected {} fields as on line {}, found {}", file,
-                              line_number, expected_fields, fields_line, fields.size()));
-    if (fields.size() < 2)
+    if (fields != shape.fields)
+      throw Error(fmt::format("{}:{}: expected {} fields as on line {}, found {}", file, line,
+                              shape.fields, fields_line, fields));
+    if (fields < 2)
       throw Error(
           fmt::format("{}:{}: expected at least 2 fields (features, then the label), found {}",
-                      file, line_number, fields.size()));
-
-    for (std::size_t f = 0; f + 1 < fields.size(); ++f) {
-      const std::optional<float> value = parse_number(fields[f].text);
-      if (!value)
-        throw Error(fmt::format("{}:{}:{}: expected a number in field {}, found '{}'", file,
-                                line_number, fields[f].column, f + 1, fields[f].text));
-      features.push_back(*value * feature_scale);
-    }
-    const Field& label_field = fields.back();
-    const std::optional<float> label = parse_number(label_field.text);
+                      file, line, fields));
+    if (bad && bad->first < fields)
+      throw Error(fmt::format("{}:{}:{}: expected a number in field {}, found '{}'", file, line,
+                              bad->second.column, bad->first, bad->second.shown()));
+    const std::optional<float> label = parse_number(field.truncated ? "" : field.text);
     if (!label || *label < 0.0f || *label != std::floor(*label) ||
         *label >= static_cast<float>(std::numeric_limits<int>::max()))
       throw Error(fmt::format(
           "{}:{}:{}: expected a non-negative integer label in the last field, found '{}'", file,
-          line_number, label_field.column, label_field.text));
-    labels.push_back(static_cast<int>(*label));
+          line, field.column, field.shown()));
+    shape.max_label = std::max(shape.max_label, static_cast<int>(*label));
+    ++shape.samples;
   }
-  if (labels.empty())
+  if (in.bad()) throw Error(fmt::format("{}: cannot read the file", file));
+  return shape;
+}
+
+// The second pass over a validated file: every sample straight into its row.
+void fill_csv(std::istream& in, const std::string& file, const CsvShape& shape, float feature_scale,
+              Dataset& data) {
+  const std::size_t dim = shape.fields - 1;
+  float* features = data.features.data();
+  std::size_t row = 0;
+  std::size_t column = 0;  // index of the field within its line
+  float first_value = 0;   // held until the line shows it is not blank
+  Field field;
+  FieldReader reader(in);
+  while (reader.next(field)) {
+    const std::size_t index = column++;
+    if (field.ends_line) column = 0;
+    if (field.line == shape.header_line) continue;
+    if (index == 0 && field.ends_line) continue;  // a blank line (validated: no 1-field line)
+    const float value = parse_number(field.text).value_or(0.0f);
+    if (index == 0) {
+      first_value = value;
+      continue;
+    }
+    if (index == 1) features[row * dim] = first_value * feature_scale;
+    if (index < dim) {
+      features[row * dim + index] = value * feature_scale;
+    } else {
+      data.labels[row++] = static_cast<int>(value);
+    }
+  }
+  if (in.bad() || row != shape.samples)
+    throw Error(fmt::format("{}: the file changed while it was read ({} samples, then {})", file,
+                            shape.samples, row));
+}
+
+}  // namespace
+
+namespace detail {
+
+Dataset parse_csv(std::istream& in, const std::string& file, float feature_scale,
+                  std::string name) {
+  const CsvShape shape = validate_csv(in, file);
+  if (shape.samples == 0)
     throw Error(fmt::format(
         "{}: no samples found: expected lines of comma-separated numbers, the label last", file));
-
   Dataset data;
-  data.name = name.empty() ? path.stem().string() : std::move(name);
-  data.num_classes = *std::max_element(labels.begin(), labels.end()) + 1;
-  data.labels = std::move(labels);
-  const auto dim = static_cast<std::int64_t>(expected_fields - 1);
-  data.features = Tensor::uninitialized({static_cast<std::int64_t>(data.labels.size()), dim},
-                                        MemoryCategory::kOther);
-  std::copy(features.begin(), features.end(), data.features.data());
+  data.name = std::move(name);
+  data.num_classes = shape.max_label + 1;
+  data.labels.resize(shape.samples);
+  data.features = Tensor::uninitialized(
+      {static_cast<std::int64_t>(shape.samples), static_cast<std::int64_t>(shape.fields - 1)},
+      MemoryCategory::kOther);
+  in.clear();
+  in.seekg(0);
+  if (!in) throw Error(fmt::format("{}: cannot read the file a second time (not seekable)", file));
+  fill_csv(in, file, shape, feature_scale, data);
   return data;
+}
+
+}  // namespace detail
+
+Dataset load_csv(const std::filesystem::path& path, float feature_scale, std::string name) {
+  std::ifstream in = detail::open_input_file(path, "CSV file");
+  return detail::parse_csv(in, path.string(), feature_scale,
+                           name.empty() ? path.stem().string() : std::move(name));
 }
 
 Dataset load_digits() {

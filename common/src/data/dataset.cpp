@@ -1,11 +1,12 @@
 // Batches, splits, the data set names the CLI takes, and the shared file reader.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 
 #include "data/file_io.h"
 #include "dp/data.h"
@@ -15,14 +16,39 @@ namespace dp {
 
 namespace detail {
 
-std::string read_whole_file(const std::filesystem::path& path, std::string_view what) {
+std::ifstream open_input_file(const std::filesystem::path& path, std::string_view what) {
+  // stat follows a symbolic link: a link to a data file is a fine input.
+  struct stat status {};
+  if (::stat(path.c_str(), &status) != 0) {
+    const int error = errno;
+    throw Error(fmt::format("cannot open {} '{}': {}", what, path.string(), std::strerror(error)));
+  }
+  if (S_ISDIR(status.st_mode))
+    throw Error(fmt::format("cannot read {} '{}': it is a directory, expected a file", what,
+                            path.string()));
+  if (!S_ISREG(status.st_mode))
+    throw Error(fmt::format("cannot read {} '{}': it is not a regular file (a FIFO or a device?)",
+                            what, path.string()));
   std::ifstream file(path, std::ios::binary);
-  if (!file)
-    throw Error(fmt::format("cannot open {} '{}': {}", what, path.string(), std::strerror(errno)));
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  if (file.bad()) throw Error(fmt::format("cannot read {} '{}'", what, path.string()));
-  return std::move(contents).str();
+  if (!file) {
+    const int error = errno;
+    throw Error(fmt::format("cannot open {} '{}': {}", what, path.string(), std::strerror(error)));
+  }
+  return file;
+}
+
+std::string read_whole_file(const std::filesystem::path& path, std::string_view what) {
+  std::ifstream file = open_input_file(path, what);
+  // One allocation of the file's size: no doubling buffer, no copy.
+  file.seekg(0, std::ios::end);
+  const std::streamoff size = file.tellg();
+  file.seekg(0, std::ios::beg);
+  std::string contents(static_cast<std::size_t>(std::max<std::streamoff>(size, 0)), '\0');
+  file.read(contents.data(), static_cast<std::streamsize>(contents.size()));
+  if (!file || file.gcount() != static_cast<std::streamsize>(contents.size()))
+    throw Error(fmt::format("cannot read {} '{}': {}", what, path.string(),
+                            file.bad() ? std::strerror(errno) : "it changed while being read"));
+  return contents;
 }
 
 }  // namespace detail
@@ -85,14 +111,41 @@ std::filesystem::path datasets_directory() {
   return DP_DATASETS_DIR;
 }
 
+namespace {
+
+Error invalid_spec(std::string_view spec, std::string_view why) {
+  return Error(fmt::format(
+      "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
+      "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
+      spec, why));
+}
+
+/// The two paths of "idx:IMAGES,LABELS" (`paths` is what follows "idx:").
+std::pair<std::filesystem::path, std::filesystem::path> idx_paths(std::string_view spec,
+                                                                  std::string_view paths) {
+  const std::size_t comma = paths.find(',');
+  if (comma == std::string_view::npos || comma == 0 || comma + 1 == paths.size())
+    throw invalid_spec(spec, " (expected two paths separated by a comma after 'idx:')");
+  return {std::filesystem::path(paths.substr(0, comma)),
+          std::filesystem::path(paths.substr(comma + 1))};
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> dataset_files(std::string_view spec) {
+  if (spec == "digits") return {datasets_directory() / "digits" / "digits.csv"};
+  if (spec.starts_with("csv:") && spec.size() > 4) return {std::filesystem::path(spec.substr(4))};
+  if (spec.starts_with("idx:")) {
+    auto [images, labels] = idx_paths(spec, spec.substr(4));
+    return {std::move(images), std::move(labels)};
+  }
+  if (spec == "synthetic" || spec.starts_with("synthetic:")) return {};
+  throw invalid_spec(spec, "");
+}
+
 Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
   const auto starts_with = [&](std::string_view prefix) { return spec.starts_with(prefix); };
-  const auto invalid = [&](std::string_view why) {
-    return Error(fmt::format(
-        "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
-        "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
-        spec, why));
-  };
+  const auto invalid = [&](std::string_view why) { return invalid_spec(spec, why); };
 
   if (spec == "synthetic") {
     SyntheticOptions options;
@@ -117,12 +170,8 @@ Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
     return load_csv(std::filesystem::path(path));
   }
   if (starts_with("idx:")) {
-    const std::string_view paths = spec.substr(4);
-    const std::size_t comma = paths.find(',');
-    if (comma == std::string_view::npos || comma == 0 || comma + 1 == paths.size())
-      throw invalid(" (expected two paths separated by a comma after 'idx:')");
-    return load_idx(std::filesystem::path(paths.substr(0, comma)),
-                    std::filesystem::path(paths.substr(comma + 1)));
+    const auto [images, labels] = idx_paths(spec, spec.substr(4));
+    return load_idx(images, labels);
   }
   throw invalid("");
 }

@@ -8,6 +8,7 @@
 #include "data/file_io.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "parsers.h"
 
 namespace dp {
 
@@ -18,7 +19,7 @@ constexpr std::uint32_t kLabelMagic = 0x00000801;  // uint8, 1 dimension
 constexpr int kClasses = 10;
 
 // The big-endian uint32 at `offset` of `bytes`; the caller has checked the length.
-std::uint32_t read_big_endian_u32(const std::string& bytes, std::size_t offset) {
+std::uint32_t read_big_endian_u32(std::string_view bytes, std::size_t offset) {
   std::uint32_t value = 0;
   for (std::size_t i = 0; i < 4; ++i)
     value = (value << 8) | static_cast<unsigned char>(bytes[offset + i]);
@@ -26,7 +27,7 @@ std::uint32_t read_big_endian_u32(const std::string& bytes, std::size_t offset) 
 }
 
 // Checks the magic number and reads the `dims` dimensions that follow it.
-std::vector<std::uint32_t> read_idx_header(const std::string& bytes, const std::string& file,
+std::vector<std::uint32_t> read_idx_header(std::string_view bytes, const std::string& file,
                                            std::uint32_t magic, std::string_view what) {
   const std::size_t dims = magic & 0xFF;
   const std::size_t header_bytes = 4 + 4 * dims;
@@ -51,7 +52,7 @@ std::vector<std::uint32_t> read_idx_header(const std::string& bytes, const std::
 }
 
 // Checks that exactly `count` elements of `element_bytes` bytes follow the header.
-void check_payload_size(const std::string& bytes, const std::string& file, std::string_view what,
+void check_payload_size(std::string_view bytes, const std::string& file, std::string_view what,
                         std::size_t header_bytes, std::uint64_t count,
                         std::uint64_t element_bytes) {
   const std::uint64_t available = bytes.size() - header_bytes;
@@ -70,12 +71,10 @@ void check_payload_size(const std::string& bytes, const std::string& file, std::
 
 }  // namespace
 
-Dataset load_idx(const std::filesystem::path& images, const std::filesystem::path& labels) {
-  const std::string image_file = images.string();
-  const std::string label_file = labels.string();
-  const std::string image_bytes = detail::read_whole_file(images, "IDX image file");
-  const std::string label_bytes = detail::read_whole_file(labels, "IDX label file");
+namespace detail {
 
+Dataset parse_idx(std::string_view image_bytes, std::string_view label_bytes,
+                  const std::string& image_file, const std::string& label_file) {
   const std::vector<std::uint32_t> image_dims =
       read_idx_header(image_bytes, image_file, kImageMagic, "IDX image file");
   const std::uint32_t image_count = image_dims[0];
@@ -101,7 +100,6 @@ Dataset load_idx(const std::filesystem::path& images, const std::filesystem::pat
   check_payload_size(label_bytes, label_file, "IDX label file", kLabelHeaderBytes, label_count, 1);
 
   Dataset data;
-  data.name = images.stem().string();
   data.num_classes = kClasses;
   data.labels.resize(label_count);
   for (std::size_t i = 0; i < label_count; ++i) {
@@ -121,6 +119,16 @@ Dataset load_idx(const std::filesystem::path& images, const std::filesystem::pat
       reinterpret_cast<const unsigned char*>(image_bytes.data()) + kImageHeaderBytes;
   for (std::size_t i = 0; i < data.features.size(); ++i)
     data.features[i] = static_cast<float>(pixels[i]) / 255.0f;
+  return data;
+}
+
+}  // namespace detail
+
+Dataset load_idx(const std::filesystem::path& images, const std::filesystem::path& labels) {
+  const std::string image_bytes = detail::read_whole_file(images, "IDX image file");
+  const std::string label_bytes = detail::read_whole_file(labels, "IDX label file");
+  Dataset data = detail::parse_idx(image_bytes, label_bytes, images.string(), labels.string());
+  data.name = images.stem().string();
   return data;
 }
 

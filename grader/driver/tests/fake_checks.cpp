@@ -1,24 +1,51 @@
-// fake_checks: a stand-in for a lab's check program, for the grade driver's tests.
+// fake_checks: a stand-in for a lab's check program, for the grade driver's tests. It
+// reports on the driver's results channel with the same code as a real check program
+// (grader/support/result_reporter.h), and misbehaves on request.
 //
-// FAKE_CHECKS_MODE picks its behaviour: unset or "normal" runs the tests below (one
-// passes, one fails with a message, one is skipped, two are parameterised); "crash"
-// dies of SIGSEGV, "hang" sleeps forever, "no_report" exits 3 before gtest writes a
-// report, "garbage" writes a report that is not JSON.
+// FAKE_CHECKS_MODE picks the behaviour: unset or "normal" runs the tests below (some pass,
+// one fails with a message, one is skipped, one notes what it measured, two are
+// parameterised). The other modes act in FakeOrder.Second, between a test that passes and
+// one that would: "crash" dies of SIGSEGV, "abort" calls abort(), "exit" calls exit(0),
+// "hang" sleeps forever, "print_forever" prints without end, and "orphan" starts a
+// grandchild in its own session that sleeps (its argv[0] is $FAKE_CHECKS_MARKER) and then
+// passes, "race" lets two threads increment one int (a data race for ThreadSanitizer, in
+// the fake_checks_tsan build), and "tsan_report" prints what ThreadSanitizer prints then. Some
+// modes act before any test: "no_report" exits 3; "forged" sends nothing on the channel but writes
+// a GoogleTest JSON report that says every test passed (to the file of
+// --gtest_output) and prints gtest's "[       OK ]" lines, then exits 0; "untokened" first
+// writes lines without the run's token (and one malformed line with it) to the channel.
+// It reports as rank $FAKE_CHECKS_RANK, else $OMPI_COMM_WORLD_RANK (under mpirun), else 0.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
+
+#include "grading.h"
+#include "result_channel.h"
+#include "result_reporter.h"
 
 namespace {
 
 std::string mode() {
   const char* value = std::getenv("FAKE_CHECKS_MODE");
   return value == nullptr ? "normal" : value;
+}
+
+int rank() {
+  // Under mpirun, Open MPI's own variable: this fake does not start MPI.
+  for (const char* name : {"FAKE_CHECKS_RANK", "OMPI_COMM_WORLD_RANK"})
+    if (const char* value = std::getenv(name)) return std::atoi(value);
+  return 0;
 }
 
 TEST(FakeChecks, Passes) {
@@ -36,10 +63,88 @@ TEST(FakeChecks, IsSkipped) {
   GTEST_SKIP() << "skipped on purpose: the grader must score a skipped check 0";
 }
 
+TEST(FakeChecks, NotesWhatItMeasured) {
+  const char* seed = std::getenv("DPLAB_GRADE_SEED");
+  dp::grading::note_measured(std::string("saw DPLAB_GRADE_SEED=") + (seed ? seed : "(unset)"));
+  dp::grading::note_measured("grade_seed() = " + std::to_string(dp::grading::grade_seed()));
+}
+
 TEST(FakeChecks, ReportsTheBackend) {
   const char* backend = std::getenv("DPLAB_TEST_BACKEND");
   ASSERT_NE(backend, nullptr);
   EXPECT_STREQ(backend, "local");
+}
+
+TEST(FakeChecks, SeesNoChannelVariables) {
+  // Taken before main(): the variable is gone, its bytes too (/proc/self/environ shows the
+  // environment the program started with), and the token file is deleted.
+  EXPECT_EQ(std::getenv(dp::grader::channel::kChannelVariable), nullptr);
+  std::ifstream file("/proc/self/environ", std::ios::binary);
+  const std::string environ_text((std::istreambuf_iterator<char>(file)),
+                                 std::istreambuf_iterator<char>());
+  EXPECT_EQ(environ_text.find("dplab-results-"), std::string::npos)
+      << "the channel's directory is still readable in /proc/self/environ";
+  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
+  if (channel.present()) {
+    std::ifstream token_file(dp::grader::channel::token_path(channel.directory, rank()));
+    EXPECT_FALSE(token_file.good()) << "the token file is still there";
+  }
+}
+
+TEST(FakeChecks, FailsOnRankOne) {
+  EXPECT_NE(rank(), 1) << "rank 1 disagrees";
+}
+
+TEST(FakeOrder, First) {
+  SUCCEED();
+}
+
+TEST(FakeOrder, Second) {
+  const std::string how = mode();
+  if (how == "crash") {
+    // Sanitizers catch SIGSEGV to print a report and exit with 1: restore the default
+    // action so that the process dies of the signal, as a real crash does.
+    std::signal(SIGSEGV, SIG_DFL);
+    std::raise(SIGSEGV);
+  }
+  if (how == "abort") std::abort();
+  if (how == "exit") std::exit(0);
+  if (how == "hang")
+    while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
+  if (how == "print_forever")
+    while (true) std::fputs("a lab that prints without end fills no disk and no memory\n", stdout);
+  if (how == "race") {
+    int counter = 0;
+    auto increment = [&counter] {
+      for (int i = 0; i < 1000; ++i) ++counter;  // no lock: the race ThreadSanitizer must see
+    };
+    std::thread first(increment), second(increment);
+    first.join();
+    second.join();
+  }
+  if (how == "tsan_report")
+    std::fputs(
+        "==================\nWARNING: ThreadSanitizer: data race (pid=1)\n"
+        "  Write of size 4 at 0x7b0400000010 by thread T2:\n    #0 increment fake.cpp:12\n"
+        "SUMMARY: ThreadSanitizer: data race fake.cpp:12 in increment\n==================\n",
+        stderr);
+  if (how == "orphan") {
+    const char* marker = std::getenv("FAKE_CHECKS_MARKER");
+    ASSERT_NE(marker, nullptr);
+    const pid_t child = fork();
+    if (child == 0) {
+      // A new session leaves the check program's process group; the second fork leaves its
+      // parentage: the grandchild is an orphan that neither a group kill nor a wait reaches.
+      setsid();
+      if (fork() == 0) execlp("sleep", marker, "300", static_cast<char*>(nullptr));
+      _exit(0);
+    }
+    waitpid(child, nullptr, 0);
+  }
+}
+
+TEST(FakeOrder, Third) {
+  SUCCEED();
 }
 
 class FakeRanks : public ::testing::TestWithParam<int> {};
@@ -51,26 +156,70 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, FakeRanks, ::testing::Values(1, 2),
                            return "ranks" + std::to_string(instance.param);
                          });
 
+/// What a program that bypasses the channel could do: a report file and console lines that
+/// claim every test passed.
+int forge_a_pass() {
+  const std::string output = ::testing::GTEST_FLAG(output);
+  if (output.starts_with("json:")) {
+    if (FILE* file = std::fopen(output.substr(std::strlen("json:")).c_str(), "w")) {
+      std::fputs(
+          R"({"tests": 2, "failures": 0, "testsuites": [{"name": "FakeChecks", "testsuite": [)"
+          R"({"name": "Passes", "classname": "FakeChecks", "status": "RUN", "result": "COMPLETED"},)"
+          R"({"name": "FailsWithFeedback", "classname": "FakeChecks", "status": "RUN", "result": "COMPLETED"}]}]})",
+          file);
+      std::fclose(file);
+    }
+  }
+  std::puts(
+      "[       OK ] FakeChecks.Passes (0 ms)\n[       OK ] FakeChecks.FailsWithFeedback (0 ms)");
+  std::puts("[  PASSED  ] 2 tests.");
+  return 0;
+}
+
+/// Writes lines the driver must ignore to rank 0's FIFO.
+void send_lines_without_token(const dp::grading::ResultChannel& channel) {
+  const std::string fifo = dp::grader::channel::fifo_path(channel.directory, rank());
+  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd < 0) return;
+  const std::string lines =
+      "FakeChecks.FailsWithFeedback passed\n"
+      "0123456789abcdef0123456789abcdef {\"event\": \"end\", \"test\": "
+      "\"FakeChecks.FailsWithFeedback\", \"result\": \"passed\"}\n"
+      "[       OK ] FakeChecks.FailsWithFeedback (0 ms)\n" +
+      channel.token + " this is not an event\n";
+  if (write(fd, lines.data(), lines.size()) != static_cast<ssize_t>(lines.size()))
+    std::perror("fake_checks: write");
+  close(fd);
+}
+
 }  // namespace
 
+DP_TAKE_RESULT_CHANNEL_AT_START();
+
+/// What a lab that got hold of the token would send: a pass for a check that fails, before
+/// the check program's own reporter sends anything.
+void send_a_forged_pass_with_the_token(const dp::grading::ResultChannel& channel) {
+  const std::string fifo = dp::grader::channel::fifo_path(channel.directory, rank());
+  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd < 0) return;
+  const std::string line = channel.token +
+                           " {\"event\": \"end\", \"test\": \"FakeChecks.FailsWithFeedback\", "
+                           "\"result\": \"passed\", \"failure\": \"\", \"seconds\": 0}\n";
+  if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
+    std::perror("fake_checks: write");
+  close(fd);
+}
+
 int main(int argc, char** argv) {
+  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
   const std::string how = mode();
   std::printf("fake_checks: mode %s\n", how.c_str());
   std::fflush(stdout);
-  if (how == "crash") std::raise(SIGSEGV);
-  if (how == "hang")
-    while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   if (how == "no_report") return 3;
-  if (how == "garbage") {
-    // Find the report file gtest would write and put something that is not JSON there.
-    const std::string output = ::testing::GTEST_FLAG(output);
-    const std::string path = output.substr(std::strlen("json:"));
-    if (FILE* file = std::fopen(path.c_str(), "w")) {
-      std::fputs("{\"testsuites\": [", file);
-      std::fclose(file);
-    }
-    return 1;
-  }
+  if (how == "forged") return forge_a_pass();
+  if (how == "untokened") send_lines_without_token(channel);
+  if (how == "forged_with_token") send_a_forged_pass_with_the_token(channel);
+  dp::grading::report_results_to_driver(channel, rank());
   return RUN_ALL_TESTS();
 }

@@ -27,13 +27,20 @@ RunResult finished_run() {
   RunResult run;
   run.status = RunStatus::kFinished;
   run.program = "bin/grade_lab1";
-  run.tests["Lab1.Good"] = {"Lab1.Good", TestState::kPassed, "", 0.25};
+  run.tests["Lab1.Good"] = {
+      "Lab1.Good", TestState::kPassed, "", {"replicas differ by 3.1e-02"}, 0.25};
   run.tests["WorldSizes/Lab1.Bad/ranks3"] = {
-      "WorldSizes/Lab1.Bad/ranks3", TestState::kFailed,
+      "WorldSizes/Lab1.Bad/ranks3",
+      TestState::kFailed,
       "/src/grader/lab1/checks.cpp:42\nrank 2 weights differ: expected <= 2e-6, saw 4.1e-2\n"
       "unknown file\nC++ exception \"<oops>\" & \x01 thrown",
+      {},
       0.5};
-  run.tests["Lab1.Ungraded"] = {"Lab1.Ungraded", TestState::kFailed, "x", 0};
+  run.tests["Lab1.Ungraded"] = {"Lab1.Ungraded", TestState::kFailed, "x", {}, 0};
+  // The program's own list of its tests: Lab1.Missing is not among them.
+  run.ranks.resize(1);
+  run.ranks[0].program_ended = true;
+  for (const auto& [name, outcome] : run.tests) run.ranks[0].registered[name] = true;
   return run;
 }
 
@@ -72,11 +79,25 @@ TEST(Score, ACrashedLabEarnsNothingAndSaysWhy) {
   const LabResult lab = score_lab(two_check_rubric(), run);
   EXPECT_DOUBLE_EQ(lab.earned(), 0);
   EXPECT_NE(lab.problem.find("check program crashed (signal 11"), std::string::npos);
+  EXPECT_EQ(lab.checks[0].feedback,
+            "did not report a result: the check program crashed (signal 11: Segmentation fault) "
+            "before running it (it sent no result at all)");
+  EXPECT_FALSE(lab.checks[0].reported);
   const std::string table = format_table(report_of(lab));
   EXPECT_NE(table.find("lab 1: check program crashed (signal 11"), std::string::npos) << table;
   EXPECT_NE(table.find("last output:"), std::string::npos) << table;
   EXPECT_NE(table.find("| Segmentation fault"), std::string::npos) << table;
+  EXPECT_NE(table.find("> did not report a result: the check program crashed"), std::string::npos)
+      << table;
   EXPECT_NE(table.find("lab 1 total: 0/17 points"), std::string::npos) << table;
+}
+
+TEST(Score, AMissingProgramSaysSoOnEveryCheck) {
+  RunResult run;
+  run.status = RunStatus::kMissing;
+  run.start_error = "check program bin/grade_lab1 not found (build it: cmake --build <build dir>)";
+  const LabResult lab = score_lab(two_check_rubric(), run);
+  EXPECT_EQ(lab.checks[1].feedback, "not run: " + run.start_error);
 }
 
 TEST(Score, SkippedChecksEarnNothing) {
@@ -96,6 +117,30 @@ TEST(Table, ShowsPointsFeedbackAndTotals) {
   EXPECT_NE(table.find("> rank 2 weights differ: expected <= 2e-6, saw 4.1e-2"), std::string::npos)
       << table;
   EXPECT_NE(table.find("total: 10/17 points\n"), std::string::npos) << table;
+  EXPECT_EQ(table.find("grading seed"), std::string::npos) << "no seed, no line";
+}
+
+TEST(Table, APassShowsWhatItMeasured) {
+  const std::string table = format_table(report_of(score_lab(two_check_rubric(), finished_run())));
+  EXPECT_NE(table.find("PASS 10/10  Lab1.Good  (passes)\n"
+                       "              measured: replicas differ by 3.1e-02\n"),
+            std::string::npos)
+      << table;
+}
+
+TEST(Table, OpensWithTheSeedAndShowsNotices) {
+  RunResult run = finished_run();
+  run.lines_without_token = 2;
+  GradeReport report = report_of(score_lab(two_check_rubric(), run));
+  report.seed = 18446744073709551615u;
+  const std::string table = format_table(report);
+  EXPECT_TRUE(
+      table.starts_with("grading seed 18446744073709551615 (repeat this run with --seed "
+                        "18446744073709551615)\n"))
+      << table;
+  EXPECT_NE(table.find("  note: ignored 2 line(s) on the results channel without this run's token"),
+            std::string::npos)
+      << table;
 }
 
 TEST(Table, FullMarksAreNamed) {
@@ -127,6 +172,24 @@ TEST(Gradescope, ResultsJsonHasTheSpecifiedFields) {
   EXPECT_EQ(tests[1].at("status"), "failed");
   EXPECT_NE(tests[1].at("output").get<std::string>().find("saw 4.1e-2"), std::string::npos);
   EXPECT_EQ(tests[2].at("visibility"), "after_published");
+  EXPECT_NE(tests[2].at("output").get<std::string>().find("\"Lab1.Missing\" not found in the check "
+                                                          "program bin/grade_lab1"),
+            std::string::npos)
+      << tests[2].at("output");
+}
+
+TEST(Gradescope, OutputHasTheSeedTheDrawsAndTheNotes) {
+  Rubric rubric = two_check_rubric();
+  rubric.draws = {"world sizes 1 to 5", "global batch 8 to 64"};
+  GradeReport report = report_of(score_lab(rubric, finished_run()));
+  report.seed = 42;
+  const nlohmann::json results = nlohmann::json::parse(to_gradescope_json(report));
+  const std::string output = results.at("output");
+  EXPECT_TRUE(output.starts_with("grading seed 42 (repeat this run with --seed 42)\n")) << output;
+  EXPECT_NE(output.find("  draws: world sizes 1 to 5\n  draws: global batch 8 to 64\n"),
+            std::string::npos)
+      << output;
+  EXPECT_EQ(results.at("tests")[0].at("output"), "passes\n\nmeasured: replicas differ by 3.1e-02");
 }
 
 TEST(Gradescope, InvalidUtf8InOutputStillGivesValidJson) {
@@ -152,11 +215,12 @@ bool python_parses_xml(const std::string& xml, const std::string& name) {
 TEST(Junit, IsWellFormedWithCountsAndEscapedFeedback) {
   const std::string xml = to_junit_xml(report_of(score_lab(two_check_rubric(), finished_run())));
   EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit")) << xml;
-  EXPECT_NE(xml.find("<testsuites name=\"dplab grade\" tests=\"3\" failures=\"2\" errors=\"0\""),
+  // Lab1.Bad reported a failure; Lab1.Missing never reported (the program has no such test).
+  EXPECT_NE(xml.find("<testsuites name=\"dplab grade\" tests=\"3\" failures=\"1\" errors=\"1\""),
             std::string::npos)
       << xml;
   EXPECT_NE(xml.find("<testsuite name=\"lab1 Replicated &lt;training&gt; &amp; co\" tests=\"3\" "
-                     "failures=\"2\" errors=\"0\""),
+                     "failures=\"1\" errors=\"1\""),
             std::string::npos)
       << xml;
   EXPECT_NE(xml.find("<testcase name=\"Bad/ranks3\" classname=\"lab1.WorldSizes/Lab1\" "
@@ -178,8 +242,22 @@ TEST(Junit, ALabWithoutResultsGivesErrors) {
   const std::string xml = to_junit_xml(report_of(score_lab(two_check_rubric(), run)));
   EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit_errors")) << xml;
   EXPECT_NE(xml.find("errors=\"3\""), std::string::npos) << xml;
-  EXPECT_NE(xml.find("<error message=\"timed out after 300 s (the check program was killed); "
-                     "last output:\""),
+  EXPECT_NE(xml.find("<error message=\"did not report a result: the check program timed out "
+                     "before running it (it sent no result at all)\""),
+            std::string::npos)
+      << xml;
+  EXPECT_NE(xml.find("last output of the check program:\ndplab: timeout: rank 0 waited ? 60 s"),
+            std::string::npos)
+      << xml;
+}
+
+TEST(Junit, HasTheSeedAndTheNotes) {
+  GradeReport report = report_of(score_lab(two_check_rubric(), finished_run()));
+  report.seed = 7;
+  const std::string xml = to_junit_xml(report);
+  EXPECT_TRUE(python_parses_xml(xml, "dp_grader_junit_seed")) << xml;
+  EXPECT_NE(xml.find("<property name=\"grading_seed\" value=\"7\"/>"), std::string::npos) << xml;
+  EXPECT_NE(xml.find("<system-out>measured: replicas differ by 3.1e-02</system-out>"),
             std::string::npos)
       << xml;
 }

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "dp/error.h"
 #include "rubric.h"
@@ -19,7 +20,8 @@ constexpr const char* kGood = R"({
     {"test": "WorldSizes/Lab2Equivalence.AdamW/ranks3", "points": 2.5,
      "visibility": "after_due_date", "description": "AdamW on 3 ranks"}
   ],
-  "tolerance": "4 ulp per step"
+  "tolerance": "4 ulp per step",
+  "draws": ["world sizes 1 to 5", "micro-batches 1 to 4"]
 })";
 
 /// The message of the dp::Error that parsing `text` throws ("" and a failure if none).
@@ -44,12 +46,45 @@ TEST(Rubric, ReadsEveryField) {
   EXPECT_EQ(rubric.checks[1].visibility, Visibility::kAfterDueDate);
   EXPECT_EQ(rubric.checks[0].description, "SGD matches");
   EXPECT_DOUBLE_EQ(rubric.max_points(), 12.5);
+  EXPECT_EQ(rubric.draws, (std::vector<std::string>{"world sizes 1 to 5", "micro-batches 1 to 4"}));
+}
+
+TEST(Rubric, DrawsMayBeOneStringOrAbsent) {
+  const std::string checks =
+      R"("checks": [{"test": "A.B", "points": 1, "visibility": "visible", "description": "d"}])";
+  EXPECT_EQ(parse_rubric(R"({"lab": 1, "title": "x", "draws": "seeds 0 to 2^32", )" + checks + "}",
+                         "one.json")
+                .draws,
+            std::vector<std::string>{"seeds 0 to 2^32"});
+  EXPECT_TRUE(
+      parse_rubric(R"({"lab": 1, "title": "x", )" + checks + "}", "none.json").draws.empty());
+}
+
+TEST(Rubric, DrawsOfAnotherTypeAreAnError) {
+  const std::string checks =
+      R"("checks": [{"test": "A.B", "points": 1, "visibility": "visible", "description": "d"}])";
+  const std::string number = error_of(R"({"lab": 1, "title": "x", "draws": 5, )" + checks + "}");
+  EXPECT_NE(number.find("\"draws\" must be a string or an array of strings, got the number 5"),
+            std::string::npos)
+      << number;
+  const std::string mixed =
+      error_of(R"({"lab": 1, "title": "x", "draws": ["a", true], )" + checks + "}");
+  EXPECT_NE(mixed.find("\"draws\" must be a string or an array of strings, got true at draws[1]"),
+            std::string::npos)
+      << mixed;
 }
 
 TEST(Rubric, SyntaxErrorGivesTheByteOffset) {
   const std::string message = error_of(R"({"lab": 1, "title": "x",, "checks": []})");
   EXPECT_NE(message.find("grader/labX/rubric.json"), std::string::npos) << message;
   EXPECT_NE(message.find("not valid JSON at byte 25"), std::string::npos) << message;
+}
+
+TEST(Rubric, ANumberBeyondAnyDoubleIsAnErrorNotACrash) {
+  // Found by tests/fuzz/fuzz_rubric's sibling: nlohmann's out_of_range escaped the parser.
+  const std::string message = error_of(R"({"lab": 1, "title": "x", "checks": [], "p": 4e60149})");
+  EXPECT_NE(message.find("not valid JSON"), std::string::npos) << message;
+  EXPECT_NE(message.find("number overflow"), std::string::npos) << message;
 }
 
 TEST(Rubric, MissingFieldIsNamed) {

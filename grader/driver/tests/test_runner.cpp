@@ -1,14 +1,21 @@
-// Tests of the runner on a real GoogleTest program (fake_checks): its report is read,
-// and a crash, a hang, a missing program or a missing report end the run with the
-// right status and never throw.
+// Tests of the runner on a real GoogleTest program (fake_checks) that reports on the results
+// channel as a check program does: what arrives there is scored and nothing else; a crash,
+// an exit, a hang or endless output ends the run with the right sentence per check and
+// never throws; and nothing the program started outlives the run.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
 #include <string>
 
 #include "dp/error.h"
+#include "report.h"
+#include "result_channel.h"
 #include "runner.h"
 
 namespace dp::grader {
@@ -16,58 +23,187 @@ namespace {
 
 using namespace std::chrono_literals;
 
-/// A run request for fake_checks in a fresh directory, in mode `mode`.
+/// A run request for fake_checks in mode `mode`.
 class RunnerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::path(::testing::TempDir()) / "dp_grader_runner" / info->name();
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_);
     request_.program = DP_FAKE_CHECKS;
-    request_.work_dir = dir_;
-    request_.name = "fake";
+    request_.time_limit = 30s;
   }
-  void TearDown() override { unsetenv("FAKE_CHECKS_MODE"); }
+  void TearDown() override {
+    unsetenv("FAKE_CHECKS_MODE");
+    unsetenv("FAKE_CHECKS_MARKER");
+  }
 
   RunResult run_in_mode(const char* mode) {
     setenv("FAKE_CHECKS_MODE", mode, 1);
     return run_check_program(request_);
   }
 
-  std::filesystem::path dir_;
   RunRequest request_;
 };
 
-TEST_F(RunnerTest, ReadsEveryTestOfTheReport) {
+/// A rubric of fake_checks' tests, one point each.
+Rubric rubric_of(const std::vector<std::string>& tests) {
+  Rubric rubric;
+  rubric.lab = 9;
+  rubric.title = "fake";
+  for (const std::string& test : tests)
+    rubric.checks.push_back({test, 1, Visibility::kVisible, ""});
+  return rubric;
+}
+
+/// Every pid whose command line contains `marker`.
+std::vector<int> processes_with(const std::string& marker) {
+  std::vector<int> found;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream file(entry.path() / "cmdline", std::ios::binary);
+    const std::string cmdline((std::istreambuf_iterator<char>(file)),
+                              std::istreambuf_iterator<char>());
+    if (cmdline.find(marker) != std::string::npos) found.push_back(std::stoi(name));
+  }
+  return found;
+}
+
+/// This process's peak resident memory in KiB (VmHWM).
+long peak_memory_kib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.starts_with("VmHWM:")) return std::stol(line.substr(6));
+  return -1;
+}
+
+TEST_F(RunnerTest, ReadsEveryTestFromTheChannel) {
   const RunResult result = run_in_mode("normal");
   ASSERT_EQ(result.status, RunStatus::kFinished) << result.summary() << result.output_tail;
   EXPECT_EQ(result.exit_code, 1);  // a test failed
   EXPECT_EQ(result.summary(), "");
-  ASSERT_EQ(result.tests.size(), 6u);
+  EXPECT_EQ(result.lines_without_token, 0u);
   EXPECT_EQ(result.tests.at("FakeChecks.Passes").state, TestState::kPassed);
   EXPECT_EQ(result.tests.at("FakeChecks.ReportsTheBackend").state, TestState::kPassed)
       << result.tests.at("FakeChecks.ReportsTheBackend").failure;
+  EXPECT_EQ(result.tests.at("FakeChecks.SeesNoChannelVariables").state, TestState::kPassed)
+      << result.tests.at("FakeChecks.SeesNoChannelVariables").failure;
   EXPECT_EQ(result.tests.at("FakeChecks.IsSkipped").state, TestState::kSkipped);
   const TestOutcome& failed = result.tests.at("FakeChecks.FailsWithFeedback");
   EXPECT_EQ(failed.state, TestState::kFailed);
   EXPECT_NE(failed.failure.find("max abs diff 4.1e-2 at [17, 3]; expected <= 2e-6"),
             std::string::npos)
       << failed.failure;
+  EXPECT_NE(failed.failure.find("fake_checks.cpp:"), std::string::npos)
+      << "gtest's location line, which the report drops: " << failed.failure;
   // Parameterised names as gtest prints them: Prefix/Suite.Name/param.
   EXPECT_EQ(result.tests.at("WorldSizes/FakeRanks.EvenOnly/ranks2").state, TestState::kPassed);
   EXPECT_EQ(result.tests.at("WorldSizes/FakeRanks.EvenOnly/ranks1").state, TestState::kFailed);
   EXPECT_NE(result.output_tail.find("[  FAILED  ] FakeChecks.FailsWithFeedback"), std::string::npos)
       << result.output_tail;
+  ASSERT_EQ(result.ranks.size(), 1u);
+  EXPECT_TRUE(result.ranks[0].registered.at("FakeOrder.Third"));
 }
 
-TEST_F(RunnerTest, ACrashIsReportedWithItsSignal) {
-  const RunResult result = run_in_mode("crash");
-  EXPECT_EQ(result.status, RunStatus::kCrashed);
-  EXPECT_EQ(result.signal, SIGSEGV);
-  EXPECT_NE(result.summary().find("check program crashed (signal 11"), std::string::npos)
-      << result.summary();
+TEST_F(RunnerTest, TheSeedReachesTheCheckProgramAndNotesArriveOnAPass) {
+  request_.environment[channel::kSeedVariable] = "18446744073709551615";
+  const RunResult result = run_in_mode("normal");
+  const TestOutcome& noted = result.tests.at("FakeChecks.NotesWhatItMeasured");
+  EXPECT_EQ(noted.state, TestState::kPassed) << noted.failure;
+  EXPECT_EQ(noted.notes, (std::vector<std::string>{"saw DPLAB_GRADE_SEED=18446744073709551615",
+                                                   "grade_seed() = 18446744073709551615"}));
+  // Taken at every test's end: the next test does not inherit them.
+  EXPECT_TRUE(result.tests.at("FakeChecks.ReportsTheBackend").notes.empty());
+
+  const LabResult lab = score_lab(rubric_of({"FakeChecks.NotesWhatItMeasured"}), result);
+  GradeReport report;
+  report.labs.push_back(lab);
+  EXPECT_NE(format_table(report).find("measured: grade_seed() = 18446744073709551615"),
+            std::string::npos)
+      << format_table(report);
+}
+
+TEST_F(RunnerTest, AForgedReportAndFakeOkLinesEarnNothing) {
+  const std::filesystem::path forged =
+      std::filesystem::path(::testing::TempDir()) / "dp_grader_forged_report.json";
+  request_.arguments = {"--gtest_output=json:" + forged.string()};
+  const RunResult result = run_in_mode("forged");
+  ASSERT_TRUE(std::filesystem::exists(forged)) << "the fake wrote its forged report";
+  EXPECT_NE(result.output.find("[       OK ] FakeChecks.Passes"), std::string::npos);
+  EXPECT_EQ(result.status, RunStatus::kIncomplete);
   EXPECT_TRUE(result.tests.empty());
+  const LabResult lab =
+      score_lab(rubric_of({"FakeChecks.Passes", "FakeChecks.FailsWithFeedback"}), result);
+  EXPECT_DOUBLE_EQ(lab.earned(), 0);
+  for (const CheckResult& check : lab.checks)
+    EXPECT_EQ(check.feedback,
+              "did not report a result: the check program exited (code 0) before running it (it "
+              "sent no result at all)");
+  std::filesystem::remove(forged);
+}
+
+TEST_F(RunnerTest, LinesWithoutTheTokenAreIgnoredAndCounted) {
+  const RunResult result = run_in_mode("untokened");
+  ASSERT_EQ(result.status, RunStatus::kFinished) << result.summary() << result.output_tail;
+  EXPECT_EQ(result.lines_without_token, 3u);
+  EXPECT_EQ(result.malformed_lines, 1u);
+  EXPECT_EQ(result.tests.at("FakeChecks.FailsWithFeedback").state, TestState::kFailed);
+  ASSERT_EQ(result.notices().size(), 2u);
+  EXPECT_EQ(result.notices()[0],
+            "ignored 3 line(s) on the results channel without this run's token");
+  EXPECT_EQ(result.notices()[1], "ignored 1 malformed line(s) on the results channel");
+}
+
+TEST_F(RunnerTest, AResultSentOutOfOrderWithTheTokenFailsEveryCheck) {
+  // A lab that read the token would forge a pass; the real reporter then sends the real
+  // result too. The channel's order gives it away, and nothing of the run counts.
+  const RunResult result = run_in_mode("forged_with_token");
+  EXPECT_EQ(result.out_of_order(),
+            "a result for FakeChecks.FailsWithFeedback that was never started");
+  const LabResult lab =
+      score_lab(rubric_of({"FakeChecks.Passes", "FakeChecks.FailsWithFeedback"}), result);
+  for (const CheckResult& check : lab.checks) {
+    EXPECT_FALSE(check.passed) << check.check.test;
+    EXPECT_NE(check.feedback.find("something other than the check program's reporter wrote to "
+                                  "it"),
+              std::string::npos)
+        << check.feedback;
+  }
+}
+
+TEST_F(RunnerTest, AnExitInsideATestFailsItAndEveryLaterOne) {
+  const RunResult result = run_in_mode("exit");
+  EXPECT_EQ(result.status, RunStatus::kIncomplete);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_EQ(result.summary(), "check program exited with code 0 before reporting every result");
+  const LabResult lab =
+      score_lab(rubric_of({"FakeOrder.First", "FakeOrder.Second", "FakeOrder.Third",
+                           "WorldSizes/FakeRanks.EvenOnly/ranks2"}),
+                result);
+  EXPECT_TRUE(lab.checks[0].passed) << lab.checks[0].feedback;
+  EXPECT_EQ(lab.checks[1].feedback,
+            "did not report a result: the check program exited (code 0) while running it");
+  EXPECT_EQ(lab.checks[2].feedback,
+            "did not report a result: the check program exited (code 0) while running "
+            "FakeOrder.Second, before this check");
+  EXPECT_FALSE(lab.checks[3].passed);
+  EXPECT_DOUBLE_EQ(lab.earned(), 1);
+}
+
+TEST_F(RunnerTest, ACrashInTheSecondTestKeepsTheFirstPass) {
+  for (const auto& [mode, signal] : {std::pair{"crash", SIGSEGV}, std::pair{"abort", SIGABRT}}) {
+    SCOPED_TRACE(mode);
+    const RunResult result = run_in_mode(mode);
+    EXPECT_EQ(result.status, RunStatus::kCrashed);
+    EXPECT_EQ(result.signal, signal);
+    EXPECT_NE(result.summary().find(fmt::format("check program crashed (signal {}", signal)),
+              std::string::npos)
+        << result.summary();
+    const LabResult lab = score_lab(rubric_of({"FakeOrder.First", "FakeOrder.Second"}), result);
+    EXPECT_TRUE(lab.checks[0].passed);
+    EXPECT_EQ(lab.checks[1].feedback,
+              fmt::format("did not report a result: the check program crashed (signal {}: {}) "
+                          "while running it",
+                          signal, strsignal(signal)));
+  }
 }
 
 TEST_F(RunnerTest, AHangIsKilledAtTheTimeLimit) {
@@ -81,32 +217,98 @@ TEST_F(RunnerTest, AHangIsKilledAtTheTimeLimit) {
   EXPECT_LT(seconds, 5.0) << "SIGTERM should end the hang at once";
   EXPECT_NE(result.output_tail.find("fake_checks: mode hang"), std::string::npos)
       << "the output before the hang is kept";
+  EXPECT_EQ(result.tests.at("FakeOrder.First").state, TestState::kPassed);
+  EXPECT_EQ(result.missing_result("FakeOrder.Second"),
+            "did not report a result: the check program timed out while running it");
 }
 
+TEST_F(RunnerTest, EndlessOutputIsCappedAndTimesOut) {
+  request_.time_limit = 1500ms;
+  const long peak_before = peak_memory_kib();
+  const RunResult result = run_in_mode("print_forever");
+  EXPECT_EQ(result.status, RunStatus::kTimedOut);
+  EXPECT_LE(result.output.size(), kOutputCapBytes + 100) << "the cap plus the note";
+  EXPECT_GE(result.output.size(), kOutputCapBytes) << "it printed far more than the cap";
+  EXPECT_NE(result.output.find("fake_checks: mode print_forever"), std::string::npos)
+      << "the head is kept";
+  EXPECT_NE(result.output.find(" bytes left out ...]"), std::string::npos);
+  EXPECT_NE(result.output_tail.find("fills no disk and no memory"), std::string::npos)
+      << "the tail is kept";
+  EXPECT_LT(peak_memory_kib() - peak_before, 64 * 1024) << "the driver's memory stays bounded";
+}
+
+TEST_F(RunnerTest, NoProcessTheRunStartedOutlivesIt) {
+  std::random_device device;
+  const std::string marker = fmt::format("dplab-fake-orphan-{:08x}{:08x}", device(), device());
+  setenv("FAKE_CHECKS_MARKER", marker.c_str(), 1);
+  const RunResult result = run_in_mode("orphan");
+  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary() << result.output_tail;
+  EXPECT_EQ(result.tests.at("FakeOrder.Second").state, TestState::kPassed)
+      << result.tests.at("FakeOrder.Second").failure;
+  EXPECT_TRUE(result.surviving_processes.empty());
+  EXPECT_EQ(processes_with(marker), std::vector<int>{})
+      << "the setsid grandchild " << marker << " outlived the run";
+}
+
+TEST_F(RunnerTest, AThreadSanitizerReportFailsEveryCheck) {
+  const RunResult result = run_in_mode("tsan_report");
+  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary();
+  EXPECT_EQ(result.sanitizer_reports, 1u);
+  EXPECT_TRUE(result.sanitizer_report.starts_with("WARNING: ThreadSanitizer: data race"))
+      << result.sanitizer_report;
+  EXPECT_TRUE(result.sanitizer_report.ends_with("in increment")) << result.sanitizer_report;
+  const LabResult lab = score_lab(rubric_of({"FakeChecks.Passes", "FakeOrder.Second"}), result);
+  EXPECT_DOUBLE_EQ(lab.earned(), 0);
+  EXPECT_NE(lab.checks[0].feedback.find("ThreadSanitizer reported 1 threading error(s)"),
+            std::string::npos)
+      << lab.checks[0].feedback;
+  GradeReport report;
+  report.labs.push_back(lab);
+  EXPECT_NE(format_table(report).find("    | SUMMARY: ThreadSanitizer: data race fake.cpp:12"),
+            std::string::npos)
+      << format_table(report);
+}
+
+#ifdef DP_FAKE_CHECKS_TSAN
+TEST_F(RunnerTest, ARealDataRaceUnderThreadSanitizerFailsEveryCheck) {
+  request_.program = DP_FAKE_CHECKS_TSAN;
+  const RunResult clean = run_in_mode("normal");
+  EXPECT_EQ(clean.sanitizer_reports, 0u) << clean.sanitizer_report;
+  const RunResult raced = run_in_mode("race");
+  EXPECT_GE(raced.sanitizer_reports, 1u) << raced.output_tail;
+  EXPECT_NE(raced.sanitizer_report.find("data race"), std::string::npos) << raced.sanitizer_report;
+  EXPECT_DOUBLE_EQ(score_lab(rubric_of({"FakeChecks.Passes"}), raced).earned(), 0);
+}
+#endif
+
 TEST_F(RunnerTest, AMissingProgramIsReportedNotThrown) {
-  request_.program = dir_ / "grade_lab99";
+  request_.program = "/nonexistent/grade_lab99";
   const RunResult result = run_check_program(request_);
   EXPECT_EQ(result.status, RunStatus::kMissing);
   EXPECT_NE(result.summary().find("grade_lab99 not found"), std::string::npos) << result.summary();
 }
 
-TEST_F(RunnerTest, AnExitWithoutReportSaysSo) {
+TEST_F(RunnerTest, AnExitBeforeAnyTestSaysSo) {
   const RunResult result = run_in_mode("no_report");
-  EXPECT_EQ(result.status, RunStatus::kNoReport);
-  EXPECT_EQ(result.summary(), "check program exited with code 3 without writing its report");
+  EXPECT_EQ(result.status, RunStatus::kIncomplete);
+  EXPECT_EQ(result.summary(), "check program exited with code 3 before reporting every result");
+  EXPECT_EQ(result.missing_result("FakeChecks.Passes"),
+            "did not report a result: the check program exited (code 3) before running it (it "
+            "sent no result at all)");
 }
 
-TEST_F(RunnerTest, AnUnreadableReportIsNoReport) {
-  const RunResult result = run_in_mode("garbage");
-  EXPECT_EQ(result.status, RunStatus::kNoReport);
-  EXPECT_NE(result.output_tail.find("is not valid JSON at byte"), std::string::npos)
-      << result.output_tail;
+TEST_F(RunnerTest, ARubricTestTheProgramLacksIsNamed) {
+  const RunResult result = run_in_mode("normal");
+  EXPECT_NE(result.missing_result("FakeChecks.Typo")
+                .find("\"FakeChecks.Typo\" not found in the check program"),
+            std::string::npos)
+      << result.missing_result("FakeChecks.Typo");
 }
 
 TEST_F(RunnerTest, ALauncherThatStartsNothingIsAFailedStart) {
-  request_.launcher = [](const std::vector<std::vector<std::string>>& per_rank) {
+  request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
     std::vector<std::string> argv = {"dplab-no-such-launcher"};
-    for (const auto& command : per_rank) argv.insert(argv.end(), command.begin(), command.end());
+    argv.insert(argv.end(), command.begin(), command.end());
     return argv;
   };
   request_.processes = 2;
@@ -116,40 +318,83 @@ TEST_F(RunnerTest, ALauncherThatStartsNothingIsAFailedStart) {
       << result.summary();
 }
 
-TEST_F(RunnerTest, MissingReportsOfOtherRanksAreFine) {
-  // A launcher that starts only rank 0: like a check main() whose other ranks write nothing.
-  request_.launcher = [](const std::vector<std::vector<std::string>>& per_rank) {
-    return per_rank.front();
+TEST_F(RunnerTest, RanksAreMergedAndAFailureOnAnyRankFails) {
+  // Two processes that report as ranks 0 and 1, as mpirun would start them.
+  request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
+    std::vector<std::string> argv = {
+        "/bin/sh", "-c",
+        R"(FAKE_CHECKS_RANK=1 OMPI_COMM_WORLD_RANK=1 "$0" "$@" & "$0" "$@"; wait)"};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
   };
-  request_.processes = 3;
+  request_.processes = 2;
   const RunResult result = run_in_mode("normal");
-  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary();
-  EXPECT_EQ(result.tests.size(), 6u);
+  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary() << result.output_tail;
+  EXPECT_EQ(result.tests.at("FakeChecks.Passes").state, TestState::kPassed);
+  const TestOutcome& split = result.tests.at("FakeChecks.FailsOnRankOne");
+  EXPECT_EQ(split.state, TestState::kFailed);
+  EXPECT_NE(split.failure.find("[rank 1] "), std::string::npos) << split.failure;
+  EXPECT_NE(split.failure.find("rank 1 disagrees"), std::string::npos) << split.failure;
+}
+
+#ifdef DP_MPIRUN
+TEST_F(RunnerTest, UnderMpirunEveryRankGetsTheChannelAndTheSeed) {
+  request_.launcher = [](const std::vector<std::string>& command, int processes,
+                         const std::vector<std::string>& variables) {
+    std::vector<std::string> argv = {DP_MPIRUN, "--oversubscribe", "-n", std::to_string(processes)};
+    if (geteuid() == 0) argv.push_back("--allow-run-as-root");
+    for (const std::string& name : variables) argv.insert(argv.end(), {"-x", name});
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
+  };
+  request_.processes = 2;
+  request_.environment[channel::kSeedVariable] = "123";
+  const RunResult result = run_in_mode("normal");
+  EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary() << result.output_tail;
+  ASSERT_EQ(result.ranks.size(), 2u);
+  EXPECT_EQ(result.ranks[1].finished.at("FakeChecks.NotesWhatItMeasured").notes.front(),
+            "saw DPLAB_GRADE_SEED=123");
+  EXPECT_EQ(result.tests.at("FakeChecks.Passes").state, TestState::kPassed);
+  EXPECT_NE(result.tests.at("FakeChecks.FailsOnRankOne").failure.find("[rank 1] "),
+            std::string::npos);
+}
+#endif
+
+TEST_F(RunnerTest, ARankThatNeverReportsFailsEveryCheck) {
+  // A launcher that starts only rank 0 of two.
+  request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
+    return command;
+  };
+  request_.processes = 2;
+  const RunResult result = run_in_mode("normal");
+  EXPECT_EQ(result.status, RunStatus::kIncomplete);
+  const TestOutcome& passes = result.tests.at("FakeChecks.Passes");
+  EXPECT_EQ(passes.state, TestState::kFailed);
+  EXPECT_EQ(passes.failure,
+            "[rank 1] did not report a result: the check program exited (code 1) before running "
+            "it (it sent no result at all)");
 }
 
 TEST_F(RunnerTest, BadRequestsThrow) {
   request_.processes = 2;
   EXPECT_THROW(run_check_program(request_), Error);  // no launcher
-  request_.processes = 1;
-  request_.work_dir = dir_ / "missing";
+  request_.processes = 0;
   EXPECT_THROW(run_check_program(request_), Error);
 }
 
 TEST(MergeReports, AFailureOnAnyRankFailsTheTest) {
-  const std::vector<TestOutcome> rank0 = {{"A.Same", TestState::kPassed, "", 0.1},
-                                          {"A.Differs", TestState::kPassed, "", 0.2}};
-  const std::vector<TestOutcome> rank1 = {{"A.Same", TestState::kPassed, "", 0.3},
-                                          {"A.Differs", TestState::kFailed, "x.cpp:3\nbad", 0.1}};
-  const auto merged = merge_reports({{0, rank0}, {1, rank1}});
+  RunResult run;
+  run.ranks.resize(2);
+  run.ranks[0].finished["A.Same"] = {"A.Same", TestState::kPassed, "", {"rank 0 saw 1"}, 0.1};
+  run.ranks[0].finished["A.Differs"] = {"A.Differs", TestState::kPassed, "", {}, 0.2};
+  run.ranks[1].finished["A.Same"] = {"A.Same", TestState::kPassed, "", {"rank 1 saw 1"}, 0.3};
+  run.ranks[1].finished["A.Differs"] = {"A.Differs", TestState::kFailed, "x.cpp:3\nbad", {}, 0.1};
+  const auto merged = merge_reports(run);
   EXPECT_EQ(merged.at("A.Same").state, TestState::kPassed);
   EXPECT_DOUBLE_EQ(merged.at("A.Same").seconds, 0.3);
+  EXPECT_EQ(merged.at("A.Same").notes, std::vector<std::string>{"rank 0 saw 1"});
   EXPECT_EQ(merged.at("A.Differs").state, TestState::kFailed);
   EXPECT_EQ(merged.at("A.Differs").failure, "[rank 1] x.cpp:3\nbad");
-}
-
-TEST(GtestReport, NotAReportIsAnError) {
-  EXPECT_THROW(parse_gtest_report(R"({"tests": 3})", "r.json"), Error);
-  EXPECT_THROW(parse_gtest_report("{", "r.json"), Error);
 }
 
 TEST(LastLines, KeepsTheEnd) {

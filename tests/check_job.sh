@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs a command (an mpiexec job) and checks its exit status, its duration and its output,
-# which ctest alone cannot combine. Prints the job's output, then what did not hold.
+# Runs a command (an mpiexec job, a dplab command, a small shell script) and checks its exit
+# status, its duration and its output, which ctest alone cannot combine. Prints the job's
+# output, then what did not hold.
 #
 #   check_job.sh --exit zero|nonzero --max-seconds N [--expect ERE]... -- COMMAND...
 set -u

@@ -1,0 +1,79 @@
+// option_checks.cpp: number checks of the dplab commands (see option_checks.h).
+#include "option_checks.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+#include "dp/error.h"
+#include "dp/launch.h"
+
+namespace dp::cli {
+namespace {
+
+/// `text` as a number, or NaN when it is not one (CLI11 reports the type error itself).
+double as_number(const std::string& text) {
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  return end != text.c_str() && *end == '\0' ? value : std::nan("");
+}
+
+}  // namespace
+
+CLI::Validator finite_in(double low, double high) {
+  return CLI::Validator(
+      [low, high](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (std::isfinite(value) && value >= low && value <= high) return {};
+        return fmt::format("expected a finite number from {} to {}, got {}", low, high, text);
+      },
+      fmt::format("NUMBER in [{}, {}]", low, high));
+}
+
+CLI::Validator positive_finite(double high) {
+  return CLI::Validator(
+      [high](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (std::isfinite(value) && value > 0 && value <= high) return {};
+        return fmt::format("expected a finite number above 0 and at most {}, got {}", high, text);
+      },
+      fmt::format("NUMBER in (0, {}]", high));
+}
+
+CLI::Validator whole_number_at_least(int low) {
+  return CLI::Validator(
+      [low](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (value >= low && value <= std::numeric_limits<int>::max() && value == std::floor(value))
+          return {};
+        return fmt::format("expected a whole number >= {}, got {}", low, text);
+      },
+      fmt::format("INT >= {}", low));
+}
+
+CLI::Validator world_size_range() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (value >= 1 && value <= kMaxWorldSize && value == std::floor(value)) return {};
+        return fmt::format("expected a number of ranks from 1 to {}, got {}", kMaxWorldSize, text);
+      },
+      fmt::format("RANKS in [1, {}]", kMaxWorldSize));
+}
+
+std::chrono::milliseconds timeout_milliseconds(double seconds, std::string_view option,
+                                               std::chrono::milliseconds max) {
+  const double max_seconds = std::chrono::duration<double>(max).count();
+  // Compared as doubles before any conversion: a cast of 1e16 s or inf to an integer
+  // count is undefined behaviour.
+  if (!(std::isfinite(seconds) && seconds > 0 && seconds <= max_seconds))
+    throw Error(fmt::format("{} must be a number of seconds above 0 and at most {}, got {}", option,
+                            max_seconds, seconds));
+  const auto milliseconds = static_cast<std::int64_t>(std::ceil(seconds * 1000));
+  return std::chrono::milliseconds(std::max<std::int64_t>(milliseconds, 1));
+}
+
+}  // namespace dp::cli

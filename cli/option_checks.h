@@ -1,0 +1,37 @@
+// option_checks.h: the checks every dplab command applies to its numbers before it starts.
+//
+// A number option is checked when it is parsed, so that a typo costs an error message
+// naming the option, never undefined behaviour, a silent default or an hour of work:
+// `--lr inf`, `--hang-timeout nan`, `-n -1` and `--timeout 1e16` are all refused.
+//
+// Example:
+//
+//   command->add_option("--lr", lr)->check(finite_in(0, 1e6));
+//   command->add_option("-n", ranks)->check(world_size_range());
+//   std::chrono::milliseconds limit = timeout_milliseconds(seconds, "--timeout", kMax);
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <string_view>
+
+namespace dp::cli {
+
+/// A CLI11 check: the value is a finite number in [low, high] (NaN and infinities fail).
+CLI::Validator finite_in(double low, double high);
+
+/// A CLI11 check: the value is a finite number > 0 and <= high.
+CLI::Validator positive_finite(double high);
+
+/// A CLI11 check: a whole number >= low (and within int).
+CLI::Validator whole_number_at_least(int low);
+
+/// A CLI11 check: a whole number of ranks from 1 to dp::kMaxWorldSize.
+CLI::Validator world_size_range();
+
+/// `seconds`, the value of the timeout option `option`, as whole milliseconds (at least 1).
+/// Throws `dp::Error` naming the option unless it is finite, positive and at most `max`.
+std::chrono::milliseconds timeout_milliseconds(double seconds, std::string_view option,
+                                               std::chrono::milliseconds max);
+
+}  // namespace dp::cli

@@ -1,0 +1,88 @@
+// output_file.h: writing output files so that no file is clobbered or left half-written.
+//
+// Every file dplab writes (checkpoints, Chrome traces, the grader's reports) goes through
+// here, and every write follows the same rules:
+//
+//   - the target must be a regular file or absent: a directory, a FIFO, a device node, a
+//     socket or a symbolic link is refused (renaming over a link would replace the link,
+//     not write where it points, and writing into /dev/null as root would replace it);
+//   - the target must not be a file the same run reads (`check_output_path`), so that a
+//     checkpoint never lands on the data set it is trained on;
+//   - the bytes go to a temporary file with a name of its own in the target's directory,
+//     which is flushed to disk (fsync), renamed over the target, and then the directory is
+//     flushed too. A crash leaves the old file or the new one, never a mix; two runs that
+//     write the same path at once each write a whole file, and the last rename wins;
+//   - a failure names the file and the system's reason (the errno of the failed call).
+//
+// Commands check their output paths before they start the work (`check_output_path`), so a
+// typo in a directory name costs a second, not a training run.
+//
+// Example:
+//
+//   std::vector<std::filesystem::path> inputs = {"data.csv"};
+//   dp::check_output_path("run.json", inputs);      // before the work: fails early
+//   ... train ...
+//   dp::write_file_atomically("run.json", text);     // a whole file or none
+//
+//   dp::AtomicFile out("model.safetensors");        // streaming, for large files
+//   out.write(header.data(), header.size());
+//   out.commit();                                    // without it, nothing is left behind
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dp {
+
+/// Checks, before any work, that `path` can be written as an output: it is a regular file
+/// or absent, it is none of `inputs` (compared as files, so another spelling or a hard link
+/// of an input is caught), and its directory exists and accepts new files (tested by
+/// creating and removing a temporary file there). Throws `dp::Error` naming the path and
+/// what is wrong, with the system's reason where there is one.
+void check_output_path(const std::filesystem::path& path,
+                       std::span<const std::filesystem::path> inputs = {});
+
+/// A file written under a temporary name and moved onto its path by `commit()`.
+///
+/// The constructor refuses a target that is not a regular file (see the top of this file)
+/// and creates the temporary file in the target's directory; the destructor removes it
+/// unless `commit()` succeeded. Not copyable; use it from one thread.
+class AtomicFile {
+ public:
+  /// Creates the temporary file for `path`; throws `dp::Error` if `path` exists and is not
+  /// a regular file or the temporary file cannot be created.
+  explicit AtomicFile(std::filesystem::path path);
+  /// Removes the temporary file unless `commit()` succeeded.
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  /// Appends `bytes` bytes at `data`; throws `dp::Error` with the system's reason on failure.
+  void write(const void* data, std::size_t bytes);
+  /// Appends `text`.
+  void write(std::string_view text) { write(text.data(), text.size()); }
+  /// Flushes the file to disk, checks the target again, renames the file onto it (keeping
+  /// the permissions of a file it replaces) and flushes the directory. Throws `dp::Error`
+  /// on failure; then the target is as it was.
+  void commit();
+
+  /// The target path.
+  const std::filesystem::path& path() const { return path_; }
+  /// The temporary file's path (it exists until `commit()` or destruction).
+  const std::filesystem::path& temporary_path() const { return temporary_; }
+
+ private:
+  std::filesystem::path path_;
+  std::filesystem::path temporary_;
+  int descriptor_ = -1;  // of the temporary file; -1 once closed
+  bool committed_ = false;
+};
+
+/// Writes `contents` to `path` with an `AtomicFile`: the whole of it or nothing. Throws
+/// `dp::Error` as `AtomicFile` does.
+void write_file_atomically(const std::filesystem::path& path, std::string_view contents);
+
+}  // namespace dp

@@ -1,0 +1,184 @@
+// Output files: checked targets, unique temporary files, fsync and rename (see output_file.h).
+#include "dp/output_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "dp/error.h"
+
+namespace dp {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// The reason of the last failed system call, read before anything else can change errno.
+std::string system_reason(int error_number) {
+  return std::strerror(error_number);
+}
+
+/// What kind of file `mode` describes, for a message ("a directory", "a FIFO", ...).
+std::string_view kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+/// Throws unless `path` is absent or a regular file (not following a symbolic link).
+void check_target_kind(const fs::path& path) {
+  struct stat status {};
+  if (::lstat(path.c_str(), &status) != 0) {
+    const int error = errno;
+    if (error == ENOENT) return;
+    throw Error(fmt::format("cannot write '{}': {}", path.string(), system_reason(error)));
+  }
+  if (S_ISREG(status.st_mode)) return;
+  throw Error(fmt::format(
+      "refusing to write '{}': it is {}; dplab writes and replaces only regular files{}",
+      path.string(), kind_of(status.st_mode),
+      S_ISLNK(status.st_mode) ? " (give the path the link points to)" : ""));
+}
+
+/// The directory a file at `path` is created in ("." for a bare file name).
+fs::path directory_of(const fs::path& path) {
+  const fs::path parent = path.parent_path();
+  return parent.empty() ? fs::path(".") : parent;
+}
+
+/// A name no other writer uses: the target's name, this process and a per-process counter.
+/// Hidden (a leading dot), so that a listing shows no half-written file.
+fs::path temporary_name_for(const fs::path& path) {
+  static std::atomic<std::uint64_t> counter{0};
+  // Keep well under NAME_MAX (255) whatever the target's name.
+  const std::string name = path.filename().string().substr(0, 160);
+  return directory_of(path) / fmt::format(".{}.{}.{}.tmp", name, ::getpid(), counter++);
+}
+
+/// Creates a new temporary file for `path` and returns its descriptor and name. O_EXCL makes
+/// the name ours alone; 0666 lets the umask decide the permissions, as for any new file.
+std::pair<int, fs::path> create_temporary_for(const fs::path& path) {
+  for (int attempt = 0;; ++attempt) {
+    fs::path temporary = temporary_name_for(path);
+    const int descriptor = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (descriptor >= 0) return {descriptor, std::move(temporary)};
+    const int error = errno;
+    // A stale file of an earlier process with our pid: take the next name.
+    if (error == EEXIST && attempt < 100) continue;
+    const fs::path directory = directory_of(path);
+    if (error == ENOENT)
+      throw Error(fmt::format("cannot write '{}': the directory '{}' does not exist", path.string(),
+                              directory.string()));
+    throw Error(fmt::format("cannot write '{}': cannot create a file in '{}': {}", path.string(),
+                            directory.string(), system_reason(error)));
+  }
+}
+
+/// True when `a` and `b` are the same file (same device and inode).
+bool same_file(const struct stat& a, const struct stat& b) {
+  return a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+}  // namespace
+
+void check_output_path(const fs::path& path, std::span<const fs::path> inputs) {
+  if (path.empty()) throw Error("an output path is empty: expected a file name");
+  check_target_kind(path);
+  struct stat target {};
+  if (::stat(path.c_str(), &target) == 0) {
+    for (const fs::path& input : inputs) {
+      struct stat read_file {};
+      if (::stat(input.c_str(), &read_file) == 0 && same_file(target, read_file))
+        throw Error(fmt::format(
+            "refusing to write '{}': it is '{}', which this run reads; choose another path",
+            path.string(), input.string()));
+    }
+  }
+  const fs::path directory = directory_of(path);
+  struct stat folder {};
+  if (::stat(directory.c_str(), &folder) != 0) {
+    const int error = errno;
+    throw Error(fmt::format("cannot write '{}': the directory '{}' {}", path.string(),
+                            directory.string(),
+                            error == ENOENT ? "does not exist" : system_reason(error)));
+  }
+  if (!S_ISDIR(folder.st_mode))
+    throw Error(fmt::format("cannot write '{}': '{}' is not a directory", path.string(),
+                            directory.string()));
+  // Permissions, a read-only file system, quotas: only creating a file tells for sure.
+  const auto [descriptor, probe] = create_temporary_for(path);
+  ::close(descriptor);
+  ::unlink(probe.c_str());
+}
+
+AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
+  if (path_.empty()) throw Error("an output path is empty: expected a file name");
+  check_target_kind(path_);
+  std::tie(descriptor_, temporary_) = create_temporary_for(path_);
+}
+
+AtomicFile::~AtomicFile() {
+  if (descriptor_ >= 0) ::close(descriptor_);
+  if (!committed_) ::unlink(temporary_.c_str());
+}
+
+void AtomicFile::write(const void* data, std::size_t bytes) {
+  if (descriptor_ < 0)
+    throw Error(fmt::format("cannot write '{}': the file was already committed", path_.string()));
+  const char* next = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t written = ::write(descriptor_, next, bytes);
+    if (written < 0) {
+      const int error = errno;
+      if (error == EINTR) continue;
+      throw Error(fmt::format("cannot write '{}' (temporary file '{}'): {}", path_.string(),
+                              temporary_.string(), system_reason(error)));
+    }
+    next += written;
+    bytes -= static_cast<std::size_t>(written);
+  }
+}
+
+void AtomicFile::commit() {
+  if (committed_) return;
+  const auto fail = [&](std::string_view step, int error) {
+    return Error(fmt::format("cannot write '{}': {} failed: {}", path_.string(), step,
+                             system_reason(error)));
+  };
+  // The target may have appeared or changed since the constructor looked.
+  check_target_kind(path_);
+  // A file that replaces another keeps its permissions, as a shell redirection would.
+  struct stat target {};
+  if (::stat(path_.c_str(), &target) == 0 && ::fchmod(descriptor_, target.st_mode & 07777) != 0)
+    throw fail("setting the permissions", errno);
+  if (::fsync(descriptor_) != 0) throw fail("flushing to disk (fsync)", errno);
+  const int descriptor = descriptor_;
+  descriptor_ = -1;
+  if (::close(descriptor) != 0) throw fail("closing", errno);
+  if (::rename(temporary_.c_str(), path_.c_str()) != 0)
+    throw fail(fmt::format("renaming '{}' onto it", temporary_.string()), errno);
+  committed_ = true;
+  // The rename is durable only once the directory is on disk too.
+  const int directory = ::open(directory_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (directory < 0) throw fail("opening its directory to flush it", errno);
+  const int synced = ::fsync(directory);
+  const int error = errno;
+  ::close(directory);
+  // Some file systems cannot flush a directory (EINVAL); the file itself is already safe.
+  if (synced != 0 && error != EINVAL) throw fail("flushing its directory (fsync)", error);
+}
+
+void write_file_atomically(const fs::path& path, std::string_view contents) {
+  AtomicFile file(path);
+  file.write(contents);
+  file.commit();
+}
+
+}  // namespace dp
