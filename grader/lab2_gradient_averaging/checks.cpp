@@ -74,14 +74,7 @@ DrawnSetup draw_setup(Draws& draws, const std::string& optimizer, bool freeze, b
   o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 600));
   o.seed = draws.seed("seed");
   o.steps = static_cast<int>(draws.integer("steps", 3, 6));
-  o.optimizer = optimizer;
-  if (optimizer == "sgd") {
-    o.lr = draws.uniform("lr", 0.02f, 0.1f);
-    o.momentum = draws.coin("momentum 0.9") ? 0.9f : 0.0f;
-  } else {
-    o.lr = draws.uniform("lr", 5e-4f, 3e-3f);
-    o.weight_decay = 0.01f;
-  }
+  grading::draw_optimizer(draws, optimizer, o);
   if (accumulate) {
     setup.micro_batches = static_cast<int>(draws.integer("k", 1, 6));
     setup.rows_per_rank = setup.micro_batches * draws.integer("micro-batch rows", 1, 4);

@@ -31,6 +31,17 @@ void set_gradients(Model& model, std::span<const float> flat) {
 
 }  // namespace
 
+void draw_optimizer(Draws& draws, const std::string& optimizer, TrainOptions& options) {
+  options.optimizer = optimizer;
+  if (optimizer == "sgd") {
+    options.lr = draws.uniform("lr", 0.02f, 0.1f);
+    options.momentum = draws.coin("momentum 0.9") ? 0.9f : 0.0f;
+  } else {
+    options.lr = draws.uniform("lr", 5e-4f, 3e-3f);
+    options.weight_decay = 0.01f;
+  }
+}
+
 std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters) {
   return make_optimizer(options.optimizer, num_parameters, options.lr, options.momentum,
                         options.weight_decay);
@@ -55,38 +66,52 @@ Trajectory single_process_trajectory(const TrainOptions& options, const Dataset&
   return trajectory;
 }
 
+std::vector<float> sum_in_rank_order(const std::vector<std::vector<float>>& local) {
+  std::vector<float> sum = local.front();
+  for (std::size_t rank = 1; rank < local.size(); ++rank)
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += local[rank][i];
+  return sum;
+}
+
 Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
                                  std::span<const std::string> frozen, int micro_batches_per_rank) {
-  DP_CHECK(world_size > 0 && micro_batches_per_rank > 0 &&
-               options.global_batch % (world_size * micro_batches_per_rank) == 0,
+  return emulate_data_parallel(
+      options, data, world_size,
+      Emulation{.frozen = frozen, .micro_batches = micro_batches_per_rank});
+}
+
+Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
+                                 const Emulation& how) {
+  const int k = how.micro_batches;
+  DP_CHECK(world_size > 0 && k > 0 && options.global_batch % (world_size * k) == 0,
            "a global batch of {} does not split into {} ranks x {} micro-batches",
-           options.global_batch, world_size, micro_batches_per_rank);
-  Model model = model_with_frozen(options, frozen);
+           options.global_batch, world_size, k);
+  DP_CHECK(how.staleness >= 0, "staleness {} < 0", how.staleness);
+  Model model = model_with_frozen(options, how.frozen);
   const std::unique_ptr<Optimizer> optimizer = optimizer_for(options, model.num_parameters());
+  // The ranks' gradients are computed on `probe`, at the parameters of the version they
+  // read: the current ones, or with staleness s those of s steps before.
+  Model probe = model_with_frozen(options, how.frozen);
+  std::vector<std::vector<float>> versions = {model.flat_parameters()};
   // The loss scale of a micro-batch, computed as lab code computes it: 1/k in float.
-  const float loss_scale = 1.0f / static_cast<float>(micro_batches_per_rank);
+  const float loss_scale = 1.0f / static_cast<float>(k);
   Trajectory trajectory;
   for (int step = 0; step < options.steps; ++step) {
-    // sum = ((g_0 + g_1) + g_2) + ...: each rank's local gradient at the same parameters,
-    // added in rank order, as ReduceOp::kSum adds.
-    std::vector<float> sum;
+    probe.set_flat_parameters(
+        versions[static_cast<std::size_t>(std::max(0, step - how.staleness))]);
+    std::vector<std::vector<float>> local;
     std::vector<float>& losses = trajectory.rank_losses.emplace_back();
     for (int rank = 0; rank < world_size; ++rank) {
-      model.zero_grad();
+      probe.zero_grad();
       float loss_sum = 0;
-      for (const Batch& micro :
-           micro_batches(data, options, step, rank, world_size, micro_batches_per_rank)) {
-        const Tensor logits = model.forward(micro.inputs);
-        loss_sum += model.backward(logits, micro.labels, loss_scale);
+      for (const Batch& micro : micro_batches(data, options, step, rank, world_size, k)) {
+        const Tensor logits = probe.forward(micro.inputs);
+        loss_sum += probe.backward(logits, micro.labels, loss_scale);
       }
-      losses.push_back(loss_sum / static_cast<float>(micro_batches_per_rank));
-      const std::vector<float> local = model.flat_gradients();
-      if (rank == 0) {
-        sum = local;
-      } else {
-        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += local[i];
-      }
+      losses.push_back(loss_sum / static_cast<float>(k));
+      local.push_back(probe.flat_gradients());
     }
+    std::vector<float> sum = how.sum(local);
     // Then a division by N (a division: g / N, not g * (1/N)).
     const auto divisor = static_cast<float>(world_size);
     for (float& value : sum) value = value / divisor;
@@ -95,6 +120,7 @@ Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& dat
     trajectory.gradients_of_step.push_back(std::move(sum));
     optimizer->step(model);
     trajectory.parameters_after_step.push_back(model.flat_parameters());
+    versions.push_back(trajectory.parameters_after_step.back());
   }
   return trajectory;
 }

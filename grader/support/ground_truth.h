@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,6 +34,7 @@
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/trainer.h"
+#include "grading.h"
 
 namespace dp::grading {
 
@@ -61,6 +63,27 @@ Trajectory single_process_trajectory(const TrainOptions& options, const Dataset&
 /// divided by N. `options.global_batch` must be a multiple of world_size * micro_batches.
 Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
                                  std::span<const std::string> frozen = {}, int micro_batches = 1);
+
+/// Adds the ranks' local gradients (flat, one per rank, in rank order) into the sum that a
+/// data-parallel step divides by N, in the order of additions some algorithm fixes.
+using GradientSum = std::function<std::vector<float>(const std::vector<std::vector<float>>&)>;
+
+/// ((g_0 + g_1) + g_2) + ...: the order `ReduceOp::kSum` adds in, and lab 2's.
+std::vector<float> sum_in_rank_order(const std::vector<std::vector<float>>& local);
+
+/// What varies between the data-parallel arithmetics the labs fix.
+struct Emulation {
+  std::span<const std::string> frozen = {};  ///< parameters frozen throughout
+  int micro_batches = 1;                     ///< k micro-batches per rank, losses scaled by 1/k
+  GradientSum sum = sum_in_rank_order;       ///< how the N local gradients are added
+  /// s: the local gradients of step t (0-based) are computed at the parameters after
+  /// max(0, t - s) steps (a parameter server with bounded staleness); 0 is synchronous.
+  int staleness = 0;
+};
+
+/// `emulate_data_parallel` with the sum's order and the staleness of `how`.
+Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& data, int world_size,
+                                 const Emulation& how);
 
 /// The gradient one process computes on the whole global batch of `step` at `parameters`
 /// (flat, frozen parameters 0): what the averaged gradient of a data-parallel step taken
@@ -102,6 +125,10 @@ class RecordingOptimizer final : public Optimizer {
   std::unique_ptr<Optimizer> inner_;
   std::vector<float> last_gradients_;
 };
+
+/// Sets `options`' optimizer to "sgd" or "adamw" with drawn settings: SGD lr in [0.02, 0.1)
+/// and momentum 0 or 0.9; AdamW lr in [5e-4, 3e-3) and weight decay 0.01.
+void draw_optimizer(Draws& draws, const std::string& optimizer, TrainOptions& options);
 
 /// `make_optimizer` with the settings of `options`, for a model of `num_parameters`.
 std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters);

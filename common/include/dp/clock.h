@@ -7,15 +7,40 @@
 //                  time = max(flops / rate, bytes / bandwidth) + launch cost, or by the
 //                  op's measured thread CPU time (`ComputeModel::kMeasured`)
 //   communication  the rank's link (one NIC, full duplex, each direction serialised):
-//                  a message of n bytes costs alpha + n / bandwidth (`LinkModel`)
+//                  a message of n bytes holds it for n / bandwidth and arrives alpha
+//                  later (`LinkModel`): alone, it costs alpha + n / bandwidth
 //
 // An asynchronous call is issued at the rank's current compute time onto the link;
 // `Work::wait()` moves the compute time to the call's completion. A message from s to d
-// starts at max(issue time, s's send direction free, d's receive direction free). A native
-// collective starts when every rank has issued it and every link is free, and is charged
-// by its algorithm: ring all-reduce 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter
-// and all-gather (p-1) (alpha + n/p / bandwidth) with n the whole array, binomial-tree
-// broadcast ceil(lg p) (alpha + n / bandwidth), dissemination barrier ceil(lg p) alpha.
+// holds s's send direction and d's receive direction for its transfer, n / bandwidth, in
+// the earliest interval from its issue time on in which both are free (so a message
+// waiting for a busy receiver does not hold back its sender's messages to idle ones), and
+// arrives alpha after the transfer ends; both sides complete at the arrival (a receive
+// posted later, when it is posted).
+// The latency is paid by every message but does not hold the link, so messages that share
+// a link overlap their latencies and queue only for the bandwidth, as on a real network:
+//
+//   incast    p-1 ranks send n bytes each to one rank: the last arrives at
+//             (p-1) n / bandwidth + alpha (a parameter server's push)
+//   outcast   one rank sends n bytes to each of p-1 ranks: the same (its pull)
+//   tree      a binomial-tree broadcast over p = 2^k ranks: k (alpha + n / bandwidth)
+//
+// Why serialised (one transfer at a time per direction, placed in issue order) rather than
+// shared fairly: messages are placed once, in a fixed order (virtual_network.h), and their
+// times never change after that, which is what makes the clock deterministic; under fair
+// sharing a later message would slow down one already placed. Both rules finish a batch
+// of equal messages through one link at the same time (the link is never idle while bytes
+// wait), so incast, outcast, rings and trees complete as under fair sharing; only the
+// order in which the messages of a batch arrive differs (one after another instead of all
+// at the end). Where many links are busy at once (all-to-all), placing whole messages can
+// leave a gap slightly too short for the next one: a skew of a few microseconds between
+// senders can then cost a transfer time that fair sharing would not.
+//
+// A native collective starts when every rank has issued it and every link is free, holds
+// every link for all of its time, and is charged by its algorithm: ring all-reduce
+// 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter and all-gather
+// (p-1) (alpha + n/p / bandwidth) with n the whole array, binomial-tree broadcast
+// ceil(lg p) (alpha + n / bandwidth), dissemination barrier ceil(lg p) alpha.
 // Reductions are not charged (gamma = 0). The simulation only accounts time: results are
 // bitwise those of an unsimulated run, and the virtual times never depend on thread
 // timing, so two runs give the same clocks on any machine.
@@ -65,10 +90,10 @@ struct DeviceModel {
 
 /// One fabric: latency and bandwidth of each message.
 struct LinkModel {
-  double alpha_seconds = 1e-6;     ///< latency per message
+  double alpha_seconds = 1e-6;     ///< latency per message (it does not hold the link)
   double bytes_per_second = 50e9;  ///< bandwidth of each direction of a link (1/beta)
 
-  /// alpha + bytes / bandwidth.
+  /// alpha + bytes / bandwidth: one message alone on its link.
   double time_of(double bytes) const { return alpha_seconds + bytes / bytes_per_second; }
 };
 

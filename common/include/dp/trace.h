@@ -42,7 +42,8 @@ struct TraceEvent {
   std::string name;                      ///< e.g. "fc1 forward", "allreduce", "send to 3"
   TraceLane lane = TraceLane::kCompute;  ///< the timeline it occupies
   double start = 0;                      ///< seconds since the launch began, on the rank's clock
-  double duration = 0;                   ///< seconds on the rank's clock
+  double duration = 0;                   ///< seconds on the rank's clock (a message: its
+                                         ///< transfer, which holds the link; alpha follows)
   double wall_start = 0;                 ///< wall seconds since the launch began
   double wall_duration = 0;              ///< wall seconds (communication: from issue to completion)
   double flops = 0;                      ///< compute: floating-point operations charged
@@ -66,9 +67,10 @@ struct StepSummary {
 
 /// Everything one rank's clock recorded.
 struct RankTrace {
-  int rank = 0;                    ///< the rank
-  bool simulated = false;          ///< times are virtual (simulated clock) or wall
-  std::string clock_description;   ///< e.g. "simulated: ib-ndr (alpha 1 us, 50 GB/s), a100"
+  int rank = 0;            ///< the rank
+  bool simulated = false;  ///< times are virtual (simulated clock) or wall
+  std::string
+      clock_description;  ///< e.g. "simulated: ib-ndr (alpha 2 us, 50 GB/s); device a100 ..."
   std::vector<TraceEvent> events;  ///< in the order they were recorded
   std::vector<double> step_marks;  ///< compute times at which `Clock::mark_step` was called
   /// Steps that were summarized and then dropped from `events` and `step_marks` because the

@@ -152,8 +152,8 @@ VirtualNetwork::VirtualNetwork(int size, SimulationOptions options, std::mutex& 
       collective_index_(static_cast<std::size_t>(size), 0),
       blocked_(static_cast<std::size_t>(size), nullptr),
       finished_(static_cast<std::size_t>(size), false),
-      send_free_(static_cast<std::size_t>(size), std::vector<double>(kPorts, 0.0)),
-      receive_free_(static_cast<std::size_t>(size), std::vector<double>(kPorts, 0.0)) {
+      send_timeline_(static_cast<std::size_t>(size), std::vector<Timeline>(kPorts)),
+      receive_timeline_(static_cast<std::size_t>(size), std::vector<Timeline>(kPorts)) {
   const LinkModel* links[] = {&options_.network.fabric, &options_.network.inter_node};
   for (const LinkModel* link : links) {
     if (!(link->alpha_seconds >= 0) || !(link->bytes_per_second > 0))
@@ -276,7 +276,7 @@ void VirtualNetwork::advance() {
   if (cleared_) return;
   while (!queue_.empty()) {
     auto first = queue_.begin();
-    if (!committable(first->first)) return;
+    if (!committable(first->first)) break;
     const Item item = first->second;
     queue_.erase(first);
     if (item.send != nullptr)
@@ -284,6 +284,55 @@ void VirtualNetwork::advance() {
     else
       commit_collective(item.group);
   }
+  prune();
+}
+
+double VirtualNetwork::earliest_common_gap(double earliest, double duration, const Timeline& a,
+                                           const Timeline& b) {
+  // Move t past every interval that overlaps [t, t + duration), on either timeline, until
+  // none does; the intervals are sorted, so each is passed at most once.
+  double t = earliest;
+  std::size_t i = 0;
+  std::size_t j = 0;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (auto [timeline, index] : {std::pair{&a, &i}, std::pair{&b, &j}}) {
+      const auto& busy = timeline->busy;
+      while (*index < busy.size() && busy[*index].second <= t) ++*index;
+      if (*index < busy.size() && busy[*index].first < t + duration) {
+        t = busy[*index].second;
+        moved = true;
+      }
+    }
+  }
+  return t;
+}
+
+void VirtualNetwork::reserve(Timeline& timeline, double start, double end) {
+  timeline.free_after = std::max(timeline.free_after, end);
+  if (end <= start) return;  // an empty message holds nothing
+  const auto place =
+      std::lower_bound(timeline.busy.begin(), timeline.busy.end(), std::pair{start, end});
+  timeline.busy.insert(place, {start, end});
+}
+
+void VirtualNetwork::prune() {
+  // No message can start before the horizon: every rank issues at its floor or later, and
+  // the queue's first item is its earliest.
+  double horizon =
+      queue_.empty() ? std::numeric_limits<double>::infinity() : std::get<0>(queue_.begin()->first);
+  for (int q = 0; q < size_; ++q)
+    if (!finished_[static_cast<std::size_t>(q)])
+      horizon = std::min(horizon, floor_[static_cast<std::size_t>(q)]);
+  for (auto* timelines : {&send_timeline_, &receive_timeline_})
+    for (auto& ports : *timelines)
+      for (Timeline& timeline : ports) {
+        auto& busy = timeline.busy;
+        const auto kept = std::find_if(busy.begin(), busy.end(), [&](const auto& interval) {
+          return interval.second > horizon;
+        });
+        busy.erase(busy.begin(), kept);
+      }
 }
 
 void VirtualNetwork::commit_send(VirtualCall& send) {
@@ -291,12 +340,16 @@ void VirtualNetwork::commit_send(VirtualCall& send) {
   const int d = send.peer;
   const auto port = static_cast<std::size_t>(options_.network.crosses_nodes(s, d) ? 1 : 0);
   const LinkModel& link = options_.network.link_between(s, d);
-  double& sender_free = send_free_[static_cast<std::size_t>(s)][port];
-  double& receiver_free = receive_free_[static_cast<std::size_t>(d)][port];
-  send.start = std::max({send.issue, sender_free, receiver_free});
-  send.end = send.start + link.time_of(static_cast<double>(send.bytes));
-  sender_free = receiver_free = send.end;
-  send.completion = send.end;
+  Timeline& sender = send_timeline_[static_cast<std::size_t>(s)][port];
+  Timeline& receiver = receive_timeline_[static_cast<std::size_t>(d)][port];
+  // Only the transfer holds the two directions; the latency follows it off the link.
+  const double transfer = static_cast<double>(send.bytes) / link.bytes_per_second;
+  send.start = earliest_common_gap(send.issue, transfer, sender, receiver);
+  send.end = send.start + transfer;
+  send.arrival = send.end + link.alpha_seconds;
+  reserve(sender, send.start, send.end);
+  reserve(receiver, send.start, send.end);
+  send.completion = send.arrival;
   send.pending = false;
   send.committed = true;
   determine(send);
@@ -306,7 +359,8 @@ void VirtualNetwork::commit_send(VirtualCall& send) {
 void VirtualNetwork::determine_receive(VirtualCall& receive, VirtualCall& send) {
   receive.start = send.start;
   receive.end = send.end;
-  receive.completion = std::max(send.end, receive.issue);
+  receive.arrival = send.arrival;
+  receive.completion = std::max(send.arrival, receive.issue);
   determine(receive);
   // Both times are final: neither needs the other again (and may outlive it).
   receive.match = nullptr;
@@ -344,16 +398,13 @@ void VirtualNetwork::commit_collective(std::uint64_t index) {
     if (first == nullptr) first = member;
   }
   if (first == nullptr) return;  // every member failed
-  for (int r = 0; r < size_; ++r)
-    for (int port = 0; port < kPorts; ++port)
-      start =
-          std::max({start, send_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)],
-                    receive_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)]});
+  for (auto* timelines : {&send_timeline_, &receive_timeline_})
+    for (const auto& ports : *timelines)
+      for (const Timeline& timeline : ports) start = std::max(start, timeline.free_after);
   const double end = start + collective_seconds(first->op, first->bytes);
-  for (int r = 0; r < size_; ++r)
-    for (int port = 0; port < kPorts; ++port)
-      send_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)] =
-          receive_free_[static_cast<std::size_t>(r)][static_cast<std::size_t>(port)] = end;
+  for (auto* timelines : {&send_timeline_, &receive_timeline_})
+    for (auto& ports : *timelines)
+      for (Timeline& timeline : ports) reserve(timeline, start, end);
   for (VirtualCall* member : group.members) {
     if (member == nullptr) continue;
     member->start = start;
@@ -380,7 +431,8 @@ double VirtualNetwork::link_free(int rank) const {
   const auto r = static_cast<std::size_t>(rank);
   double free = 0;
   for (std::size_t port = 0; port < kPorts; ++port)
-    free = std::max({free, send_free_[r][port], receive_free_[r][port]});
+    free =
+        std::max({free, send_timeline_[r][port].free_after, receive_timeline_[r][port].free_after});
   return free;
 }
 

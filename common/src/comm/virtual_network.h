@@ -15,12 +15,20 @@
 // current item, so it cannot hold the item back; a finished rank issues nothing. So the
 // commit order, and with it every time, is the same in every run.
 //
-// Placement. A message of n bytes from s to d over a fabric (alpha, bandwidth) starts at
-// max(issue, s's send direction free, d's receive direction free), lasts alpha + n /
-// bandwidth and occupies both directions for that long; the send completes at its end and
-// the receive at max(end, receive issue time). A collective starts when every rank issued
-// it and every link is free, lasts its algorithm's time (see dp/clock.h) and occupies every
-// link. With two levels, ranks have one port per fabric.
+// Placement. A message of n bytes from s to d over a fabric (alpha, bandwidth) occupies
+// s's send direction and d's receive direction for n / bandwidth, the transfer, in the
+// earliest interval from its issue time on in which both are free; messages placed before
+// keep their intervals. Its last byte arrives alpha after the transfer ends; the latency
+// does not hold the link, so messages that share a link overlap their latencies and queue
+// for the bandwidth alone (p-1 workers pushing n bytes each to one server: the last
+// arrives at (p-1) n / bandwidth + alpha, not (p-1) (alpha + n / bandwidth)). Each
+// direction carries one transfer at a time (see "Why serialised" in dp/clock.h), and a
+// message that waits for a busy receiver does not hold back its sender's other messages:
+// a later one that fits into the gap goes first, as on a real network. The send completes
+// at the arrival and the receive at max(arrival, receive issue time). A collective starts
+// when every rank issued it and every link is free after everything placed before it,
+// lasts its algorithm's time (see dp/clock.h) and occupies every link for all of it. With
+// two levels, ranks have one port per fabric.
 //
 // Not thread-safe: the local backend calls it with its mutex held (the same mutex the
 // clocks take to read what was recorded on them).
@@ -59,8 +67,9 @@ struct VirtualCall {
   bool committed = false;        // a send placed on the links
   VirtualCall* match = nullptr;  // send <-> receive
   bool determined = false;       // the times below are final
-  double start = 0;              // the link is busy [start, end)
+  double start = 0;              // the link is busy [start, end): the transfer
   double end = 0;
+  double arrival = 0;     // point-to-point: the last byte at the receiver, end + alpha
   double completion = 0;  // when wait() returns, on the compute timeline
 };
 
@@ -173,8 +182,20 @@ class VirtualNetwork {
   std::vector<std::uint64_t> collective_index_;
   std::vector<VirtualCall*> blocked_;
   std::vector<bool> finished_;
-  std::vector<std::vector<double>> send_free_;     // [rank][port]
-  std::vector<std::vector<double>> receive_free_;  // [rank][port]
+  /// One direction of one port of one rank: the intervals in which it carries a transfer.
+  struct Timeline {
+    std::vector<std::pair<double, double>> busy;  // [start, end), sorted, disjoint
+    double free_after = 0;                        // the end of the last interval ever placed
+  };
+  /// The earliest t >= `earliest` at which [t, t + duration) is free on both timelines.
+  static double earliest_common_gap(double earliest, double duration, const Timeline& a,
+                                    const Timeline& b);
+  static void reserve(Timeline& timeline, double start, double end);
+  /// Forgets the intervals that end before any rank can issue again.
+  void prune();
+
+  std::vector<std::vector<Timeline>> send_timeline_;     // [rank][port]
+  std::vector<std::vector<Timeline>> receive_timeline_;  // [rank][port]
   std::map<Key, Item> queue_;
   std::map<std::uint64_t, Group> groups_;
   std::vector<VirtualCall*> determined_;
