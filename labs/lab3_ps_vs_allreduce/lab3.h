@@ -95,9 +95,10 @@ void ring_allreduce(TensorView data, Communicator& comm);
 ///
 /// Invariants: every rank ends with the same bits; with values whose sums are exact in
 /// float32 the result is the exact sum; otherwise the order of additions is yours, and the
-/// result must be within the tolerance of rubric.json of the rank-order sum. On the
-/// simulated network, ib-ndr preset, 4 KiB on 8 ranks and on a drawn N of 5 to 7: faster
-/// than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
+/// result must be within the tolerance of rubric.json of the rank-order sum. Only `isend`
+/// and `irecv`, and no rank sends or receives more than ceil(lg N) + 1 buffers of n
+/// elements. On the simulated network, ib-ndr preset, 4 KiB on 8 ranks and on a drawn N of
+/// 5 to 7: faster than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
 void latency_optimal_allreduce(TensorView data, Communicator& comm);
 
 /// Where a parameter server's servers run, how many there are, and how far its workers may
