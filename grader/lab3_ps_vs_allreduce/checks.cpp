@@ -875,13 +875,19 @@ int version_after(const Layout& layout, int step, int steps) {
   return std::max(0, step + 1 - layout.options.staleness);
 }
 
-/// The likely causes of a server's update that is a constant factor off.
+/// The likely causes of a server's update that is a constant factor off. A cause whose
+/// factor is 1 (W = 1, or N = W) is left out: it cannot explain a change that is right in
+/// size but wrong in its bits (an order of additions, or a scale by 1/W for a division).
 std::vector<grading::Suspect> server_suspects(const Layout& layout) {
-  return {{static_cast<double>(layout.workers()) / layout.ranks,
-           fmt::format("averaged over N = {} ranks instead of W = {} workers", layout.ranks,
-                       layout.workers())},
-          {static_cast<double>(layout.workers()),
-           fmt::format("the sum not divided by W = {}", layout.workers())}};
+  std::vector<grading::Suspect> suspects;
+  if (layout.workers() != layout.ranks)
+    suspects.push_back({static_cast<double>(layout.workers()) / layout.ranks,
+                        fmt::format("averaged over N = {} ranks instead of W = {} workers",
+                                    layout.ranks, layout.workers())});
+  if (layout.workers() > 1)
+    suspects.push_back({static_cast<double>(layout.workers()),
+                        fmt::format("the sum not divided by W = {}", layout.workers())});
+  return suspects;
 }
 
 /// Elements `range` of `values`.
