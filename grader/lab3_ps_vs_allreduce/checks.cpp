@@ -1103,6 +1103,10 @@ TEST(Lab3Server, RejectsImpossibleLayouts) {
   const int ranks =
       grading::check_backend() == Backend::kMpi ? std::min(world, mpi_world_size()) : world;
   const Training training = draw_training(draws, "sgd");
+  // Drawn here, once: every rank must freeze the same parameter, and the ranks are threads
+  // that must not share the draws' generator.
+  const std::string frozen =
+      draws.pick("frozen", std::vector<std::string>{"fc1.bias", "fc2.weight"});
   run_on_ranks(
       ranks,
       [&](Communicator& comm, Verdict& verdict) {
@@ -1141,7 +1145,7 @@ TEST(Lab3Server, RejectsImpossibleLayouts) {
                             "layout, but the constructor threw {}",
                             ranks, options.servers, options.dedicated, options.staleness, error));
         }
-        model.freeze(draws.pick("frozen", std::vector<std::string>{"fc1.bias", "fc2.weight"}));
+        model.freeze(frozen);
         if (outcome({.servers = 1}).empty())
           verdict.fail(
               "a model with a frozen parameter: the constructor returned; expected a "
