@@ -263,14 +263,29 @@ class ProcessCpuMeter {
   Clock::time_point wall_start_;
 };
 
+/// Seconds of untimed iterations before the timed ones.
+constexpr double kWarmUpSeconds = 0.25;
+
+/// Runs `step` untimed, as nccl-tests and the OSU benchmarks discard their first
+/// iterations: the backend's temporaries get touched, and the OS settles where the ranks
+/// run (two local rank threads woken on one core share it until the scheduler moves one,
+/// which took about 0.1 s here). Rounds of `iterations` run until kWarmUpSeconds of
+/// collective time have passed; under MPI every process sees the same times (the slowest
+/// process's), so all run the same number of rounds.
+void warm_up(RankGroup& group, const RankStep& step, std::int64_t iterations) {
+  double elapsed = 0;
+  while (elapsed < kWarmUpSeconds)
+    for (const double seconds : group.run_timed(step, iterations)) elapsed += seconds;
+}
+
 void benchmark_collective(benchmark::State& state, RankGroup& group, const CollectiveCase& c) {
   try {
     group.run([&](Communicator& comm, RankBuffers& buffers) {
       buffers.reserve(c.elements());
       fill_input(c, comm.rank(), buffers);
     });
-    // One untimed call first: the backend's own temporaries get touched here, not timed.
-    group.run([&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); });
+    warm_up(group, [&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); },
+            state.max_iterations);
 
     // Every iteration runs first, without the benchmark loop between them (the ranks keep
     // running, as MPI processes do); the loop then reports each iteration's time.
