@@ -284,8 +284,9 @@ void benchmark_collective(benchmark::State& state, RankGroup& group, const Colle
       buffers.reserve(c.elements());
       fill_input(c, comm.rank(), buffers);
     });
-    warm_up(group, [&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); },
-            state.max_iterations);
+    warm_up(
+        group, [&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); },
+        state.max_iterations);
 
     // Every iteration runs first, without the benchmark loop between them (the ranks keep
     // running, as MPI processes do); the loop then reports each iteration's time.

@@ -86,7 +86,8 @@ struct SpinPolicy {
 /// ranks took 17.6 us when the waiter yielded after 5 us, 5.3 us with this policy).
 constexpr SpinPolicy kSpinOnOwnCores{std::chrono::microseconds{50}, std::chrono::microseconds{200}};
 /// With more ranks than cores the peer a rank waits for may need its core: yield early.
-constexpr SpinPolicy kSpinOnSharedCores{std::chrono::microseconds{5}, std::chrono::microseconds{50}};
+constexpr SpinPolicy kSpinOnSharedCores{std::chrono::microseconds{5},
+                                        std::chrono::microseconds{50}};
 
 /// The cores this process may run on.
 int usable_cores() {
