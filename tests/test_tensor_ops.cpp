@@ -41,8 +41,12 @@ TEST(TensorView, SlicesNameRangesOfTheTensor) {
 TEST(TensorView, ARangePastTheEndIsAnErrorThatSaysSo) {
   Tensor t = iota(10);
   const std::string message = message_of<Error>([&] { t.view(8, 3); });
+  EXPECT_NE(message.find("Tensor::view(offset 8, count 3)"), std::string::npos) << message;
   EXPECT_NE(message.find("[8, 8 + 3)"), std::string::npos) << message;
   EXPECT_NE(message.find("10 elements"), std::string::npos) << message;
+  const std::string sliced = message_of<Error>([&] { t.view(0, 0).slice(0, 1); });
+  EXPECT_NE(sliced.find("TensorView::slice(offset 0, count 1) of 0 elements"), std::string::npos)
+      << sliced;
   // An offset so large that offset + count wraps around must not pass.
   EXPECT_THROW(t.view(std::numeric_limits<std::size_t>::max(), 2), Error);
 }

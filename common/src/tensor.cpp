@@ -8,6 +8,16 @@
 
 namespace dp {
 
+void detail::check_range(std::string_view function, std::size_t offset, std::size_t count,
+                         std::size_t size) {
+  // Written so that a huge offset or count cannot wrap around.
+  if (offset > size || count > size - offset)
+    throw Error(fmt::format(
+        "{}(offset {}, count {}) of {} elements: expected elements [{}, {} + {}) to lie "
+        "inside them",
+        function, offset, count, size, offset, offset, count));
+}
+
 std::string_view to_string(Device device) {
   switch (device) {
     case Device::kHost: return "host";
@@ -16,15 +26,6 @@ std::string_view to_string(Device device) {
 }
 
 namespace {
-
-void check_slice(std::size_t offset, std::size_t count, std::size_t size) {
-  // Written so that a huge offset or count cannot wrap around.
-  if (offset > size || count > size - offset)
-    throw Error(fmt::format(
-        "view of elements [{}, {} + {}) asked of a view of {} elements; expected the range to "
-        "lie inside it",
-        offset, offset, count, size));
-}
 
 void check_host(Device device) {
   if (device != Device::kHost)
@@ -37,7 +38,7 @@ void check_host(Device device) {
 }  // namespace
 
 TensorView TensorView::slice(std::size_t offset, std::size_t count) const {
-  check_slice(offset, count, size_);
+  detail::check_range("TensorView::slice", offset, count, size_);
   return {data_ + offset, count, device_};
 }
 
@@ -47,7 +48,7 @@ std::span<float> TensorView::host_span() const {
 }
 
 ConstTensorView ConstTensorView::slice(std::size_t offset, std::size_t count) const {
-  check_slice(offset, count, size_);
+  detail::check_range("ConstTensorView::slice", offset, count, size_);
   return {data_ + offset, count, device_};
 }
 

@@ -137,7 +137,10 @@ struct StalenessRecord {
 /// Construct it on every rank, with the same initial `model` everywhere; then, once per
 /// training step, call `step` on every rank (after backward on a worker), and after the
 /// last step `finish`. Worker w (w = rank when co-located, rank - S when dedicated) trains
-/// on rows [w B/W, (w+1) B/W) of each global batch (the grader feeds it).
+/// on rows [w B/W, (w+1) B/W) of each global batch (the grader feeds it). A co-located
+/// server is a worker like any other: with staleness s, its model holds version
+/// max(0, t - s) of every shard at step t, its own shard included, although it already
+/// computed newer versions of that shard.
 ///
 /// Invariants (checked bitwise against an emulation, SGD and AdamW, for drawn N, S, s and
 /// both placements):

@@ -33,6 +33,13 @@
 
 namespace dp {
 
+namespace detail {
+/// Throws `dp::Error`, naming `function`, unless elements [offset, offset + count) lie
+/// inside an array of `size` elements.
+void check_range(std::string_view function, std::size_t offset, std::size_t count,
+                 std::size_t size);
+}  // namespace detail
+
 /// Where a tensor's elements live. Only host memory exists so far; CUDA devices come with
 /// the GPU backend, and every operation on views checks the device it is given.
 enum class Device {
@@ -166,9 +173,13 @@ class Tensor {
   ConstTensorView view() const { return {data_, size_, device()}; }
   /// A view of elements [offset, offset + count) of the flat array; throws `dp::Error`
   /// past the end.
-  TensorView view(std::size_t offset, std::size_t count) { return view().slice(offset, count); }
+  TensorView view(std::size_t offset, std::size_t count) {
+    detail::check_range("Tensor::view", offset, count, size_);
+    return view().slice(offset, count);
+  }
   /// A read-only view of elements [offset, offset + count); throws past the end.
   ConstTensorView view(std::size_t offset, std::size_t count) const {
+    detail::check_range("Tensor::view", offset, count, size_);
     return view().slice(offset, count);
   }
 
