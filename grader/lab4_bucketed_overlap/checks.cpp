@@ -4,11 +4,11 @@
 // step, since a bucket never changes the order in which one element's N values are added;
 // a recording communicator and the grader's own gradient-ready hook must see each bucket
 // launched in bucket order, only once all of its gradients are in its buffer, and all but
-// the last before backward returns; the buffers must be allocated once; on the simulated
-// clock the overlap must make a step at most 0.75x lab 2's flat one and leave at most 30%
-// of it to exposed communication, one all-reduce per gradient must be slower for a model
-// of many small parameters, and the student's predicted cap must be within 2x of the best
-// one swept. Every check draws its configuration from the grading seed and runs in the
+// the last before backward returns, each by the hook that completes it; the buffers must be
+// allocated once; on the simulated clock the overlap must make a step at most 0.75x lab 2's flat
+// one and leave at most 30% of it to exposed communication, one all-reduce per gradient must be
+// slower for a model of many small parameters, and the student's predicted cap must be within 2x of
+// the best one swept. Every check draws its configuration from the grading seed and runs in the
 // adversarial completion mode. rubric.json gives the points, the ranges drawn and why the
 // comparisons are bitwise.
 #include <fmt/format.h>
@@ -591,8 +591,8 @@ TEST(Lab4Launch, InBucketOrderOnceEachBucketIsReady) {
   }
 }
 
-TEST(Lab4Launch, AllButTheLastDuringBackward) {
-  Draws draws("Lab4Launch.AllButTheLastDuringBackward");
+TEST(Lab4Launch, EachBucketAsSoonAsItIsComplete) {
+  Draws draws("Lab4Launch.EachBucketAsSoonAsItIsComplete");
   const Training training = draw_training(draws, "sgd");
   for (int world : draws.world_sizes(6)) {
     run_on_ranks(
@@ -604,21 +604,39 @@ TEST(Lab4Launch, AllButTheLastDuringBackward) {
               training, comm,
               [&](int step, const StepLaunches& launches, const Model& model, const BucketedDDP&) {
                 if (!verdict.passed()) return;
-                const std::size_t buckets = contract_buckets(model, training.caps).size();
+                const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
                 during = launches.calls_when_backward_returned;
-                total = buckets;
-                if (buckets > 0 && during + 1 < buckets)
+                total = buckets.size();
+                if (launches.calls.size() < buckets.size()) {
+                  verdict.fail(fmt::format("step {}: {} of {} buckets launched", step,
+                                           launches.calls.size(), buckets.size()));
+                  return;
+                }
+                if (!buckets.empty() && during + 1 < buckets.size())
                   verdict.fail(fmt::format(
                       "step {}: {} of {} buckets launched before Model::backward returned; "
-                      "expected all but at most the last (launch each bucket from the "
-                      "gradient-ready hook that completes it)",
-                      step, during, buckets));
-                else if (launches.calls.size() < buckets)
-                  verdict.fail(fmt::format("step {}: {} of {} buckets launched", step,
-                                           launches.calls.size(), buckets));
+                      "expected all but at most the last",
+                      step, during, buckets.size()));
+                // Backward makes the gradients ready in the buckets' order (reverse definition
+                // order), so bucket k is complete once the gradients of buckets 0..k are: its
+                // all-reduce must be issued before the next gradient is ready.
+                std::size_t complete_after = 0;
+                for (std::size_t k = 0; k < buckets.size() && verdict.passed(); ++k) {
+                  complete_after += buckets[k].parameters.size();
+                  const std::size_t ready = launches.calls[k].gradients_ready;
+                  if (ready > complete_after)
+                    verdict.fail(fmt::format(
+                        "step {}: bucket {} ({}) was complete after {} gradient(s) but launched "
+                        "only after {}: launch each bucket from the gradient-ready hook that "
+                        "completes it, so that its all-reduce overlaps the rest of backward",
+                        step, k, describe_bucket(model, buckets[k]), complete_after, ready));
+                }
               });
           if (verdict.passed())
-            verdict.note(fmt::format("{} of {} buckets launched during backward", during, total));
+            verdict.note(fmt::format(
+                "{} of {} buckets launched during backward, each from the hook that completed "
+                "it",
+                during, total));
         },
         draws);
   }

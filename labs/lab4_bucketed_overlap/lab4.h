@@ -111,7 +111,8 @@ std::vector<Bucket> assign_buckets(const Model& model, const BucketOptions& opti
 ///   * the k-th all-reduce of a step is bucket k's, over `bucket_buffer(k)` whole;
 ///   * no bucket is launched before every one of its gradients is ready, and when it is
 ///     launched its buffer holds exactly those gradients;
-///   * every bucket but the last is launched before `Model::backward` returns;
+///   * each bucket is launched by the hook that completes it, before the next gradient is
+///     ready (so every bucket but at most the last before `Model::backward` returns);
 ///   * the buffers are allocated once: no communication tensor is allocated after the
 ///     constructor, and each buffer stays where it is.
 class BucketedDDP {
