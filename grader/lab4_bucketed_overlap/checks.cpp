@@ -39,6 +39,7 @@
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
+#include "heap_use.h"
 #include "lab4.h"
 
 namespace dp::lab4 {
@@ -655,6 +656,8 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
           Model model = training.model();
           const auto optimizer = grading::optimizer_for(options, model.num_parameters());
           const MemoryTracker& tracker = this_rank_memory().tracker();
+          // For the baseline of what waiting for a call allocates on this thread.
+          Tensor scratch({1}, MemoryCategory::kCommunication);
           const std::size_t bytes_before = tracker.current(MemoryCategory::kCommunication);
           BucketedDDP ddp(model, comm, training.caps);
           const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
@@ -672,12 +675,29 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
           for (int step = 1; step <= options.steps && verdict.passed(); ++step) {
             const Batch batch =
                 grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+            // What one all-reduce and its wait allocate on this thread (the Work, the
+            // backend's bookkeeping): finish_gradient_sync may use that much per bucket.
+            const grading::HeapUse baseline_start = grading::heap_use_of_this_thread();
+            comm.allreduce(scratch.view(), ReduceOp::kSum)->wait();
+            const std::uint64_t baseline =
+                grading::heap_use_of_this_thread().since(baseline_start).bytes * buckets.size();
             const std::size_t allocations = tracker.allocations(MemoryCategory::kCommunication);
             model.zero_grad();
             model.backward(model.forward(batch.inputs), batch.labels);
+            const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
             ddp.finish_gradient_sync();
+            const std::uint64_t heap = grading::heap_use_of_this_thread().since(heap_before).bytes;
             const std::size_t fresh =
                 tracker.allocations(MemoryCategory::kCommunication) - allocations;
+            // A little room for the backend's bookkeeping, which grows in blocks now and then;
+            // a copy of the gradients is over 10 KB.
+            constexpr std::uint64_t kSlackBytes = 2048;
+            if (heap > baseline + kSlackBytes)
+              verdict.fail(fmt::format(
+                  "step {}: finish_gradient_sync took {} bytes from operator new; waiting for {} "
+                  "all-reduces takes at most {} here (+ {} of slack): the buckets are the only "
+                  "buffers it needs",
+                  step, heap, buckets.size(), baseline, kSlackBytes));
             if (fresh != 0)
               verdict.fail(fmt::format(
                   "step {}: {} communication tensor(s) allocated during the step; expected none "
@@ -690,7 +710,8 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "{} buffers, {} bytes, allocated once; no communication tensor in {} steps",
+                "{} buffers, {} bytes, allocated once; no communication tensor and no heap "
+                "buffer in {} steps",
                 buckets.size(), bucket_bytes, options.steps));
         },
         draws);
