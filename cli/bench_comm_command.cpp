@@ -93,29 +93,6 @@ const std::vector<std::string>& op_names() {
   return names;
 }
 
-/// "8", "4K", "256M", "1G" (binary multiples) -> bytes.
-std::size_t parse_size(const std::string& text) {
-  std::size_t value = 0;
-  const char* end = text.data() + text.size();
-  const auto [rest, status] = std::from_chars(text.data(), end, value);
-  std::size_t multiplier = 1;
-  if (status == std::errc() && rest + 1 == end) {
-    switch (std::toupper(static_cast<unsigned char>(*rest))) {
-      case 'K': multiplier = std::size_t{1} << 10; break;
-      case 'M': multiplier = std::size_t{1} << 20; break;
-      case 'G': multiplier = std::size_t{1} << 30; break;
-      default: multiplier = 0; break;
-    }
-  }
-  if (status != std::errc() || value == 0 || multiplier == 0 || (rest != end && rest + 1 != end) ||
-      value > std::numeric_limits<std::size_t>::max() / multiplier)
-    throw Error(
-        fmt::format("'{}' is not a size: expected a positive number of bytes, "
-                    "optionally with K, M or G (e.g. 256M)",
-                    text));
-  return value * multiplier;
-}
-
 double bus_factor(const std::string& op, int p) {
   const double n = p;
   if (op == "allreduce") return 2 * (n - 1) / n;
@@ -127,8 +104,8 @@ double bus_factor(const std::string& op, int p) {
 /// (whole float32 elements, equal shards).
 std::vector<std::size_t> sweep(const BenchArguments& args, int p) {
   const std::size_t granule = 4 * static_cast<std::size_t>(p);
-  const std::size_t low = parse_size(args.min_bytes);
-  const std::size_t high = parse_size(args.max_bytes);
+  const std::size_t low = parse_byte_size(args.min_bytes, "--min-bytes");
+  const std::size_t high = parse_byte_size(args.max_bytes, "--max-bytes");
   if (low > high)
     throw Error(fmt::format("--min-bytes {} is larger than --max-bytes {}", low, high));
   if (args.factor < 2) throw Error(fmt::format("--factor must be >= 2, got {}", args.factor));

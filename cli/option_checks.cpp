@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -22,6 +24,28 @@ double as_number(const std::string& text) {
 }
 
 }  // namespace
+
+std::size_t parse_byte_size(const std::string& text, std::string_view option) {
+  std::size_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [rest, status] = std::from_chars(text.data(), end, value);
+  std::size_t multiplier = 1;
+  if (status == std::errc() && rest + 1 == end) {
+    switch (std::toupper(static_cast<unsigned char>(*rest))) {
+      case 'K': multiplier = std::size_t{1} << 10; break;
+      case 'M': multiplier = std::size_t{1} << 20; break;
+      case 'G': multiplier = std::size_t{1} << 30; break;
+      default: multiplier = 0; break;
+    }
+  }
+  if (status != std::errc() || value == 0 || multiplier == 0 || (rest != end && rest + 1 != end) ||
+      value > std::numeric_limits<std::size_t>::max() / multiplier)
+    throw Error(
+        fmt::format("{} '{}' is not a size: expected a positive number of bytes, "
+                    "optionally with K, M or G (e.g. 256M)",
+                    option, text));
+  return value * multiplier;
+}
 
 CLI::Validator finite_in(double low, double high) {
   return CLI::Validator(

@@ -13,9 +13,15 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace dp::cli {
+
+/// `text`, the value of option `option`, as bytes: "8", "4K", "256M", "1G" (binary
+/// multiples). Throws `dp::Error` naming the option unless it is a positive size.
+std::size_t parse_byte_size(const std::string& text, std::string_view option);
 
 /// A CLI11 check: the value is a finite number in [low, high] (NaN and infinities fail).
 CLI::Validator finite_in(double low, double high);

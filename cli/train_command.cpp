@@ -45,6 +45,7 @@ struct TrainArguments {
   bool save_non_finite = false;
   bool verify = false;
   double hang_timeout_seconds = 60;
+  std::string memory_budget;  // empty: none
   SimulationArguments simulation;
   std::string trace;
 };
@@ -152,6 +153,8 @@ void run_train(const TrainArguments& args) {
   }
   if (world_size == 0) world_size = 1;
   launch_options.world_size = world_size;
+  if (!args.memory_budget.empty())
+    launch_options.memory_budget_bytes = parse_byte_size(args.memory_budget, "--memory-budget");
   launch_options.simulation = simulation_options(args.simulation);
   const bool simulated = launch_options.simulation.enabled;
   if (simulated && launch_options.backend != Backend::kLocal)
@@ -291,6 +294,9 @@ void add_train_command(CLI::App& app) {
                    "Seconds a rank may wait before the hang report")
       ->capture_default_str()
       ->check(positive_finite(std::chrono::duration<double>(kMaxHangTimeout).count()));
+  train->add_option("--memory-budget", args->memory_budget,
+                    "Bytes of tensors each rank may hold (K, M, G suffixes), as on an "
+                    "accelerator; past it the run stops with the rank's peak per category");
   train->add_flag("--overlap", o.overlap,
                   "All-reduce each gradient from its gradient-ready hook, during backward");
   add_simulation_options(*train, args->simulation);

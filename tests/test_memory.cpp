@@ -107,5 +107,52 @@ TEST(RankMemory, EveryLocalRankHasItsOwnAccounts) {
   EXPECT_EQ(seen, (std::vector<std::size_t>{4000, 8000, 12000}));
 }
 
+TEST(MemoryBudget, AnAllocationPastItThrowsAndChargesNothing) {
+  MemoryTracker tracker;
+  tracker.set_budget(1000);
+  tracker.on_allocate(MemoryCategory::kParameters, 600);
+  tracker.on_allocate(MemoryCategory::kGradients, 400);  // exactly the budget: fine
+  tracker.on_release(MemoryCategory::kGradients, 400);
+  try {
+    tracker.on_allocate(MemoryCategory::kOptimizerState, 401);
+    FAIL() << "an allocation past the budget was accepted";
+  } catch (const OutOfMemory& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("401 B of optimizer_state"), std::string::npos) << message;
+    EXPECT_NE(message.find("budget of 1000 B"), std::string::npos) << message;
+    EXPECT_NE(message.find("peaks so far are: parameters 600 B, gradients 400 B"),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_EQ(tracker.current_total(), 600u);
+  EXPECT_EQ(tracker.allocations(MemoryCategory::kOptimizerState), 0u);
+  EXPECT_THROW(tracker.set_budget(599), Error);  // less than what is live
+  tracker.set_budget(std::nullopt);
+  tracker.on_allocate(MemoryCategory::kOptimizerState, 1 << 20);
+}
+
+TEST(MemoryBudget, LaunchGivesEveryRankTheBudgetAndTheErrorNamesTheRank) {
+  LaunchOptions options{.world_size = 2, .memory_budget_bytes = 64 << 10};
+  try {
+    launch(options, [&](Communicator& comm) {
+      EXPECT_EQ(this_rank_memory().tracker().budget(), std::size_t{64} << 10);
+      Tensor fits({8 << 10}, MemoryCategory::kParameters);  // 32 KiB
+      comm.barrier();
+      if (comm.rank() == 1) Tensor too_much({9 << 10}, MemoryCategory::kActivations);
+      comm.barrier();
+    });
+    FAIL() << "rank 1 went past its budget unnoticed";
+  } catch (const OutOfMemory& error) {
+    EXPECT_EQ(error.rank(), 1);
+    EXPECT_NE(std::string(error.what())
+                  .find("rank 1: out of memory: allocating 36.00 KiB of "
+                        "activations"),
+              std::string::npos)
+        << error.what();
+  }
+  options.memory_budget_bytes = 0;
+  EXPECT_THROW(launch(options, [](Communicator&) {}), Error);
+}
+
 }  // namespace
 }  // namespace dp

@@ -60,13 +60,19 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   if (options.comm.hang_timeout.count() <= 0 || options.comm.hang_timeout > kMaxHangTimeout)
     throw Error(fmt::format("hang timeout must be positive and at most {} ms (a week), got {} ms",
                             kMaxHangTimeout.count(), options.comm.hang_timeout.count()));
+  if (options.memory_budget_bytes == std::size_t{0})
+    throw Error("a memory budget must be a positive number of bytes, got 0");
   configure_process_allocator();
   // Ranks run in parallel already; one BLAS thread per rank also keeps every matrix
   // product's summation order, and so its result, fixed.
   set_blas_threads(1);
   // Under Completion::kAdversarial the rank's code talks to a decorator over the backend's
   // communicator (comm/adversarial.h); the backend underneath is unchanged.
+  // Each rank charges its tensors to memory of its own, under the budget if there is one.
   const std::function<void(Communicator&)> run_rank = [&](Communicator& comm) {
+    auto memory = std::make_shared<RankMemory>();
+    memory->tracker().set_budget(options.memory_budget_bytes);
+    ScopedRankMemory bind(std::move(memory));
     if (options.comm.completion != Completion::kAdversarial) return rank_main(comm);
     const std::unique_ptr<Communicator> adversarial =
         detail::make_adversarial(comm, options.comm.completion_seed);
@@ -76,10 +82,7 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
     case Backend::kLocal: detail::run_local(options, run_rank); return;
     case Backend::kMpi:
 #ifdef DP_HAVE_MPI
-      detail::run_mpi(options, [&](Communicator& comm) {
-        ScopedRankMemory bind(std::make_shared<RankMemory>());
-        run_rank(comm);
-      });
+      detail::run_mpi(options, run_rank);
       return;
 #else
       throw Error(

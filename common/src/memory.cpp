@@ -1,5 +1,7 @@
 #include "dp/memory.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <malloc.h>
 
 #include <algorithm>
@@ -24,9 +26,35 @@ std::string_view to_string(MemoryCategory category) {
   return "unknown";
 }
 
+namespace {
+
+std::string format_bytes(std::size_t bytes) {
+  if (bytes >= std::size_t{1} << 30) return fmt::format("{:.2f} GiB", bytes / double(1 << 30));
+  if (bytes >= std::size_t{1} << 20) return fmt::format("{:.2f} MiB", bytes / double(1 << 20));
+  if (bytes >= std::size_t{1} << 10) return fmt::format("{:.2f} KiB", bytes / double(1 << 10));
+  return fmt::format("{} B", bytes);
+}
+
+}  // namespace
+
 void MemoryTracker::on_allocate(MemoryCategory category, std::size_t bytes) {
   const auto c = static_cast<std::size_t>(category);
   std::lock_guard lock(mutex_);
+  if (budget_ && bytes > *budget_ - std::min(*budget_, current_total_)) {
+    // Peaks, not current bytes: what fails is often a category that peaks in a phase the
+    // rank has left (activations after forward, a gathered layer after its backward).
+    std::vector<std::string> peaks;
+    for (std::size_t k = 0; k < kNumMemoryCategories; ++k)
+      if (peak_[k] > 0)
+        peaks.push_back(fmt::format("{} {}", to_string(static_cast<MemoryCategory>(k)),
+                                    format_bytes(peak_[k])));
+    throw OutOfMemory(fmt::format(
+        "out of memory: allocating {} of {} would take this rank to {}, past its memory "
+        "budget of {}; {} are in use, and the peaks so far are: {}",
+        format_bytes(bytes), to_string(category), format_bytes(current_total_ + bytes),
+        format_bytes(*budget_), format_bytes(current_total_),
+        peaks.empty() ? std::string("nothing yet") : fmt::format("{}", fmt::join(peaks, ", "))));
+  }
   current_[c] += bytes;
   ++allocations_[c];
   peak_[c] = std::max(peak_[c], current_[c]);
@@ -73,6 +101,19 @@ std::size_t MemoryTracker::current_total() const {
 std::size_t MemoryTracker::peak_total() const {
   std::lock_guard lock(mutex_);
   return peak_total_;
+}
+
+void MemoryTracker::set_budget(std::optional<std::size_t> bytes) {
+  std::lock_guard lock(mutex_);
+  if (bytes && current_total_ > *bytes)
+    throw Error(fmt::format("a memory budget of {} bytes is less than the {} bytes in use", *bytes,
+                            current_total_));
+  budget_ = bytes;
+}
+
+std::optional<std::size_t> MemoryTracker::budget() const {
+  std::lock_guard lock(mutex_);
+  return budget_;
 }
 
 void MemoryTracker::reset_peaks() {

@@ -93,8 +93,15 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category) 
   shape_ = std::move(shape);
   category_ = category;
   owner_ = this_rank_memory_shared();
-  data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+  // Charged first: past the rank's memory budget this throws before anything is allocated.
   owner_->tracker().on_allocate(category_, bytes());
+  try {
+    data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+  } catch (...) {
+    owner_->tracker().on_release(category_, bytes());
+    owner_.reset();
+    throw;
+  }
 }
 
 void Tensor::release() {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string_view>
 
 #include "dp/clock.h"
@@ -48,11 +49,14 @@ struct LaunchOptions {
   /// on, every rank's thread has its clock bound (`this_thread_clock()`), so models charge
   /// their compute to it.
   SimulationOptions simulation{};
+  /// The most bytes of tensors each rank may hold at once (`MemoryTracker::set_budget`);
+  /// none by default. An allocation past it throws `OutOfMemory` on that rank.
+  std::optional<std::size_t> memory_budget_bytes{};
 };
 
 /// Runs `rank_main` on every rank and returns when all have returned. Throws `dp::Error`
-/// for a world size outside [1, kMaxWorldSize] or a hang timeout outside
-/// (0, kMaxHangTimeout].
+/// for a world size outside [1, kMaxWorldSize], a hang timeout outside
+/// (0, kMaxHangTimeout] or a memory budget of 0.
 ///
 /// If a rank throws, the other ranks' pending and later calls fail with `dp::CommError`
 /// ("aborted because rank r failed"), so nobody hangs, and `launch` rethrows the first

@@ -7,6 +7,12 @@
 // the first touch of fresh memory is slow (about 0.3 GB/s on the course machines, 12 us
 // per 4 KiB page), far slower than copying into memory that is already mapped.
 //
+// A tracker may have a budget (`LaunchOptions::memory_budget_bytes`, `dplab train
+// --memory-budget`): the memory of one accelerator, for a course machine that has none.
+// An allocation that would take the rank past it throws `OutOfMemory` before anything is
+// allocated, naming the category it was for and the rank's peak per category, which is
+// what a student needs to see which part of the training state does not fit.
+//
 // Example:
 //
 //   auto memory = std::make_shared<dp::RankMemory>();
@@ -20,8 +26,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <vector>
+
+#include "dp/error.h"
 
 namespace dp {
 
@@ -41,10 +50,17 @@ inline constexpr std::size_t kNumMemoryCategories = 6;
 /// A short lower-case name, e.g. "optimizer_state".
 std::string_view to_string(MemoryCategory category);
 
+/// An allocation that would take a rank past its memory budget.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Current and peak bytes per category for one rank. Thread-safe.
 class MemoryTracker {
  public:
-  /// Records that `bytes` were allocated under `category`.
+  /// Records that `bytes` were allocated under `category`. Throws `OutOfMemory`, and
+  /// records nothing, when that would take `current_total()` past the budget.
   void on_allocate(MemoryCategory category, std::size_t bytes);
   /// Records that `bytes` under `category` were released.
   void on_release(MemoryCategory category, std::size_t bytes);
@@ -65,9 +81,15 @@ class MemoryTracker {
   std::size_t peak_total() const;
   /// Sets every peak to the current value, to measure the peak of a phase.
   void reset_peaks();
+  /// Limits `current_total()` to `bytes` from now on (no limit: std::nullopt, the default).
+  /// Throws `dp::Error` when more than `bytes` are live already.
+  void set_budget(std::optional<std::size_t> bytes);
+  /// The limit set by `set_budget`, if any.
+  std::optional<std::size_t> budget() const;
 
  private:
   mutable std::mutex mutex_;
+  std::optional<std::size_t> budget_;
   std::array<std::size_t, kNumMemoryCategories> current_{};
   std::array<std::size_t, kNumMemoryCategories> peak_{};
   std::array<std::size_t, kNumMemoryCategories> allocations_{};

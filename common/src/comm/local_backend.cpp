@@ -1312,7 +1312,6 @@ void run_local(const LaunchOptions& options, const std::function<void(Communicat
   threads.reserve(static_cast<std::size_t>(size));
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
-      ScopedRankMemory bind(std::make_shared<RankMemory>());
       ScopedClock bind_clock(world.simulated_clock(r));
       try {
         rank_main(world.communicator(r));
