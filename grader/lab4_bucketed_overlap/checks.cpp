@@ -791,12 +791,7 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
       if (bucketed) bucketed->finish_gradient_sync();
       if (per_parameter) per_parameter->finish_gradient_sync();
       if (strategy.kind == Strategy::kFlat) {
-        for (Parameter* parameter : model.parameters())
-          copy(parameter->grad.view(), flat.view(parameter->offset, parameter->grad.size()));
-        comm.allreduce(flat.view(), ReduceOp::kSum)->wait();
-        divide(flat.view(), static_cast<float>(comm.size()));
-        for (Parameter* parameter : model.parameters())
-          copy(flat.view(parameter->offset, parameter->grad.size()), parameter->grad.view());
+        grading::average_gradients_flat(model, comm, flat);
       }
       optimizer->step(model);
       comm.clock().mark_step();

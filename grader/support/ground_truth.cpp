@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "dp/error.h"
+#include "dp/tensor_ops.h"
 
 namespace dp::grading {
 namespace {
@@ -135,6 +136,15 @@ std::vector<float> global_batch_gradient(const TrainOptions& options, const Data
   const Tensor logits = model.forward(batch.inputs);  // (B, classes)
   model.backward(logits, batch.labels);
   return model.flat_gradients();
+}
+
+void average_gradients_flat(Model& model, Communicator& comm, Tensor& flat) {
+  for (Parameter* parameter : model.parameters())
+    copy(parameter->grad.view(), flat.view(parameter->offset, parameter->grad.size()));
+  comm.allreduce(flat.view(), ReduceOp::kSum)->wait();
+  divide(flat.view(), static_cast<float>(comm.size()));
+  for (Parameter* parameter : model.parameters())
+    copy(flat.view(parameter->offset, parameter->grad.size()), parameter->grad.view());
 }
 
 Batch local_batch(const Dataset& data, const TrainOptions& options, int step, int rank,

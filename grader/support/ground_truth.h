@@ -102,6 +102,12 @@ Batch local_batch(const Dataset& data, const TrainOptions& options, int step, in
 std::vector<Batch> micro_batches(const Dataset& data, const TrainOptions& options, int step,
                                  int rank, int world_size, int count);
 
+/// Lab 2's flat gradient averaging, the grader's own copy, for the labs measured against
+/// it: copies every gradient into `flat` (model.num_parameters() elements) at its
+/// `Parameter::offset`, all-reduces `flat` with one call, divides by N and copies back.
+/// Frozen parameters ride along (their gradients are 0), as in lab 2's reference.
+void average_gradients_flat(Model& model, Communicator& comm, Tensor& flat);
+
 /// An optimizer that records what it is given and passes it on: the gradients of every
 /// parameter it updates (in the model's flat index space) and how many steps it took. The
 /// checks hand it to lab code that steps the optimizer itself, to see the gradients the
