@@ -5,13 +5,12 @@
 // keep, and how each is checked.
 //
 // Lab 2 averaged the gradients after backward had finished, so the network sat idle during
-// backward and the processors sat idle during the all-reduce. Backward produces gradients
-// last layer first: the last layer's gradients are final long before the first layer's.
-// `BucketedDDP` groups the gradients into buckets in the order they become final and starts
-// an asynchronous all-reduce of each bucket the moment its last gradient arrives, so that
-// communication runs while backward computes the rest, as PyTorch's DDP reducer does.
-// README.md beside this file poses the problem; its Hints section, at the end, helps if you
-// are stuck. Do not change this header: the grader is compiled against it.
+// backward and the processors sat idle during the all-reduce. Backward makes the last
+// layer's gradients final long before the first layer's. `BucketedDDP` groups the gradients
+// into buckets in the order they become final and all-reduces each bucket while backward
+// computes the rest, as PyTorch's DDP reducer does. README.md beside this file poses the
+// problem; its Hints section, at the end, helps if you are stuck. Do not change this
+// header: the grader is compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. The averaged gradient of every trainable element is lab 2's:
@@ -24,8 +23,9 @@
 //     (`dp::Completion::kAdversarial`): a bucket's sum reaches its buffer only when that
 //     bucket's own `Work` is waited on.
 //   * Counters you cannot change. The grader hands you a communicator that records every
-//     call (when it was issued, which buffer, how many elements) before passing it on, and
-//     reads the rank's `MemoryTracker`.
+//     call (when, which buffer, how many elements) and every wait or test of the `Work`s
+//     it returns before passing them on, registers its own gradient-ready hook before
+//     yours, and reads the rank's `MemoryTracker` and the heap use of the rank's thread.
 //   * Arithmetic with the runtime's operations: copy and divide through dp/tensor_ops.h,
 //     so that the simulated clock charges them and the code runs on a GPU too.
 //   * No mutable globals: ranks are threads of one process.
@@ -36,7 +36,7 @@
 //   model.zero_grad();
 //   dp::Tensor logits = model.forward(batch.inputs);     // (B/N, classes)
 //   model.backward(logits, batch.labels);                // buckets all-reduce as they fill
-//   ddp.finish_gradient_sync();                          // wait, divide, write back
+//   ddp.finish_gradient_sync();                          // every gradient: lab 2's average
 //   optimizer.step(model);                               // the same step on every rank
 #pragma once
 
@@ -95,26 +95,37 @@ std::vector<Bucket> assign_buckets(const Model& model, const BucketOptions& opti
 /// Data-parallel gradient averaging overlapped with backward, bucket by bucket.
 ///
 /// The constructor assigns the buckets (`assign_buckets`), allocates one flat buffer per
-/// bucket (a `Tensor` of `elements` charged as `MemoryCategory::kCommunication`) and
-/// registers a gradient-ready hook on `model`. The object must outlive every backward of
-/// `model` (the hook refers to it); `model` and `comm` must outlive it.
+/// bucket (a `Tensor` of `elements` float32, charged as `MemoryCategory::kCommunication`)
+/// and registers a gradient-ready hook on `model`. The object must outlive every backward
+/// of `model` (the hook refers to it); `model` and `comm` must outlive it.
 ///
-/// During `Model::backward`, as each gradient's hook fires, the gradient is copied into its
-/// slot of its bucket's buffer. When a bucket holds all of its gradients, and every bucket
-/// before it has been launched, its asynchronous all-reduce (`ReduceOp::kSum`, over exactly
-/// that buffer) is launched at once, while backward goes on. Buckets are launched in bucket
-/// order on every rank, whatever order their gradients arrive in: a collective must be
-/// issued in the same order on every rank.
+/// A synchronised step is one `Model::backward`, then one `finish_gradient_sync()`. During
+/// backward each gradient reaches its place in its bucket's buffer (`bucket_buffer` gives
+/// the layout), and each bucket's asynchronous all-reduce, `ReduceOp::kSum` over the whole
+/// buffer, is launched as soon as the bucket is complete.
 ///
-/// Checked (from the recording communicator and the grader's own gradient-ready hook,
-/// registered before yours):
-///   * the k-th all-reduce of a step is bucket k's, over `bucket_buffer(k)` whole;
-///   * no bucket is launched before every one of its gradients is ready, and when it is
-///     launched its buffer holds exactly those gradients;
-///   * each bucket is launched by the hook that completes it, before the next gradient is
-///     ready (so every bucket but at most the last before `Model::backward` returns);
-///   * the buffers are allocated once: no communication tensor is allocated after the
-///     constructor, and each buffer stays where it is.
+/// Invariants, each checked in every step:
+///   * Bucket order. The k-th all-reduce of a step is bucket k's, over `bucket_buffer(k)`
+///     whole, on every rank and whatever order the gradients arrive in (collectives match
+///     by issue order). Nothing else is called on the communicator.
+///   * Complete before launch. When a bucket is launched, every one of its gradients is
+///     ready and its buffer holds exactly those gradients.
+///   * Launched during backward. Every bucket, the last one included, is launched from the
+///     gradient-ready hook that completes it (backward makes gradients ready in bucket
+///     order), before the next gradient is ready: all of them before `Model::backward`
+///     returns. `finish_gradient_sync` launches nothing.
+///   * No wait during backward. No `Work` is waited on or tested before `Model::backward`
+///     returns: a wait in a hook holds backward until that communication ends, which
+///     serialises communication with backward again.
+///   * In-flight buffers left alone. A bucket's buffer is not written between the launch of
+///     its all-reduce and the wait for its `Work` (and its sum is not read before the wait).
+///   * No allocation during a step. The bucket buffers are the only buffers: no tensor is
+///     allocated after the constructor (no staging copies) and no buffer moves; the hooks
+///     and `finish_gradient_sync` take nothing from the heap beyond what the
+///     communicator's own calls and waits take.
+///   * No synchronisation under `NoSync`. With synchronisation off, a hook neither copies
+///     into the buffers nor launches: a backward leaves the buffers unchanged and calls
+///     nothing on the communicator.
 class BucketedDDP {
  public:
   /// Assigns buckets for `model`'s trainable parameters (freeze parameters before), makes
@@ -128,28 +139,31 @@ class BucketedDDP {
   /// The buckets, as `assign_buckets` made them for the model.
   const std::vector<Bucket>& buckets() const;
   /// Bucket `bucket`'s flat buffer: (buckets()[bucket].elements), the bucket's gradients
-  /// one after another in the bucket's order. Throws `dp::Error` for a bucket that does not
-  /// exist.
+  /// one after another in the bucket's order. Throws `dp::Error` when
+  /// `bucket >= buckets().size()`.
   const Tensor& bucket_buffer(std::size_t bucket) const;
 
-  /// Call after `Model::backward` and before the optimizer step: waits for every bucket's
-  /// all-reduce, divides each sum by N and writes the averages back into the parameters'
-  /// gradients. Afterwards every trainable gradient holds lab 2's average, bitwise, and
-  /// frozen parameters are untouched. Throws `dp::Error`, naming the bucket, when a bucket
-  /// was not launched since the last call (a backward that did not run, or did not reach
-  /// every parameter). With synchronisation off (`NoSync`) it does nothing.
+  /// Ends a synchronised step: call it after `Model::backward` and before the optimizer
+  /// step. Waits for every bucket's all-reduce; afterwards every trainable gradient holds
+  /// lab 2's average, bitwise, and frozen parameters are untouched. It launches nothing
+  /// and allocates nothing. With synchronisation off (`NoSync`) it does nothing.
+  ///
+  /// Throws `dp::Error`, naming the bucket, when a bucket was not launched since the last
+  /// call: called without a backward, or after a backward that did not reach every
+  /// parameter.
   void finish_gradient_sync();
 
-  /// Turns synchronisation off (false) or on (true, the default). While it is off,
-  /// backward launches nothing: gradients accumulate locally in `Parameter::grad`, as
-  /// `Model::backward` adds them. The first backward after it is turned on again launches
-  /// the buckets with the accumulated gradients. Prefer `NoSync`.
+  /// Turns synchronisation off (false) or on (true, the default). While it is off, a
+  /// backward neither copies into the buckets nor launches: gradients accumulate locally
+  /// in `Parameter::grad`, as `Model::backward` adds them. The first backward after it is
+  /// turned on again launches the buckets with the accumulated gradients. Prefer `NoSync`.
   void set_gradient_sync(bool enabled);
 
   /// PyTorch's `no_sync()` as a scope: synchronisation is off while it lives.
   ///
-  /// Gradient accumulation over k micro-batches (checked for drawn k, bitwise lab 2's
-  /// accumulation, and with no collective call during the first k - 1 backwards):
+  /// Gradient accumulation over k micro-batches (checked for drawn k: bitwise lab 2's
+  /// accumulation, no collective call and unchanged buffers during the first k - 1
+  /// backwards):
   ///
   ///   {
   ///     dp::lab4::BucketedDDP::NoSync no_sync(ddp);
@@ -175,13 +189,16 @@ class BucketedDDP {
   std::unique_ptr<State> state_;
 };
 
-/// The comparison without buckets: one asynchronous all-reduce per gradient, launched in
-/// place the moment its hook fires (the order the hooks fire, the same on every rank).
+/// The comparison without buckets: one asynchronous all-reduce per trainable gradient,
+/// `ReduceOp::kSum` in place over `Parameter::grad`.
 ///
-/// It overlaps as early as possible but pays the network's latency once per parameter:
-/// for a model of many small parameters it must be slower than `BucketedDDP` (checked on
-/// the simulated clock). Checked besides: bitwise lab 2's arithmetic, one all-reduce per
-/// trainable parameter per step.
+/// Invariants, each checked: each parameter's all-reduce is launched from that parameter's
+/// own gradient-ready hook, so in the order the hooks fire (the same on every rank) and
+/// before `Model::backward` returns; no `Work` is waited on or tested before backward
+/// returns; one all-reduce per trainable parameter per step and nothing else; after
+/// `finish_gradient_sync`, bitwise lab 2's arithmetic. It pays the latency once per
+/// parameter: for a model of many small parameters it must be slower than `BucketedDDP`
+/// (checked on the simulated clock).
 class PerParameterDDP {
  public:
   /// Registers the hook on `model`; the object must outlive every backward of `model`.
@@ -192,7 +209,8 @@ class PerParameterDDP {
   PerParameterDDP& operator=(const PerParameterDDP&) = delete;
 
   /// Call after `Model::backward` and before the optimizer step: waits for every
-  /// parameter's all-reduce and divides each gradient by N.
+  /// parameter's all-reduce; afterwards every trainable gradient holds lab 2's average,
+  /// bitwise.
   void finish_gradient_sync();
 
  private:
@@ -213,23 +231,27 @@ struct BackwardProfile {
   double backward_seconds = 0;           ///< from the start of backward to its return
 };
 
-/// Design question, graded against the simulated clock: the bucket cap (in bytes, used for
-/// every bucket, the first included) that makes a step fastest on `world_size` ranks over
-/// `link` (latency alpha, bandwidth 1/beta per direction: lab 0's fit), for a backward with
-/// `profile`.
+/// Design question, graded against the simulated clock: the bucket cap in bytes that, used
+/// for every bucket (`BucketOptions{cap, cap}`), makes a training step of `BucketedDDP`
+/// fastest on `world_size` ranks whose every link is `link`, for a model whose backward
+/// `profile` describes.
 ///
-/// Model it, do not guess: with a cap, the buckets follow from `assign_buckets`' rule; each
-/// bucket is ready when its last gradient is; a native all-reduce of n bytes takes the ring's
-/// 2 (N-1) (alpha + n / N beta) (dp/clock.h) and all-reduces run one at a time, in bucket
-/// order; the step ends when backward has ended and the last all-reduce has completed.
-/// Small caps pay alpha many times, large ones start late and hide little.
+/// The cost model (dp/clock.h), with alpha = `link.alpha_seconds` and bandwidth =
+/// `link.bytes_per_second` (bytes per second in each direction, lab 0's 1/beta): a native
+/// all-reduce of n bytes on N ranks takes
 ///
-/// The grader draws a fabric (alpha from 5 us to 1 ms, 1 to 2.5 GB/s), profiles a backward
-/// on the simulated clock, times whole steps of your `BucketedDDP` with caps of 2^k bytes from
+///   2 (N-1) (alpha + n / (N * bandwidth))   seconds,
+///
+/// and holds every link while it runs. Packing and unpacking the buckets are left out of
+/// the question (the grader's device makes them cheap). Derive the cap from this model and
+/// `profile`; do not guess.
+///
+/// In each grading run the grader draws several fabrics, alpha and bandwidth each
+/// log-uniformly from a wide range (rubric.json lists the ranges), so that the best cap
+/// moves and no constant cap passes them all. For each fabric it profiles one backward on
+/// the simulated clock, times whole steps of your `BucketedDDP` with caps of 2^k bytes from
 /// 64 KiB up to the model's size, and expects your cap within a factor of 2 of the fastest
-/// one (caps within 3% of the fastest step time count as fastest: the curve has plateaus).
-/// Packing and unpacking the buckets is left out of the question, and the grader's device
-/// makes it cheap.
+/// (caps within 3% of the fastest step time count as fastest: the curve has plateaus).
 std::size_t predicted_best_bucket_cap_bytes(const BackwardProfile& profile, int world_size,
                                             const LinkModel& link);
 
