@@ -4,6 +4,7 @@
 // backend, so these tests run on the local backend and under mpiexec alike.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <span>
@@ -119,6 +120,28 @@ TEST(AdversarialCompletion, AnInputChangedBeforeTheWaitIsReported) {
     EXPECT_NE(message.find("rank 0: isend (its call #1)"), std::string::npos) << message;
     EXPECT_NE(message.find("changed before the call completed"), std::string::npos) << message;
   }
+}
+
+TEST(AdversarialCompletion, ABufferWrittenWhileItsAllReduceRunsIsReported) {
+  // An all-reduce in place reads and writes the same buffer: clearing it before the wait
+  // (to reuse it) races with the transport. Without the report the result would overwrite
+  // the zeros at wait and hide the race.
+  std::vector<std::string> messages(static_cast<std::size_t>(world()));
+  launch(adversarial(world()), [&](Communicator& comm) {
+    std::vector<float> bucket(32, 1.0f);
+    auto work = comm.allreduce(std::span(bucket), ReduceOp::kSum);
+    std::fill(bucket.begin() + 8, bucket.end(), 0.0f);
+    try {
+      work->wait();
+    } catch (const Error& error) {
+      messages[static_cast<std::size_t>(comm.rank())] = error.what();
+    }
+  });
+  const std::string& message = messages[static_cast<std::size_t>(mpi_world_rank())];
+  EXPECT_NE(message.find("allreduce (its call #1): its output buffer was written before the "
+                         "call completed (byte 32 of 128)"),
+            std::string::npos)
+      << message;
 }
 
 TEST(AdversarialCompletion, TestSaysNotYetAtRandomButTheSameWayForTheSameSeed) {

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compare.h"
@@ -97,6 +99,18 @@ std::string compare_buckets(const Model& model, const std::vector<Bucket>& seen,
   return "";
 }
 
+/// "" when `ddp`'s buckets are the rule's for `caps`, else a sentence that sends the student
+/// to the check of the rule: checks of launches and memory compare against the rule's buckets.
+std::string buckets_differ_from_rule(const Model& model, const BucketedDDP& ddp,
+                                     const BucketOptions& caps) {
+  const std::string finding = compare_buckets(model, ddp.buckets(), contract_buckets(model, caps));
+  if (finding.empty()) return "";
+  return fmt::format(
+      "BucketedDDP::buckets() differ from the rule with caps {} / {} bytes ({}); this check "
+      "measures the rule's buckets: fix Lab4Buckets.FollowTheRule first",
+      caps.first_bucket_cap_bytes, caps.bucket_cap_bytes, finding);
+}
+
 // --- what the grader records -------------------------------------------------------------
 
 /// One all-reduce as the recording communicator saw it at its issue.
@@ -108,9 +122,31 @@ struct IssuedCall {
   std::string content_finding;      ///< "" or what was wrong with the buffer at issue
 };
 
+/// A call's handle that tells its recorder when lab code waits on it or tests it.
+class RecordingWork final : public Work {
+ public:
+  RecordingWork(std::unique_ptr<Work> inner, std::function<void()> on_wait_or_test)
+      : inner_(std::move(inner)), on_wait_or_test_(std::move(on_wait_or_test)) {}
+  void wait() override {
+    on_wait_or_test_();
+    inner_->wait();
+  }
+  bool test() override {
+    on_wait_or_test_();
+    return inner_->test();
+  }
+
+ private:
+  std::unique_ptr<Work> inner_;
+  std::function<void()> on_wait_or_test_;
+};
+
 /// A communicator that records every all-reduce (and counts every call) before passing it
 /// on to the real one: the student gets this one, so what it records cannot be changed by
-/// lab code. `inspect` runs at each all-reduce's issue, before the call goes on.
+/// lab code. `inspect` runs at each all-reduce's issue, before the call goes on. While
+/// `in_backward` is set (the check sets it around `Model::backward`), it also counts the
+/// waits and tests of any call's handle: a hook that waits serialises communication with
+/// backward, which is what the lab removes.
 class RecordingCommunicator final : public Communicator {
  public:
   explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
@@ -119,44 +155,53 @@ class RecordingCommunicator final : public Communicator {
   std::function<std::size_t()> gradients_ready;
   std::vector<IssuedCall> calls;
   std::size_t other_calls = 0;  ///< any call but an all-reduce
+  bool in_backward = false;
+  std::size_t waits_in_backward = 0;  ///< wait() or test() on a handle while in_backward
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string_view backend() const override { return inner_.backend(); }
   std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
     ++other_calls;
-    return inner_.isend(data, peer, tag);
+    return watched(inner_.isend(data, peer, tag));
   }
   std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
     ++other_calls;
-    return inner_.irecv(data, peer, tag);
+    return watched(inner_.irecv(data, peer, tag));
   }
   std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
     IssuedCall call{data.data, data.count, op, gradients_ready ? gradients_ready() : 0, ""};
     if (inspect) call.content_finding = inspect(data);
     calls.push_back(call);
-    return inner_.allreduce(data, op);
+    return watched(inner_.allreduce(data, op));
   }
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
     ++other_calls;
-    return inner_.reduce_scatter(in, out, op);
+    return watched(inner_.reduce_scatter(in, out, op));
   }
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
     ++other_calls;
-    return inner_.allgather(in, out);
+    return watched(inner_.allgather(in, out));
   }
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
     ++other_calls;
-    return inner_.broadcast(data, root);
+    return watched(inner_.broadcast(data, root));
   }
   void barrier() override {
     ++other_calls;
+    if (in_backward) ++waits_in_backward;  // a barrier waits too
     inner_.barrier();
   }
   CommCounters counters() const override { return inner_.counters(); }
   Clock& clock() override { return inner_.clock(); }
 
  private:
+  std::unique_ptr<Work> watched(std::unique_ptr<Work> work) {
+    return std::make_unique<RecordingWork>(std::move(work), [this] {
+      if (in_backward) ++waits_in_backward;
+    });
+  }
+
   Communicator& inner_;
 };
 
@@ -296,9 +341,11 @@ TEST(Lab4Buckets, FollowTheRule) {
     for (const BucketOptions& cap : caps) {
       const std::vector<Bucket> expected = contract_buckets(model, cap);
       const std::string finding = compare_buckets(model, assign_buckets(model, cap), expected);
-      EXPECT_TRUE(finding.empty()) << fmt::format(
-          "assign_buckets on {} with caps {} / {} bytes: {}\n  drawn: {}", spec,
-          cap.first_bucket_cap_bytes, cap.bucket_cap_bytes, finding, draws.describe());
+      // ADD_FAILURE: the sentence is the message, with no "Value of: ..." before it.
+      if (!finding.empty())
+        ADD_FAILURE() << fmt::format(
+            "assign_buckets on {} with caps {} / {} bytes: {}\n  drawn: {}", spec,
+            cap.first_bucket_cap_bytes, cap.bucket_cap_bytes, finding, draws.describe());
       ++layouts_checked;
     }
     ++models_checked;
@@ -320,6 +367,30 @@ TEST(Lab4Buckets, FollowTheRule) {
                   "communication",
                   b, buffer.size(), to_string(buffer.category()), expected[b].elements));
           }
+          // The contract's errors: a finish with no bucket launched (no backward ran), and
+          // a bucket index past the end.
+          if (!expected.empty() && verdict.passed()) {
+            try {
+              ddp.finish_gradient_sync();
+              verdict.fail(
+                  "finish_gradient_sync() with no backward returned; expected dp::Error (no "
+                  "bucket was launched, so there is nothing to wait for)");
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+          }
+          if (verdict.passed()) {
+            try {
+              (void)ddp.bucket_buffer(expected.size());
+              verdict.fail(
+                  fmt::format("bucket_buffer({}) returned with {} bucket(s); expected dp::Error",
+                              expected.size(), expected.size()));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+          }
           model.clear_hooks();
         },
         draws);
@@ -327,11 +398,21 @@ TEST(Lab4Buckets, FollowTheRule) {
   if (!HasFailure())
     grading::note_measured(fmt::format(
         "{} layouts on {} drawn models (caps 0, drawn, below the largest parameter, the "
-        "defaults, the whole model) follow the rule",
+        "defaults, the whole model) follow the rule; the contract's errors are raised",
         layouts_checked, models_checked));
 }
 
 // --- training through BucketedDDP and PerParameterDDP ------------------------------------
+
+/// A copy of every bucket buffer of `ddp`.
+std::vector<std::vector<float>> bucket_contents(const BucketedDDP& ddp) {
+  std::vector<std::vector<float>> contents;
+  for (std::size_t b = 0; b < ddp.buckets().size(); ++b) {
+    const std::span<const float> values = ddp.bucket_buffer(b).span();
+    contents.emplace_back(values.begin(), values.end());
+  }
+  return contents;
+}
 
 /// Which synchronisation a training run uses.
 enum class Sync { kBucketed, kPerParameter };
@@ -345,13 +426,20 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
   const TrainOptions options = training.for_world(world);
   Model model = training.model();
   const auto optimizer = grading::optimizer_for(options, model.num_parameters());
+  // PerParameterDDP talks to a recorder: each gradient's all-reduce is launched from its
+  // own hook, inside backward, and nothing is waited on until backward returns.
+  RecordingCommunicator recorder(comm);
   std::optional<BucketedDDP> bucketed;
   std::optional<PerParameterDDP> per_parameter;
+  std::size_t trainable = 0;
+  for (const Parameter* parameter : model.parameters()) trainable += !parameter->frozen;
   if (sync == Sync::kBucketed)
     bucketed.emplace(model, comm, training.caps);
   else
-    per_parameter.emplace(model, comm);
-  for (int step = 1; step <= options.steps && verdict.passed(); ++step) {
+    per_parameter.emplace(model, recorder);
+  // Every rank runs every step whatever it found, so that no rank waits for a peer that
+  // stopped: a failure is recorded once, and the later steps are not judged.
+  for (int step = 1; step <= options.steps; ++step) {
     const std::vector<float> before = model.flat_parameters();
     const std::vector<Batch> micro = grading::micro_batches(*training.data, options, step - 1,
                                                             comm.rank(), world, micro_batches);
@@ -359,6 +447,7 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
     model.zero_grad();
     if (micro_batches > 1) {
       const CommCounters quiet = comm.counters();
+      const std::vector<std::vector<float>> buffers_before = bucket_contents(*bucketed);
       {
         BucketedDDP::NoSync no_sync(*bucketed);
         for (int i = 0; i + 1 < micro_batches; ++i) {
@@ -368,18 +457,40 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
         bucketed->finish_gradient_sync();  // a no-op while synchronisation is off
       }
       const CommCounters during = comm.counters().since(quiet);
-      if (during.total_calls() != 0)
+      if (verdict.passed() && during.total_calls() != 0)
         verdict.fail(fmt::format(
             "step {}: {} communicator call(s) during the first {} micro-batches under NoSync; "
             "expected none (accumulate locally, synchronise once)",
             step, during.total_calls(), micro_batches - 1));
+      const std::vector<std::vector<float>> buffers_after = bucket_contents(*bucketed);
+      for (std::size_t b = 0; b < buffers_after.size() && verdict.passed(); ++b)
+        if (b >= buffers_before.size() ||
+            std::memcmp(buffers_before[b].data(), buffers_after[b].data(),
+                        buffers_after[b].size() * sizeof(float)) != 0)
+          verdict.fail(fmt::format(
+              "step {}: bucket {}'s buffer changed during the first {} micro-batches under "
+              "NoSync; expected it untouched (a hook copies nothing while synchronisation is "
+              "off: the gradients accumulate in place)",
+              step, b, micro_batches - 1));
     }
     const Batch& last = micro.back();
-    model.backward(model.forward(last.inputs), last.labels, scale);
+    const Tensor logits = model.forward(last.inputs);
+    recorder.calls.clear();
+    recorder.waits_in_backward = 0;
+    recorder.in_backward = true;
+    model.backward(logits, last.labels, scale);
+    recorder.in_backward = false;
+    if (per_parameter && verdict.passed() &&
+        (recorder.calls.size() != trainable || recorder.waits_in_backward != 0))
+      verdict.fail(fmt::format(
+          "step {}: {} of {} all-reduce(s) launched and {} wait(s) or test(s) while "
+          "Model::backward ran; expected every trainable gradient's all-reduce launched from "
+          "its own hook and no wait until backward returns",
+          step, recorder.calls.size(), trainable, recorder.waits_in_backward));
     if (bucketed) bucketed->finish_gradient_sync();
     if (per_parameter) per_parameter->finish_gradient_sync();
     optimizer->step(model);
-    expect_lab2_bits(verdict, model, exact, before, step, world, what);
+    if (verdict.passed()) expect_lab2_bits(verdict, model, exact, before, step, world, what);
   }
 }
 
@@ -473,6 +584,8 @@ struct StepLaunches {
   std::vector<IssuedCall> calls;
   std::size_t calls_when_backward_returned = 0;
   std::size_t other_calls = 0;
+  std::size_t waits_in_backward = 0;             ///< waits and tests of handles
+  std::vector<const void*> buffers_before_step;  ///< bucket_buffer(k).data() at the start
 };
 
 /// Trains `steps` steps through BucketedDDP behind the recording communicator and hands
@@ -519,11 +632,18 @@ void record_launches(const Training& training, Communicator& comm,
         grading::local_batch(*training.data, options, step - 1, comm.rank(), comm.size());
     recorder.calls.clear();
     recorder.other_calls = 0;
+    recorder.waits_in_backward = 0;
     log.clear();
-    model.zero_grad();
-    model.backward(model.forward(batch.inputs), batch.labels);
     StepLaunches launches;
+    for (std::size_t k = 0; k < buckets.size(); ++k)
+      launches.buffers_before_step.push_back(ddp.bucket_buffer(k).data());
+    model.zero_grad();
+    const Tensor logits = model.forward(batch.inputs);
+    recorder.in_backward = true;
+    model.backward(logits, batch.labels);
+    recorder.in_backward = false;
     launches.calls_when_backward_returned = recorder.calls.size();
+    launches.waits_in_backward = recorder.waits_in_backward;
     ddp.finish_gradient_sync();
     launches.calls = recorder.calls;
     launches.other_calls = recorder.other_calls;
@@ -547,6 +667,19 @@ TEST(Lab4Launch, InBucketOrderOnceEachBucketIsReady) {
                 if (!verdict.passed()) return;
                 const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
                 buckets_seen = buckets.size();
+                const std::string rule = buckets_differ_from_rule(model, ddp, training.caps);
+                if (!rule.empty()) {
+                  verdict.fail(rule);
+                  return;
+                }
+                for (std::size_t k = 0; k < buckets.size(); ++k)
+                  if (ddp.bucket_buffer(k).data() != launches.buffers_before_step[k]) {
+                    verdict.fail(fmt::format(
+                        "step {}: bucket {}'s buffer moved during the step (it was made again); "
+                        "the bucket buffers are made once, in the constructor",
+                        step, k));
+                    return;
+                  }
                 if (launches.calls.size() != buckets.size() || launches.other_calls != 0) {
                   verdict.fail(fmt::format(
                       "step {}: {} all-reduce(s) and {} other call(s); expected one all-reduce per "
@@ -556,12 +689,11 @@ TEST(Lab4Launch, InBucketOrderOnceEachBucketIsReady) {
                 }
                 for (std::size_t k = 0; k < buckets.size(); ++k) {
                   const IssuedCall& call = launches.calls[k];
-                  const Tensor& buffer = ddp.bucket_buffer(k);
-                  if (call.data != static_cast<const void*>(buffer.data()) ||
+                  if (call.data != launches.buffers_before_step[k] ||
                       call.count != buckets[k].elements) {
                     std::string which = "no bucket's buffer";
                     for (std::size_t j = 0; j < buckets.size(); ++j)
-                      if (call.data == static_cast<const void*>(ddp.bucket_buffer(j).data()))
+                      if (call.data == launches.buffers_before_step[j])
                         which = fmt::format("bucket {}'s buffer", j);
                     verdict.fail(fmt::format(
                         "step {}: all-reduce {} of the step was over {} ({} elements); expected "
@@ -603,20 +735,35 @@ TEST(Lab4Launch, EachBucketAsSoonAsItIsComplete) {
           std::size_t total = 0;
           record_launches(
               training, comm,
-              [&](int step, const StepLaunches& launches, const Model& model, const BucketedDDP&) {
+              [&](int step, const StepLaunches& launches, const Model& model,
+                  const BucketedDDP& ddp) {
                 if (!verdict.passed()) return;
                 const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
                 during = launches.calls_when_backward_returned;
                 total = buckets.size();
+                const std::string rule = buckets_differ_from_rule(model, ddp, training.caps);
+                if (!rule.empty()) {
+                  verdict.fail(rule);
+                  return;
+                }
                 if (launches.calls.size() < buckets.size()) {
                   verdict.fail(fmt::format("step {}: {} of {} buckets launched", step,
                                            launches.calls.size(), buckets.size()));
                   return;
                 }
-                if (!buckets.empty() && during + 1 < buckets.size())
+                if (launches.waits_in_backward > 0) {
+                  verdict.fail(fmt::format(
+                      "step {}: {} wait(s) or test(s) of a call's handle while Model::backward "
+                      "ran; expected none: a hook that waits makes backward wait for the "
+                      "network, so nothing overlaps (wait in finish_gradient_sync)",
+                      step, launches.waits_in_backward));
+                  return;
+                }
+                if (during < buckets.size())
                   verdict.fail(fmt::format(
                       "step {}: {} of {} buckets launched before Model::backward returned; "
-                      "expected all but at most the last",
+                      "expected all of them: the last bucket is completed by a hook too, the "
+                      "one of its last gradient, inside backward",
                       step, during, buckets.size()));
                 // Backward makes the gradients ready in the buckets' order (reverse definition
                 // order), so bucket k is complete once the gradients of buckets 0..k are: its
@@ -636,7 +783,7 @@ TEST(Lab4Launch, EachBucketAsSoonAsItIsComplete) {
           if (verdict.passed())
             verdict.note(fmt::format(
                 "{} of {} buckets launched during backward, each from the hook that completed "
-                "it",
+                "it; no wait until backward returned",
                 during, total));
         },
         draws);
@@ -669,49 +816,73 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
                 "the constructor left {} bytes of communication tensors; expected the buckets' "
                 "{} bytes (one buffer per bucket, nothing else)",
                 made, bucket_bytes));
+          const std::string rule = buckets_differ_from_rule(model, ddp, training.caps);
+          if (!rule.empty()) verdict.fail(rule);
           std::vector<const float*> where;
-          for (std::size_t b = 0; b < buckets.size(); ++b)
+          for (std::size_t b = 0; b < buckets.size() && verdict.passed(); ++b)
             where.push_back(ddp.bucket_buffer(b).data());
-          for (int step = 1; step <= options.steps && verdict.passed(); ++step) {
+          // The same model without the lab's hooks: what forward and backward allocate by
+          // themselves, which a step with BucketedDDP may allocate too and nothing more.
+          Model plain = training.model();
+          // Every rank runs every step whatever it found, so that no rank waits for a peer
+          // that stopped: a failure is recorded once, and the later steps are not judged.
+          for (int step = 1; step <= options.steps; ++step) {
             const Batch batch =
                 grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
             // What one all-reduce and its wait allocate on this thread (the Work, the
-            // backend's bookkeeping): finish_gradient_sync may use that much per bucket.
+            // backend's bookkeeping): a step may use that much per bucket.
             const grading::HeapUse baseline_start = grading::heap_use_of_this_thread();
             comm.allreduce(scratch.view(), ReduceOp::kSum)->wait();
-            const std::uint64_t baseline =
-                grading::heap_use_of_this_thread().since(baseline_start).bytes * buckets.size();
-            const std::size_t allocations = tracker.allocations(MemoryCategory::kCommunication);
+            const grading::HeapUse one_call =
+                grading::heap_use_of_this_thread().since(baseline_start);
+            const std::uint64_t baseline = one_call.bytes * buckets.size();
+            const std::uint64_t baseline_large = one_call.large_bytes * buckets.size();
+            const grading::HeapUse plain_start = grading::heap_use_of_this_thread();
+            const std::size_t plain_tensors_start = tracker.allocations_total();
+            plain.zero_grad();
+            plain.backward(plain.forward(batch.inputs), batch.labels);
+            const grading::HeapUse plain_heap =
+                grading::heap_use_of_this_thread().since(plain_start);
+            const std::size_t plain_tensors = tracker.allocations_total() - plain_tensors_start;
+
+            const grading::HeapUse heap_start = grading::heap_use_of_this_thread();
+            const std::size_t tensors_start = tracker.allocations_total();
             model.zero_grad();
             model.backward(model.forward(batch.inputs), batch.labels);
-            const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
             ddp.finish_gradient_sync();
-            const std::uint64_t heap = grading::heap_use_of_this_thread().since(heap_before).bytes;
-            const std::size_t fresh =
-                tracker.allocations(MemoryCategory::kCommunication) - allocations;
-            // A little room for the backend's bookkeeping, which grows in blocks now and then;
-            // a copy of the gradients is over 10 KB.
+            const grading::HeapUse heap = grading::heap_use_of_this_thread().since(heap_start);
+            const std::size_t tensors = tracker.allocations_total() - tensors_start;
+            // The runtime's bookkeeping per call varies a little with which rank arrives
+            // first (it is small: heap_use.h); large blocks are copies, and none is needed.
+            constexpr std::uint64_t kBookkeepingBytesPerCall = 512;
             constexpr std::uint64_t kSlackBytes = 2048;
-            if (heap > baseline + kSlackBytes)
+            const std::uint64_t allowed = plain_heap.bytes + baseline +
+                                          kBookkeepingBytesPerCall * buckets.size() + kSlackBytes;
+            if (verdict.passed() && (heap.large_bytes > plain_heap.large_bytes + baseline_large ||
+                                     heap.bytes > allowed))
               verdict.fail(fmt::format(
-                  "step {}: finish_gradient_sync took {} bytes from operator new; waiting for {} "
-                  "all-reduces takes at most {} here (+ {} of slack): the buckets are the only "
-                  "buffers it needs",
-                  step, heap, buckets.size(), baseline, kSlackBytes));
-            if (fresh != 0)
+                  "step {}: forward, backward and finish_gradient_sync took {} bytes from "
+                  "operator new, {} of them in blocks of {} bytes or more; forward and backward "
+                  "alone take {} ({} in such blocks), and launching and waiting for {} "
+                  "all-reduces about {} (none in such blocks): the buckets are the only buffers "
+                  "a step needs (no staging copies in the hooks or in finish)",
+                  step, heap.bytes, heap.large_bytes, grading::kLargeAllocationBytes,
+                  plain_heap.bytes, plain_heap.large_bytes, buckets.size(), baseline));
+            if (verdict.passed() && tensors != plain_tensors)
               verdict.fail(fmt::format(
-                  "step {}: {} communication tensor(s) allocated during the step; expected none "
-                  "(the bucket buffers are made once, in the constructor)",
-                  step, fresh));
-            for (std::size_t b = 0; b < buckets.size() && verdict.passed(); ++b)
+                  "step {}: {} tensor(s) allocated during the step, {} more than forward and "
+                  "backward allocate by themselves; expected none more (the bucket buffers are "
+                  "made once, in the constructor, and are the only buffers)",
+                  step, tensors, tensors - std::min(tensors, plain_tensors)));
+            for (std::size_t b = 0; b < where.size() && verdict.passed(); ++b)
               if (ddp.bucket_buffer(b).data() != where[b])
                 verdict.fail(fmt::format("step {}: bucket {}'s buffer moved", step, b));
             optimizer->step(model);
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "{} buffers, {} bytes, allocated once; no communication tensor and no heap "
-                "buffer in {} steps",
+                "{} buffers, {} bytes, allocated once; no other tensor and no heap buffer in "
+                "{} steps",
                 buckets.size(), bucket_bytes, options.steps));
         },
         draws);
@@ -898,24 +1069,11 @@ BackwardProfile profile_backward(const SpeedSetup& setup) {
   return profile;
 }
 
-TEST(Lab4Design, PredictsTheBestBucketCap) {
-  Draws draws("Lab4Design.PredictsTheBestBucketCap");
-  SpeedSetup setup = draw_speed(draws);
-  // A fabric as lab 0 fits it: the latency drawn over a wide range, so that the best cap
-  // moves (a large alpha makes small buckets expensive), the bandwidth around 10 GbE's.
-  setup.network.name = "fitted";
-  setup.network.fabric.alpha_seconds = 1e-6 * draws.integer("alpha us", 5, 1000);
-  setup.network.fabric.bytes_per_second = 1e9 * draws.uniform("GB/s", 1.0f, 2.5f);
-  // The question leaves out packing and unpacking the buckets (copies and divisions, charged
-  // by memory bandwidth): a device with the cpu preset's 50 GFLOP/s and ten times its memory
-  // bandwidth keeps them small, so that the sweep times what the question models.
-  setup.device.name = "cpu, 200 GB/s";
-  setup.device.bytes_per_second = 200e9;
-  const BackwardProfile profile = profile_backward(setup);
-  std::size_t total = 0;
-  for (const GradientReady& gradient : profile.gradients) total += gradient.bytes;
-  const std::size_t predicted =
-      predicted_best_bucket_cap_bytes(profile, setup.world, setup.network.fabric);
+/// The fastest bucket cap for `setup` on the simulated clock, by sweeping caps 64 KiB, 128
+/// KiB, ... up to the whole model, against `predicted`: "" when `predicted` is within 2x of
+/// a cap within 3% of the fastest, else why not; `measured` gets the sweep.
+std::string judge_predicted_cap(const SpeedSetup& setup, const Draws& draws, std::size_t predicted,
+                                std::size_t total, std::string& measured) {
   std::vector<std::pair<std::size_t, double>> sweep;
   for (std::size_t cap = std::size_t{64} << 10;; cap *= 2) {
     sweep.emplace_back(cap, simulate(setup, {Strategy::kBucketed, {cap, cap}}, draws).total);
@@ -935,17 +1093,50 @@ TEST(Lab4Design, PredictsTheBestBucketCap) {
     if (fastest && 2 * predicted >= cap && predicted <= 2 * cap) within = true;
     table.push_back(fmt::format("{} KiB {}{}", cap >> 10, milliseconds(time), fastest ? "*" : ""));
   }
-  EXPECT_TRUE(within) << fmt::format(
+  measured = fmt::format("{}: predicted {} KiB, fastest {} KiB ({}; one bucket: {})",
+                         setup.network.describe(), predicted >> 10, best_cap >> 10,
+                         milliseconds(best_time), milliseconds(sweep.back().second));
+  if (within) return "";
+  return fmt::format(
       "your predicted cap {} bytes ({:.1f} KiB) is not within 2x of a fastest cap on the "
-      "simulated clock ({} ranks of {}, model {}); swept (* within 3% of the fastest): {}\n"
-      "  drawn: {}",
+      "simulated clock ({} ranks of {}, model {}); swept (* within 3% of the fastest): {}",
       predicted, static_cast<double>(predicted) / 1024, setup.world, setup.network.describe(),
-      setup.options.model, fmt::join(table, ", "), draws.describe());
-  if (!HasFailure())
-    grading::note_measured(fmt::format(
-        "{}: predicted {} KiB; fastest swept cap {} KiB ({}; one bucket: {}); swept: {}",
-        setup.network.describe(), predicted >> 10, best_cap >> 10, milliseconds(best_time),
-        milliseconds(sweep.back().second), fmt::join(table, ", ")));
+      setup.options.model, fmt::join(table, ", "));
+}
+
+TEST(Lab4Design, PredictsTheBestBucketCap) {
+  Draws draws("Lab4Design.PredictsTheBestBucketCap");
+  SpeedSetup setup = draw_speed(draws);
+  // The question leaves out packing and unpacking the buckets (copies and divisions, charged
+  // by memory bandwidth): a device with the cpu preset's 50 GFLOP/s and ten times its memory
+  // bandwidth keeps them small, so that the sweep times what the question models.
+  setup.device.name = "cpu, 200 GB/s";
+  setup.device.bytes_per_second = 200e9;
+  const BackwardProfile profile = profile_backward(setup);
+  std::size_t total = 0;
+  for (const GradientReady& gradient : profile.gradients) total += gradient.bytes;
+  // Three fabrics as lab 0 fits them, the latency drawn log-uniformly from three bands (a
+  // large alpha makes small buckets expensive, a small one favours them), the bandwidth
+  // around 10 GbE's: the best cap moves between them, so no constant passes all three.
+  const std::array<std::pair<double, double>, 3> alpha_bands_us = {
+      std::pair{5.0, 30.0}, std::pair{30.0, 200.0}, std::pair{200.0, 1000.0}};
+  std::vector<std::string> measured;
+  for (const auto& [low, high] : alpha_bands_us) {
+    const double log_alpha =
+        draws.uniform(fmt::format("log alpha us in [{}, {}]", low, high),
+                      static_cast<float>(std::log(low)), static_cast<float>(std::log(high)));
+    setup.network.name = "fitted";
+    setup.network.fabric.alpha_seconds = 1e-6 * std::exp(log_alpha);
+    setup.network.fabric.bytes_per_second =
+        1e9 * draws.uniform(fmt::format("GB/s with alpha in [{}, {}] us", low, high), 1.0f, 2.5f);
+    const std::size_t predicted =
+        predicted_best_bucket_cap_bytes(profile, setup.world, setup.network.fabric);
+    std::string sweep;
+    const std::string finding = judge_predicted_cap(setup, draws, predicted, total, sweep);
+    if (!finding.empty()) ADD_FAILURE() << finding << "\n  drawn: " << draws.describe();
+    measured.push_back(sweep);
+  }
+  if (!HasFailure()) grading::note_measured(fmt::format("{}", fmt::join(measured, "; ")));
 }
 
 }  // namespace

@@ -101,7 +101,9 @@ std::string scale_hint(std::span<const float> seen_change, std::span<const float
   const double cosine = seen_dot_expected / std::sqrt(expected_norm2 * seen_norm2);
   if (cosine < 0.999) return "";
   const double ratio = seen_dot_expected / expected_norm2;
-  if (std::abs(ratio - 1.0) < 1e-3) return "";
+  if (std::abs(ratio - 1.0) < 1e-3)
+    return "it is the expected change to within 0.1% (the same arithmetic in another form or "
+           "order? x * (1/N) instead of x / N, or another order of the sum)";
   for (const Suspect& suspect : suspects)
     if (std::abs(ratio / suspect.factor - 1.0) < 0.01)
       return fmt::format("it is {:.2f}x the expected change ({}?)", ratio, suspect.diagnosis);

@@ -54,7 +54,8 @@ struct Suspect {
 /// When `seen_change` is, as a whole, a multiple r != 1 of `expected_change` (the cosine
 /// between them is above 0.999), a sentence giving r and the diagnosis of a suspect whose
 /// factor is within 1% of it: "it is 4.00x the expected change (a missing division by N =
-/// 4?)"; else "". For updates, pass parameters after minus before; for gradients, the
+/// 4?)"; when r is within 0.1% of 1, a sentence suspecting a reordered or rewritten
+/// arithmetic; else "". For updates, pass parameters after minus before; for gradients, the
 /// gradients themselves.
 std::string scale_hint(std::span<const float> seen_change, std::span<const float> expected_change,
                        const std::vector<Suspect>& suspects);

@@ -13,10 +13,12 @@ namespace {
 // Plain integers: no constructor runs, so counting works even while a thread starts.
 thread_local std::uint64_t thread_allocations = 0;
 thread_local std::uint64_t thread_bytes = 0;
+thread_local std::uint64_t thread_large_bytes = 0;
 
 void* counted_allocation(std::size_t bytes, std::size_t alignment) {
   ++thread_allocations;
   thread_bytes += bytes;
+  if (bytes >= kLargeAllocationBytes) thread_large_bytes += bytes;
   if (bytes == 0) bytes = 1;  // operator new must return a distinct pointer for 0 bytes
   if (alignment <= alignof(std::max_align_t)) return std::malloc(bytes);
   // aligned_alloc wants a size that is a multiple of the alignment.
@@ -33,7 +35,7 @@ void* allocate_or_throw(std::size_t bytes, std::size_t alignment) {
 }  // namespace
 
 HeapUse heap_use_of_this_thread() {
-  return {thread_allocations, thread_bytes};
+  return {thread_allocations, thread_bytes, thread_large_bytes};
 }
 
 }  // namespace dp::grading

@@ -19,14 +19,23 @@
 
 namespace dp::grading {
 
+/// Allocations from this size up count as large: a copy of a gradient or a bucket is one,
+/// while the runtime's own bookkeeping per call (a call record, a handle, a rendezvous
+/// slot) stays below it. How much bookkeeping a call takes can depend on which rank
+/// arrives first; large allocations do not, so checks can demand none at all.
+inline constexpr std::uint64_t kLargeAllocationBytes = 1024;
+
 /// Allocations and bytes operator new handed out on one thread.
 struct HeapUse {
   std::uint64_t allocations = 0;  ///< calls of operator new (every form)
   std::uint64_t bytes = 0;        ///< bytes requested
+  std::uint64_t large_bytes =
+      0;  ///< bytes requested by allocations of kLargeAllocationBytes or more
 
   /// What was handed out after `earlier`, a reading of the same thread.
   HeapUse since(const HeapUse& earlier) const {
-    return {allocations - earlier.allocations, bytes - earlier.bytes};
+    return {allocations - earlier.allocations, bytes - earlier.bytes,
+            large_bytes - earlier.large_bytes};
   }
 };
 

@@ -12,7 +12,10 @@
 //     into the caller's buffer, so results arrive in the order the caller waits, not the
 //     order it issued;
 //   * wait() reports an input buffer the caller changed before the call completed, which
-//     real transports forbid (they may read it at any moment until then);
+//     real transports forbid (they may read it at any moment until then), and an output
+//     buffer the caller wrote meanwhile (it no longer holds only the garbage bytes), which
+//     they forbid too (they may write the result at any moment); for an all-reduce in
+//     place, the buffer is both;
 //   * test() answers false at random (seeded by the launch and the rank) before it asks the
 //     backend, so code that polls once and moves on sees calls that have not finished.
 //
@@ -125,6 +128,7 @@ class AdversarialWork final : public Work {
     if (delivered_) return;
     inner_->wait();
     check_input_unchanged();
+    check_output_untouched();
     deliver();
   }
 
@@ -145,6 +149,17 @@ class AdversarialWork final : public Work {
           "completed; expected it unchanged until wait() returns (a transport may read it at "
           "any moment until then)",
           pending_.rank, pending_.call, pending_.number));
+  }
+
+  void check_output_untouched() const {
+    const auto* bytes = static_cast<const unsigned char*>(pending_.output.data);
+    for (std::size_t i = 0; i < pending_.output.bytes(); ++i)
+      if (bytes[i] != kGarbageByte)
+        throw Error(
+            fmt::format("rank {}: {} (its call #{}): its output buffer was written before the call "
+                        "completed (byte {} of {}); expected it untouched until wait() returns (a "
+                        "transport may write the result at any moment until then)",
+                        pending_.rank, pending_.call, pending_.number, i, pending_.output.bytes()));
   }
 
   void deliver() {
