@@ -817,6 +817,9 @@ void LocalWorld::start_eager(CollectiveSlot& slot) {
 
 void LocalWorld::run_eager_pieces(CollectiveSlot& slot) {
   while (true) {
+    // Read before claiming: a waiting rank calls this in its spin loop, and a claim (a
+    // read-modify-write) after the last piece would take the line from the ranks at work.
+    if (slot.next_piece.load(std::memory_order_relaxed) >= slot.pieces) return;
     const std::size_t piece = slot.next_piece.fetch_add(1, std::memory_order_relaxed);
     if (piece >= slot.pieces) return;
     execute_piece(slot, piece);
