@@ -24,6 +24,7 @@
 // grader's count of the allocations made by lab code does not see them.
 #include "comm/adversarial.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -152,14 +153,20 @@ class AdversarialWork final : public Work {
   }
 
   void check_output_untouched() const {
-    const auto* bytes = static_cast<const unsigned char*>(pending_.output.data);
-    for (std::size_t i = 0; i < pending_.output.bytes(); ++i)
-      if (bytes[i] != kGarbageByte)
-        throw Error(
-            fmt::format("rank {}: {} (its call #{}): its output buffer was written before the call "
-                        "completed (byte {} of {}); expected it untouched until wait() returns (a "
-                        "transport may write the result at any moment until then)",
-                        pending_.rank, pending_.call, pending_.number, i, pending_.output.bytes()));
+    // One pass over the buffer (64 MiB in lab 3's checks): the size is read once and the
+    // search is a plain loop over bytes that the compiler vectorises.
+    const auto* begin = static_cast<const unsigned char*>(pending_.output.data);
+    const auto* end = begin + pending_.output.bytes();
+    const auto* written =
+        std::find_if(begin, end, [](unsigned char byte) { return byte != kGarbageByte; });
+    if (written != end) {
+      const auto i = static_cast<std::size_t>(written - begin);
+      throw Error(
+          fmt::format("rank {}: {} (its call #{}): its output buffer was written before the call "
+                      "completed (byte {} of {}); expected it untouched until wait() returns (a "
+                      "transport may write the result at any moment until then)",
+                      pending_.rank, pending_.call, pending_.number, i, pending_.output.bytes()));
+    }
   }
 
   void deliver() {
