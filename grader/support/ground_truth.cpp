@@ -116,6 +116,7 @@ Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& dat
     // Then a division by N (a division: g / N, not g * (1/N)).
     const auto divisor = static_cast<float>(world_size);
     for (float& value : sum) value = value / divisor;
+    if (how.before_step) how.before_step(step, sum);
     set_gradients(model, sum);
     trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient, largest_magnitude(sum));
     trajectory.gradients_of_step.push_back(std::move(sum));

@@ -79,6 +79,10 @@ struct Emulation {
   /// s: the local gradients of step t (0-based) are computed at the parameters after
   /// max(0, t - s) steps (a parameter server with bounded staleness); 0 is synchronous.
   int staleness = 0;
+  /// Called with the step (0-based) and the averaged flat gradient of the step, after the
+  /// division by N and before the optimizer step, which applies the gradient as this leaves
+  /// it (lab 5's clipping). Empty: the gradient is applied as it is.
+  std::function<void(int step, std::vector<float>& averaged)> before_step = nullptr;
 };
 
 /// `emulate_data_parallel` with the sum's order and the staleness of `how`.

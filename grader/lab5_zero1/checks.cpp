@@ -1,0 +1,816 @@
+// Lab 5's graded checks. The partition must follow lab5.h's rule; training through
+// ZeroOneOptimizer (SGD and AdamW, drawn models whose size needs padding on the drawn world
+// sizes) must be lab 2's flat arithmetic bitwise after every step on every rank, since the
+// native reduce-scatter adds in the rank order of the native all-reduce and the optimizer's
+// update is element-wise; clipping by global norm must follow the contract's arithmetic bit
+// for bit (and match the unsharded norm within 1e-5); the MemoryTracker must show the
+// optimizer state of one shard, at its peak too, and a step must allocate nothing; the
+// recording communicator and the backend's counters must show one reduce-scatter and one
+// all-gather per step (plus one all-reduce of one float with clipping), DDP's volume; the
+// design question's prediction must equal the tracker's bytes. Every check draws its
+// configuration from the grading seed and runs in the adversarial completion mode.
+// rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "compare.h"
+#include "dp/data.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/memory.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/tensor_ops.h"
+#include "dp/trainer.h"
+#include "grading.h"
+#include "ground_truth.h"
+#include "heap_use.h"
+#include "lab5.h"
+
+namespace dp::lab5 {
+namespace {
+
+using grading::Draws;
+using grading::run_on_ranks;
+using grading::Trajectory;
+using grading::Verdict;
+
+// --- the contract's rules, as the grader computes them ------------------------------------
+
+/// lab5.h's partition rule: the grader's own copy.
+Partition contract_partition(std::size_t psi, int world) {
+  const auto n = static_cast<std::size_t>(world);
+  Partition p;
+  p.num_parameters = psi;
+  p.world_size = world;
+  p.shard_elements = (psi + n - 1) / n;
+  p.padded_elements = p.shard_elements * n;
+  return p;
+}
+
+std::size_t contract_real_elements(const Partition& p, int rank) {
+  const std::size_t offset = static_cast<std::size_t>(rank) * p.shard_elements;
+  return offset >= p.num_parameters ? 0 : std::min(p.shard_elements, p.num_parameters - offset);
+}
+
+std::string describe(const Partition& p) {
+  return fmt::format("{{Psi {}, N {}, S {}, padded {}}}", p.num_parameters, p.world_size,
+                     p.shard_elements, p.padded_elements);
+}
+
+/// The contract's clipping of the averaged flat gradient `g` (no padding) on `world` ranks:
+/// returns the norm and scales `g` when the coefficient is below 1.
+float contract_clip(std::vector<float>& g, int world, float max_norm) {
+  const Partition p = contract_partition(g.size(), world);
+  float sum = 0;
+  for (int r = 0; r < world; ++r) {
+    double partial = 0;  // dp::dot: double, index order
+    const std::size_t begin = static_cast<std::size_t>(r) * p.shard_elements;
+    const std::size_t real = contract_real_elements(p, r);
+    for (std::size_t i = begin; i < begin + real; ++i)
+      partial += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+    sum = r == 0 ? static_cast<float>(partial) : sum + static_cast<float>(partial);
+  }
+  const float norm = std::sqrt(sum);
+  const float coefficient = max_norm / (norm + 1e-6f);
+  if (coefficient < 1.0f)
+    for (float& value : g) value = coefficient * value;
+  return norm;
+}
+
+// --- drawn training ------------------------------------------------------------------------
+
+/// One drawn training set-up: the MLP 64-h1-h2-10 with GELU (LayerNorm drawn), 3 to 5 steps,
+/// 2 to 6 rows of the global batch per rank, SGD or AdamW; h1 is moved up from its draw until
+/// the model's size needs padding on every drawn world size above 1.
+struct Training {
+  TrainOptions options;
+  std::int64_t rows_per_rank = 2;
+  std::shared_ptr<const Dataset> data;
+
+  TrainOptions for_world(int world) const {
+    TrainOptions concrete = options;
+    concrete.global_batch = rows_per_rank * world;
+    return concrete;
+  }
+  Model model() const { return make_model(options); }
+  std::size_t psi() const { return model().num_parameters(); }
+};
+
+Training draw_training(Draws& draws, const std::string& optimizer, const std::vector<int>& worlds) {
+  Training training;
+  TrainOptions& o = training.options;
+  std::int64_t h1 = draws.integer("hidden1", 24, 72);
+  const std::int64_t h2 = draws.integer("hidden2", 12, 40);
+  o.activation = "gelu";
+  o.layer_norm = draws.coin("layer norm");
+  for (int attempt = 0; attempt < 64; ++attempt, ++h1) {
+    o.model = fmt::format("64-{}-{}-10", h1, h2);
+    const std::size_t psi = make_model(o).num_parameters();
+    if (std::all_of(worlds.begin(), worlds.end(),
+                    [&](int w) { return w == 1 || psi % static_cast<std::size_t>(w) != 0; }))
+      break;
+  }
+  o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 400));
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
+  grading::draw_optimizer(draws, optimizer, o);
+  training.rows_per_rank = draws.integer("rows per rank", 2, 6);
+  training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
+  return training;
+}
+
+OptimizerFactory factory_for(const TrainOptions& options) {
+  return [options](std::size_t shard) { return grading::optimizer_for(options, shard); };
+}
+
+std::vector<grading::Suspect> suspects(int world) {
+  const double n = world;
+  return {{n, fmt::format("a missing division by N = {}", world)},
+          {1.0 / n, fmt::format("the division by N = {} applied twice", world)}};
+}
+
+/// "" when `flat` (N S) is `model`'s parameters followed by zero padding, else where not.
+std::string check_flat(const Model& model, const Partition& p, const Tensor& flat) {
+  if (flat.size() != p.padded_elements)
+    return fmt::format("flat_parameters() holds {} elements; expected N S = {}", flat.size(),
+                       p.padded_elements);
+  const std::span<const float> values = flat.span();
+  const std::string finding =
+      grading::compare_flat(model, values.first(p.num_parameters), model.flat_parameters(), 0.0f,
+                            "flat_parameters() element");
+  if (!finding.empty()) return finding + " (compared with the model's parameters)";
+  for (std::size_t i = p.num_parameters; i < p.padded_elements; ++i)
+    if (std::memcmp(&values[i], "\0\0\0\0", sizeof(float)) != 0)
+      return fmt::format(
+          "padding element {} of flat_parameters() (padding is [{}, {})) holds {}; expected 0", i,
+          p.num_parameters, p.padded_elements, values[i]);
+  return "";
+}
+
+/// "" when `shard` (S) is this rank's slice of `model`'s parameters, padding zero.
+std::string check_shard(const Model& model, const Partition& p, int rank, const Tensor& shard) {
+  if (shard.size() != p.shard_elements)
+    return fmt::format("shard_parameters() holds {} elements; expected S = {}", shard.size(),
+                       p.shard_elements);
+  const std::vector<float> all = model.flat_parameters();
+  const std::size_t begin = static_cast<std::size_t>(rank) * p.shard_elements;
+  const std::span<const float> values = shard.span();
+  for (std::size_t i = 0; i < p.shard_elements; ++i) {
+    const float expected = begin + i < p.num_parameters ? all[begin + i] : 0.0f;
+    if (std::memcmp(&values[i], &expected, sizeof(float)) != 0)
+      return fmt::format(
+          "shard_parameters()[{}] (flat element {}{}) holds {}; expected {} (rank {}'s shard is "
+          "[{}, {}))",
+          i, begin + i, begin + i >= p.num_parameters ? ", padding" : "", values[i], expected, rank,
+          begin, begin + p.shard_elements);
+  }
+  return "";
+}
+
+/// Trains this rank with the student's ZeroOneOptimizer for `training`'s steps, comparing
+/// every step with `exact` bitwise (and the norms with `norms` when clipping).
+void train_and_compare(const Training& training, Communicator& comm, Verdict& verdict,
+                       const Trajectory& exact, float max_norm, const std::vector<float>& norms,
+                       const std::string& what) {
+  const int world = comm.size();
+  const TrainOptions options = training.for_world(world);
+  Model model = training.model();
+  ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
+  const Partition p = contract_partition(model.num_parameters(), world);
+  // Every rank runs every step whatever it found, so that no rank waits for a peer that
+  // stopped: a failure is recorded once, and the later steps are not judged.
+  for (int step = 1; step <= options.steps; ++step) {
+    const std::vector<float> before = model.flat_parameters();
+    const Batch batch = grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+    model.zero_grad();
+    model.backward(model.forward(batch.inputs), batch.labels);
+    const std::vector<float> local = model.flat_gradients();
+    const std::optional<float> norm = zero.step();
+    if (!verdict.passed()) continue;
+    if (max_norm > 0) {
+      const float expected_norm = norms[static_cast<std::size_t>(step - 1)];
+      if (!norm.has_value())
+        verdict.fail(fmt::format("{}: step {} returned no norm with clipping on (max_norm {})",
+                                 what, step, max_norm));
+      else if (std::memcmp(&*norm, &expected_norm, sizeof(float)) != 0)
+        verdict.fail(fmt::format(
+            "{}: step {} returned the norm {:.9g}; expected {:.9g}, the contract's arithmetic "
+            "over the averaged gradient's real elements (ratio {:.6g}{})",
+            what, step, *norm, expected_norm, *norm / expected_norm,
+            world > 1 && std::abs(*norm / expected_norm - static_cast<float>(world)) < 1e-3f
+                ? ": the norm of the sum, before the division by N?"
+                : ""));
+    }
+    if (!verdict.passed()) continue;
+    const std::vector<float>& expected =
+        exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
+    const std::string finding = grading::compare_parameters(model, expected, 0.0f);
+    if (!finding.empty()) {
+      const std::vector<float> seen = model.flat_parameters();
+      const std::string hint =
+          grading::scale_hint(grading::difference(seen, before),
+                              grading::difference(expected, before), suspects(world));
+      verdict.fail(fmt::format("{}: first differing step {}: {}; {}{}", what, step, finding,
+                               grading::per_parameter_summary(model, seen, expected),
+                               hint.empty() ? "" : "; " + hint));
+      continue;
+    }
+    if (model.flat_gradients() != local) {
+      verdict.fail(
+          fmt::format("{}: step {} changed Parameter::grad; expected the local "
+                      "gradients left as backward made them",
+                      what, step));
+      continue;
+    }
+    verdict.expect_empty(check_flat(model, p, zero.flat_parameters()),
+                         fmt::format("{}: after step {}", what, step));
+    verdict.expect_empty(check_shard(model, p, comm.rank(), zero.shard_parameters()),
+                         fmt::format("{}: after step {}", what, step));
+    if (max_norm == 0 && norm.has_value())
+      verdict.fail(
+          fmt::format("{}: step {} returned a norm ({}) with clipping off; expected "
+                      "std::nullopt",
+                      what, step, *norm));
+  }
+}
+
+// --- Lab5Partition ---------------------------------------------------------------------------
+
+TEST(Lab5Partition, FollowsTheRule) {
+  Draws draws("Lab5Partition.FollowsTheRule");
+  std::vector<std::pair<std::size_t, int>> cases;
+  for (int i = 0; i < 4; ++i)
+    cases.emplace_back(static_cast<std::size_t>(draws.integer("Psi", 1, 100000)),
+                       static_cast<int>(draws.integer("N", 1, 16)));
+  const int n = static_cast<int>(draws.integer("N for small Psi", 3, 16));
+  cases.emplace_back(static_cast<std::size_t>(draws.integer("Psi below N", 1, n - 1)), n);
+  const int m = static_cast<int>(draws.integer("N dividing Psi", 2, 16));
+  cases.emplace_back(static_cast<std::size_t>(m * draws.integer("Psi / N", 1, 5000)), m);
+  for (const auto& [psi, world] : cases) {
+    const Partition expected = contract_partition(psi, world);
+    Partition seen;
+    try {
+      seen = partition(psi, world);
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& error) {
+      ADD_FAILURE() << fmt::format("partition({}, {}) threw {}: {}\n  drawn: {}", psi, world,
+                                   grading::type_name(error), error.what(), draws.describe());
+      continue;
+    }
+    if (!(seen == expected)) {
+      ADD_FAILURE() << fmt::format("partition({}, {}) = {}; expected {}\n  drawn: {}", psi, world,
+                                   describe(seen), describe(expected), draws.describe());
+      continue;
+    }
+    for (int r = 0; r < world; ++r) {
+      if (seen.shard_offset(r) != static_cast<std::size_t>(r) * expected.shard_elements ||
+          seen.real_elements(r) != contract_real_elements(expected, r)) {
+        ADD_FAILURE() << fmt::format(
+            "partition({}, {}): rank {}: shard_offset {} and real_elements {}; expected {} and "
+            "{}\n  drawn: {}",
+            psi, world, r, seen.shard_offset(r), seen.real_elements(r),
+            static_cast<std::size_t>(r) * expected.shard_elements,
+            contract_real_elements(expected, r), draws.describe());
+        break;
+      }
+    }
+  }
+  try {
+    (void)partition(10, 0);
+    ADD_FAILURE() << "partition(10, 0) returned; expected dp::Error (no ranks)";
+  } catch (const NotImplemented&) {
+    throw;
+  } catch (const Error&) {
+  }
+  // The optimizer's own partition and initial shard, on drawn world sizes.
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "sgd", worlds);
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = training.model();
+          ZeroOneOptimizer zero(model, comm, factory_for(training.for_world(world)));
+          const Partition expected = contract_partition(model.num_parameters(), world);
+          if (!(zero.partition() == expected))
+            verdict.fail(fmt::format("ZeroOneOptimizer::partition() = {}; expected {}",
+                                     describe(zero.partition()), describe(expected)));
+          else
+            verdict.expect_empty(check_shard(model, expected, comm.rank(), zero.shard_parameters()),
+                                 "after the constructor");
+        },
+        draws);
+  }
+  if (!HasFailure())
+    grading::note_measured(fmt::format(
+        "{} drawn (Psi, N) partitions (Psi below N and a multiple of N included) follow the rule; "
+        "the optimizer's partition and initial shard on world sizes {}",
+        cases.size(), fmt::join(worlds, ", ")));
+}
+
+// --- Lab5Contract ------------------------------------------------------------------------------
+
+TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
+  Draws draws("Lab5Contract.ErrorsOnMisuseAndOneInnerOptimizer");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "adamw", worlds);
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          const std::size_t shard = contract_partition(training.psi(), world).shard_elements;
+          const auto expect_error = [&](const std::string& what, const auto& make) {
+            try {
+              make();
+              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+          };
+          {
+            Model model = training.model();
+            const std::string& name = model.parameters().front()->name;
+            model.freeze(name);
+            expect_error(fmt::format("a frozen parameter ({})", name),
+                         [&] { ZeroOneOptimizer zero(model, comm, factory_for(options)); });
+          }
+          Model model = training.model();
+          expect_error("max_norm -1",
+                       [&] { ZeroOneOptimizer zero(model, comm, factory_for(options), -1.0f); });
+          expect_error("max_norm NaN", [&] {
+            ZeroOneOptimizer zero(model, comm, factory_for(options),
+                                  std::numeric_limits<float>::quiet_NaN());
+          });
+          expect_error("max_norm infinity", [&] {
+            ZeroOneOptimizer zero(model, comm, factory_for(options),
+                                  std::numeric_limits<float>::infinity());
+          });
+          expect_error("an empty factory",
+                       [&] { ZeroOneOptimizer zero(model, comm, OptimizerFactory{}); });
+          expect_error("a factory that returns nullptr", [&] {
+            ZeroOneOptimizer zero(model, comm,
+                                  [](std::size_t) { return std::unique_ptr<Optimizer>{}; });
+          });
+          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
+                                   shard + 1),
+                       [&] {
+                         ZeroOneOptimizer zero(model, comm, [](std::size_t s) {
+                           return std::make_unique<Sgd>(s + 1, SgdOptions{});
+                         });
+                       });
+          if (!verdict.passed()) return;
+          std::vector<std::size_t> asked;
+          const Optimizer* made = nullptr;
+          ZeroOneOptimizer zero(model, comm, [&](std::size_t s) {
+            asked.push_back(s);
+            auto optimizer = grading::optimizer_for(options, s);
+            made = optimizer.get();
+            return optimizer;
+          });
+          if (asked != std::vector<std::size_t>{shard})
+            verdict.fail(fmt::format(
+                "the factory was called with [{}]; expected once, with the shard's S = {}",
+                fmt::join(asked, ", "), shard));
+          else if (&zero.inner() != made)
+            verdict.fail("inner() is not the optimizer the factory made");
+          const std::int64_t steps_before = made != nullptr ? made->step_count() : 0;
+          const Batch batch = grading::local_batch(*training.data, options, 0, comm.rank(), world);
+          model.zero_grad();
+          model.backward(model.forward(batch.inputs), batch.labels);
+          (void)zero.step();
+          if (verdict.passed() && made->step_count() != steps_before + 1)
+            verdict.fail(fmt::format(
+                "one step() began {} steps of the inner optimizer; expected 1 (begin_step once)",
+                made->step_count() - steps_before));
+          if (verdict.passed())
+            verdict.note(
+                "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
+                "returning nullptr or an optimizer of the wrong size throw dp::Error; the factory "
+                "is called once with S");
+        },
+        draws);
+  }
+}
+
+// --- Lab5Equivalence ------------------------------------------------------------------------
+
+TEST(Lab5Equivalence, BitwiseLab2AfterEveryStep) {
+  Draws draws("Lab5Equivalence.BitwiseLab2AfterEveryStep");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    const Training training = draw_training(draws, optimizer, worlds);
+    for (int world : worlds) {
+      const TrainOptions options = training.for_world(world);
+      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
+      // The lesson beside the bits: how far N ranks are from one process on the global batch.
+      const Trajectory one = grading::single_process_trajectory(options, *training.data);
+      const double from_one = grading::max_abs_difference(exact.parameters_after_step.back(),
+                                                          one.parameters_after_step.back());
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            train_and_compare(training, comm, verdict, exact, 0.0f, {},
+                              fmt::format("ZeroOneOptimizer with {}", optimizer));
+            const Partition p = contract_partition(training.psi(), world);
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
+                  "(here {} on N = {}: Psi = {}, S = {}, {} padding element(s) stayed 0); one "
+                  "process on the global batch differs by {:.1e} after {} steps (float32 "
+                  "reordering)",
+                  optimizer, world, p.num_parameters, p.shard_elements,
+                  p.padded_elements - p.num_parameters, from_one, options.steps));
+          },
+          draws);
+    }
+  }
+}
+
+// --- Lab5Clipping ------------------------------------------------------------------------------
+
+TEST(Lab5Clipping, GlobalNormOverRealElements) {
+  Draws draws("Lab5Clipping.GlobalNormOverRealElements");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    const Training training = draw_training(draws, optimizer, worlds);
+    const float fraction = draws.uniform(optimizer + " max_norm / first norm", 0.2f, 0.7f);
+    for (int world : worlds) {
+      const TrainOptions options = training.for_world(world);
+      // The first step's unclipped norm sets max_norm, so that clipping acts.
+      const Trajectory plain = grading::emulate_data_parallel(options, *training.data, world);
+      double first = 0;
+      for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
+      const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
+      std::vector<float> norms;
+      double worst_relative = 0;
+      int clipped = 0;
+      grading::Emulation how;
+      how.before_step = [&](int, std::vector<float>& g) {
+        double exact = 0;
+        for (const float value : g) exact += static_cast<double>(value) * value;
+        norms.push_back(contract_clip(g, world, max_norm));
+        clipped += norms.back() + 1e-6f > max_norm;
+        worst_relative =
+            std::max(worst_relative, std::abs(norms.back() - std::sqrt(exact)) / std::sqrt(exact));
+      };
+      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world, how);
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            train_and_compare(
+                training, comm, verdict, exact, max_norm, norms,
+                fmt::format("ZeroOneOptimizer with {} and max_norm {:.4g}", optimizer, max_norm));
+            if (verdict.passed() && worst_relative > 1e-5)
+              verdict.fail(
+                  fmt::format("the grader's norm is {:.2g} off the double-precision "
+                              "norm (a grader bug)",
+                              worst_relative));
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "SGD and AdamW with max_norm {:.2g}x the first norm: norms and parameters "
+                  "bitwise the contract's arithmetic ({} of {} steps clipped here, N = {}); the "
+                  "norms within {:.1e} of the unsharded double-precision norm",
+                  fraction, clipped, options.steps, world, worst_relative));
+          },
+          draws);
+    }
+  }
+}
+
+// --- Lab5Memory --------------------------------------------------------------------------------
+
+TEST(Lab5Memory, OptimizerStateIsOneShard) {
+  Draws draws("Lab5Memory.OptimizerStateIsOneShard");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "adamw", worlds);
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const Partition p = contract_partition(training.psi(), world);
+          for (const auto& [kind, floats] :
+               std::vector<std::pair<std::string, std::size_t>>{{"adamw", 2}, {"sgd", 1}}) {
+            TrainOptions options = training.for_world(world);
+            options.optimizer = kind;
+            if (kind == "sgd") options.momentum = 0.9f;
+            Model model = training.model();
+            MemoryTracker& tracker = this_rank_memory().tracker();
+            const std::size_t base = tracker.current(MemoryCategory::kOptimizerState);
+            tracker.reset_peaks();
+            const std::size_t expected = 4 * floats * p.shard_elements;
+            ZeroOneOptimizer zero(model, comm, factory_for(options));
+            const std::size_t after_constructor =
+                tracker.current(MemoryCategory::kOptimizerState) - base;
+            for (int step = 0; step < 2; ++step) {
+              const Batch batch =
+                  grading::local_batch(*training.data, options, step, comm.rank(), world);
+              model.zero_grad();
+              model.backward(model.forward(batch.inputs), batch.labels);
+              (void)zero.step();
+            }
+            const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
+            const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
+            if (!verdict.passed()) continue;
+            const std::string name = kind == "adamw" ? "AdamW" : "SGD with momentum";
+            if (after_constructor != expected || current != expected || peak != expected)
+              verdict.fail(fmt::format(
+                  "{} on N = {} (Psi = {}, S = {}): optimizer-state bytes {} after the "
+                  "constructor, {} after two steps, peak {}; expected {} x 4 x S = {} every "
+                  "time{}",
+                  name, world, p.num_parameters, p.shard_elements, after_constructor, current, peak,
+                  floats, expected,
+                  peak >= 4 * floats * p.num_parameters
+                      ? fmt::format(" (the peak is that of {} elements: an optimizer over the "
+                                    "whole model or the padded space existed)",
+                                    peak / (4 * floats))
+                      : ""));
+            else if (kind == "adamw")
+              verdict.note(fmt::format(
+                  "AdamW state per rank (current and peak) = 8 x S = {} bytes on N = {}, "
+                  "against 8 Psi = {} unsharded ({:.2f}x less); SGD's momentum 4 x S",
+                  expected, world, 8 * p.num_parameters,
+                  static_cast<double>(8 * p.num_parameters) / static_cast<double>(expected)));
+          }
+        },
+        draws);
+  }
+}
+
+TEST(Lab5Memory, StepAllocatesNothing) {
+  Draws draws("Lab5Memory.StepAllocatesNothing");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds);
+  const float max_norm = draws.coin("clipping") ? 1.0f : 0.0f;
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          Model model = training.model();
+          ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
+          const MemoryTracker& tracker = this_rank_memory().tracker();
+          for (int step = 1; step <= options.steps; ++step) {
+            const Batch batch =
+                grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+            model.zero_grad();
+            model.backward(model.forward(batch.inputs), batch.labels);
+            const std::size_t tensors = tracker.allocations_total();
+            const grading::HeapUse heap = grading::heap_use_of_this_thread();
+            (void)zero.step();
+            const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
+            const std::size_t made = tracker.allocations_total() - tensors;
+            if (verdict.passed() && (made != 0 || used.large_bytes != 0))
+              verdict.fail(fmt::format(
+                  "step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} bytes or "
+                  "more from the heap; expected none (the constructor allocates every buffer; "
+                  "no staging copies)",
+                  step, made, used.large_bytes, grading::kLargeAllocationBytes));
+          }
+          if (verdict.passed())
+            verdict.note(fmt::format(
+                "{} steps{}: no tensor and no heap block of 1 KiB or more allocated by step()",
+                options.steps, max_norm > 0 ? " with clipping" : ""));
+        },
+        draws);
+  }
+}
+
+// --- Lab5Communication --------------------------------------------------------------------------
+
+/// One communicator call as the recording communicator saw it.
+struct Call {
+  CommOp op = CommOp::kBarrier;
+  std::size_t in = 0;   ///< input elements
+  std::size_t out = 0;  ///< output elements
+  ReduceOp reduce = ReduceOp::kSum;
+
+  bool operator==(const Call&) const = default;
+};
+
+std::string describe(const Call& call) {
+  switch (call.op) {
+    case CommOp::kReduceScatter:
+      return fmt::format("reduce_scatter({} -> {}, {})", call.in, call.out, to_string(call.reduce));
+    case CommOp::kAllGather: return fmt::format("allgather({} -> {})", call.in, call.out);
+    case CommOp::kAllReduce:
+      return fmt::format("allreduce({}, {})", call.in, to_string(call.reduce));
+    default: return std::string(to_string(call.op));
+  }
+}
+
+/// A communicator that records every call before passing it on to the real one.
+class RecordingCommunicator final : public Communicator {
+ public:
+  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
+
+  std::vector<Call> calls;
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
+    calls.push_back({CommOp::kSend, data.count, 0, ReduceOp::kSum});
+    return inner_.isend(data, peer, tag);
+  }
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
+    calls.push_back({CommOp::kRecv, 0, data.count, ReduceOp::kSum});
+    return inner_.irecv(data, peer, tag);
+  }
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
+    calls.push_back({CommOp::kAllReduce, data.count, data.count, op});
+    return inner_.allreduce(data, op);
+  }
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    calls.push_back({CommOp::kReduceScatter, in.count, out.count, op});
+    return inner_.reduce_scatter(in, out, op);
+  }
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    calls.push_back({CommOp::kAllGather, in.count, out.count, ReduceOp::kSum});
+    return inner_.allgather(in, out);
+  }
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    calls.push_back({CommOp::kBroadcast, data.count, data.count, ReduceOp::kSum});
+    return inner_.broadcast(data, root);
+  }
+  void barrier() override {
+    calls.push_back({CommOp::kBarrier, 0, 0, ReduceOp::kSum});
+    inner_.barrier();
+  }
+  CommCounters counters() const override { return inner_.counters(); }
+  Clock& clock() override { return inner_.clock(); }
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
+  Draws draws("Lab5Communication.ReduceScatterAndAllGatherOnly");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds);
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          const Partition p = contract_partition(training.psi(), world);
+          // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
+          const std::uint64_t ddp_bytes =
+              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});
+          const std::uint64_t scalar_bytes =
+              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+          double ratio = 0;
+          for (const float max_norm : {0.0f, 1.0f}) {
+            Model model = training.model();
+            RecordingCommunicator recorder(comm);
+            ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm);
+            std::vector<Call> expected = {
+                {CommOp::kReduceScatter, p.padded_elements, p.shard_elements, ReduceOp::kSum}};
+            if (max_norm > 0) expected.push_back({CommOp::kAllReduce, 1, 1, ReduceOp::kSum});
+            expected.push_back({CommOp::kAllGather, p.shard_elements, p.padded_elements});
+            for (int step = 1; step <= 2; ++step) {
+              const Batch batch =
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              model.zero_grad();
+              model.backward(model.forward(batch.inputs), batch.labels);
+              recorder.calls.clear();
+              const CommCounters before = comm.counters();
+              (void)zero.step();
+              const CommCounters used = comm.counters().since(before);
+              if (!verdict.passed()) continue;
+              if (recorder.calls != expected) {
+                std::vector<std::string> seen;
+                std::vector<std::string> wanted;
+                for (const Call& call : recorder.calls) seen.push_back(describe(call));
+                for (const Call& call : expected) wanted.push_back(describe(call));
+                const bool allreduced = std::any_of(
+                    recorder.calls.begin(), recorder.calls.end(),
+                    [&](const Call& call) { return call.op == CommOp::kAllReduce && call.in > 1; });
+                verdict.fail(fmt::format(
+                    "{}step {}: step() called [{}]; expected [{}] (Psi = {}, N = {}, S = {}){}",
+                    max_norm > 0 ? "with clipping, " : "", step, fmt::join(seen, ", "),
+                    fmt::join(wanted, ", "), p.num_parameters, world, p.shard_elements,
+                    allreduced ? ": an all-reduce of the gradients is DDP, not ZeRO-1: "
+                                 "reduce-scatter them into the shard"
+                               : ""));
+                continue;
+              }
+              const std::uint64_t sent = used.total_bytes_sent();
+              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                               used.of(CommOp::kAllGather).bytes_sent;
+              if (used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0) ||
+                  static_cast<double>(grad_bytes) >
+                      1.01 * static_cast<double>(ddp_bytes) + 8.0 * world ||
+                  static_cast<double>(grad_bytes) <
+                      0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
+                verdict.fail(fmt::format(
+                    "{}step {}: this rank sent {} bytes ({} by reduce-scatter and all-gather, "
+                    "{} by all-reduce); expected DDP's {} (one all-reduce of Psi = {} floats) "
+                    "within 1%{}",
+                    max_norm > 0 ? "with clipping, " : "", step, sent, grad_bytes,
+                    used.of(CommOp::kAllReduce).bytes_sent, ddp_bytes, p.num_parameters,
+                    max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
+                                 : ""));
+              if (ddp_bytes > 0)
+                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
+            }
+          }
+          if (verdict.passed())
+            verdict.note(fmt::format(
+                "per step one reduce-scatter and one all-gather (one all-reduce of one float "
+                "more with clipping); on N = {} they sent {:.4f}x DDP's all-reduce bytes",
+                world, world > 1 ? ratio : 1.0));
+        },
+        draws);
+  }
+}
+
+// --- Lab5Design --------------------------------------------------------------------------------
+
+TEST(Lab5Design, PredictsStateBytesPerRank) {
+  Draws draws("Lab5Design.PredictsStateBytesPerRank");
+  const std::vector<int> worlds = draws.world_sizes(8);
+  std::vector<std::string> measured;
+  for (int m = 0; m < 2; ++m) {
+    const std::string spec =
+        fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
+    const bool layer_norm = draws.coin("layer norm");
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            for (const auto& [kind, floats] : std::vector<std::pair<std::string, std::size_t>>{
+                     {"adamw", 2}, {"sgd momentum", 1}, {"sgd", 0}}) {
+              const MemoryTracker& tracker = this_rank_memory().tracker();
+              const std::array<MemoryCategory, 4> categories = {
+                  MemoryCategory::kParameters, MemoryCategory::kGradients,
+                  MemoryCategory::kOptimizerState, MemoryCategory::kCommunication};
+              const auto held = [&] {
+                std::size_t bytes = 0;
+                for (const MemoryCategory c : categories) bytes += tracker.current(c);
+                return bytes;
+              };
+              const std::size_t base = held();
+              std::size_t bytes = 0;
+              std::size_t psi = 0;
+              {
+                Model model =
+                    Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+                psi = model.num_parameters();
+                const Dataset data = load_dataset("synthetic:64", 5);
+                std::vector<std::size_t> rows(4);
+                for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
+                const Batch batch = gather_batch(data, rows);
+                const float momentum = kind == "sgd momentum" ? 0.9f : 0.0f;
+                const bool adam = kind == "adamw";
+                ZeroOneOptimizer zero(model, comm, [&](std::size_t s) {
+                  return make_optimizer(adam ? "adamw" : "sgd", s, 0.01f, momentum, 0.0f);
+                });
+                model.zero_grad();
+                model.backward(model.forward(batch.inputs), batch.labels);
+                (void)zero.step();
+                bytes = held() - base;
+              }
+              const std::size_t predicted = predicted_state_bytes_per_rank(psi, world, floats);
+              if (!verdict.passed()) continue;
+              if (predicted != bytes)
+                verdict.fail(fmt::format(
+                    "{} on N = {}, Psi = {}: predicted {} bytes; the MemoryTracker holds {} "
+                    "under parameters, gradients, optimizer state and communication ({:+} "
+                    "bytes: {:+.3g} bytes per element of Psi)",
+                    kind, world, psi, predicted, bytes,
+                    static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes),
+                    (static_cast<double>(predicted) - static_cast<double>(bytes)) /
+                        static_cast<double>(psi)));
+              else if (kind == "adamw")
+                verdict.note(fmt::format(
+                    "AdamW, Psi = {} on N = {}: {} bytes per rank ({:.2f} bytes per parameter) "
+                    "against DDP's 16 Psi = {}, predicted exactly",
+                    psi, world, bytes, static_cast<double>(bytes) / static_cast<double>(psi),
+                    16 * psi));
+            }
+          },
+          draws);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dp::lab5

@@ -1,0 +1,176 @@
+// lab5.h: lab 5, ZeRO-1: the optimizer state sharded over the data-parallel ranks. The
+// contract between your code and the grader: the interfaces you implement, the invariants
+// they must keep, and how each is checked.
+//
+// In labs 2 to 4 every rank keeps the whole optimizer state and takes the whole optimizer
+// step, on the same averaged gradient: N identical copies of the same work and of the
+// largest part of the training state (AdamW's two moments are twice the parameters). ZeRO
+// stage 1 (Rajbhandari et al., SC20) cuts the flat parameter index space into N equal
+// shards; rank r keeps the optimizer state of shard r only, updates shard r only, and the
+// ranks then all-gather the updated parameters. README.md beside this file poses the
+// problem; its Hints section, at the end, helps if you are stuck. Do not change this
+// header: the grader is compiled against it.
+//
+// What every check holds you to:
+//   * Exact arithmetic. Every element's averaged gradient is lab 2's:
+//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order,
+//     which the native reduce-scatter shares with the native all-reduce on every backend),
+//     then a division by N (not a multiplication by 1/N). The optimizer's update is
+//     element-wise, so updating a shard gives the bits a whole-model step gives: the grader
+//     compares every rank's parameters bitwise with an emulation of lab 2 after every step.
+//   * Asynchrony done right. Every check runs in the adversarial completion mode
+//     (`dp::Completion::kAdversarial`): a call's result reaches its buffer only when that
+//     call's own `Work` is waited on.
+//   * Counters you cannot change: the communicator's `CommCounters`, a recording
+//     communicator the grader hands you, the rank's `MemoryTracker` and the heap use of the
+//     rank's thread.
+//   * Arithmetic with the runtime's operations (dp/tensor_ops.h) on `Tensor`s, so that the
+//     simulated clock charges it and the code runs on a GPU too.
+//   * No mutable globals: ranks are threads of one process.
+//
+// Example (one data-parallel step):
+//
+//   dp::lab5::ZeroOneOptimizer zero(model, comm, [](std::size_t shard) {
+//     return std::make_unique<dp::AdamW>(shard, dp::AdamWOptions{.lr = 1e-3f});
+//   }, /*max_norm=*/1.0f);
+//   model.zero_grad();
+//   model.backward(model.forward(batch.inputs), batch.labels);   // local gradients
+//   std::optional<float> norm = zero.step();                     // every rank: updated model
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "dp/comm.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/tensor.h"
+
+namespace dp::lab5 {
+
+/// How the flat parameter index space of `num_parameters` elements is cut into
+/// `world_size` equal shards. Padding sits at the end: elements [num_parameters,
+/// padded_elements) exist only in the flat buffers, are zero, and belong to no parameter.
+struct Partition {
+  std::size_t num_parameters = 0;   ///< Psi: elements of the model, frozen included
+  int world_size = 1;               ///< N
+  std::size_t shard_elements = 0;   ///< S = ceil(Psi / N): every shard's size, padding included
+  std::size_t padded_elements = 0;  ///< N * S >= Psi
+
+  /// First element of rank `rank`'s shard: rank * S.
+  std::size_t shard_offset(int rank) const;
+  /// Elements of rank `rank`'s shard that are real parameters, not padding:
+  /// min(S, Psi - rank * S), or 0 when rank * S >= Psi (a shard of padding only).
+  std::size_t real_elements(int rank) const;
+
+  /// Two partitions are equal when every field is.
+  bool operator==(const Partition&) const = default;
+};
+
+/// The partition rule above for `num_parameters` elements on `world_size` ranks. Throws
+/// `dp::Error` when `world_size < 1`. Checked for drawn sizes, sizes below N and multiples
+/// of N included.
+Partition partition(std::size_t num_parameters, int world_size);
+
+/// Builds the inner optimizer of one rank over its shard: called once, by the constructor
+/// of `ZeroOneOptimizer`, with the shard's size S; the optimizer keeps state for S
+/// elements (an `Sgd` or `AdamW` of the runtime, or anything else that is an `Optimizer`).
+using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
+
+/// ZeRO stage 1 over `Model`'s flat parameter index space (`Parameter::offset`).
+///
+/// The constructor computes `partition(model.num_parameters(), comm.size())`, makes the
+/// inner optimizer with `make_inner(S)` (once), and allocates every buffer the steps need.
+/// `model` and `comm` must outlive the object.
+///
+/// A step is one `Model::backward` on the rank's local batch, then one `step()`, which:
+/// reduce-scatters the local gradients so that rank r holds the sum of shard r over all
+/// ranks, divides it by N, clips it (when `max_norm > 0`), updates shard r of the
+/// parameters with the inner optimizer, all-gathers the shards and writes every
+/// parameter's value. Every rank then holds the same parameters: bitwise lab 2's.
+///
+/// Invariants, each checked:
+///   * Sharded state. The inner optimizer's state is the only optimizer state: the bytes
+///     under `MemoryCategory::kOptimizerState` are exactly those of one optimizer over S
+///     elements (AdamW: 2 x 4 x S), at their peak too: no optimizer over the whole model or
+///     the padded space is ever made, not even for a moment.
+///   * Communication. A step calls, on the communicator and in this order: one
+///     `reduce_scatter` (`ReduceOp::kSum`) of the N S padded flat gradients into S
+///     elements; with clipping one `allreduce` (`ReduceOp::kSum`) of one float; one
+///     `allgather` of the S updated elements into N S. Nothing else: no all-reduce of the
+///     gradients (that moves the same bytes as this step and keeps N copies of the work).
+///     Per rank a step sends (N-1)/N x 4 N S bytes twice: 2 x 4 Psi-ish, DDP's volume.
+///   * Padding is zero: in the gradients reduce-scattered, in the parameters all-gathered,
+///     in `shard_parameters()` and `flat_parameters()`; it never counts in the norm.
+///   * Buffers allocated once. The constructor allocates every tensor; `step()` allocates
+///     none (`MemoryTracker::allocations_total`) and takes no block of 1 KiB or more from
+///     the heap (no staging copy in a `std::vector`).
+///   * Parameters must be trainable: a frozen parameter would be moved by weight decay and
+///     momentum of the flat space, so the constructor rejects it.
+class ZeroOneOptimizer {
+ public:
+  /// Sets up ZeRO-1 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on
+  /// (0, the default, leaves it off).
+  ///
+  /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
+  /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
+  /// whose `state_size()` is not S.
+  ZeroOneOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
+                   float max_norm = 0.0f);
+  /// Waits for any call still running (a `Work` must not outlive its buffer).
+  ~ZeroOneOptimizer();
+  ZeroOneOptimizer(const ZeroOneOptimizer&) = delete;
+  ZeroOneOptimizer& operator=(const ZeroOneOptimizer&) = delete;
+
+  /// One optimizer step from the local gradients in `Parameter::grad` (which it leaves
+  /// unchanged); on return every parameter's value is updated and every call it made is
+  /// complete. Calls `begin_step()` of the inner optimizer once.
+  ///
+  /// Clipping, when on, has this exact arithmetic (so the grader compares bitwise): rank r
+  /// computes p_r = (float) dp::dot(g, g) over the *real* elements of its averaged shard
+  /// g (`Partition::real_elements`, no padding); an all-reduce (`kSum`, rank order) gives
+  /// s = p_0 + ... + p_{N-1} in float; the norm is std::sqrt(s) in float; when
+  /// c = max_norm / (norm + 1e-6f) is below 1, the shard is scaled by c (`dp::scale`)
+  /// before the update (PyTorch's clip_grad_norm_).
+  ///
+  /// Returns the global norm of the averaged gradient before clipping when clipping is on
+  /// (the same value on every rank), std::nullopt when it is off.
+  std::optional<float> step();
+
+  /// The partition of the model's flat index space.
+  const Partition& partition() const;
+  /// This rank's shard of the parameters: (S), elements [r S, (r+1) S) of the flat index
+  /// space, its padding zero. The inner optimizer updates it in place.
+  const Tensor& shard_parameters() const;
+  /// The padded flat parameters after the latest `step()`: (N S), every rank's shard
+  /// all-gathered, equal to `Model::flat_parameters()` followed by zero padding.
+  const Tensor& flat_parameters() const;
+  /// The optimizer `make_inner` made.
+  Optimizer& inner();
+
+ private:
+  struct State;  // yours: defined in zero1.cpp
+  std::unique_ptr<State> state_;
+};
+
+/// Design question, graded against the `MemoryTracker`: the bytes one rank keeps for
+/// training state with your `ZeroOneOptimizer` (max_norm 0), for a model of
+/// `num_parameters` elements on `world_size` ranks, with an inner optimizer that keeps
+/// `state_floats_per_element` floats per element (AdamW 2, SGD with momentum 1, plain SGD
+/// 0).
+///
+/// Count what the tracker holds under `kParameters`, `kGradients`, `kOptimizerState` and
+/// `kCommunication` on one rank once the model, its gradients and your optimizer exist and
+/// one step has run: the model's own parameters and gradients (4 bytes per element each),
+/// the inner optimizer's state, and every buffer your implementation keeps. Compare it with
+/// DDP's 16 Psi for AdamW (README.md derives both).
+///
+/// The grader draws models and world sizes (rubric.json lists the ranges), runs your
+/// optimizer for one step on each rank and expects your prediction exactly, for each
+/// optimizer: a formula that forgets the padding or one of your buffers fails.
+std::size_t predicted_state_bytes_per_rank(std::size_t num_parameters, int world_size,
+                                           std::size_t state_floats_per_element);
+
+}  // namespace dp::lab5
