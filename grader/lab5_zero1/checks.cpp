@@ -634,6 +634,10 @@ class RecordingCommunicator final : public Communicator {
   explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
 
   std::vector<Call> calls;
+  /// Psi: elements of a reduce-scatter's input from here on are padding, zero at issue.
+  std::size_t real_elements = 0;
+  /// The first padding element of a reduce-scatter's input that was not zero at issue.
+  std::optional<std::size_t> nonzero_padding;
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -652,6 +656,16 @@ class RecordingCommunicator final : public Communicator {
   }
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
     calls.push_back({CommOp::kReduceScatter, in.count, out.count, op});
+    // Read at issue, before any transport may: a trial's padding of ones (or an uninitialised
+    // flat buffer) passed every check that reads only the real elements.
+    if (in.type == DataType::kFloat32 && !nonzero_padding) {
+      const auto* values = static_cast<const float*>(in.data);
+      for (std::size_t i = real_elements; i < in.count; ++i)
+        if (values[i] != 0.0f) {
+          nonzero_padding = i;
+          break;
+        }
+    }
     return inner_.reduce_scatter(in, out, op);
   }
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
@@ -692,6 +706,7 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
           for (const float max_norm : {0.0f, 1.0f}) {
             Model model = training.model();
             RecordingCommunicator recorder(comm);
+            recorder.real_elements = p.num_parameters;
             ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm);
             std::vector<Call> expected = {
                 {CommOp::kReduceScatter, p.padded_elements, p.shard_elements, ReduceOp::kSum}};
@@ -722,6 +737,15 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
                     allreduced ? ": an all-reduce of the gradients is DDP, not ZeRO-1: "
                                  "reduce-scatter them into the shard"
                                : ""));
+                continue;
+              }
+              if (recorder.nonzero_padding) {
+                verdict.fail(fmt::format(
+                    "{}step {}: the reduce-scatter's input has a non-zero padding element (index "
+                    "{} of {}, Psi = {}); expected the padding zero in the gradients "
+                    "reduce-scattered",
+                    max_norm > 0 ? "with clipping, " : "", step, *recorder.nonzero_padding,
+                    p.padded_elements, p.num_parameters));
                 continue;
               }
               const std::uint64_t sent = used.total_bytes_sent();
