@@ -6,6 +6,7 @@
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
 //   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
 //   dplab grade --sanitize thread    # the ThreadSanitizer builds (cmake -DDP_GRADE_TSAN=ON)
+//   dplab grade --lab 3 --check Lab3Ring.EqualsTheEmulation   # one check (others score 0)
 //
 // Every run has a grading seed, printed at the top of the score table: the checks draw
 // their world sizes, batch sizes, ... from it, so a hard-coded answer fails, and --seed
@@ -69,8 +70,9 @@ struct GradeArguments {
   std::string variant;  // e.g. "bug_no_divide": grade grade_lab<N>_bug_no_divide
   std::string mpirun = "mpirun";
   std::uint64_t seed = 0;
-  bool seed_given = false;  // false: draw a fresh seed
-  std::string sanitize;     // "thread": grade the ThreadSanitizer builds, grade_lab<N>_tsan
+  bool seed_given = false;          // false: draw a fresh seed
+  std::string sanitize;             // "thread": grade the ThreadSanitizer builds, grade_lab<N>_tsan
+  std::vector<std::string> checks;  // --check: run only these checks of the lab (gtest names)
 };
 
 /// A lab the grader knows: a folder grader/lab<N>_<name>/ with a rubric.json.
@@ -140,6 +142,8 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   request.backend = args.backend;
   request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
   request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
+  if (!args.checks.empty())
+    request.arguments.push_back(fmt::format("--gtest_filter={}", fmt::join(args.checks, ":")));
   if (args.backend == "mpi") {
     request.processes = mpi_processes(args);
     const std::string mpirun = args.mpirun;
@@ -201,6 +205,16 @@ void grade(const GradeArguments& args) {
       throw Error(fmt::format("malformed rubric {}: \"lab\" is {} but the folder is lab {}",
                               lab.rubric.string(), rubrics.back().lab, lab.number));
   }
+  // --check names checks of the rubric, exactly: a misspelt name must not grade nothing.
+  if (!args.checks.empty()) {
+    if (args.lab == 0) throw Error("--check names one lab's checks: give --lab N too");
+    std::vector<std::string> known;
+    for (const grader::RubricCheck& check : rubrics.front().checks) known.push_back(check.test);
+    for (const std::string& check : args.checks)
+      if (std::find(known.begin(), known.end(), check) == known.end())
+        throw Error(fmt::format("--check {}: lab {} has no such check; its checks are {}", check,
+                                args.lab, fmt::join(known, ", ")));
+  }
   // The reports are written after grading: a bad path (or a rubric's) must fail before it.
   std::vector<std::filesystem::path> rubric_files;
   for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
@@ -223,6 +237,8 @@ void grade(const GradeArguments& args) {
       kReferenceBuild ? "reference solutions (solutions/)" : "your code (labs/)";
   if (!args.variant.empty()) report.implementation += ", variant " + args.variant;
   if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
+  if (!args.checks.empty())
+    report.implementation += fmt::format(", only {} (--check)", fmt::join(args.checks, ", "));
   report.backend =
       args.backend == "mpi" ? fmt::format("mpi ({} processes)", mpi_processes(args)) : "local";
   const auto start = std::chrono::steady_clock::now();
@@ -270,6 +286,9 @@ void add_grade_command(CLI::App& app) {
                    "thread: grade the ThreadSanitizer builds (grade_lab<N>_tsan, configured "
                    "with -DDP_GRADE_TSAN=ON); a data race fails the lab")
       ->check(CLI::IsMember({"thread"}));
+  grade_app->add_option("--check", args->checks,
+                        "Run only this check of --lab N (its name in the score table, "
+                        "Suite.Name; repeatable): the others are not run and score 0");
   // Hidden (empty group): the selftests grade planted-bug builds with it.
   grade_app->add_option("--variant", args->variant, "Grade grade_lab<N>_<NAME> instead")->group("");
   grade_app->callback([args, seed] {
