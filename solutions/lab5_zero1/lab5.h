@@ -126,7 +126,8 @@ class ZeroOneOptimizer {
 
   /// One optimizer step from the local gradients in `Parameter::grad` (which it leaves
   /// unchanged); on return every parameter's value is updated and every call it made is
-  /// complete. Calls `begin_step()` of the inner optimizer once.
+  /// complete. Calls `begin_step()` of the inner optimizer once, on every rank (a rank
+  /// whose shard is all padding too: the step count is part of the state it keeps).
   ///
   /// Clipping, when on, has this exact arithmetic (so the grader compares bitwise): rank r
   /// computes p_r = (float) dp::dot(g, g) over the *real* elements of its averaged shard
@@ -161,8 +162,8 @@ class ZeroOneOptimizer {
 /// `state_floats_per_element` floats per element (AdamW 2, SGD with momentum 1, plain SGD
 /// 0).
 ///
-/// Count what the tracker holds under `kParameters`, `kGradients`, `kOptimizerState` and
-/// `kCommunication` on one rank once the model, its gradients and your optimizer exist and
+/// Count what the tracker holds, over all its categories, on one rank once the model, its
+/// gradients and your optimizer exist and
 /// one step has run: the model's own parameters and gradients (4 bytes per element each),
 /// the inner optimizer's state, and every buffer your implementation keeps. Compare it with
 /// DDP's 16 Psi for AdamW (README.md derives both).
