@@ -582,9 +582,17 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           const std::size_t shard = 4 * contract_shard(buckets);
           const std::size_t layer = 4 * largest_layer(model);
           const std::size_t buffers = contract_buffer_bytes(buckets, world);
+          const std::size_t other_base = tracker.current(MemoryCategory::kOther);
+          const std::size_t params_base = tracker.current(MemoryCategory::kParameters);
           ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
           const std::size_t after_constructor =
               tracker.current(MemoryCategory::kGradients) - grad_base;
+          const std::size_t params_added =
+              tracker.current(MemoryCategory::kParameters) - params_base;
+          if (params_added != shard)
+            verdict.fail(fmt::format(
+                "the constructor added {} bytes of parameters; expected the shard's 4 S = {}",
+                params_added, shard));
           if (after_constructor != shard)
             verdict.fail(fmt::format(
                 "gradient bytes after the constructor {}; expected the shard's 4 S = {}{}",
@@ -606,7 +614,15 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           }
           const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
           const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+          const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
           if (!verdict.passed()) return;
+          if (other_peak != 0) {
+            verdict.fail(fmt::format(
+                "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none "
+                "(gradients under kGradients, buffers under kCommunication)",
+                other_peak));
+            return;
+          }
           const std::size_t expected = shard + layer;
           if (backward_peak != expected || grad_peak != expected)
             verdict.fail(fmt::format(
@@ -657,7 +673,18 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
             const std::size_t shard =
                 contract_shard(contract_buckets(model, world, training.cap_bytes));
             const std::size_t expected = 4 * floats * shard;
+            // A twin without ZeRO-2: the heap its plain backward takes is the runtime's own.
+            Model twin = training.model();
+            const grading::HeapUse before_constructor = grading::heap_use_of_this_thread();
             ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
+            const grading::HeapUse constructor =
+                grading::heap_use_of_this_thread().since(before_constructor);
+            if (verdict.passed() && constructor.large_bytes != 0)
+              verdict.fail(fmt::format(
+                  "{}: the constructor took {} bytes in heap blocks of {} bytes or more; expected "
+                  "none (every buffer of gradients or parameters is a Tensor, charged to its "
+                  "category)",
+                  kind, constructor.large_bytes, grading::kLargeAllocationBytes));
             for (int step = 1; step <= 2; ++step) {
               const Batch batch =
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
@@ -665,7 +692,14 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               std::array<std::size_t, kNumMemoryCategories> before{};
               for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
                 before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
+              const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
+              twin.zero_grad();
+              twin.backward(twin.forward(batch.inputs), batch.labels);
+              const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
+              const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
               model.backward(model.forward(batch.inputs), batch.labels);
+              const grading::HeapUse hooked =
+                  grading::heap_use_of_this_thread().since(hooked_before);
               const std::size_t tensors = tracker.allocations_total();
               const grading::HeapUse heap = grading::heap_use_of_this_thread();
               (void)zero.step();
@@ -679,7 +713,14 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               const std::size_t others = made(MemoryCategory::kCommunication) +
                                          made(MemoryCategory::kParameters) +
                                          made(MemoryCategory::kOptimizerState);
-              if (in_step != 0 || used.large_bytes != 0)
+              if (hooked.large_bytes > plain.large_bytes)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward and backward with your hooks took {} bytes in heap "
+                    "blocks of {} bytes or more, the same without them {}; expected no more "
+                    "(no staging copies in the hooks)",
+                    kind, step, hooked.large_bytes, grading::kLargeAllocationBytes,
+                    plain.large_bytes));
+              else if (in_step != 0 || used.large_bytes != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
                     "bytes or more from the heap; expected none",
