@@ -574,6 +574,19 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
         [&](Communicator& comm, Verdict& verdict) {
           const TrainOptions options = training.for_world(world);
           MemoryTracker& tracker = this_rank_memory().tracker();
+          // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
+          Model twin = training.model();
+          const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
+          tracker.reset_peaks();
+          {
+            const Batch batch =
+                grading::local_batch(*training.data, options, 0, comm.rank(), world);
+            twin.backward(twin.forward(batch.inputs), batch.labels);
+          }
+          const std::size_t plain_activations =
+              tracker.peak(MemoryCategory::kActivations) - activation_base;
+          // The twin keeps what its loss saved (one row of logits per sample): count from here.
+          const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
           const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
           const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
           Model model = training.model();
@@ -583,6 +596,7 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           const std::size_t layer = 4 * largest_layer(model);
           const std::size_t buffers = contract_buffer_bytes(buckets, world);
           const std::size_t other_base = tracker.current(MemoryCategory::kOther);
+          tracker.reset_peaks();
           const std::size_t params_base = tracker.current(MemoryCategory::kParameters);
           ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
           const std::size_t after_constructor =
@@ -615,7 +629,17 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
           const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
           const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
+          const std::size_t activations =
+              tracker.peak(MemoryCategory::kActivations) - model_activation_base;
           if (!verdict.passed()) return;
+          if (activations > plain_activations) {
+            verdict.fail(fmt::format(
+                "{} activation bytes at the peak of the steps, {} for the same forward and "
+                "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
+                "under kCommunication)",
+                activations, plain_activations));
+            return;
+          }
           if (other_peak != 0) {
             verdict.fail(fmt::format(
                 "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none "

@@ -130,7 +130,7 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     (B buckets), and with clipping one float for the norm. Nothing else.
 ///   * `kParameters`: the model's parameters and the shard of the parameters, 4 S.
 ///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
-///   * `kOther`: nothing.
+///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
 ///   * After the constructor no tensor is allocated but the gradients backward allocates
 ///     again after your hook released them; `step()` allocates none. Every buffer is a
 ///     `Tensor`: the constructor, your hooks and `step()` take no block of 1 KiB or more from
