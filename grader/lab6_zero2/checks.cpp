@@ -719,10 +719,15 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               std::array<std::size_t, kNumMemoryCategories> before{};
               for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
                 before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
+              const std::size_t twin_activations_before =
+                  tracker.allocations(MemoryCategory::kActivations);
               const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
               twin.zero_grad();
               twin.backward(twin.forward(batch.inputs), batch.labels);
               const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
+              const std::size_t activations_before =
+                  tracker.allocations(MemoryCategory::kActivations);
+              const std::size_t plain_activations = activations_before - twin_activations_before;
               const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
               model.backward(model.forward(batch.inputs), batch.labels);
               const grading::HeapUse hooked =
@@ -740,7 +745,15 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               const std::size_t others = made(MemoryCategory::kCommunication) +
                                          made(MemoryCategory::kParameters) +
                                          made(MemoryCategory::kOptimizerState);
-              if (hooked.large_bytes > plain.large_bytes)
+              const std::size_t hooked_activations =
+                  tracker.allocations(MemoryCategory::kActivations) - activations_before;
+              if (hooked_activations > plain_activations)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward, backward and step() allocated {} activation tensors, "
+                    "the same forward and backward without ZeRO-2 {}; expected no more (no "
+                    "staging tensors)",
+                    kind, step, hooked_activations, plain_activations));
+              else if (hooked.large_bytes > plain.large_bytes)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward and backward with your hooks took {} bytes in heap "
                     "blocks of {} bytes or more, the same without them {}; expected no more "
