@@ -1,0 +1,1129 @@
+// Lab 6's graded checks. The bucket plan must follow lab6.h's rule; training through
+// ZeroTwoOptimizer (SGD and AdamW, drawn models, caps and world sizes, buckets that pad)
+// must be lab 2's flat arithmetic bitwise after every step on every rank; clipping must
+// follow the contract's arithmetic bit for bit; the MemoryTracker must show only the
+// shard of the gradient plus one layer's gradients during backward, the contract's bucket
+// buffers and an optimizer over the shard, and a step must allocate nothing but the
+// gradients backward makes; the recording communicator, a gradient-ready hook of the
+// grader's and the backend's counters must show one reduce-scatter per bucket launched
+// from the hook that completes it, no early wait, then the all-gathers, DDP's volume plus
+// the padding; the design question's prediction must equal the tracker's peak. Every check
+// draws its configuration from the grading seed and runs in the adversarial completion
+// mode. rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "compare.h"
+#include "dp/data.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/memory.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/tensor_ops.h"
+#include "dp/trainer.h"
+#include "grading.h"
+#include "ground_truth.h"
+#include "heap_use.h"
+#include "lab6.h"
+
+namespace dp::lab6 {
+namespace {
+
+using grading::Draws;
+using grading::run_on_ranks;
+using grading::Trajectory;
+using grading::Verdict;
+
+// --- the contract's rules, as the grader computes them ------------------------------------
+
+/// lab6.h's bucket rule: the grader's own copy.
+std::vector<Bucket> contract_buckets(const Model& model, int world, std::size_t cap_bytes) {
+  std::vector<Bucket> buckets;
+  Bucket open;
+  const auto parameters = model.parameters();
+  for (std::size_t i = parameters.size(); i-- > 0;) {
+    const std::size_t size = parameters[i]->value.size();
+    if (!open.parameters.empty() && (open.elements + size) * 4 > cap_bytes) {
+      buckets.push_back(std::move(open));
+      open = Bucket{};
+    }
+    open.parameters.push_back(i);
+    open.elements += size;
+  }
+  if (!open.parameters.empty()) buckets.push_back(std::move(open));
+  std::size_t offset = 0;
+  const auto n = static_cast<std::size_t>(world);
+  for (Bucket& bucket : buckets) {
+    bucket.chunk_elements = (bucket.elements + n - 1) / n;
+    bucket.shard_offset = offset;
+    offset += bucket.chunk_elements;
+  }
+  return buckets;
+}
+
+std::size_t contract_shard(const std::vector<Bucket>& buckets) {
+  std::size_t total = 0;
+  for (const Bucket& bucket : buckets) total += bucket.chunk_elements;
+  return total;
+}
+
+std::string describe(const Bucket& b) {
+  return fmt::format("{{parameters [{}], E {}, C {}, shard offset {}}}",
+                     fmt::join(b.parameters, ", "), b.elements, b.chunk_elements, b.shard_offset);
+}
+
+std::string describe(const std::vector<Bucket>& buckets) {
+  std::vector<std::string> parts;
+  for (const Bucket& b : buckets) parts.push_back(describe(b));
+  return fmt::format("[{}]", fmt::join(parts, ", "));
+}
+
+/// Rank `rank`'s shard as flat indices of the model's parameter space, in shard order; a
+/// padding element is `kPadding`.
+constexpr std::size_t kPadding = std::numeric_limits<std::size_t>::max();
+
+std::vector<std::size_t> shard_indices(const Model& model, const std::vector<Bucket>& buckets,
+                                       int rank) {
+  std::vector<std::size_t> indices;
+  for (const Bucket& bucket : buckets) {
+    std::vector<std::size_t> flat;  // the bucket's flat range, as model indices
+    for (const std::size_t p : bucket.parameters) {
+      const Parameter& parameter = *model.parameters()[p];
+      for (std::size_t i = 0; i < parameter.value.size(); ++i) flat.push_back(parameter.offset + i);
+    }
+    const std::size_t begin = static_cast<std::size_t>(rank) * bucket.chunk_elements;
+    for (std::size_t i = begin; i < begin + bucket.chunk_elements; ++i)
+      indices.push_back(i < flat.size() ? flat[i] : kPadding);
+  }
+  return indices;
+}
+
+/// The elements of the largest layer's parameters.
+std::size_t largest_layer(Model& model) {
+  std::size_t largest = 0;
+  for (Layer* layer : model.layers()) {
+    std::size_t elements = 0;
+    for (const Parameter* parameter : layer->parameters()) elements += parameter->value.size();
+    largest = std::max(largest, elements);
+  }
+  return largest;
+}
+
+/// Bytes of the contract's bucket buffers: min(2, B) x 4 max_k N C_k.
+std::size_t contract_buffer_bytes(const std::vector<Bucket>& buckets, int world) {
+  std::size_t largest = 0;
+  for (const Bucket& b : buckets)
+    largest = std::max(largest, static_cast<std::size_t>(world) * b.chunk_elements);
+  return 4 * std::min(kBucketBuffers, buckets.size()) * largest;
+}
+
+/// The contract's clipping of the averaged flat gradient `g` on `world` ranks whose shards
+/// `shards` gives: returns the norm and scales `g` when the coefficient is below 1.
+float contract_clip(std::vector<float>& g, const std::vector<std::vector<std::size_t>>& shards,
+                    float max_norm) {
+  float sum = 0;
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    double partial = 0;  // dp::dot: double, index order; padding adds 0
+    for (const std::size_t i : shards[r])
+      if (i != kPadding) partial += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+    sum = r == 0 ? static_cast<float>(partial) : sum + static_cast<float>(partial);
+  }
+  const float norm = std::sqrt(sum);
+  const float coefficient = max_norm / (norm + 1e-6f);
+  if (coefficient < 1.0f)
+    for (float& value : g) value = coefficient * value;
+  return norm;
+}
+
+// --- drawn training ------------------------------------------------------------------------
+
+/// One drawn training set-up: the MLP 64-h1-h2-10 with GELU (LayerNorm drawn), 3 to 5 steps,
+/// 2 to 6 rows of the global batch per rank, SGD or AdamW, a bucket cap of 0 to h1 x h2
+/// elements (so that there are several buckets, most of which pad).
+struct Training {
+  TrainOptions options;
+  std::int64_t rows_per_rank = 2;
+  std::size_t cap_bytes = 0;
+  std::shared_ptr<const Dataset> data;
+
+  TrainOptions for_world(int world) const {
+    TrainOptions concrete = options;
+    concrete.global_batch = rows_per_rank * world;
+    return concrete;
+  }
+  Model model() const { return make_model(options); }
+};
+
+Training draw_training(Draws& draws, const std::string& optimizer) {
+  Training training;
+  TrainOptions& o = training.options;
+  const std::int64_t h1 = draws.integer("hidden1", 24, 72);
+  const std::int64_t h2 = draws.integer("hidden2", 12, 40);
+  o.activation = "gelu";
+  o.layer_norm = draws.coin("layer norm");
+  o.model = fmt::format("64-{}-{}-10", h1, h2);
+  o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 400));
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
+  grading::draw_optimizer(draws, optimizer, o);
+  training.rows_per_rank = draws.integer("rows per rank", 2, 6);
+  training.cap_bytes = 4 * static_cast<std::size_t>(draws.integer("cap elements", 0, h1 * h2));
+  training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
+  return training;
+}
+
+OptimizerFactory factory_for(const TrainOptions& options) {
+  return [options](std::size_t shard) { return grading::optimizer_for(options, shard); };
+}
+
+std::vector<grading::Suspect> suspects(int world) {
+  const double n = world;
+  return {{n, fmt::format("a missing division by N = {}", world)},
+          {1.0 / n, fmt::format("the division by N = {} applied twice", world)}};
+}
+
+/// "" when `shard` is this rank's chunks of `model`'s parameters, padding zero.
+std::string check_shard(const Model& model, const std::vector<std::size_t>& indices,
+                        const Tensor& shard) {
+  if (shard.size() != indices.size())
+    return fmt::format("shard_parameters() holds {} elements; expected S = {}", shard.size(),
+                       indices.size());
+  const std::vector<float> all = model.flat_parameters();
+  const std::span<const float> values = shard.span();
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    const float expected = indices[i] == kPadding ? 0.0f : all[indices[i]];
+    if (std::memcmp(&values[i], &expected, sizeof(float)) != 0)
+      return indices[i] == kPadding
+                 ? fmt::format("shard_parameters()[{}] is padding and holds {}; expected 0", i,
+                               values[i])
+                 : fmt::format(
+                       "shard_parameters()[{}] holds {}; expected {}, flat parameter element {} "
+                       "(the shard is this rank's chunk of every bucket, in bucket order)",
+                       i, values[i], expected, indices[i]);
+  }
+  return "";
+}
+
+/// "" when every Parameter::grad of `model` is released (an empty tensor).
+std::string check_released(const Model& model) {
+  std::vector<std::string> kept;
+  for (const Parameter* parameter : model.parameters())
+    if (!parameter->grad.empty()) kept.push_back(parameter->name);
+  if (kept.empty()) return "";
+  return fmt::format("Parameter::grad of [{}] still allocated; expected every gradient released",
+                     fmt::join(kept, ", "));
+}
+
+/// Trains this rank with the student's ZeroTwoOptimizer for `training`'s steps, comparing
+/// every step with `exact` bitwise (and the norms with `norms` when clipping).
+void train_and_compare(const Training& training, Communicator& comm, Verdict& verdict,
+                       const Trajectory& exact, float max_norm, const std::vector<float>& norms,
+                       const std::string& what) {
+  const int world = comm.size();
+  const TrainOptions options = training.for_world(world);
+  Model model = training.model();
+  const std::vector<std::size_t> indices =
+      shard_indices(model, contract_buckets(model, world, training.cap_bytes), comm.rank());
+  ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
+  // Every rank runs every step whatever it found, so that no rank waits for a peer that
+  // stopped: a failure is recorded once, and the later steps are not judged.
+  for (int step = 1; step <= options.steps; ++step) {
+    const std::vector<float> before = model.flat_parameters();
+    const Batch batch = grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+    model.zero_grad();
+    model.backward(model.forward(batch.inputs), batch.labels);
+    const std::optional<float> norm = zero.step();
+    if (!verdict.passed()) continue;
+    if (max_norm > 0) {
+      const float expected_norm = norms[static_cast<std::size_t>(step - 1)];
+      if (!norm.has_value())
+        verdict.fail(fmt::format("{}: step {} returned no norm with clipping on (max_norm {})",
+                                 what, step, max_norm));
+      else if (std::memcmp(&*norm, &expected_norm, sizeof(float)) != 0)
+        verdict.fail(fmt::format(
+            "{}: step {} returned the norm {:.9g}; expected {:.9g}, the contract's arithmetic "
+            "over the averaged shards (ratio {:.6g}{})",
+            what, step, *norm, expected_norm, *norm / expected_norm,
+            world > 1 && std::abs(*norm / expected_norm - static_cast<float>(world)) < 1e-3f
+                ? ": the norm of the sum, before the division by N?"
+                : ""));
+    }
+    if (!verdict.passed()) continue;
+    const std::vector<float>& expected =
+        exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
+    const std::string finding = grading::compare_parameters(model, expected, 0.0f);
+    if (!finding.empty()) {
+      const std::vector<float> seen = model.flat_parameters();
+      const std::string hint =
+          grading::scale_hint(grading::difference(seen, before),
+                              grading::difference(expected, before), suspects(world));
+      verdict.fail(fmt::format("{}: first differing step {}: {}; {}{}", what, step, finding,
+                               grading::per_parameter_summary(model, seen, expected),
+                               hint.empty() ? "" : "; " + hint));
+      continue;
+    }
+    verdict.expect_empty(check_shard(model, indices, zero.shard_parameters()),
+                         fmt::format("{}: after step {}", what, step));
+    verdict.expect_empty(check_released(model), fmt::format("{}: after step {}", what, step));
+    if (max_norm == 0 && norm.has_value())
+      verdict.fail(
+          fmt::format("{}: step {} returned a norm ({}) with clipping off; expected std::nullopt",
+                      what, step, *norm));
+  }
+}
+
+// --- Lab6Buckets ---------------------------------------------------------------------------
+
+TEST(Lab6Buckets, FollowTheRule) {
+  Draws draws("Lab6Buckets.FollowTheRule");
+  // Drawn models, caps and world sizes up to 16; a cap of 0, one above the model's size,
+  // and a bucket of one small bias on many ranks (chunks of padding only).
+  for (int i = 0; i < 4; ++i) {
+    TrainOptions o;
+    o.model = fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
+    o.layer_norm = draws.coin("layer norm");
+    const Model model = make_model(o);
+    const int world = static_cast<int>(draws.integer("N", 1, 16));
+    const std::size_t psi = model.num_parameters();
+    const std::array<std::size_t, 3> caps = {
+        i == 0 ? std::size_t{0} : 4 * static_cast<std::size_t>(draws.integer("cap", 1, psi / 2)),
+        4 * psi + 4, 4 * static_cast<std::size_t>(draws.integer("cap", 1, 2000))};
+    for (const std::size_t cap : caps) {
+      const std::vector<Bucket> expected = contract_buckets(model, world, cap);
+      std::vector<Bucket> seen;
+      try {
+        seen = plan_buckets(model, world, cap);
+      } catch (const NotImplemented&) {
+        throw;
+      } catch (const std::exception& error) {
+        ADD_FAILURE() << fmt::format("plan_buckets({}, N {}, cap {}) threw {}: {}\n  drawn: {}",
+                                     o.model, world, cap, grading::type_name(error), error.what(),
+                                     draws.describe());
+        continue;
+      }
+      if (seen != expected)
+        ADD_FAILURE() << fmt::format(
+            "plan_buckets({}{}, N {}, cap {} bytes) = {}; expected {}\n  drawn: {}", o.model,
+            o.layer_norm ? " with LayerNorm" : "", world, cap, describe(seen), describe(expected),
+            draws.describe());
+      else if (shard_elements(seen) != contract_shard(expected))
+        ADD_FAILURE() << fmt::format("shard_elements = {}; expected the sum of the chunks, {}",
+                                     shard_elements(seen), contract_shard(expected));
+    }
+  }
+  {
+    TrainOptions o;
+    o.model = "64-16-10";
+    Model model = make_model(o);
+    const auto expect_error = [&](const std::string& what, const auto& call) {
+      try {
+        call();
+        ADD_FAILURE() << fmt::format("{}: plan_buckets returned; expected dp::Error", what);
+      } catch (const NotImplemented&) {
+        throw;
+      } catch (const Error&) {
+      }
+    };
+    expect_error("world size 0", [&] { (void)plan_buckets(model, 0, 1024); });
+    model.freeze(model.parameters().front()->name);
+    expect_error("a frozen parameter", [&] { (void)plan_buckets(model, 2, 1024); });
+  }
+  // The optimizer's own buckets, initial shard and released gradients, on drawn world sizes.
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "sgd");
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = training.model();
+          const std::vector<Bucket> expected = contract_buckets(model, world, training.cap_bytes);
+          ZeroTwoOptimizer zero(model, comm, factory_for(training.for_world(world)),
+                                training.cap_bytes);
+          if (zero.buckets() != expected)
+            verdict.fail(fmt::format("ZeroTwoOptimizer::buckets() = {}; expected {}",
+                                     describe(zero.buckets()), describe(expected)));
+          else
+            verdict.expect_empty(check_shard(model, shard_indices(model, expected, comm.rank()),
+                                             zero.shard_parameters()),
+                                 "after the constructor");
+          verdict.expect_empty(check_released(model), "after the constructor");
+        },
+        draws);
+  }
+  if (!HasFailure())
+    grading::note_measured(fmt::format(
+        "drawn models, caps (0, drawn, above the model) and N up to 16 follow the rule; the "
+        "optimizer's buckets, initial shard and released gradients on world sizes {}",
+        fmt::join(worlds, ", ")));
+}
+
+// --- Lab6Contract --------------------------------------------------------------------------
+
+TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
+  Draws draws("Lab6Contract.ErrorsOnMisuseAndOneInnerOptimizer");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "adamw");
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          const std::size_t cap = training.cap_bytes;
+          const std::size_t shard = contract_shard(contract_buckets(training.model(), world, cap));
+          const auto expect_error = [&](const std::string& what, const auto& make) {
+            try {
+              make();
+              verdict.fail(fmt::format("{}: the call returned; expected dp::Error", what));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+          };
+          {
+            Model model = training.model();
+            const std::string& name = model.parameters().back()->name;
+            model.freeze(name);
+            expect_error(fmt::format("a frozen parameter ({})", name),
+                         [&] { ZeroTwoOptimizer zero(model, comm, factory_for(options), cap); });
+          }
+          Model model = training.model();
+          expect_error("max_norm -1", [&] {
+            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap, -1.0f);
+          });
+          expect_error("max_norm NaN", [&] {
+            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap,
+                                  std::numeric_limits<float>::quiet_NaN());
+          });
+          expect_error("max_norm infinity", [&] {
+            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap,
+                                  std::numeric_limits<float>::infinity());
+          });
+          expect_error("an empty factory",
+                       [&] { ZeroTwoOptimizer zero(model, comm, OptimizerFactory{}, cap); });
+          expect_error("a factory that returns nullptr", [&] {
+            ZeroTwoOptimizer zero(
+                model, comm, [](std::size_t) { return std::unique_ptr<Optimizer>{}; }, cap);
+          });
+          expect_error(
+              fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
+                          shard + 1),
+              [&] {
+                ZeroTwoOptimizer zero(
+                    model, comm,
+                    [](std::size_t s) { return std::make_unique<Sgd>(s + 1, SgdOptions{}); }, cap);
+              });
+          if (!verdict.passed()) return;
+          Model fresh = training.model();
+          std::vector<std::size_t> asked;
+          const Optimizer* made = nullptr;
+          ZeroTwoOptimizer zero(
+              fresh, comm,
+              [&](std::size_t s) {
+                asked.push_back(s);
+                auto optimizer = grading::optimizer_for(options, s);
+                made = optimizer.get();
+                return optimizer;
+              },
+              cap);
+          if (asked != std::vector<std::size_t>{shard})
+            verdict.fail(fmt::format(
+                "the factory was called with [{}]; expected once, with the shard's S = {}",
+                fmt::join(asked, ", "), shard));
+          else if (&zero.inner() != made)
+            verdict.fail("inner() is not the optimizer the factory made");
+          if (!verdict.passed()) return;
+          expect_error("step() without a backward", [&] { (void)zero.step(); });
+          const std::int64_t steps_before = made->step_count();
+          const Batch batch = grading::local_batch(*training.data, options, 0, comm.rank(), world);
+          fresh.zero_grad();
+          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          (void)zero.step();
+          if (verdict.passed() && made->step_count() != steps_before + 1)
+            verdict.fail(fmt::format(
+                "one step() began {} steps of the inner optimizer; expected 1 (begin_step once)",
+                made->step_count() - steps_before));
+          if (verdict.passed())
+            verdict.note(
+                "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
+                "returning nullptr or an optimizer of the wrong size throw dp::Error, and so does "
+                "a step without a backward; the factory is called once with S");
+        },
+        draws);
+  }
+}
+
+// --- Lab6Equivalence -----------------------------------------------------------------------
+
+TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
+  Draws draws("Lab6Equivalence.BitwiseLab2AfterEveryStep");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    Training training = draw_training(draws, optimizer);
+    // AdamW with a cap of 0: one bucket per parameter, so that small buckets give some ranks
+    // a chunk of padding only (a bias of 10 on N = 6), and every buffer is reused.
+    if (optimizer == "adamw") training.cap_bytes = 0;
+    for (int world : worlds) {
+      const TrainOptions options = training.for_world(world);
+      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
+      const Trajectory one = grading::single_process_trajectory(options, *training.data);
+      const double from_one = grading::max_abs_difference(exact.parameters_after_step.back(),
+                                                          one.parameters_after_step.back());
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            train_and_compare(training, comm, verdict, exact, 0.0f, {},
+                              fmt::format("ZeroTwoOptimizer with {}, cap {} bytes", optimizer,
+                                          training.cap_bytes));
+            if (verdict.passed()) {
+              const std::vector<Bucket> b =
+                  contract_buckets(training.model(), world, training.cap_bytes);
+              std::size_t padding = 0;
+              for (const Bucket& bucket : b)
+                padding +=
+                    static_cast<std::size_t>(world) * bucket.chunk_elements - bucket.elements;
+              verdict.note(fmt::format(
+                  "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
+                  "(here {} on N = {}: {} buckets, S = {}, {} padding elements stayed 0); one "
+                  "process on the global batch differs by {:.1e} after {} steps",
+                  optimizer, world, b.size(), contract_shard(b), padding, from_one, options.steps));
+            }
+          },
+          draws);
+    }
+  }
+}
+
+// --- Lab6Clipping --------------------------------------------------------------------------
+
+TEST(Lab6Clipping, GlobalNormOverTheShards) {
+  Draws draws("Lab6Clipping.GlobalNormOverTheShards");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  struct Case {
+    std::string optimizer;
+    float low;
+    float high;
+  };
+  for (const Case& drawn :
+       {Case{"sgd", 0.2f, 0.7f}, Case{"adamw", 0.2f, 0.7f}, Case{"sgd", 2.0f, 4.0f}}) {
+    const std::string label = drawn.optimizer + (drawn.low > 1 ? " above the norm" : "");
+    const Training training = draw_training(draws, drawn.optimizer);
+    const float fraction = draws.uniform(label + " max_norm / first norm", drawn.low, drawn.high);
+    for (int world : worlds) {
+      const TrainOptions options = training.for_world(world);
+      const Trajectory plain = grading::emulate_data_parallel(options, *training.data, world);
+      double first = 0;
+      for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
+      const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
+      const Model layout = training.model();
+      const std::vector<Bucket> buckets = contract_buckets(layout, world, training.cap_bytes);
+      std::vector<std::vector<std::size_t>> shards;
+      for (int r = 0; r < world; ++r) shards.push_back(shard_indices(layout, buckets, r));
+      std::vector<float> norms;
+      double worst_relative = 0;
+      int clipped = 0;
+      grading::Emulation how;
+      how.before_step = [&](int, std::vector<float>& g) {
+        double exact = 0;
+        for (const float value : g) exact += static_cast<double>(value) * value;
+        norms.push_back(contract_clip(g, shards, max_norm));
+        clipped += norms.back() + 1e-6f > max_norm;
+        worst_relative =
+            std::max(worst_relative, std::abs(norms.back() - std::sqrt(exact)) / std::sqrt(exact));
+      };
+      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world, how);
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            train_and_compare(training, comm, verdict, exact, max_norm, norms,
+                              fmt::format("ZeroTwoOptimizer with {} and max_norm {:.4g}",
+                                          drawn.optimizer, max_norm));
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "{} with max_norm {:.2g}x the first norm: norms and parameters bitwise the "
+                  "contract's arithmetic ({} of {} steps clipped here, N = {}); the norms "
+                  "within {:.1e} of the unsharded double-precision norm",
+                  drawn.optimizer, fraction, clipped, options.steps, world, worst_relative));
+          },
+          draws);
+    }
+  }
+}
+
+// --- Lab6Memory ----------------------------------------------------------------------------
+
+TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
+  Draws draws("Lab6Memory.GradientsAreOneShardPlusOneLayer");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          MemoryTracker& tracker = this_rank_memory().tracker();
+          // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
+          Model twin = training.model();
+          const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
+          tracker.reset_peaks();
+          {
+            const Batch batch =
+                grading::local_batch(*training.data, options, 0, comm.rank(), world);
+            twin.backward(twin.forward(batch.inputs), batch.labels);
+          }
+          const std::size_t plain_activations =
+              tracker.peak(MemoryCategory::kActivations) - activation_base;
+          // The twin keeps what its loss saved (one row of logits per sample): count from here.
+          const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
+          const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+          const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+          Model model = training.model();
+          const std::size_t psi = model.num_parameters();
+          const std::vector<Bucket> buckets = contract_buckets(model, world, training.cap_bytes);
+          const std::size_t shard = 4 * contract_shard(buckets);
+          const std::size_t layer = 4 * largest_layer(model);
+          const std::size_t buffers = contract_buffer_bytes(buckets, world);
+          const std::size_t other_base = tracker.current(MemoryCategory::kOther);
+          tracker.reset_peaks();
+          const std::size_t params_base = tracker.current(MemoryCategory::kParameters);
+          ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
+          const std::size_t after_constructor =
+              tracker.current(MemoryCategory::kGradients) - grad_base;
+          const std::size_t params_added =
+              tracker.current(MemoryCategory::kParameters) - params_base;
+          if (params_added != shard)
+            verdict.fail(fmt::format(
+                "the constructor added {} bytes of parameters; expected the shard's 4 S = {}",
+                params_added, shard));
+          if (after_constructor != shard)
+            verdict.fail(fmt::format(
+                "gradient bytes after the constructor {}; expected the shard's 4 S = {}{}",
+                after_constructor, shard,
+                after_constructor >= 4 * psi ? " (the model's whole gradient is still there)"
+                                             : ""));
+          tracker.reset_peaks();
+          std::size_t backward_peak = 0;
+          for (int step = 1; step <= 2 && verdict.passed(); ++step) {
+            const Batch batch =
+                grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+            model.zero_grad();
+            model.backward(model.forward(batch.inputs), batch.labels);
+            backward_peak =
+                std::max(backward_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
+            verdict.expect_empty(check_released(model),
+                                 fmt::format("step {}, right after backward", step));
+            (void)zero.step();
+          }
+          const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+          const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+          const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
+          const std::size_t activations =
+              tracker.peak(MemoryCategory::kActivations) - model_activation_base;
+          if (!verdict.passed()) return;
+          if (activations > plain_activations) {
+            verdict.fail(fmt::format(
+                "{} activation bytes at the peak of the steps, {} for the same forward and "
+                "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
+                "under kCommunication)",
+                activations, plain_activations));
+            return;
+          }
+          if (other_peak != 0) {
+            verdict.fail(fmt::format(
+                "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none "
+                "(gradients under kGradients, buffers under kCommunication)",
+                other_peak));
+            return;
+          }
+          const std::size_t expected = shard + layer;
+          if (backward_peak != expected || grad_peak != expected)
+            verdict.fail(fmt::format(
+                "gradient bytes at the peak during backward {} (during the steps {}); expected "
+                "4 S + 4 x the largest layer = {} + {} = {} (Psi = {}, N = {}){}",
+                backward_peak, grad_peak, shard, layer, expected, psi, world,
+                backward_peak >= shard + 4 * psi
+                    ? ": the whole gradient existed at once; release each gradient in its hook"
+                : backward_peak > expected
+                    ? ": gradients stayed longer than their hook (released per bucket, "
+                      "or a copy under kGradients?)"
+                    : ""));
+          else if (comm_peak != buffers)
+            verdict.fail(fmt::format(
+                "communication bytes at the peak {}; expected min(2, B) x 4 max_k(N C_k) = {} "
+                "({} buckets){}",
+                comm_peak, buffers, buckets.size(),
+                comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
+          else
+            verdict.note(fmt::format(
+                "N = {}, Psi = {}: gradient peak {} bytes (4 S = {} plus the largest layer's {}) "
+                "and {} bytes of bucket buffers, against DDP's 4 Psi = {} of gradients plus "
+                "lab 4's 4 Psi of buckets",
+                world, psi, expected, shard, layer, buffers, 4 * psi));
+        },
+        draws);
+  }
+}
+
+TEST(Lab6Memory, ShardedStateAndNoAllocation) {
+  Draws draws("Lab6Memory.ShardedStateAndNoAllocation");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, "adamw");
+  const float max_norm = draws.coin("clipping") ? 1.0f : 0.0f;
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          for (const auto& [kind, floats] :
+               std::vector<std::pair<std::string, std::size_t>>{{"adamw", 2}, {"sgd", 1}}) {
+            TrainOptions options = training.for_world(world);
+            options.optimizer = kind;
+            if (kind == "sgd") options.momentum = 0.9f;
+            MemoryTracker& tracker = this_rank_memory().tracker();
+            const std::size_t base = tracker.current(MemoryCategory::kOptimizerState);
+            tracker.reset_peaks();
+            Model model = training.model();
+            const std::size_t shard =
+                contract_shard(contract_buckets(model, world, training.cap_bytes));
+            const std::size_t expected = 4 * floats * shard;
+            // A twin without ZeRO-2: the heap its plain backward takes is the runtime's own.
+            Model twin = training.model();
+            const grading::HeapUse before_constructor = grading::heap_use_of_this_thread();
+            ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
+            const grading::HeapUse constructor =
+                grading::heap_use_of_this_thread().since(before_constructor);
+            if (verdict.passed() && constructor.large_bytes != 0)
+              verdict.fail(fmt::format(
+                  "{}: the constructor took {} bytes in heap blocks of {} bytes or more; expected "
+                  "none (every buffer of gradients or parameters is a Tensor, charged to its "
+                  "category)",
+                  kind, constructor.large_bytes, grading::kLargeAllocationBytes));
+            for (int step = 1; step <= 2; ++step) {
+              const Batch batch =
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              model.zero_grad();
+              std::array<std::size_t, kNumMemoryCategories> before{};
+              for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
+                before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
+              const std::size_t twin_activations_before =
+                  tracker.allocations(MemoryCategory::kActivations);
+              const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
+              twin.zero_grad();
+              twin.backward(twin.forward(batch.inputs), batch.labels);
+              const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
+              const std::size_t activations_before =
+                  tracker.allocations(MemoryCategory::kActivations);
+              const std::size_t plain_activations = activations_before - twin_activations_before;
+              const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
+              model.backward(model.forward(batch.inputs), batch.labels);
+              const grading::HeapUse hooked =
+                  grading::heap_use_of_this_thread().since(hooked_before);
+              const std::size_t tensors = tracker.allocations_total();
+              const grading::HeapUse heap = grading::heap_use_of_this_thread();
+              (void)zero.step();
+              const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
+              const std::size_t in_step = tracker.allocations_total() - tensors;
+              const auto made = [&](MemoryCategory c) {
+                return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
+              };
+              if (!verdict.passed()) continue;
+              const std::size_t grads = made(MemoryCategory::kGradients);
+              const std::size_t others = made(MemoryCategory::kCommunication) +
+                                         made(MemoryCategory::kParameters) +
+                                         made(MemoryCategory::kOptimizerState);
+              const std::size_t hooked_activations =
+                  tracker.allocations(MemoryCategory::kActivations) - activations_before;
+              if (hooked_activations > plain_activations)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward, backward and step() allocated {} activation tensors, "
+                    "the same forward and backward without ZeRO-2 {}; expected no more (no "
+                    "staging tensors)",
+                    kind, step, hooked_activations, plain_activations));
+              else if (hooked.large_bytes > plain.large_bytes)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward and backward with your hooks took {} bytes in heap "
+                    "blocks of {} bytes or more, the same without them {}; expected no more "
+                    "(no staging copies in the hooks)",
+                    kind, step, hooked.large_bytes, grading::kLargeAllocationBytes,
+                    plain.large_bytes));
+              else if (in_step != 0 || used.large_bytes != 0)
+                verdict.fail(fmt::format(
+                    "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
+                    "bytes or more from the heap; expected none",
+                    kind, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
+              else if (grads != model.parameters().size() || others != 0)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward, backward and step() allocated {} gradient tensor(s) "
+                    "and {} parameter, optimizer-state or communication tensor(s); expected the "
+                    "{} gradients backward makes again after your hook released them, and "
+                    "nothing else",
+                    kind, step, grads, others, model.parameters().size()));
+            }
+            const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
+            const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
+            if (!verdict.passed()) continue;
+            if (current != expected || peak != expected)
+              verdict.fail(fmt::format(
+                  "{} on N = {} (S = {}): optimizer-state bytes {} after two steps, peak {}; "
+                  "expected {} x 4 x S = {}{}",
+                  kind, world, shard, current, peak, floats, expected,
+                  peak >= 4 * floats * model.num_parameters()
+                      ? " (an optimizer over the whole model existed)"
+                      : ""));
+            else if (kind == "adamw")
+              verdict.note(fmt::format(
+                  "AdamW state 8 S = {} bytes per rank on N = {}, at its peak too; steps allocate "
+                  "only the gradients backward makes again{}",
+                  expected, world, max_norm > 0 ? " (with clipping)" : ""));
+          }
+        },
+        draws);
+  }
+}
+
+// --- Lab6Communication ---------------------------------------------------------------------
+
+/// One communicator call as the recording communicator saw it.
+struct Call {
+  CommOp op = CommOp::kBarrier;
+  std::size_t in = 0;   ///< input elements
+  std::size_t out = 0;  ///< output elements
+  ReduceOp reduce = ReduceOp::kSum;
+
+  bool operator==(const Call&) const = default;
+};
+
+std::string describe(const Call& call) {
+  switch (call.op) {
+    case CommOp::kReduceScatter:
+      return fmt::format("reduce_scatter({} -> {}, {})", call.in, call.out, to_string(call.reduce));
+    case CommOp::kAllGather: return fmt::format("allgather({} -> {})", call.in, call.out);
+    case CommOp::kAllReduce:
+      return fmt::format("allreduce({}, {})", call.in, to_string(call.reduce));
+    default: return std::string(to_string(call.op));
+  }
+}
+
+/// A communicator that records every call, and every wait or test of the reduce-scatters'
+/// `Work`s, with the number of gradients the grader's hook had seen by then.
+class RecordingCommunicator final : public Communicator {
+ public:
+  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
+
+  /// Gradients made ready so far in this backward (the grader's hook counts them).
+  std::size_t ready = 0;
+  /// True while the grader runs `Model::backward`.
+  bool in_backward = false;
+  std::vector<Call> calls;
+  /// Per reduce-scatter: gradients ready at issue, whether during backward, output pointer.
+  struct Launch {
+    std::size_t ready = 0;
+    bool in_backward = false;
+    const void* out = nullptr;
+    std::optional<std::size_t> nonzero_padding;
+  };
+  std::vector<Launch> launches;
+  /// Per reduce-scatter of this step: its bucket's E (padding starts there).
+  std::vector<std::size_t> real_elements;
+  /// The first wait or test during backward of reduce-scatter j, with `ready` then.
+  std::vector<std::pair<std::size_t, std::size_t>> early_waits;
+
+  void reset() {
+    calls.clear();
+    launches.clear();
+    early_waits.clear();
+    ready = 0;
+  }
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
+    calls.push_back({CommOp::kSend, data.count, 0, ReduceOp::kSum});
+    return inner_.isend(data, peer, tag);
+  }
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
+    calls.push_back({CommOp::kRecv, 0, data.count, ReduceOp::kSum});
+    return inner_.irecv(data, peer, tag);
+  }
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
+    calls.push_back({CommOp::kAllReduce, data.count, data.count, op});
+    return inner_.allreduce(data, op);
+  }
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    calls.push_back({CommOp::kReduceScatter, in.count, out.count, op});
+    Launch launch{ready, in_backward, out.data, std::nullopt};
+    const std::size_t j = launches.size();
+    // Read at issue, before any transport may.
+    if (in.type == DataType::kFloat32 && j < real_elements.size()) {
+      const auto* values = static_cast<const float*>(in.data);
+      for (std::size_t i = real_elements[j]; i < in.count; ++i)
+        if (values[i] != 0.0f) {
+          launch.nonzero_padding = i;
+          break;
+        }
+    }
+    launches.push_back(launch);
+    return std::make_unique<RecordedWork>(*this, j, inner_.reduce_scatter(in, out, op));
+  }
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    calls.push_back({CommOp::kAllGather, in.count, out.count, ReduceOp::kSum});
+    return inner_.allgather(in, out);
+  }
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    calls.push_back({CommOp::kBroadcast, data.count, data.count, ReduceOp::kSum});
+    return inner_.broadcast(data, root);
+  }
+  void barrier() override {
+    calls.push_back({CommOp::kBarrier, 0, 0, ReduceOp::kSum});
+    inner_.barrier();
+  }
+  CommCounters counters() const override { return inner_.counters(); }
+  Clock& clock() override { return inner_.clock(); }
+
+ private:
+  /// A reduce-scatter's `Work`, recording waits and tests during backward.
+  class RecordedWork final : public Work {
+   public:
+    RecordedWork(RecordingCommunicator& owner, std::size_t call, std::unique_ptr<Work> inner)
+        : owner_(owner), call_(call), inner_(std::move(inner)) {}
+    void wait() override {
+      seen();
+      inner_->wait();
+    }
+    bool test() override {
+      seen();
+      return inner_->test();
+    }
+
+   private:
+    void seen() {
+      if (owner_.in_backward && !recorded_) {
+        owner_.early_waits.emplace_back(call_, owner_.ready);
+        recorded_ = true;
+      }
+    }
+    RecordingCommunicator& owner_;
+    std::size_t call_;
+    std::unique_ptr<Work> inner_;
+    bool recorded_ = false;
+  };
+
+  Communicator& inner_;
+};
+
+/// The bytes this rank sends for reduce-scatters and all-gathers of the contract's bucket
+/// sizes on `comm`, measured on scratch buffers (the backend's own count).
+std::uint64_t contract_bytes_sent(Communicator& comm, const std::vector<Bucket>& buckets) {
+  const CommCounters before = comm.counters();
+  const auto n = static_cast<std::size_t>(comm.size());
+  for (const Bucket& b : buckets) {
+    Tensor full({static_cast<std::int64_t>(n * b.chunk_elements)}, MemoryCategory::kOther);
+    Tensor chunk({static_cast<std::int64_t>(b.chunk_elements)}, MemoryCategory::kOther);
+    comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
+    comm.allgather(std::as_const(chunk).view(), full.view())->wait();
+  }
+  const CommCounters used = comm.counters().since(before);
+  return used.of(CommOp::kReduceScatter).bytes_sent + used.of(CommOp::kAllGather).bytes_sent;
+}
+
+TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
+  Draws draws("Lab6Communication.ReduceScatterPerBucketDuringBackward");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = training.for_world(world);
+          const std::vector<Bucket> buckets =
+              contract_buckets(training.model(), world, training.cap_bytes);
+          const std::uint64_t expected_bytes = contract_bytes_sent(comm, buckets);
+          const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
+              comm, std::vector<std::size_t>{training.model().num_parameters()});
+          const std::uint64_t scalar_bytes =
+              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+          // Gradients ready when bucket k is complete: the parameters of buckets 0..k.
+          std::vector<std::size_t> complete_at;
+          std::size_t total = 0;
+          for (const Bucket& b : buckets) complete_at.push_back(total += b.parameters.size());
+          double ratio = 0;
+          for (const float max_norm : {0.0f, 1.0f}) {
+            Model model = training.model();
+            RecordingCommunicator recorder(comm);
+            for (const Bucket& b : buckets) recorder.real_elements.push_back(b.elements);
+            model.on_gradient_ready([&](Parameter&) { ++recorder.ready; });  // before theirs
+            ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
+                                  max_norm);
+            std::vector<Call> expected;
+            for (const Bucket& b : buckets)
+              expected.push_back({CommOp::kReduceScatter,
+                                  static_cast<std::size_t>(world) * b.chunk_elements,
+                                  b.chunk_elements, ReduceOp::kSum});
+            if (max_norm > 0) expected.push_back({CommOp::kAllReduce, 1, 1, ReduceOp::kSum});
+            for (const Bucket& b : buckets)
+              expected.push_back({CommOp::kAllGather, b.chunk_elements,
+                                  static_cast<std::size_t>(world) * b.chunk_elements});
+            const std::string label = max_norm > 0 ? "with clipping, " : "";
+            for (int step = 1; step <= 2; ++step) {
+              const Batch batch =
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              model.zero_grad();
+              recorder.reset();
+              const CommCounters before = comm.counters();
+              recorder.in_backward = true;
+              model.backward(model.forward(batch.inputs), batch.labels);
+              recorder.in_backward = false;
+              (void)zero.step();
+              const CommCounters used = comm.counters().since(before);
+              if (!verdict.passed()) continue;
+              if (recorder.calls != expected) {
+                std::vector<std::string> seen;
+                std::vector<std::string> wanted;
+                for (const Call& call : recorder.calls) seen.push_back(describe(call));
+                for (const Call& call : expected) wanted.push_back(describe(call));
+                const bool allreduced = std::any_of(
+                    recorder.calls.begin(), recorder.calls.end(),
+                    [&](const Call& call) { return call.op == CommOp::kAllReduce && call.in > 1; });
+                verdict.fail(fmt::format(
+                    "{}step {}: backward and step() called [{}]; expected [{}] ({} buckets){}",
+                    label, step, fmt::join(seen, ", "), fmt::join(wanted, ", "), buckets.size(),
+                    allreduced ? ": an all-reduce of gradients keeps the whole gradient on every "
+                                 "rank; reduce-scatter each bucket into the shard"
+                               : ""));
+                continue;
+              }
+              const float* shard = zero.shard_gradients().data();
+              for (std::size_t k = 0; k < buckets.size() && verdict.passed(); ++k) {
+                const RecordingCommunicator::Launch& launch = recorder.launches[k];
+                if (!launch.in_backward || launch.ready != complete_at[k])
+                  verdict.fail(fmt::format(
+                      "{}step {}: bucket {}'s reduce-scatter was launched {}; expected from the "
+                      "hook that completes it, after gradient {} of {} (launch each bucket "
+                      "during backward, as soon as it is complete)",
+                      label, step, k,
+                      launch.in_backward
+                          ? fmt::format("after gradient {} of {}", launch.ready, total)
+                          : "after backward returned",
+                      complete_at[k], total));
+                else if (launch.out != shard + buckets[k].shard_offset)
+                  verdict.fail(
+                      fmt::format("{}step {}: bucket {}'s reduce-scatter writes elsewhere than "
+                                  "shard_gradients() at its shard offset {}",
+                                  label, step, k, buckets[k].shard_offset));
+                else if (launch.nonzero_padding)
+                  verdict.fail(fmt::format(
+                      "{}step {}: bucket {}'s reduce-scatter input has a non-zero padding "
+                      "element at issue (index {}, E = {}); expected the padding zero",
+                      label, step, k, *launch.nonzero_padding, buckets[k].elements));
+              }
+              for (const auto& [j, ready] : recorder.early_waits) {
+                if (!verdict.passed()) break;
+                // Bucket j's buffer is needed again by bucket j + 2's first gradient.
+                if (j + 2 >= buckets.size() || ready < complete_at[j + 1] + 1)
+                  verdict.fail(fmt::format(
+                      "{}step {}: bucket {}'s reduce-scatter was waited on (or tested) during "
+                      "backward after gradient {} of {}; expected no wait before bucket {}'s "
+                      "first gradient needs its buffer{}",
+                      label, step, j, ready, total, j + 2,
+                      j + 2 >= buckets.size() ? " (no later bucket needs it: wait in step())"
+                                              : ""));
+              }
+              if (!verdict.passed()) continue;
+              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                               used.of(CommOp::kAllGather).bytes_sent;
+              if (grad_bytes != expected_bytes ||
+                  used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
+                verdict.fail(fmt::format(
+                    "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
+                    "all-gathers and {} by all-reduce; expected {} for the buckets' calls{}",
+                    label, step, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent, expected_bytes,
+                    max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
+                                 : " and none by all-reduce"));
+              if (ddp_bytes > 0)
+                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
+            }
+          }
+          if (verdict.passed())
+            verdict.note(fmt::format(
+                "{} reduce-scatters launched during backward, each from the hook completing "
+                "its bucket, then {} all-gathers; on N = {} they sent {:.4f}x DDP's all-reduce "
+                "bytes (the padding)",
+                buckets.size(), buckets.size(), world, world > 1 ? ratio : 1.0));
+        },
+        draws);
+  }
+}
+
+// --- Lab6Design ----------------------------------------------------------------------------
+
+TEST(Lab6Design, PredictsGradientPeakBytes) {
+  Draws draws("Lab6Design.PredictsGradientPeakBytes");
+  const std::vector<int> worlds = draws.world_sizes(8);
+  for (int m = 0; m < 2; ++m) {
+    const std::int64_t h1 = draws.integer("h1", 8, 96);
+    const std::int64_t h2 = draws.integer("h2", 8, 64);
+    const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
+    const bool layer_norm = draws.coin("layer norm");
+    const std::size_t cap = 4 * static_cast<std::size_t>(draws.integer("cap elements", 0, h1 * h2));
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            MemoryTracker& tracker = this_rank_memory().tracker();
+            const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+            const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+            Model model =
+                Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+            const std::size_t psi = model.num_parameters();
+            const std::size_t predicted = predicted_gradient_peak_bytes(model, world, cap);
+            std::size_t bytes = 0;
+            {
+              const Dataset data = load_dataset("synthetic:64", 5);
+              std::vector<std::size_t> rows(4);
+              for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
+              const Batch batch = gather_batch(data, rows);
+              ZeroTwoOptimizer zero(
+                  model, comm,
+                  [](std::size_t s) { return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f); }, cap);
+              tracker.reset_peaks();
+              model.backward(model.forward(batch.inputs), batch.labels);
+              (void)zero.step();
+              bytes = (tracker.peak(MemoryCategory::kGradients) - grad_base) +
+                      (tracker.peak(MemoryCategory::kCommunication) - comm_base);
+            }
+            if (!verdict.passed()) return;
+            if (predicted != bytes)
+              verdict.fail(fmt::format(
+                  "{}{} on N = {}, cap {} bytes: predicted {} bytes; the MemoryTracker's peaks "
+                  "of gradients and communication add to {} ({:+} bytes)",
+                  spec, layer_norm ? " with LayerNorm" : "", world, cap, predicted, bytes,
+                  static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes)));
+            else
+              verdict.note(fmt::format(
+                  "Psi = {} on N = {}: gradient peak {} bytes per rank ({:.2f} bytes per "
+                  "parameter) against lab 4's 8 Psi = {}, predicted exactly",
+                  psi, world, bytes, static_cast<double>(bytes) / static_cast<double>(psi),
+                  8 * psi));
+          },
+          draws);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dp::lab6

@@ -1,0 +1,201 @@
+// lab6.h: lab 6, ZeRO-2: the gradients sharded over the data-parallel ranks too, reduced
+// bucket by bucket during backward. The contract between your code and the grader: the
+// interfaces you implement, the invariants they must keep, and how each is checked.
+//
+// Lab 5 sharded the optimizer state, but every rank still held the whole gradient (4 Psi
+// bytes) until the reduce-scatter, plus a flat copy of it. ZeRO stage 2 (Rajbhandari et al.,
+// SC20) keeps only the rank's shard of the averaged gradient: as backward makes a bucket's
+// gradients final (lab 4's buckets), they are copied into a communication buffer and
+// released at once, and the bucket is reduce-scattered while backward computes the rest.
+// Each bucket is cut into N equal chunks; rank r owns chunk r of every bucket, and its shard
+// is the concatenation of its chunks. README.md beside this file poses the problem; its
+// Hints section, at the end, helps if you are stuck. Do not change this header: the grader
+// is compiled against it.
+//
+// What every check holds you to:
+//   * Exact arithmetic. Every element's averaged gradient is lab 2's:
+//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
+//     then a division by N (not a multiplication by 1/N). The optimizer's update is
+//     element-wise, so the grader compares every rank's parameters bitwise with an
+//     emulation of lab 2 after every step.
+//   * Asynchrony done right. Every check runs in the adversarial completion mode
+//     (`dp::Completion::kAdversarial`): a call's result reaches its buffer only when that
+//     call's own `Work` is waited on.
+//   * Counters you cannot change: the communicator's `CommCounters`, a recording
+//     communicator and a gradient-ready hook of the grader's registered before yours, the
+//     rank's `MemoryTracker` and the heap use of the rank's thread.
+//   * Arithmetic with the runtime's operations (dp/tensor_ops.h) on `Tensor`s.
+//   * No mutable globals: ranks are threads of one process.
+//
+// Example (one data-parallel step):
+//
+//   dp::lab6::ZeroTwoOptimizer zero(model, comm, [](std::size_t shard) {
+//     return std::make_unique<dp::AdamW>(shard, dp::AdamWOptions{.lr = 1e-3f});
+//   }, /*bucket_cap_bytes=*/64 << 10, /*max_norm=*/1.0f);
+//   model.backward(model.forward(batch.inputs), batch.labels);  // buckets reduce-scatter
+//   std::optional<float> norm = zero.step();                    // every rank: updated model
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "dp/comm.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/tensor.h"
+
+namespace dp::lab6 {
+
+/// How many bucket buffers a `ZeroTwoOptimizer` keeps (fewer when there are fewer buckets):
+/// bucket k fills buffer k mod 2 while the reduce-scatter of bucket k - 1 is in flight.
+inline constexpr std::size_t kBucketBuffers = 2;
+
+/// One bucket: which gradients travel together in one reduce-scatter, and which part of
+/// it each rank owns.
+struct Bucket {
+  /// Indices into `Model::parameters()`, in the order they fill the bucket: reverse
+  /// definition order (the order backward makes them ready).
+  std::vector<std::size_t> parameters;
+  /// E: the sum of the parameters' sizes. The bucket's flat range is its parameters one
+  /// after another (each in its own element order), then N C - E zero padding elements.
+  std::size_t elements = 0;
+  /// C = ceil(E / N): every rank's chunk of the bucket, padding included. Rank r owns
+  /// elements [r C, (r + 1) C) of the bucket's flat range.
+  std::size_t chunk_elements = 0;
+  /// Where this bucket's chunk starts in every rank's shard: the sum of the chunks of the
+  /// buckets before it.
+  std::size_t shard_offset = 0;
+
+  /// Two buckets are equal when every field is.
+  bool operator==(const Bucket&) const = default;
+};
+
+/// The bucket rule, lab 4's with one cap. Walk the parameters in reverse definition order.
+/// A parameter joins the open bucket unless the bucket already holds a parameter and
+/// adding this one would take it past `bucket_cap_bytes` (bytes = elements x 4); then the
+/// open bucket closes and the parameter opens the next one. So a parameter larger than the
+/// cap has a bucket to itself, a cap of 0 gives one bucket per parameter, and a cap at
+/// least the model's size gives one bucket. Then each bucket gets its chunk and its shard
+/// offset for `world_size` ranks, as `Bucket` describes.
+///
+/// Throws `dp::Error` when `world_size < 1` or a parameter is frozen. Checked for drawn
+/// models, caps (0, drawn, above the model's size) and world sizes up to 16, chunks of
+/// padding only included, against the grader's copy of the rule.
+std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t bucket_cap_bytes);
+
+/// S: the elements of every rank's shard, the sum of the buckets' chunks.
+std::size_t shard_elements(const std::vector<Bucket>& buckets);
+
+/// Builds the inner optimizer of one rank over its shard: called once, by the constructor
+/// of `ZeroTwoOptimizer`, with S; the optimizer keeps state for S elements.
+using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
+
+/// ZeRO stage 2 with buckets reduce-scattered during backward.
+///
+/// The constructor plans the buckets (`plan_buckets(model, comm.size(), bucket_cap_bytes)`),
+/// makes the inner optimizer with `make_inner(S)` (once), allocates every buffer the steps
+/// need, copies this rank's shard of the (identical) initial parameters, releases every
+/// `Parameter::grad` (an empty tensor), and registers a gradient-ready hook on `model`.
+/// The object must outlive every backward of `model`; `model` and `comm` must outlive it.
+///
+/// A step is one `Model::backward` on the rank's local batch, then one `step()`.
+///
+/// During backward, the hook, for each parameter: copies its gradient to its place in its
+/// bucket's buffer and releases `Parameter::grad` at once (before the next gradient is
+/// computed); when that completes bucket k, launches the asynchronous
+/// `reduce_scatter(buffer [N C elements], ReduceOp::kSum)` of bucket k into this rank's
+/// shard of the gradient, elements [shard_offset, shard_offset + C) of
+/// `shard_gradients()`. Bucket k uses buffer k mod `kBucketBuffers`; before the first
+/// gradient of bucket k is copied into it, the reduce-scatter of bucket k - 2, which used
+/// the same buffer, is waited on. No other wait happens during backward.
+///
+/// `step()` then waits for the reduce-scatters still running, divides the shard of the
+/// gradient by N, clips it (when `max_norm > 0`), updates the shard of the parameters with
+/// the inner optimizer, and for each bucket in bucket order all-gathers the bucket's chunk
+/// of the updated parameters (C elements) into that bucket's buffer (N C elements) and
+/// writes every parameter's value from it. Every rank then holds the same parameters:
+/// bitwise lab 2's.
+///
+/// Memory, from the `MemoryTracker` (bytes, float32), each checked:
+///   * `kGradients`: the shard of the gradient, 4 S bytes, at all times; during backward
+///     also the gradients backward has made and your hook has not yet released: at the
+///     peak those of one layer. The whole gradient (4 Psi) never exists after the
+///     constructor.
+///   * `kCommunication`: min(kBucketBuffers, B) bucket buffers of 4 max_k(N C_k) bytes each
+///     (B buckets), and with clipping one float for the norm. Nothing else.
+///   * `kParameters`: the model's parameters and the shard of the parameters, 4 S.
+///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
+///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
+///   * After the constructor no tensor is allocated but the gradients backward allocates
+///     again after your hook released them; `step()` allocates none. Every buffer is a
+///     `Tensor`: the constructor, your hooks and `step()` take no block of 1 KiB or more from
+///     the heap (no staging copy in a `std::vector`).
+///
+/// Communication: per step B reduce-scatters (kSum) during backward, launched in bucket
+/// order each from the hook that completes its bucket, their padding zero at issue; in
+/// `step()`, with clipping one `allreduce` (kSum) of one float, then B all-gathers in
+/// bucket order. Nothing else. Per rank that is DDP's volume, plus the padding.
+class ZeroTwoOptimizer {
+ public:
+  /// Sets up ZeRO-2 for `model` on `comm` with buckets of at most `bucket_cap_bytes`
+  /// (lab 4's rule); `max_norm > 0` turns clipping by global norm on.
+  ///
+  /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
+  /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
+  /// whose `state_size()` is not S.
+  ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
+                   std::size_t bucket_cap_bytes, float max_norm = 0.0f);
+  /// Waits for any call still running (a `Work` must not outlive its buffer).
+  ~ZeroTwoOptimizer();
+  ZeroTwoOptimizer(const ZeroTwoOptimizer&) = delete;
+  ZeroTwoOptimizer& operator=(const ZeroTwoOptimizer&) = delete;
+
+  /// One optimizer step after one backward; on return every parameter's value is updated,
+  /// every `Parameter::grad` is released and every call it made is complete. Calls
+  /// `begin_step()` of the inner optimizer once, and `update` once over the whole shard
+  /// (also on a rank whose chunks are all padding).
+  ///
+  /// Clipping, when on, has this exact arithmetic (so the grader compares bitwise): rank r
+  /// computes p_r = (float) dp::dot(g, g) over its whole averaged shard g (S elements; the
+  /// padding is zero and adds nothing); an all-reduce (`kSum`, rank order) gives
+  /// s = p_0 + ... + p_{N-1} in float; the norm is std::sqrt(s) in float; when
+  /// c = max_norm / (norm + 1e-6f) is below 1, the shard is scaled by c (`dp::scale`)
+  /// before the update.
+  ///
+  /// Returns the global norm before clipping when clipping is on (the same on every rank),
+  /// std::nullopt when it is off. Throws `dp::Error`, naming the bucket, when a bucket was
+  /// not launched since the last step (no backward, or one that did not reach it).
+  std::optional<float> step();
+
+  /// The buckets, as `plan_buckets` made them.
+  const std::vector<Bucket>& buckets() const;
+  /// This rank's shard of the averaged gradient after `step()`: (S), chunk by chunk in
+  /// bucket order, its padding zero (after clipping, as the update used it).
+  const Tensor& shard_gradients() const;
+  /// This rank's shard of the parameters: (S), laid out as `shard_gradients()`, its padding
+  /// zero. The inner optimizer updates it in place.
+  const Tensor& shard_parameters() const;
+  /// The optimizer `make_inner` made.
+  Optimizer& inner();
+
+ private:
+  struct State;  // yours: defined in zero2.cpp
+  std::unique_ptr<State> state_;
+};
+
+/// Design question, graded against the `MemoryTracker`: the gradient memory of one rank
+/// at its peak, peak(`kGradients`) + peak(`kCommunication`) over a step of your
+/// `ZeroTwoOptimizer` (clipping off), both measured from just after its constructor, for
+/// `model` (read, not changed) on `world_size` ranks with `bucket_cap_bytes`. Count the shard, what
+/// backward holds before your hook releases it, and your buffers; compare it with lab 4's DDP,
+/// which holds 4 Psi of gradients and 4 Psi of buckets (README.md derives both).
+///
+/// The grader draws models, world sizes and caps (rubric.json lists the ranges), runs one
+/// backward and one step on each rank, and expects your prediction exactly.
+std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
+                                          std::size_t bucket_cap_bytes);
+
+}  // namespace dp::lab6

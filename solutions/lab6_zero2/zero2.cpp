@@ -1,0 +1,325 @@
+// zero2.cpp: lab 6, ZeRO-2. Your part: the bucket rule, the members of
+// ZeroTwoOptimizer::State and the bodies below.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "dp/error.h"
+#include "dp/memory.h"
+#include "dp/tensor_ops.h"
+#include "lab6.h"
+
+namespace dp::lab6 {
+
+std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t bucket_cap_bytes) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)model;
+  // SKELETON: (void)world_size;
+  // SKELETON: (void)bucket_cap_bytes;
+  // SKELETON: throw NotImplemented("lab6::plan_buckets");
+  if (world_size < 1) throw Error(fmt::format("plan_buckets: world size {} < 1", world_size));
+  std::vector<Bucket> buckets;
+  Bucket open;
+  const std::span<const Parameter* const> parameters = model.parameters();
+  // Reverse definition order: the order backward makes the gradients ready.
+  for (std::size_t i = parameters.size(); i-- > 0;) {
+    const Parameter& parameter = *parameters[i];
+    if (parameter.frozen)
+      throw Error(
+          fmt::format("plan_buckets: parameter {} is frozen; ZeRO-2 shards every "
+                      "parameter's gradient",
+                      parameter.name));
+    const std::size_t bytes_after = (open.elements + parameter.value.size()) * sizeof(float);
+    if (!open.parameters.empty() && bytes_after > bucket_cap_bytes) {
+      buckets.push_back(std::move(open));
+      open = Bucket{};
+    }
+    open.parameters.push_back(i);
+    open.elements += parameter.value.size();
+  }
+  if (!open.parameters.empty()) buckets.push_back(std::move(open));
+  const auto n = static_cast<std::size_t>(world_size);
+  std::size_t offset = 0;
+  for (Bucket& bucket : buckets) {
+    bucket.chunk_elements = (bucket.elements + n - 1) / n;
+    bucket.shard_offset = offset;
+    offset += bucket.chunk_elements;
+  }
+  return buckets;
+  // END SOLUTION
+}
+
+std::size_t shard_elements(const std::vector<Bucket>& buckets) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)buckets;
+  // SKELETON: throw NotImplemented("lab6::shard_elements");
+  std::size_t total = 0;
+  for (const Bucket& bucket : buckets) total += bucket.chunk_elements;
+  return total;
+  // END SOLUTION
+}
+
+/// Everything a ZeroTwoOptimizer keeps between hooks and steps.
+struct ZeroTwoOptimizer::State {
+  // BEGIN SOLUTION
+  // SKELETON: // Your members.
+  /// Where one gradient goes: its bucket and its first element in the bucket's flat range.
+  struct Slot {
+    std::size_t bucket = 0;
+    std::size_t offset = 0;
+  };
+
+  State(Model& m, Communicator& c) : model(m), comm(c) {}
+
+  Model& model;
+  Communicator& comm;
+  float max_norm = 0;
+  std::vector<Bucket> buckets;
+  std::unique_ptr<Optimizer> inner;
+  /// kBucketBuffers (or fewer) buffers of max_k N C_k elements: bucket k uses k mod 2.
+  std::vector<Tensor> buffers;
+  /// (S): this rank's chunks of the summed, then averaged, gradient.
+  Tensor shard_grad;
+  /// (S): this rank's chunks of the parameters.
+  Tensor shard_params;
+  /// (1): this rank's partial squared norm, then the sum over ranks (clipping only).
+  Tensor norm_buffer;
+  std::vector<Slot> slot_of;                   ///< indexed by parameter index
+  std::vector<std::size_t> missing;            ///< per bucket: gradients not yet copied in
+  std::vector<std::unique_ptr<Work>> pending;  ///< per bucket: its reduce-scatter in flight
+  std::size_t launched = 0;                    ///< buckets 0 .. launched-1 are on their way
+
+  Tensor& buffer_of(std::size_t bucket) { return buffers[bucket % buffers.size()]; }
+
+  /// The buffer of bucket `bucket` seen as its padded flat range (N C elements).
+  TensorView padded_range(std::size_t bucket) {
+    return buffer_of(bucket).view(
+        0, buckets[bucket].chunk_elements * static_cast<std::size_t>(comm.size()));
+  }
+
+  /// The gradient-ready hook: copy in, release, launch every complete bucket in order.
+  void on_ready(Parameter& parameter) {
+    const Slot slot = slot_of[parameter.index];
+    const Bucket& bucket = buckets[slot.bucket];
+    if (missing[slot.bucket] == 0)
+      throw Error(fmt::format(
+          "ZeroTwoOptimizer: the gradient of {} is ready a second time since the last step(); "
+          "call step() after every backward",
+          parameter.name));
+    if (missing[slot.bucket] == bucket.parameters.size() && slot.bucket >= buffers.size() &&
+        pending[slot.bucket - buffers.size()] != nullptr) {
+      // The first gradient of this bucket: the bucket that used its buffer must be done.
+      pending[slot.bucket - buffers.size()]->wait();
+      pending[slot.bucket - buffers.size()].reset();
+    }
+    copy(parameter.grad.view(), buffer_of(slot.bucket).view(slot.offset, parameter.grad.size()));
+    parameter.grad = Tensor();  // released: only the shard of the gradient stays
+    --missing[slot.bucket];
+    while (launched < buckets.size() && missing[launched] == 0) {
+      const Bucket& full = buckets[launched];
+      const std::size_t padded = full.chunk_elements * static_cast<std::size_t>(comm.size());
+      // The buffer is shared with other buckets: zero this bucket's padding before it goes.
+      if (full.elements < padded)
+        fill(buffer_of(launched).view(full.elements, padded - full.elements), 0.0f);
+      pending[launched] = comm.reduce_scatter(
+          std::as_const(buffer_of(launched)).view(0, padded),
+          shard_grad.view(full.shard_offset, full.chunk_elements), ReduceOp::kSum);
+      ++launched;
+    }
+  }
+
+  /// Makes every bucket wait for all of its gradients again (after a step).
+  void rearm() {
+    for (std::size_t b = 0; b < buckets.size(); ++b) missing[b] = buckets[b].parameters.size();
+    launched = 0;
+  }
+  // END SOLUTION
+};
+
+ZeroTwoOptimizer::ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
+                                   std::size_t bucket_cap_bytes, float max_norm) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)model;
+  // SKELETON: (void)comm;
+  // SKELETON: (void)make_inner;
+  // SKELETON: (void)bucket_cap_bytes;
+  // SKELETON: (void)max_norm;
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::ZeroTwoOptimizer");
+  if (!std::isfinite(max_norm) || max_norm < 0)
+    throw Error(fmt::format("ZeroTwoOptimizer: max_norm {} is not finite and >= 0", max_norm));
+  if (!make_inner) throw Error("ZeroTwoOptimizer: no optimizer factory");
+  auto state = std::make_unique<State>(model, comm);
+  State& s = *state;
+  s.max_norm = max_norm;
+  s.buckets = plan_buckets(model, comm.size(), bucket_cap_bytes);  // throws on a frozen one
+  const std::size_t shard = shard_elements(s.buckets);
+  s.inner = make_inner(shard);
+  if (s.inner == nullptr) throw Error("ZeroTwoOptimizer: the factory returned no optimizer");
+  if (s.inner->state_size() != shard)
+    throw Error(fmt::format(
+        "ZeroTwoOptimizer: the factory's optimizer keeps state for {} elements; expected the "
+        "shard's {}",
+        s.inner->state_size(), shard));
+  const auto world = static_cast<std::size_t>(comm.size());
+  std::size_t largest = 0;
+  for (const Bucket& bucket : s.buckets) largest = std::max(largest, world * bucket.chunk_elements);
+  const std::size_t buffers = std::min(kBucketBuffers, s.buckets.size());
+  for (std::size_t i = 0; i < buffers; ++i)
+    s.buffers.emplace_back(std::vector<std::int64_t>{static_cast<std::int64_t>(largest)},
+                           MemoryCategory::kCommunication);  // zero-filled: padding is zero
+  s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients);
+  s.shard_params = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters);
+  if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication);
+
+  // Slots, and this rank's chunks of the initial parameters (padding stays zero).
+  const std::span<Parameter* const> parameters = model.parameters();
+  s.slot_of.resize(parameters.size());
+  const std::size_t rank = static_cast<std::size_t>(comm.rank());
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    const Bucket& bucket = s.buckets[b];
+    const std::size_t mine_begin = rank * bucket.chunk_elements;
+    const std::size_t mine_end = mine_begin + bucket.chunk_elements;
+    std::size_t offset = 0;
+    for (const std::size_t index : bucket.parameters) {
+      Parameter& parameter = *parameters[index];
+      const std::size_t size = parameter.value.size();
+      s.slot_of[index] = {b, offset};
+      const std::size_t first = std::max(mine_begin, offset);
+      const std::size_t last = std::min(mine_end, offset + size);
+      if (first < last)
+        copy(std::as_const(parameter.value).view(first - offset, last - first),
+             s.shard_params.view(bucket.shard_offset + first - mine_begin, last - first));
+      offset += size;
+    }
+  }
+  for (Parameter* parameter : parameters) parameter->grad = Tensor();  // the shard replaces them
+  s.missing.resize(s.buckets.size());
+  s.pending.resize(s.buckets.size());
+  s.rearm();
+  state_ = std::move(state);
+  model.on_gradient_ready(
+      [state = state_.get()](Parameter& parameter) { state->on_ready(parameter); });
+  // END SOLUTION
+}
+
+ZeroTwoOptimizer::~ZeroTwoOptimizer() = default;  // each pending Work waits as it is destroyed
+
+std::optional<float> ZeroTwoOptimizer::step() {
+  // BEGIN SOLUTION
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::step");
+  State& s = *state_;
+  if (s.launched < s.buckets.size()) {
+    const std::size_t bucket = s.launched;
+    const std::size_t missing = s.missing[bucket];
+    for (auto& work : s.pending)
+      if (work != nullptr) work->wait();
+    s.rearm();
+    throw Error(fmt::format(
+        "ZeroTwoOptimizer::step: bucket {} of {} was never launched: {} of its gradients did "
+        "not arrive since the last step (did backward run?)",
+        bucket, s.buckets.size(), missing));
+  }
+  const auto world = static_cast<std::size_t>(s.comm.size());
+  for (auto& work : s.pending) {
+    if (work == nullptr) continue;  // waited in a hook already
+    work->wait();
+    work.reset();
+  }
+  divide(s.shard_grad.view(), static_cast<float>(world));
+
+  std::optional<float> norm;
+  if (s.max_norm > 0) {
+    const ConstTensorView g = std::as_const(s.shard_grad).view();
+    fill(s.norm_buffer.view(), static_cast<float>(dot(g, g)));
+    s.comm.allreduce(s.norm_buffer.view(), ReduceOp::kSum)->wait();
+    norm = std::sqrt(s.norm_buffer.span()[0]);
+    const float coefficient = s.max_norm / (*norm + 1e-6f);
+    if (coefficient < 1.0f) scale(s.shard_grad.view(), coefficient);
+  }
+
+  s.inner->begin_step();
+  s.inner->update(0, s.shard_params.span(), std::as_const(s.shard_grad).span());
+
+  const std::span<Parameter* const> parameters = s.model.parameters();
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    const Bucket& bucket = s.buckets[b];
+    s.comm
+        .allgather(std::as_const(s.shard_params).view(bucket.shard_offset, bucket.chunk_elements),
+                   s.padded_range(b))
+        ->wait();
+    const Tensor& gathered = s.buffer_of(b);
+    std::size_t offset = 0;
+    for (const std::size_t index : bucket.parameters) {
+      Parameter& parameter = *parameters[index];
+      copy(gathered.view(offset, parameter.value.size()), parameter.value.view());
+      offset += parameter.value.size();
+    }
+  }
+  s.rearm();
+  return norm;
+  // END SOLUTION
+}
+
+const std::vector<Bucket>& ZeroTwoOptimizer::buckets() const {
+  // BEGIN SOLUTION
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::buckets");
+  return state_->buckets;
+  // END SOLUTION
+}
+
+const Tensor& ZeroTwoOptimizer::shard_gradients() const {
+  // BEGIN SOLUTION
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::shard_gradients");
+  return state_->shard_grad;
+  // END SOLUTION
+}
+
+const Tensor& ZeroTwoOptimizer::shard_parameters() const {
+  // BEGIN SOLUTION
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::shard_parameters");
+  return state_->shard_params;
+  // END SOLUTION
+}
+
+Optimizer& ZeroTwoOptimizer::inner() {
+  // BEGIN SOLUTION
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::inner");
+  return *state_->inner;
+  // END SOLUTION
+}
+
+std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
+                                          std::size_t bucket_cap_bytes) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)model;
+  // SKELETON: (void)world_size;
+  // SKELETON: (void)bucket_cap_bytes;
+  // SKELETON: throw NotImplemented("lab6::predicted_gradient_peak_bytes");
+  const std::vector<Bucket> buckets = plan_buckets(model, world_size, bucket_cap_bytes);
+  const auto world = static_cast<std::size_t>(world_size);
+  std::size_t largest_bucket = 0;
+  for (const Bucket& bucket : buckets)
+    largest_bucket = std::max(largest_bucket, world * bucket.chunk_elements);
+  // Backward allocates a layer's gradients before their hooks fire: one layer at a time.
+  std::size_t largest_layer = 0;
+  for (const auto& layer : model.layers()) {
+    std::size_t elements = 0;
+    for (const Parameter* parameter : layer->parameters()) elements += parameter->value.size();
+    largest_layer = std::max(largest_layer, elements);
+  }
+  const std::size_t shard = 4 * shard_elements(buckets);
+  const std::size_t in_backward = 4 * largest_layer;
+  const std::size_t buffers = 4 * std::min(kBucketBuffers, buckets.size()) * largest_bucket;
+  return shard + in_backward + buffers;
+  // END SOLUTION
+}
+
+}  // namespace dp::lab6
