@@ -50,6 +50,18 @@ std::uint64_t grade_seed() {
   return seed;
 }
 
+int calibration_draws(int full) {
+  const char* text = std::getenv("DPLAB_CALIBRATION_DRAWS");
+  if (text == nullptr || *text == '\0') return full;
+  char* end = nullptr;
+  errno = 0;
+  const long draws = std::strtol(text, &end, 10);
+  if (errno != 0 || *end != '\0' || draws < 1 || draws > 1000000)
+    throw Error(fmt::format(
+        "DPLAB_CALIBRATION_DRAWS must be a whole number from 1 to 1000000, got '{}'", text));
+  return static_cast<int>(draws);
+}
+
 void note_measured(std::string sentence) {
   std::lock_guard lock(measured_mutex);
   measured_notes.push_back(std::move(sentence));

@@ -55,6 +55,10 @@ Backend check_backend();
 /// run.
 std::uint64_t grade_seed();
 
+/// The draws a tolerance calibration test makes: $DPLAB_CALIBRATION_DRAWS when set (ctest
+/// runs the calibrations on a few), else `full` (the number the tolerance was derived on).
+int calibration_draws(int full);
+
 /// Records a sentence that says what a check measured, for the score table and the
 /// Gradescope output of a passed check ("replicas differ by 3.1e-02 after one step").
 /// Thread-safe; call it from any rank's thread. Under mpi the driver shows rank 0's.
