@@ -43,6 +43,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab4.h"
+#include "recording.h"
 
 namespace dp::lab4 {
 namespace {
@@ -122,87 +123,45 @@ struct IssuedCall {
   std::string content_finding;      ///< "" or what was wrong with the buffer at issue
 };
 
-/// A call's handle that tells its recorder when lab code waits on it or tests it.
-class RecordingWork final : public Work {
- public:
-  RecordingWork(std::unique_ptr<Work> inner, std::function<void()> on_wait_or_test)
-      : inner_(std::move(inner)), on_wait_or_test_(std::move(on_wait_or_test)) {}
-  void wait() override {
-    on_wait_or_test_();
-    inner_->wait();
-  }
-  bool test() override {
-    on_wait_or_test_();
-    return inner_->test();
-  }
-
- private:
-  std::unique_ptr<Work> inner_;
-  std::function<void()> on_wait_or_test_;
-};
-
-/// A communicator that records every all-reduce (and counts every call) before passing it
-/// on to the real one: the student gets this one, so what it records cannot be changed by
-/// lab code. `inspect` runs at each all-reduce's issue, before the call goes on. While
-/// `in_backward` is set (the check sets it around `Model::backward`), it also counts the
-/// waits and tests of any call's handle: a hook that waits serialises communication with
+/// What the grader records of lab code's calls through a `grading::RecordingCommunicator`
+/// (the student gets that one, so what it records cannot be changed by lab code): every
+/// all-reduce at its issue, the count of every other call, and, while the recorder's
+/// `in_backward` is set (the check sets it around `Model::backward`), the waits and tests
+/// of any call's handle and the barriers: a hook that waits serialises communication with
 /// backward, which is what the lab removes.
-class RecordingCommunicator final : public Communicator {
- public:
-  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
-
+struct AllReduceLog {
+  /// Runs at each all-reduce's issue, before the call goes on: "" or what is wrong with
+  /// its buffer.
   std::function<std::string(const MutableBuffer&)> inspect;
+  /// The gradient-ready hooks fired so far in the step.
   std::function<std::size_t()> gradients_ready;
-  std::vector<IssuedCall> calls;
-  std::size_t other_calls = 0;  ///< any call but an all-reduce
-  bool in_backward = false;
-  std::size_t waits_in_backward = 0;  ///< wait() or test() on a handle while in_backward
+  std::vector<IssuedCall> calls;      ///< the all-reduces, in issue order
+  std::size_t other_calls = 0;        ///< any call but an all-reduce
+  std::size_t waits_in_backward = 0;  ///< wait() or test() on a handle, or a barrier, in backward
 
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
-    ++other_calls;
-    return watched(inner_.isend(data, peer, tag));
+  /// Records the calls made through `recorder`.
+  void attach(grading::RecordingCommunicator& recorder) {
+    recorder.on_issue = [this](std::size_t, const grading::RecordedCall& call, ConstBuffer,
+                               MutableBuffer data) {
+      if (call.op != CommOp::kAllReduce) {
+        ++other_calls;
+        return;
+      }
+      IssuedCall issued{data.data, data.count, call.reduce, gradients_ready ? gradients_ready() : 0,
+                        ""};
+      if (inspect) issued.content_finding = inspect(data);
+      calls.push_back(issued);
+    };
+    recorder.on_wait = [this, &recorder](std::size_t) {
+      if (recorder.in_backward) ++waits_in_backward;
+    };
   }
-  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
-    ++other_calls;
-    return watched(inner_.irecv(data, peer, tag));
+  /// Forgets what was recorded.
+  void clear() {
+    calls.clear();
+    other_calls = 0;
+    waits_in_backward = 0;
   }
-  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
-    IssuedCall call{data.data, data.count, op, gradients_ready ? gradients_ready() : 0, ""};
-    if (inspect) call.content_finding = inspect(data);
-    calls.push_back(call);
-    return watched(inner_.allreduce(data, op));
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    ++other_calls;
-    return watched(inner_.reduce_scatter(in, out, op));
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    ++other_calls;
-    return watched(inner_.allgather(in, out));
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
-    ++other_calls;
-    return watched(inner_.broadcast(data, root));
-  }
-  void barrier() override {
-    ++other_calls;
-    if (in_backward) ++waits_in_backward;  // a barrier waits too
-    inner_.barrier();
-  }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  std::unique_ptr<Work> watched(std::unique_ptr<Work> work) {
-    return std::make_unique<RecordingWork>(std::move(work), [this] {
-      if (in_backward) ++waits_in_backward;
-    });
-  }
-
-  Communicator& inner_;
 };
 
 /// The grader's gradient-ready hook, registered on a model before the student's: which
@@ -428,7 +387,9 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
   const auto optimizer = grading::optimizer_for(options, model.num_parameters());
   // PerParameterDDP talks to a recorder: each gradient's all-reduce is launched from its
   // own hook, inside backward, and nothing is waited on until backward returns.
-  RecordingCommunicator recorder(comm);
+  grading::RecordingCommunicator recorder(comm);
+  AllReduceLog allreduces;
+  allreduces.attach(recorder);
   std::optional<BucketedDDP> bucketed;
   std::optional<PerParameterDDP> per_parameter;
   std::size_t trainable = 0;
@@ -475,18 +436,18 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
     }
     const Batch& last = micro.back();
     const Tensor logits = model.forward(last.inputs);
-    recorder.calls.clear();
-    recorder.waits_in_backward = 0;
+    allreduces.calls.clear();
+    allreduces.waits_in_backward = 0;
     recorder.in_backward = true;
     model.backward(logits, last.labels, scale);
     recorder.in_backward = false;
     if (per_parameter && verdict.passed() &&
-        (recorder.calls.size() != trainable || recorder.waits_in_backward != 0))
+        (allreduces.calls.size() != trainable || allreduces.waits_in_backward != 0))
       verdict.fail(fmt::format(
           "step {}: {} of {} all-reduce(s) launched and {} wait(s) or test(s) while "
           "Model::backward ran; expected every trainable gradient's all-reduce launched from "
           "its own hook and no wait until backward returns",
-          step, recorder.calls.size(), trainable, recorder.waits_in_backward));
+          step, allreduces.calls.size(), trainable, allreduces.waits_in_backward));
     if (bucketed) bucketed->finish_gradient_sync();
     if (per_parameter) per_parameter->finish_gradient_sync();
     optimizer->step(model);
@@ -597,14 +558,16 @@ void record_launches(const Training& training, Communicator& comm,
   Model model = training.model();
   ReadyLog log;
   log.attach(model, nullptr);  // before the student's hook: it fires first
-  RecordingCommunicator recorder(comm);
-  recorder.gradients_ready = [&log] { return log.order.size(); };
+  grading::RecordingCommunicator recorder(comm);
+  AllReduceLog allreduces;
+  allreduces.attach(recorder);
+  allreduces.gradients_ready = [&log] { return log.order.size(); };
   BucketedDDP ddp(model, recorder, training.caps);
   const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
   // At each issue: the buffer must hold exactly its bucket's gradients, and all of them
   // must be final. Read before the call goes on, so the adversarial mode cannot interfere.
-  recorder.inspect = [&](const MutableBuffer& data) -> std::string {
-    const std::size_t k = recorder.calls.size();
+  allreduces.inspect = [&](const MutableBuffer& data) -> std::string {
+    const std::size_t k = allreduces.calls.size();
     if (k >= buckets.size()) return "";
     const Bucket& bucket = buckets[k];
     for (const std::size_t index : bucket.parameters)
@@ -630,9 +593,7 @@ void record_launches(const Training& training, Communicator& comm,
   for (int step = 1; step <= options.steps; ++step) {
     const Batch batch =
         grading::local_batch(*training.data, options, step - 1, comm.rank(), comm.size());
-    recorder.calls.clear();
-    recorder.other_calls = 0;
-    recorder.waits_in_backward = 0;
+    allreduces.clear();
     log.clear();
     StepLaunches launches;
     for (std::size_t k = 0; k < buckets.size(); ++k)
@@ -642,11 +603,11 @@ void record_launches(const Training& training, Communicator& comm,
     recorder.in_backward = true;
     model.backward(logits, batch.labels);
     recorder.in_backward = false;
-    launches.calls_when_backward_returned = recorder.calls.size();
-    launches.waits_in_backward = recorder.waits_in_backward;
+    launches.calls_when_backward_returned = allreduces.calls.size();
+    launches.waits_in_backward = allreduces.waits_in_backward;
     ddp.finish_gradient_sync();
-    launches.calls = recorder.calls;
-    launches.other_calls = recorder.other_calls;
+    launches.calls = allreduces.calls;
+    launches.other_calls = allreduces.other_calls;
     optimizer->step(model);
     check(step, launches, model, ddp);
   }

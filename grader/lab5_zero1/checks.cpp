@@ -40,6 +40,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab5.h"
+#include "recording.h"
 #include "sharded.h"
 
 namespace dp::lab5 {
@@ -644,85 +645,7 @@ TEST(Lab5Memory, StepAllocatesNothing) {
 
 // --- Lab5Communication --------------------------------------------------------------------------
 
-/// One communicator call as the recording communicator saw it.
-struct Call {
-  CommOp op = CommOp::kBarrier;
-  std::size_t in = 0;   ///< input elements
-  std::size_t out = 0;  ///< output elements
-  ReduceOp reduce = ReduceOp::kSum;
-
-  bool operator==(const Call&) const = default;
-};
-
-std::string describe(const Call& call) {
-  switch (call.op) {
-    case CommOp::kReduceScatter:
-      return fmt::format("reduce_scatter({} -> {}, {})", call.in, call.out, to_string(call.reduce));
-    case CommOp::kAllGather: return fmt::format("allgather({} -> {})", call.in, call.out);
-    case CommOp::kAllReduce:
-      return fmt::format("allreduce({}, {})", call.in, to_string(call.reduce));
-    default: return std::string(to_string(call.op));
-  }
-}
-
-/// A communicator that records every call before passing it on to the real one.
-class RecordingCommunicator final : public Communicator {
- public:
-  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
-
-  std::vector<Call> calls;
-  /// Psi: elements of a reduce-scatter's input from here on are padding, zero at issue.
-  std::size_t real_elements = 0;
-  /// The first padding element of a reduce-scatter's input that was not zero at issue.
-  std::optional<std::size_t> nonzero_padding;
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
-    calls.push_back({CommOp::kSend, data.count, 0, ReduceOp::kSum});
-    return inner_.isend(data, peer, tag);
-  }
-  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
-    calls.push_back({CommOp::kRecv, 0, data.count, ReduceOp::kSum});
-    return inner_.irecv(data, peer, tag);
-  }
-  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
-    calls.push_back({CommOp::kAllReduce, data.count, data.count, op});
-    return inner_.allreduce(data, op);
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    calls.push_back({CommOp::kReduceScatter, in.count, out.count, op});
-    // Read at issue, before any transport may: a trial's padding of ones (or an uninitialised
-    // flat buffer) passed every check that reads only the real elements.
-    if (in.type == DataType::kFloat32 && !nonzero_padding) {
-      const auto* values = static_cast<const float*>(in.data);
-      for (std::size_t i = real_elements; i < in.count; ++i)
-        if (values[i] != 0.0f) {
-          nonzero_padding = i;
-          break;
-        }
-    }
-    return inner_.reduce_scatter(in, out, op);
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    calls.push_back({CommOp::kAllGather, in.count, out.count, ReduceOp::kSum});
-    return inner_.allgather(in, out);
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
-    calls.push_back({CommOp::kBroadcast, data.count, data.count, ReduceOp::kSum});
-    return inner_.broadcast(data, root);
-  }
-  void barrier() override {
-    calls.push_back({CommOp::kBarrier, 0, 0, ReduceOp::kSum});
-    inner_.barrier();
-  }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  Communicator& inner_;
-};
+using grading::RecordedCall;
 
 TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
   Draws draws("Lab5Communication.ReduceScatterAndAllGatherOnly");
@@ -742,10 +665,17 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
           double ratio = 0;
           for (const float max_norm : {0.0f, 1.0f}) {
             Model model = training.model();
-            RecordingCommunicator recorder(comm);
-            recorder.real_elements = p.num_parameters;
+            grading::RecordingCommunicator recorder(comm);
+            // Read at issue, before any transport may: a trial's padding of ones (or an
+            // uninitialised flat buffer) passed every check that reads only the real elements.
+            std::optional<std::size_t> nonzero_padding;
+            recorder.on_issue = [&](std::size_t, const RecordedCall& call, ConstBuffer in,
+                                    MutableBuffer) {
+              if (call.op == CommOp::kReduceScatter && !nonzero_padding)
+                nonzero_padding = grading::first_nonzero(in, p.num_parameters);
+            };
             ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm);
-            std::vector<Call> expected = {
+            std::vector<RecordedCall> expected = {
                 {CommOp::kReduceScatter, p.padded_elements, p.shard_elements, ReduceOp::kSum}};
             if (max_norm > 0) expected.push_back({CommOp::kAllReduce, 1, 1, ReduceOp::kSum});
             expected.push_back({CommOp::kAllGather, p.shard_elements, p.padded_elements});
@@ -762,11 +692,13 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
               if (recorder.calls != expected) {
                 std::vector<std::string> seen;
                 std::vector<std::string> wanted;
-                for (const Call& call : recorder.calls) seen.push_back(describe(call));
-                for (const Call& call : expected) wanted.push_back(describe(call));
+                for (const RecordedCall& call : recorder.calls)
+                  seen.push_back(grading::describe(call));
+                for (const RecordedCall& call : expected) wanted.push_back(grading::describe(call));
                 const bool allreduced = std::any_of(
-                    recorder.calls.begin(), recorder.calls.end(),
-                    [&](const Call& call) { return call.op == CommOp::kAllReduce && call.in > 1; });
+                    recorder.calls.begin(), recorder.calls.end(), [&](const RecordedCall& call) {
+                      return call.op == CommOp::kAllReduce && call.in > 1;
+                    });
                 verdict.fail(fmt::format(
                     "{}step {}: step() called [{}]; expected [{}] (Psi = {}, N = {}, S = {}){}",
                     max_norm > 0 ? "with clipping, " : "", step, fmt::join(seen, ", "),
@@ -776,12 +708,12 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
                                : ""));
                 continue;
               }
-              if (recorder.nonzero_padding) {
+              if (nonzero_padding) {
                 verdict.fail(fmt::format(
                     "{}step {}: the reduce-scatter's input has a non-zero padding element (index "
                     "{} of {}, Psi = {}); expected the padding zero in the gradients "
                     "reduce-scattered",
-                    max_norm > 0 ? "with clipping, " : "", step, *recorder.nonzero_padding,
+                    max_norm > 0 ? "with clipping, " : "", step, *nonzero_padding,
                     p.padded_elements, p.num_parameters));
                 continue;
               }

@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab6.h"
+#include "recording.h"
 #include "sharded.h"
 
 namespace dp::lab6 {
@@ -408,12 +410,13 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
-          const Optimizer* made = nullptr;
+          grading::RecordingOptimizer* made = nullptr;
           ZeroTwoOptimizer zero(
               fresh, comm,
               [&](std::size_t s) {
                 asked.push_back(s);
-                auto optimizer = grading::optimizer_for(options, s);
+                auto optimizer = std::make_unique<grading::RecordingOptimizer>(
+                    grading::optimizer_for(options, s), s);
                 made = optimizer.get();
                 return optimizer;
               },
@@ -435,11 +438,22 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
             verdict.fail(fmt::format(
                 "one step() began {} steps of the inner optimizer; expected 1 (begin_step once)",
                 made->step_count() - steps_before));
+          const std::vector<std::pair<std::size_t, std::size_t>> whole_shard = {{0, shard}};
+          if (verdict.passed() && made->last_updates() != whole_shard) {
+            std::vector<std::string> seen;
+            for (const auto& [offset, elements] : made->last_updates())
+              seen.push_back(fmt::format("update({}, {} elements)", offset, elements));
+            verdict.fail(fmt::format(
+                "one step() called [{}] on the inner optimizer; expected one update(0, {} "
+                "elements) over the whole shard, on every rank (chunks of padding only too)",
+                fmt::join(seen, ", "), shard));
+          }
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
                 "returning nullptr or an optimizer of the wrong size throw dp::Error, and so does "
-                "a step without a backward; the factory is called once with S");
+                "a step without a backward; the factory is called once with S; a step is one "
+                "begin_step and one update over the whole shard");
         },
         draws);
   }
@@ -548,7 +562,10 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
   Draws draws("Lab6Memory.GradientsAreOneShardPlusOneLayer");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
-  for (int world : worlds) {
+  for (std::size_t w = 0; w < worlds.size(); ++w) {
+    const int world = worlds[w];
+    // Every other world size with clipping: its one float is a kCommunication tensor too.
+    const float max_norm = w % 2 == 0 ? 1.0f : 0.0f;
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
@@ -574,11 +591,12 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           const std::vector<Bucket> buckets = contract_buckets(model, world, training.cap_bytes);
           const std::size_t shard = 4 * contract_shard(buckets);
           const std::size_t layer = 4 * largest_layer(model);
-          const std::size_t buffers = contract_buffer_bytes(buckets, world);
+          const std::size_t buffers =
+              contract_buffer_bytes(buckets, world) + (max_norm > 0 ? sizeof(float) : 0);
           const std::size_t other_base = tracker.current(MemoryCategory::kOther);
           tracker.reset_peaks();
           const std::size_t params_base = tracker.current(MemoryCategory::kParameters);
-          ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
+          ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
           const std::size_t after_constructor =
               tracker.current(MemoryCategory::kGradients) - grad_base;
           const std::size_t params_added =
@@ -641,16 +659,18 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
                     : ""));
           else if (comm_peak != buffers)
             verdict.fail(fmt::format(
-                "communication bytes at the peak {}; expected min(2, B) x 4 max_k(N C_k) = {} "
+                "communication bytes at the peak {}; expected min(2, B) x 4 max_k(N C_k){} = {} "
                 "({} buckets){}",
-                comm_peak, buffers, buckets.size(),
+                comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
+                buckets.size(),
                 comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
           else
             verdict.note(fmt::format(
                 "N = {}, Psi = {}: gradient peak {} bytes (4 S = {} plus the largest layer's {}) "
-                "and {} bytes of bucket buffers, against DDP's 4 Psi = {} of gradients plus "
+                "and {} bytes of bucket buffers{}, against DDP's 4 Psi = {} of gradients plus "
                 "lab 4's 4 Psi of buckets",
-                world, psi, expected, shard, layer, buffers, 4 * psi));
+                world, psi, expected, shard, layer, buffers,
+                max_norm > 0 ? " and the norm's float" : "", 4 * psi));
         },
         draws);
   }
@@ -660,13 +680,15 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
   Draws draws("Lab6Memory.ShardedStateAndNoAllocation");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training = draw_training(draws, "adamw");
-  const float max_norm = draws.coin("clipping") ? 1.0f : 0.0f;
   for (int world : worlds) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          for (const auto& [kind, floats] :
-               std::vector<std::pair<std::string, std::size_t>>{{"adamw", 2}, {"sgd", 1}}) {
+          // With clipping and without: the norm's buffer must not be allocated per step.
+          for (const auto& [kind, floats, max_norm] :
+               std::vector<std::tuple<std::string, std::size_t, float>>{
+                   {"adamw", 2, 0.0f}, {"sgd", 1, 0.0f}, {"adamw", 2, 1.0f}, {"sgd", 1, 1.0f}}) {
+            const std::string label = kind + (max_norm > 0 ? " with clipping" : "");
             TrainOptions options = training.for_world(world);
             options.optimizer = kind;
             if (kind == "sgd") options.momentum = 0.9f;
@@ -688,7 +710,7 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                   "{}: the constructor took {} bytes in heap blocks of {} bytes or more; expected "
                   "none (every buffer of gradients or parameters is a Tensor, charged to its "
                   "category)",
-                  kind, constructor.large_bytes, grading::kLargeAllocationBytes));
+                  label, constructor.large_bytes, grading::kLargeAllocationBytes));
             for (int step = 1; step <= 2; ++step) {
               const Batch batch =
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
@@ -729,26 +751,26 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                     "{}, step {}: forward, backward and step() allocated {} activation tensors, "
                     "the same forward and backward without ZeRO-2 {}; expected no more (no "
                     "staging tensors)",
-                    kind, step, hooked_activations, plain_activations));
+                    label, step, hooked_activations, plain_activations));
               else if (hooked.large_bytes > plain.large_bytes)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward and backward with your hooks took {} bytes in heap "
                     "blocks of {} bytes or more, the same without them {}; expected no more "
                     "(no staging copies in the hooks)",
-                    kind, step, hooked.large_bytes, grading::kLargeAllocationBytes,
+                    label, step, hooked.large_bytes, grading::kLargeAllocationBytes,
                     plain.large_bytes));
               else if (in_step != 0 || used.large_bytes != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
                     "bytes or more from the heap; expected none",
-                    kind, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
+                    label, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
               else if (grads != model.parameters().size() || others != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} gradient tensor(s) "
                     "and {} parameter, optimizer-state or communication tensor(s); expected the "
                     "{} gradients backward makes again after your hook released them, and "
                     "nothing else",
-                    kind, step, grads, others, model.parameters().size()));
+                    label, step, grads, others, model.parameters().size()));
             }
             const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
             const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
@@ -757,7 +779,7 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               verdict.fail(fmt::format(
                   "{} on N = {} (S = {}): optimizer-state bytes {} after two steps, peak {}; "
                   "expected {} x 4 x S = {}{}",
-                  kind, world, shard, current, peak, floats, expected,
+                  label, world, shard, current, peak, floats, expected,
                   peak >= 4 * floats * model.num_parameters()
                       ? " (an optimizer over the whole model existed)"
                       : ""));
@@ -774,133 +796,65 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
 
 // --- Lab6Communication ---------------------------------------------------------------------
 
-/// One communicator call as the recording communicator saw it.
-struct Call {
-  CommOp op = CommOp::kBarrier;
-  std::size_t in = 0;   ///< input elements
-  std::size_t out = 0;  ///< output elements
-  ReduceOp reduce = ReduceOp::kSum;
+using grading::RecordedCall;
 
-  bool operator==(const Call&) const = default;
-};
-
-std::string describe(const Call& call) {
-  switch (call.op) {
-    case CommOp::kReduceScatter:
-      return fmt::format("reduce_scatter({} -> {}, {})", call.in, call.out, to_string(call.reduce));
-    case CommOp::kAllGather: return fmt::format("allgather({} -> {})", call.in, call.out);
-    case CommOp::kAllReduce:
-      return fmt::format("allreduce({}, {})", call.in, to_string(call.reduce));
-    default: return std::string(to_string(call.op));
-  }
-}
-
-/// A communicator that records every call, and every wait or test of the reduce-scatters'
-/// `Work`s, with the number of gradients the grader's hook had seen by then.
-class RecordingCommunicator final : public Communicator {
- public:
-  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
+/// What the grader sees of the reduce-scatters through a recording communicator: when
+/// each was launched (how many gradients the grader's hook, registered before the
+/// student's, had seen), where it writes, its padding at issue, and the waits or tests
+/// of their handles during backward.
+struct LaunchLog {
+  /// One reduce-scatter at its issue.
+  struct Launch {
+    std::size_t ready = 0;                       ///< gradients ready then
+    bool in_backward = false;                    ///< issued inside Model::backward
+    const void* in = nullptr;                    ///< its input: the bucket's buffer
+    const void* out = nullptr;                   ///< its output: in shard_gradients()
+    std::optional<std::size_t> nonzero_padding;  ///< first non-zero padding element
+  };
 
   /// Gradients made ready so far in this backward (the grader's hook counts them).
   std::size_t ready = 0;
-  /// True while the grader runs `Model::backward`.
-  bool in_backward = false;
-  std::vector<Call> calls;
-  /// Per reduce-scatter: gradients ready at issue, whether during backward, output pointer.
-  struct Launch {
-    std::size_t ready = 0;
-    bool in_backward = false;
-    const void* out = nullptr;
-    std::optional<std::size_t> nonzero_padding;
-  };
   std::vector<Launch> launches;
-  /// Per reduce-scatter of this step: its bucket's E (padding starts there).
-  std::vector<std::size_t> real_elements;
+  /// Each all-gather's output, in issue order: the bucket's buffer again.
+  std::vector<const void*> gathered_into;
   /// The first wait or test during backward of reduce-scatter j, with `ready` then.
   std::vector<std::pair<std::size_t, std::size_t>> early_waits;
+  /// Per recorded call: the index of its reduce-scatter among `launches`, if it is one.
+  std::vector<std::optional<std::size_t>> launch_of_call;
 
-  void reset() {
-    calls.clear();
+  /// Records through `recorder`; reduce-scatter j's padding starts at bucket j's E.
+  void attach(grading::RecordingCommunicator& recorder, const std::vector<Bucket>& buckets) {
+    recorder.on_issue = [this, &recorder, &buckets](std::size_t index, const RecordedCall& call,
+                                                    ConstBuffer in, MutableBuffer out) {
+      launch_of_call.resize(index + 1);
+      if (call.op == CommOp::kAllGather) gathered_into.push_back(out.data);
+      if (call.op != CommOp::kReduceScatter) return;
+      const std::size_t j = launches.size();
+      Launch launch{ready, recorder.in_backward, in.data, out.data, std::nullopt};
+      // Read at issue, before any transport may.
+      if (j < buckets.size())
+        launch.nonzero_padding = grading::first_nonzero(in, buckets[j].elements);
+      launches.push_back(launch);
+      launch_of_call[index] = j;
+    };
+    recorder.on_wait = [this, &recorder](std::size_t index) {
+      if (!recorder.in_backward || index >= launch_of_call.size() || !launch_of_call[index]) return;
+      const std::size_t j = *launch_of_call[index];
+      for (const auto& [seen, at] : early_waits)
+        if (seen == j) return;
+      early_waits.emplace_back(j, ready);
+    };
+  }
+
+  /// Forgets the last step (with `recorder.calls`).
+  void reset(grading::RecordingCommunicator& recorder) {
+    recorder.calls.clear();
     launches.clear();
+    gathered_into.clear();
     early_waits.clear();
+    launch_of_call.clear();
     ready = 0;
   }
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
-    calls.push_back({CommOp::kSend, data.count, 0, ReduceOp::kSum});
-    return inner_.isend(data, peer, tag);
-  }
-  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
-    calls.push_back({CommOp::kRecv, 0, data.count, ReduceOp::kSum});
-    return inner_.irecv(data, peer, tag);
-  }
-  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
-    calls.push_back({CommOp::kAllReduce, data.count, data.count, op});
-    return inner_.allreduce(data, op);
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    calls.push_back({CommOp::kReduceScatter, in.count, out.count, op});
-    Launch launch{ready, in_backward, out.data, std::nullopt};
-    const std::size_t j = launches.size();
-    // Read at issue, before any transport may.
-    if (in.type == DataType::kFloat32 && j < real_elements.size()) {
-      const auto* values = static_cast<const float*>(in.data);
-      for (std::size_t i = real_elements[j]; i < in.count; ++i)
-        if (values[i] != 0.0f) {
-          launch.nonzero_padding = i;
-          break;
-        }
-    }
-    launches.push_back(launch);
-    return std::make_unique<RecordedWork>(*this, j, inner_.reduce_scatter(in, out, op));
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    calls.push_back({CommOp::kAllGather, in.count, out.count, ReduceOp::kSum});
-    return inner_.allgather(in, out);
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
-    calls.push_back({CommOp::kBroadcast, data.count, data.count, ReduceOp::kSum});
-    return inner_.broadcast(data, root);
-  }
-  void barrier() override {
-    calls.push_back({CommOp::kBarrier, 0, 0, ReduceOp::kSum});
-    inner_.barrier();
-  }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  /// A reduce-scatter's `Work`, recording waits and tests during backward.
-  class RecordedWork final : public Work {
-   public:
-    RecordedWork(RecordingCommunicator& owner, std::size_t call, std::unique_ptr<Work> inner)
-        : owner_(owner), call_(call), inner_(std::move(inner)) {}
-    void wait() override {
-      seen();
-      inner_->wait();
-    }
-    bool test() override {
-      seen();
-      return inner_->test();
-    }
-
-   private:
-    void seen() {
-      if (owner_.in_backward && !recorded_) {
-        owner_.early_waits.emplace_back(call_, owner_.ready);
-        recorded_ = true;
-      }
-    }
-    RecordingCommunicator& owner_;
-    std::size_t call_;
-    std::unique_ptr<Work> inner_;
-    bool recorded_ = false;
-  };
-
-  Communicator& inner_;
 };
 
 /// The bytes this rank sends for reduce-scatters and all-gathers of the contract's bucket
@@ -941,12 +895,13 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
           double ratio = 0;
           for (const float max_norm : {0.0f, 1.0f}) {
             Model model = training.model();
-            RecordingCommunicator recorder(comm);
-            for (const Bucket& b : buckets) recorder.real_elements.push_back(b.elements);
-            model.on_gradient_ready([&](Parameter&) { ++recorder.ready; });  // before theirs
+            grading::RecordingCommunicator recorder(comm);
+            LaunchLog log;
+            log.attach(recorder, buckets);
+            model.on_gradient_ready([&](Parameter&) { ++log.ready; });  // before theirs
             ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
                                   max_norm);
-            std::vector<Call> expected;
+            std::vector<RecordedCall> expected;
             for (const Bucket& b : buckets)
               expected.push_back({CommOp::kReduceScatter,
                                   static_cast<std::size_t>(world) * b.chunk_elements,
@@ -960,7 +915,7 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
               const Batch batch =
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
               model.zero_grad();
-              recorder.reset();
+              log.reset(recorder);
               const CommCounters before = comm.counters();
               recorder.in_backward = true;
               model.backward(model.forward(batch.inputs), batch.labels);
@@ -971,11 +926,13 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
               if (recorder.calls != expected) {
                 std::vector<std::string> seen;
                 std::vector<std::string> wanted;
-                for (const Call& call : recorder.calls) seen.push_back(describe(call));
-                for (const Call& call : expected) wanted.push_back(describe(call));
+                for (const RecordedCall& call : recorder.calls)
+                  seen.push_back(grading::describe(call));
+                for (const RecordedCall& call : expected) wanted.push_back(grading::describe(call));
                 const bool allreduced = std::any_of(
-                    recorder.calls.begin(), recorder.calls.end(),
-                    [&](const Call& call) { return call.op == CommOp::kAllReduce && call.in > 1; });
+                    recorder.calls.begin(), recorder.calls.end(), [&](const RecordedCall& call) {
+                      return call.op == CommOp::kAllReduce && call.in > 1;
+                    });
                 verdict.fail(fmt::format(
                     "{}step {}: backward and step() called [{}]; expected [{}] ({} buckets){}",
                     label, step, fmt::join(seen, ", "), fmt::join(wanted, ", "), buckets.size(),
@@ -986,7 +943,7 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
               }
               const float* shard = zero.shard_gradients().data();
               for (std::size_t k = 0; k < buckets.size() && verdict.passed(); ++k) {
-                const RecordingCommunicator::Launch& launch = recorder.launches[k];
+                const LaunchLog::Launch& launch = log.launches[k];
                 if (!launch.in_backward || launch.ready != complete_at[k])
                   verdict.fail(fmt::format(
                       "{}step {}: bucket {}'s reduce-scatter was launched {}; expected from the "
@@ -1002,13 +959,30 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
                       fmt::format("{}step {}: bucket {}'s reduce-scatter writes elsewhere than "
                                   "shard_gradients() at its shard offset {}",
                                   label, step, k, buckets[k].shard_offset));
+                else if (k >= kBucketBuffers && launch.in != log.launches[k - kBucketBuffers].in)
+                  verdict.fail(fmt::format(
+                      "{}step {}: bucket {}'s reduce-scatter reads another buffer than bucket "
+                      "{}'s; expected buffer k mod {} (two buffers in turn, not a region per "
+                      "bucket: that is the whole gradient again)",
+                      label, step, k, k - kBucketBuffers, kBucketBuffers));
+                else if (k > 0 && k < kBucketBuffers && launch.in == log.launches[0].in)
+                  verdict.fail(fmt::format(
+                      "{}step {}: buckets 0 and {} reduce-scatter from the same buffer; expected "
+                      "buffer k mod {}",
+                      label, step, k, kBucketBuffers));
+                else if (log.gathered_into.size() == buckets.size() &&
+                         log.gathered_into[k] != launch.in)
+                  verdict.fail(fmt::format(
+                      "{}step {}: bucket {}'s all-gather writes another buffer than its "
+                      "reduce-scatter read; expected the bucket's buffer for both",
+                      label, step, k));
                 else if (launch.nonzero_padding)
                   verdict.fail(fmt::format(
                       "{}step {}: bucket {}'s reduce-scatter input has a non-zero padding "
                       "element at issue (index {}, E = {}); expected the padding zero",
                       label, step, k, *launch.nonzero_padding, buckets[k].elements));
               }
-              for (const auto& [j, ready] : recorder.early_waits) {
+              for (const auto& [j, ready] : log.early_waits) {
                 if (!verdict.passed()) break;
                 // Bucket j's buffer is needed again by bucket j + 2's first gradient.
                 if (j + 2 >= buckets.size() || ready < complete_at[j + 1] + 1)

@@ -177,10 +177,12 @@ void RecordingOptimizer::begin_step() {
   Optimizer::begin_step();
   inner_->begin_step();
   std::fill(last_gradients_.begin(), last_gradients_.end(), 0.0f);
+  last_updates_.clear();
 }
 
 void RecordingOptimizer::update(std::size_t offset, std::span<float> params,
                                 std::span<const float> grads) {
+  last_updates_.emplace_back(offset, grads.size());
   if (offset + grads.size() <= last_gradients_.size())
     std::copy(grads.begin(), grads.end(),
               last_gradients_.begin() + static_cast<std::ptrdiff_t>(offset));

@@ -28,6 +28,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "dp/data.h"
@@ -128,12 +129,17 @@ class RecordingOptimizer final : public Optimizer {
 
   /// The gradients of the latest step (flat; parameters it did not update: 0).
   const std::vector<float>& last_gradients() const { return last_gradients_; }
+  /// The updates of the latest step: (offset, elements) of each call, in call order.
+  const std::vector<std::pair<std::size_t, std::size_t>>& last_updates() const {
+    return last_updates_;
+  }
   /// Steps begun so far.
   std::int64_t steps() const { return step_count(); }
 
  private:
   std::unique_ptr<Optimizer> inner_;
   std::vector<float> last_gradients_;
+  std::vector<std::pair<std::size_t, std::size_t>> last_updates_;
 };
 
 /// Sets `options`' optimizer to "sgd" or "adamw" with drawn settings: SGD lr in [0.02, 0.1)

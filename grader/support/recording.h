@@ -1,0 +1,91 @@
+// recording.h: a communicator that records every call lab code makes before passing it on
+// to the real one. The check hands the student's code this one, so what it records cannot
+// be changed by lab code: which calls, in which order, with which sizes, what their inputs
+// held at issue, and when their handles were waited on.
+//
+// Example (one rank of a check):
+//
+//   grading::RecordingCommunicator recorder(comm);
+//   std::vector<bool> issued_in_backward;
+//   recorder.on_issue = [&](std::size_t, const grading::RecordedCall&, ConstBuffer,
+//                           MutableBuffer) { issued_in_backward.push_back(recorder.in_backward); };
+//   Student student(model, recorder);
+//   recorder.in_backward = true;
+//   model.backward(logits, labels);
+//   recorder.in_backward = false;
+//   // recorder.calls: e.g. {reduce_scatter(1024 -> 256, sum), allgather(256 -> 1024)}
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dp/comm.h"
+
+namespace dp::grading {
+
+/// One communicator call as it was issued: what it is and its sizes, in elements.
+struct RecordedCall {
+  CommOp op = CommOp::kBarrier;      ///< the kind of call
+  std::size_t in = 0;                ///< input elements (0 for a receive or a barrier)
+  std::size_t out = 0;               ///< output elements (0 for a send or a barrier)
+  ReduceOp reduce = ReduceOp::kSum;  ///< the reduction (kSum where there is none)
+
+  /// Two calls are equal when kind, sizes and reduction are.
+  bool operator==(const RecordedCall&) const = default;
+};
+
+/// "reduce_scatter(1024 -> 256, sum)", "allgather(256 -> 1024)", "allreduce(1, sum)", ...
+std::string describe(const RecordedCall& call);
+
+/// The index of the first element of `data` (float32) at or after `from` that is not
+/// +0.0 or -0.0, or nullopt: padding that must be zero when a call is issued.
+std::optional<std::size_t> first_nonzero(ConstBuffer data, std::size_t from);
+
+/// Records every call and passes it on to `inner`; its counters and clock are `inner`'s.
+class RecordingCommunicator final : public Communicator {
+ public:
+  /// Records the calls made through it and passes each on to `inner`.
+  explicit RecordingCommunicator(Communicator& inner) : inner_(inner) {}
+
+  /// Every call, in issue order.
+  std::vector<RecordedCall> calls;
+  /// Set by the check around `Model::backward`; read by its callbacks.
+  bool in_backward = false;
+  /// Runs at each call's issue, before the call is passed on (so it sees the input before
+  /// any transport may): the call's index in `calls`, the call, its input and its output
+  /// (empty where the call has none).
+  std::function<void(std::size_t index, const RecordedCall& call, ConstBuffer in,
+                     MutableBuffer out)>
+      on_issue;
+  /// Runs at each `wait()` or `test()` of a call's handle, with the call's index, and at
+  /// each barrier (which waits).
+  std::function<void(std::size_t index)> on_wait;
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override;
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override;
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override;
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override;
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override;
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
+  void barrier() override;
+  CommCounters counters() const override { return inner_.counters(); }
+  Clock& clock() override { return inner_.clock(); }
+
+ private:
+  /// Appends `call` to `calls`, runs `on_issue`, and returns its index.
+  std::size_t record(const RecordedCall& call, ConstBuffer in, MutableBuffer out);
+  /// `work`, wrapped so that its waits and tests run `on_wait` with `index`.
+  std::unique_ptr<Work> watched(std::size_t index, std::unique_ptr<Work> work);
+
+  Communicator& inner_;
+};
+
+}  // namespace dp::grading
