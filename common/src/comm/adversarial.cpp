@@ -116,13 +116,18 @@ class AdversarialWork final : public Work {
     // Destroying a Work waits for its call (comm.h), and the result is delivered then. While
     // an exception unwinds, the backend's own Work decides (it aborts the other ranks
     // rather than wait for a call that may never complete): nothing is delivered.
-    if (delivered_ || std::uncaught_exceptions() > 0) return;
-    try {
-      inner_->wait();
-      deliver();
-    } catch (const std::exception&) {
-      // The backend reports the error through the call that waits or through the abort.
+    if (!delivered_ && std::uncaught_exceptions() == 0) {
+      try {
+        inner_->wait();
+        deliver();
+      } catch (const std::exception&) {
+        // The backend reports the error through the call that waits or through the abort.
+      }
     }
+    // The backend's Work goes first: until its destructor returns, the call may still read
+    // the input copy and write the staging buffer that `pending_` owns (members would be
+    // destroyed in the other order, freeing them under a running call).
+    inner_.reset();
   }
 
   void wait() override {
