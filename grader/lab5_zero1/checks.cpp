@@ -75,64 +75,38 @@ std::string describe(const Partition& p) {
 }
 
 /// The contract's clipping of the averaged flat gradient `g` (no padding) on `world` ranks:
-/// returns the norm and scales `g` when the coefficient is below 1.
+/// rank r's real elements are [r S, r S + real); returns the norm, `g` scaled.
 float contract_clip(std::vector<float>& g, int world, float max_norm) {
   const Partition p = contract_partition(g.size(), world);
-  float sum = 0;
+  std::vector<std::vector<std::size_t>> real_by_rank(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
-    double partial = 0;  // dp::dot: double, index order
     const std::size_t begin = static_cast<std::size_t>(r) * p.shard_elements;
-    const std::size_t real = contract_real_elements(p, r);
-    for (std::size_t i = begin; i < begin + real; ++i)
-      partial += static_cast<double>(g[i]) * static_cast<double>(g[i]);
-    sum = r == 0 ? static_cast<float>(partial) : sum + static_cast<float>(partial);
+    for (std::size_t i = 0; i < contract_real_elements(p, r); ++i)
+      real_by_rank[static_cast<std::size_t>(r)].push_back(begin + i);
   }
-  const float norm = std::sqrt(sum);
-  const float coefficient = max_norm / (norm + 1e-6f);
-  if (coefficient < 1.0f)
-    for (float& value : g) value = coefficient * value;
-  return norm;
+  return grading::clip_by_sharded_norm(g, real_by_rank, max_norm);
 }
 
 // --- drawn training ------------------------------------------------------------------------
 
-/// One drawn training set-up: the MLP 64-h1-h2-10 with GELU (LayerNorm drawn), 3 to 5 steps,
-/// 2 to 6 rows of the global batch per rank, SGD or AdamW; h1 is moved up from its draw until
-/// the model's size needs padding on every drawn world size above 1.
-struct Training {
-  TrainOptions options;
-  std::int64_t rows_per_rank = 2;
-  std::shared_ptr<const Dataset> data;
+/// One drawn training set-up (grading::draw_sharded_training), h1 moved up from its draw
+/// until the model's size needs padding on every drawn world size above 1.
+using Training = grading::ShardedTraining;
 
-  TrainOptions for_world(int world) const {
-    TrainOptions concrete = options;
-    concrete.global_batch = rows_per_rank * world;
-    return concrete;
-  }
-  Model model() const { return make_model(options); }
-  std::size_t psi() const { return model().num_parameters(); }
-};
+std::size_t psi_of(const Training& training) {
+  return training.model().num_parameters();
+}
 
 Training draw_training(Draws& draws, const std::string& optimizer, const std::vector<int>& worlds) {
-  Training training;
+  Training training = grading::draw_sharded_training(draws, optimizer);
   TrainOptions& o = training.options;
-  std::int64_t h1 = draws.integer("hidden1", 24, 72);
-  const std::int64_t h2 = draws.integer("hidden2", 12, 40);
-  o.activation = "gelu";
-  o.layer_norm = draws.coin("layer norm");
-  for (int attempt = 0; attempt < 64; ++attempt, ++h1) {
-    o.model = fmt::format("64-{}-{}-10", h1, h2);
+  for (std::int64_t h1 = training.hidden1; h1 < training.hidden1 + 64; ++h1) {
+    o.model = fmt::format("64-{}-{}-10", h1, training.hidden2);
     const std::size_t psi = make_model(o).num_parameters();
     if (std::all_of(worlds.begin(), worlds.end(),
                     [&](int w) { return w == 1 || psi % static_cast<std::size_t>(w) != 0; }))
       break;
   }
-  o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 400));
-  o.seed = draws.seed("seed");
-  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
-  grading::draw_optimizer(draws, optimizer, o);
-  training.rows_per_rank = draws.integer("rows per rank", 2, 6);
-  training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
   return training;
 }
 
@@ -314,7 +288,7 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const TrainOptions options = training.for_world(world);
-          const std::size_t shard = contract_partition(training.psi(), world).shard_elements;
+          const std::size_t shard = contract_partition(psi_of(training), world).shard_elements;
           const auto expect_error = [&](const std::string& what, const auto& make) {
             try {
               make();
@@ -469,7 +443,7 @@ TEST(Lab5Equivalence, BitwiseLab2AfterEveryStep) {
           [&](Communicator& comm, Verdict& verdict) {
             train_and_compare(training, comm, verdict, exact, 0.0f, {},
                               fmt::format("ZeroOneOptimizer with {}", optimizer));
-            const Partition p = contract_partition(training.psi(), world);
+            const Partition p = contract_partition(psi_of(training), world);
             if (verdict.passed())
               verdict.note(fmt::format(
                   "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
@@ -555,7 +529,7 @@ TEST(Lab5Memory, OptimizerStateIsOneShard) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          const Partition p = contract_partition(training.psi(), world);
+          const Partition p = contract_partition(psi_of(training), world);
           for (const auto& [kind, floats] :
                std::vector<std::pair<std::string, std::size_t>>{{"adamw", 2}, {"sgd", 1}}) {
             TrainOptions options = training.for_world(world);
@@ -656,7 +630,7 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const TrainOptions options = training.for_world(world);
-          const Partition p = contract_partition(training.psi(), world);
+          const Partition p = contract_partition(psi_of(training), world);
           // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
           const std::uint64_t ddp_bytes =
               grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});

@@ -136,58 +136,29 @@ std::size_t contract_buffer_bytes(const std::vector<Bucket>& buckets, int world)
   return 4 * std::min(kBucketBuffers, buckets.size()) * largest;
 }
 
-/// The contract's clipping of the averaged flat gradient `g` on `world` ranks whose shards
-/// `shards` gives: returns the norm and scales `g` when the coefficient is below 1.
+/// The contract's clipping of the averaged flat gradient `g` on the ranks whose shards
+/// `shards` gives (padding as kPadding, which adds 0): returns the norm, `g` scaled.
 float contract_clip(std::vector<float>& g, const std::vector<std::vector<std::size_t>>& shards,
                     float max_norm) {
-  float sum = 0;
-  for (std::size_t r = 0; r < shards.size(); ++r) {
-    double partial = 0;  // dp::dot: double, index order; padding adds 0
+  std::vector<std::vector<std::size_t>> real_by_rank(shards.size());
+  for (std::size_t r = 0; r < shards.size(); ++r)
     for (const std::size_t i : shards[r])
-      if (i != kPadding) partial += static_cast<double>(g[i]) * static_cast<double>(g[i]);
-    sum = r == 0 ? static_cast<float>(partial) : sum + static_cast<float>(partial);
-  }
-  const float norm = std::sqrt(sum);
-  const float coefficient = max_norm / (norm + 1e-6f);
-  if (coefficient < 1.0f)
-    for (float& value : g) value = coefficient * value;
-  return norm;
+      if (i != kPadding) real_by_rank[r].push_back(i);
+  return grading::clip_by_sharded_norm(g, real_by_rank, max_norm);
 }
 
 // --- drawn training ------------------------------------------------------------------------
 
-/// One drawn training set-up: the MLP 64-h1-h2-10 with GELU (LayerNorm drawn), 3 to 5 steps,
-/// 2 to 6 rows of the global batch per rank, SGD or AdamW, a bucket cap of 0 to h1 x h2
-/// elements (so that there are several buckets, most of which pad).
-struct Training {
-  TrainOptions options;
-  std::int64_t rows_per_rank = 2;
+/// One drawn training set-up (grading::draw_sharded_training) and a bucket cap of 0 to
+/// h1 x h2 elements (so that there are several buckets, most of which pad).
+struct Training : grading::ShardedTraining {
   std::size_t cap_bytes = 0;
-  std::shared_ptr<const Dataset> data;
-
-  TrainOptions for_world(int world) const {
-    TrainOptions concrete = options;
-    concrete.global_batch = rows_per_rank * world;
-    return concrete;
-  }
-  Model model() const { return make_model(options); }
 };
 
 Training draw_training(Draws& draws, const std::string& optimizer) {
-  Training training;
-  TrainOptions& o = training.options;
-  const std::int64_t h1 = draws.integer("hidden1", 24, 72);
-  const std::int64_t h2 = draws.integer("hidden2", 12, 40);
-  o.activation = "gelu";
-  o.layer_norm = draws.coin("layer norm");
-  o.model = fmt::format("64-{}-{}-10", h1, h2);
-  o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 400));
-  o.seed = draws.seed("seed");
-  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
-  grading::draw_optimizer(draws, optimizer, o);
-  training.rows_per_rank = draws.integer("rows per rank", 2, 6);
-  training.cap_bytes = 4 * static_cast<std::size_t>(draws.integer("cap elements", 0, h1 * h2));
-  training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
+  Training training{grading::draw_sharded_training(draws, optimizer)};
+  training.cap_bytes = 4 * static_cast<std::size_t>(draws.integer(
+                               "cap elements", 0, training.hidden1 * training.hidden2));
   return training;
 }
 

@@ -8,6 +8,46 @@
 
 namespace dp::grading {
 
+TrainOptions ShardedTraining::for_world(int world) const {
+  TrainOptions concrete = options;
+  concrete.global_batch = rows_per_rank * world;
+  return concrete;
+}
+
+ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer) {
+  ShardedTraining training;
+  TrainOptions& o = training.options;
+  training.hidden1 = draws.integer("hidden1", 24, 72);
+  training.hidden2 = draws.integer("hidden2", 12, 40);
+  o.activation = "gelu";
+  o.layer_norm = draws.coin("layer norm");
+  o.model = fmt::format("64-{}-{}-10", training.hidden1, training.hidden2);
+  o.dataset = fmt::format("synthetic:{}", draws.integer("samples", 200, 400));
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
+  draw_optimizer(draws, optimizer, o);
+  training.rows_per_rank = draws.integer("rows per rank", 2, 6);
+  training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
+  return training;
+}
+
+float clip_by_sharded_norm(std::vector<float>& g,
+                           const std::vector<std::vector<std::size_t>>& real_by_rank,
+                           float max_norm) {
+  float sum = 0;
+  for (std::size_t r = 0; r < real_by_rank.size(); ++r) {
+    double partial = 0;  // dp::dot: double, index order
+    for (const std::size_t i : real_by_rank[r])
+      partial += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+    sum = r == 0 ? static_cast<float>(partial) : sum + static_cast<float>(partial);
+  }
+  const float norm = std::sqrt(sum);
+  const float coefficient = max_norm / (norm + 1e-6f);
+  if (coefficient < 1.0f)
+    for (float& value : g) value = coefficient * value;
+  return norm;
+}
+
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options) {
   return [options](std::size_t shard) { return optimizer_for(options, shard); };

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -21,12 +22,45 @@
 #include <vector>
 
 #include "compare.h"
+#include "dp/data.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/trainer.h"
+#include "grading.h"
 #include "ground_truth.h"
 
 namespace dp::grading {
+
+/// One drawn training set-up of the sharded labs: the MLP 64-h1-h2-10 with GELU (LayerNorm
+/// drawn), 3 to 5 steps, 2 to 6 rows of the global batch per rank, SGD or AdamW with drawn
+/// settings, and its data set.
+struct ShardedTraining {
+  TrainOptions options;                 ///< the global set-up (global_batch: see for_world)
+  std::int64_t hidden1 = 0;             ///< h1 as drawn (a lab may change options.model)
+  std::int64_t hidden2 = 0;             ///< h2 as drawn
+  std::int64_t rows_per_rank = 2;       ///< rows of the global batch per rank
+  std::shared_ptr<const Dataset> data;  ///< loaded once, shared by every rank
+
+  /// The options on `world` ranks: the global batch is rows_per_rank x world.
+  TrainOptions for_world(int world) const;
+  /// A fresh model of `options`, every rank's the same.
+  Model model() const { return make_model(options); }
+};
+
+/// Draws a `ShardedTraining` with `optimizer` ("sgd" or "adamw"): h1 in [24, 72], h2 in
+/// [12, 40], then LayerNorm, samples, seed, steps, the optimizer's settings and the rows
+/// per rank, in that order.
+ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer);
+
+/// The contract's clipping arithmetic of the sharded labs, applied to the averaged flat
+/// gradient `g`: rank r's partial squared norm is dp::dot's (double, in index order) over
+/// the elements `real_by_rank[r]` lists (flat indices of its shard's real elements, in
+/// shard order), rounded to float; the partials are summed in float in rank order; the
+/// norm is their float sqrt; when max_norm / (norm + 1e-6) is below 1, `g` is scaled by it.
+/// Returns the norm.
+float clip_by_sharded_norm(std::vector<float>& g,
+                           const std::vector<std::vector<std::size_t>>& real_by_rank,
+                           float max_norm);
 
 /// The factory a ZeRO optimizer calls once with its shard's size: the optimizer `options`
 /// names (grading::optimizer_for) over that many elements.
