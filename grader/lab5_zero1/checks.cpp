@@ -74,17 +74,16 @@ std::string describe(const Partition& p) {
                      p.shard_elements, p.padded_elements);
 }
 
-/// The contract's clipping of the averaged flat gradient `g` (no padding) on `world` ranks:
-/// rank r's real elements are [r S, r S + real); returns the norm, `g` scaled.
-float contract_clip(std::vector<float>& g, int world, float max_norm) {
-  const Partition p = contract_partition(g.size(), world);
+/// Rank r's real elements under the contract's partition: [r S, r S + real).
+std::vector<std::vector<std::size_t>> real_elements_by_rank(std::size_t psi, int world) {
+  const Partition p = contract_partition(psi, world);
   std::vector<std::vector<std::size_t>> real_by_rank(static_cast<std::size_t>(world));
   for (int r = 0; r < world; ++r) {
     const std::size_t begin = static_cast<std::size_t>(r) * p.shard_elements;
     for (std::size_t i = 0; i < contract_real_elements(p, r); ++i)
       real_by_rank[static_cast<std::size_t>(r)].push_back(begin + i);
   }
-  return grading::clip_by_sharded_norm(g, real_by_rank, max_norm);
+  return real_by_rank;
 }
 
 // --- drawn training ------------------------------------------------------------------------
@@ -483,19 +482,12 @@ TEST(Lab5Clipping, GlobalNormOverRealElements) {
       double first = 0;
       for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
       const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
-      std::vector<float> norms;
-      double worst_relative = 0;
-      int clipped = 0;
-      grading::Emulation how;
-      how.before_step = [&](int, std::vector<float>& g) {
-        double exact = 0;
-        for (const float value : g) exact += static_cast<double>(value) * value;
-        norms.push_back(contract_clip(g, world, max_norm));
-        clipped += norms.back() + 1e-6f > max_norm;
-        worst_relative =
-            std::max(worst_relative, std::abs(norms.back() - std::sqrt(exact)) / std::sqrt(exact));
-      };
-      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world, how);
+      const grading::ClippedTrajectory clipping = grading::emulate_clipped(
+          options, *training.data, world, real_elements_by_rank(psi_of(training), world), max_norm);
+      const Trajectory& exact = clipping.exact;
+      const std::vector<float>& norms = clipping.norms;
+      const double worst_relative = clipping.worst_relative;
+      const int clipped = clipping.clipped_steps;
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {

@@ -136,17 +136,6 @@ std::size_t contract_buffer_bytes(const std::vector<Bucket>& buckets, int world)
   return 4 * std::min(kBucketBuffers, buckets.size()) * largest;
 }
 
-/// The contract's clipping of the averaged flat gradient `g` on the ranks whose shards
-/// `shards` gives (padding as kPadding, which adds 0): returns the norm, `g` scaled.
-float contract_clip(std::vector<float>& g, const std::vector<std::vector<std::size_t>>& shards,
-                    float max_norm) {
-  std::vector<std::vector<std::size_t>> real_by_rank(shards.size());
-  for (std::size_t r = 0; r < shards.size(); ++r)
-    for (const std::size_t i : shards[r])
-      if (i != kPadding) real_by_rank[r].push_back(i);
-  return grading::clip_by_sharded_norm(g, real_by_rank, max_norm);
-}
-
 // --- drawn training ------------------------------------------------------------------------
 
 /// One drawn training set-up (grading::draw_sharded_training) and a bucket cap of 0 to
@@ -494,21 +483,19 @@ TEST(Lab6Clipping, GlobalNormOverTheShards) {
       const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
       const Model layout = training.model();
       const std::vector<Bucket> buckets = contract_buckets(layout, world, training.cap_bytes);
-      std::vector<std::vector<std::size_t>> shards;
-      for (int r = 0; r < world; ++r) shards.push_back(shard_indices(layout, buckets, r));
-      std::vector<float> norms;
-      double worst_relative = 0;
-      int clipped = 0;
-      grading::Emulation how;
-      how.before_step = [&](int, std::vector<float>& g) {
-        double exact = 0;
-        for (const float value : g) exact += static_cast<double>(value) * value;
-        norms.push_back(contract_clip(g, shards, max_norm));
-        clipped += norms.back() + 1e-6f > max_norm;
-        worst_relative =
-            std::max(worst_relative, std::abs(norms.back() - std::sqrt(exact)) / std::sqrt(exact));
-      };
-      const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world, how);
+      // Each rank's real elements in shard order (its padding adds nothing to the norm).
+      std::vector<std::vector<std::size_t>> real_by_rank;
+      for (int r = 0; r < world; ++r) {
+        real_by_rank.emplace_back();
+        for (const std::size_t i : shard_indices(layout, buckets, r))
+          if (i != kPadding) real_by_rank.back().push_back(i);
+      }
+      const grading::ClippedTrajectory clipping =
+          grading::emulate_clipped(options, *training.data, world, real_by_rank, max_norm);
+      const Trajectory& exact = clipping.exact;
+      const std::vector<float>& norms = clipping.norms;
+      const double worst_relative = clipping.worst_relative;
+      const int clipped = clipping.clipped_steps;
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -46,6 +47,23 @@ float clip_by_sharded_norm(std::vector<float>& g,
   if (coefficient < 1.0f)
     for (float& value : g) value = coefficient * value;
   return norm;
+}
+
+ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& data, int world,
+                                  const std::vector<std::vector<std::size_t>>& real_by_rank,
+                                  float max_norm) {
+  ClippedTrajectory result;
+  Emulation how;
+  how.before_step = [&](int, std::vector<float>& g) {
+    double exact = 0;
+    for (const float value : g) exact += static_cast<double>(value) * value;
+    result.norms.push_back(clip_by_sharded_norm(g, real_by_rank, max_norm));
+    result.clipped_steps += result.norms.back() + 1e-6f > max_norm;
+    result.worst_relative = std::max(
+        result.worst_relative, std::abs(result.norms.back() - std::sqrt(exact)) / std::sqrt(exact));
+  };
+  result.exact = emulate_data_parallel(options, data, world, how);
+  return result;
 }
 
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(

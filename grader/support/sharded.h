@@ -62,6 +62,21 @@ float clip_by_sharded_norm(std::vector<float>& g,
                            const std::vector<std::vector<std::size_t>>& real_by_rank,
                            float max_norm);
 
+/// Lab 2's arithmetic on `world` ranks with the contract's clipping before each step
+/// (clip_by_sharded_norm over `real_by_rank`): what a sharded optimizer with clipping must
+/// produce bitwise, and how far its norms are from the double-precision norm.
+struct ClippedTrajectory {
+  Trajectory exact;           ///< parameters (and gradients) after every step
+  std::vector<float> norms;   ///< the norm of every step, as step() must return it
+  int clipped_steps = 0;      ///< steps whose coefficient was below 1
+  double worst_relative = 0;  ///< largest |norm - double-precision norm| / that norm
+};
+
+/// Emulates `options` on `world` ranks with clipping at `max_norm` (see ClippedTrajectory).
+ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& data, int world,
+                                  const std::vector<std::vector<std::size_t>>& real_by_rank,
+                                  float max_norm);
+
 /// The factory a ZeRO optimizer calls once with its shard's size: the optimizer `options`
 /// names (grading::optimizer_for) over that many elements.
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
