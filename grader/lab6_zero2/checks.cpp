@@ -408,12 +408,20 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                 "elements) over the whole shard, on every rank (chunks of padding only too)",
                 fmt::join(seen, ", "), shard));
           }
+          // A second backward before step() would reduce-scatter over the first one's
+          // shard: the contract asks for dp::Error from the hook. Every rank throws at its
+          // first hook, before it launches anything, so the ranks stay in step.
+          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          expect_error("a second backward before step()", [&] {
+            fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          });
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
-                "returning nullptr or an optimizer of the wrong size throw dp::Error, and so does "
-                "a step without a backward; the factory is called once with S; a step is one "
-                "begin_step and one update over the whole shard");
+                "returning nullptr or an optimizer of the wrong size throw dp::Error, and so do "
+                "a step without a backward and a second backward before step(); the factory is "
+                "called once with S; a step is one begin_step and one update over the whole "
+                "shard");
         },
         draws);
   }

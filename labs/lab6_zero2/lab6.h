@@ -103,7 +103,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// `Parameter::grad` (an empty tensor), and registers a gradient-ready hook on `model`.
 /// The object must outlive every backward of `model`; `model` and `comm` must outlive it.
 ///
-/// A step is one `Model::backward` on the rank's local batch, then one `step()`.
+/// A step is one `Model::backward` on the rank's local batch, then one `step()`. A second
+/// backward before `step()` throws `dp::Error` from your hook (its gradients would
+/// otherwise overwrite the first's in the shard, and half a step would be lost silently).
 ///
 /// During backward, the hook, for each parameter: copies its gradient to its place in its
 /// bucket's buffer and releases `Parameter::grad` at once (before the next gradient is
