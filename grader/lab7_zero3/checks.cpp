@@ -197,9 +197,10 @@ std::string check_shard(const Model& layout, const std::vector<std::size_t>& ind
       }
       hint = grading::scale_hint(seen_change, expected_change, grading::division_suspects(world));
     }
-    return fmt::format("shard_parameters()[{}] ({}) holds {}; expected {} (the shard is this "
-                       "rank's chunk of every unit, in unit order){}{}",
-                       i, where, values[i], expected, hint.empty() ? "" : "; ", hint);
+    return fmt::format(
+        "shard_parameters()[{}] ({}) holds {}; expected {} (the shard is this "
+        "rank's chunk of every unit, in unit order){}{}",
+        i, where, values[i], expected, hint.empty() ? "" : "; ", hint);
   }
   return "";
 }
@@ -226,7 +227,8 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
     const std::optional<float> norm = zero.step();
     if (!verdict.passed()) continue;
     const float expected_loss =
-        exact.rank_losses[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(comm.rank())];
+        exact
+            .rank_losses[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(comm.rank())];
     if (std::memcmp(&loss, &expected_loss, sizeof(float)) != 0) {
       verdict.fail(fmt::format(
           "{}: the loss of step {}'s forward is {}; expected {} bitwise (the forward computes "
@@ -235,9 +237,10 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
       continue;
     }
     if (max_norm == 0 && norm.has_value()) {
-      verdict.fail(fmt::format("{}: step {} returned a norm ({}) with clipping off; expected "
-                               "std::nullopt",
-                               what, step, *norm));
+      verdict.fail(
+          fmt::format("{}: step {} returned a norm ({}) with clipping off; expected "
+                      "std::nullopt",
+                      what, step, *norm));
       continue;
     }
     if (max_norm > 0) {
@@ -256,7 +259,8 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
         continue;
       }
     }
-    const std::vector<float>& flat = exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
+    const std::vector<float>& flat =
+        exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
     verdict.expect_empty(check_shard(layout, indices, zero.shard_parameters(), flat, before, world),
                          fmt::format("{}: after step {}", what, step));
     verdict.expect_empty(check_released(model), fmt::format("{}: after step {}", what, step));
@@ -281,15 +285,14 @@ TEST(Lab7Units, FollowTheRule) {
     } catch (const NotImplemented&) {
       throw;
     } catch (const std::exception& error) {
-      ADD_FAILURE() << fmt::format("plan_units({}, N {}) threw {}: {}\n  drawn: {}", o.model,
-                                   world, grading::type_name(error), error.what(),
-                                   draws.describe());
+      ADD_FAILURE() << fmt::format("plan_units({}, N {}) threw {}: {}\n  drawn: {}", o.model, world,
+                                   grading::type_name(error), error.what(), draws.describe());
       continue;
     }
     if (seen != expected)
-      ADD_FAILURE() << fmt::format("plan_units({}{}, N {}) = {}; expected {}\n  drawn: {}",
-                                   o.model, o.layer_norm ? " with LayerNorm" : "", world,
-                                   describe(seen), describe(expected), draws.describe());
+      ADD_FAILURE() << fmt::format("plan_units({}{}, N {}) = {}; expected {}\n  drawn: {}", o.model,
+                                   o.layer_norm ? " with LayerNorm" : "", world, describe(seen),
+                                   describe(expected), draws.describe());
     else if (shard_elements(seen) != contract_shard(expected))
       ADD_FAILURE() << fmt::format("shard_elements = {}; expected the sum of the chunks, {}",
                                    shard_elements(seen), contract_shard(expected));
@@ -388,22 +391,21 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
             ZeroThreeOptimizer zero(model, comm,
                                     [](std::size_t) { return std::unique_ptr<Optimizer>{}; });
           });
-          expect_error(
-              fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
-                          shard + 1),
-              [&] {
-                ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
-                  return std::make_unique<Sgd>(s + 1, SgdOptions{});
-                });
-              });
+          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
+                                   shard + 1),
+                       [&] {
+                         ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
+                           return std::make_unique<Sgd>(s + 1, SgdOptions{});
+                         });
+                       });
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
           grading::RecordingOptimizer* made = nullptr;
           ZeroThreeOptimizer zero(fresh, comm, [&](std::size_t s) {
             asked.push_back(s);
-            auto optimizer =
-                std::make_unique<grading::RecordingOptimizer>(grading::optimizer_for(options, s), s);
+            auto optimizer = std::make_unique<grading::RecordingOptimizer>(
+                grading::optimizer_for(options, s), s);
             made = optimizer.get();
             return optimizer;
           });
@@ -617,7 +619,8 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           model.on_post_backward(post("backward"));
           tracker.reset_peaks();
           ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
-          const std::size_t params_after = tracker.current(MemoryCategory::kParameters) - param_base;
+          const std::size_t params_after =
+              tracker.current(MemoryCategory::kParameters) - param_base;
           const std::size_t grads_after = tracker.current(MemoryCategory::kGradients) - grad_base;
           if (params_after != shard)
             verdict.fail(fmt::format(
@@ -679,7 +682,8 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
                 "communication bytes at the peak {}; expected 2 x min(2, U) x 4 max_u(N C_u){} = "
                 "{} ({} units: two gather and two gradient buffers){}",
                 comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
-                units.size(), comm_peak >= 4 * psi ? ": a buffer as large as the whole model" : ""));
+                units.size(),
+                comm_peak < buffers ? ": fewer buffers than the contract's four" : ""));
           else
             verdict.note(fmt::format(
                 "N = {}, Psi = {}: parameter peak {} bytes (4 S = {} plus the largest unit's {}), "
@@ -738,8 +742,9 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
               const std::size_t activations_before =
                   tracker.allocations(MemoryCategory::kActivations);
               const std::size_t plain_activations = activations_before - twin_activations_before;
-              const std::size_t twin_grads = tracker.allocations(MemoryCategory::kGradients) -
-                                             before[static_cast<std::size_t>(MemoryCategory::kGradients)];
+              const std::size_t twin_grads =
+                  tracker.allocations(MemoryCategory::kGradients) -
+                  before[static_cast<std::size_t>(MemoryCategory::kGradients)];
               const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
               model.backward(model.forward(batch.inputs), batch.labels);
               const grading::HeapUse hooked =
@@ -831,12 +836,12 @@ struct CallLog {
   std::size_t gathers_issued = 0;  ///< in this phase
   std::size_t units_done = 0;      ///< unit post-hooks seen in this phase
   std::vector<Call> calls;
-  std::vector<bool> waited;                  ///< per call index
-  std::vector<std::string> early_waits;      ///< descriptions of reduce-scatter waits too early
+  std::vector<bool> waited;              ///< per call index
+  std::vector<std::string> early_waits;  ///< descriptions of reduce-scatter waits too early
   std::vector<std::size_t> unit_of_layer;
   std::vector<std::size_t> rs_unit_of_call;  ///< per call index: its unit (reduce-scatters)
   const std::vector<Unit>* units = nullptr;
-  std::size_t last_gather = kNone;           ///< call index of the phase's last gather
+  std::size_t last_gather = kNone;  ///< call index of the phase's last gather
 
   void begin(Phase p) {
     phase = p;
@@ -951,10 +956,15 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
     }
   }
   if (!others.empty())
-    return fmt::format("forward or backward called {} ({} in forward); expected only all-gathers "
-                       "and, in backward, reduce-scatters",
-                       grading::describe(others.front()->call),
-                       others.front()->phase == CallLog::kForward ? "" : "not");
+    return fmt::format(
+        "{} called {}; expected only all-gathers in forward, and all-gathers and "
+        "reduce-scatters in backward{}",
+        others.front()->phase == CallLog::kForward ? "forward" : "backward",
+        grading::describe(others.front()->call),
+        others.front()->call.op == CommOp::kAllReduce && others.front()->call.in > 1
+            ? " (an all-reduce of a unit's gradients makes every rank do the whole "
+              "sum: reduce-scatter it into the shard)"
+            : "");
   const auto gather_of = [&](std::size_t u) {
     return RecordedCall{CommOp::kAllGather, units[u].chunk_elements, n * units[u].chunk_elements,
                         ReduceOp::kSum};
@@ -977,10 +987,9 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
                           "after its wait and before its layer runs (the prefetch that overlaps "
                           "unit {}'s compute){}",
                           u,
-                          c.window == u ? "in its own pre-forward"
-                          : c.window == kNone
-                              ? "before the first unit's pre-forward"
-                              : fmt::format("in unit {}'s pre-forward", c.window),
+                          c.window == u       ? "in its own pre-forward"
+                          : c.window == kNone ? "before the first unit's pre-forward"
+                                              : fmt::format("in unit {}'s pre-forward", c.window),
                           u - 1, u - 1,
                           c.window == u ? " (no prefetch: every gather is exposed)" : "");
     if (!c.previous_gather_waited)
@@ -989,18 +998,20 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
           "after the wait (at most two gathered units at once)",
           u, u - 1);
     if (c.alive > kUnitBuffers)
-      return fmt::format("when unit {}'s all-gather was issued in forward, {} gathered units were "
-                         "alive; expected at most {} (FSDP's limit_all_gathers)",
-                         u, c.alive, kUnitBuffers);
+      return fmt::format(
+          "when unit {}'s all-gather was issued in forward, {} gathered units were "
+          "alive; expected at most {} (FSDP's limit_all_gathers)",
+          u, c.alive, kUnitBuffers);
     if (u >= 1 && c.out == forward_gathers[u - 1]->out)
       return fmt::format(
           "units {} and {} are gathered into the same buffer; expected buffer u mod 2 (the "
           "prefetch would overwrite the unit in use)",
           u - 1, u);
     if (u >= 2 && c.out != forward_gathers[u - 2]->out)
-      return fmt::format("unit {} is gathered into another buffer than unit {}; expected buffer u "
-                         "mod 2 (two buffers in turn)",
-                         u, u - 2);
+      return fmt::format(
+          "unit {} is gathered into another buffer than unit {}; expected buffer u "
+          "mod 2 (two buffers in turn)",
+          u, u - 2);
   }
   // Backward: U gathers in reverse unit order, each but U-1's prefetched; U reduce-scatters.
   if (backward_gathers.size() != count)
@@ -1013,29 +1024,34 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
     const std::size_t u = count - 1 - k;
     const CallLog::Call& c = *backward_gathers[k];
     if (c.call != gather_of(u))
-      return fmt::format("backward's all-gather {} is {}; expected unit {}'s {} (reverse unit "
-                         "order)",
-                         k, grading::describe(c.call), u, grading::describe(gather_of(u)));
+      return fmt::format(
+          "backward's all-gather {} is {}; expected unit {}'s {} (reverse unit "
+          "order)",
+          k, grading::describe(c.call), u, grading::describe(gather_of(u)));
     const std::size_t want = u == count - 1 ? u : u + 1;
     if (c.window != want)
-      return fmt::format("in backward, unit {}'s all-gather was issued {}; expected in unit {}'s "
-                         "pre-backward{}",
-                         u,
-                         c.window == kNone ? "before the first unit's pre-backward"
-                                           : fmt::format("in unit {}'s hooks", c.window),
-                         want, u == count - 1 ? "" : ", after its wait (backward prefetch)");
+      return fmt::format(
+          "in backward, unit {}'s all-gather was issued {}; expected in unit {}'s "
+          "pre-backward{}",
+          u,
+          c.window == kNone ? "before the first unit's pre-backward"
+                            : fmt::format("in unit {}'s hooks", c.window),
+          want, u == count - 1 ? "" : ", after its wait (backward prefetch)");
     if (!c.previous_gather_waited)
-      return fmt::format("in backward, unit {}'s all-gather was issued before unit {}'s was "
-                         "waited on; expected the prefetch after the wait",
-                         u, u + 1);
+      return fmt::format(
+          "in backward, unit {}'s all-gather was issued before unit {}'s was "
+          "waited on; expected the prefetch after the wait",
+          u, u + 1);
     if (c.alive > kUnitBuffers)
-      return fmt::format("when unit {}'s all-gather was issued in backward, {} gathered units "
-                         "were alive; expected at most {}",
-                         u, c.alive, kUnitBuffers);
+      return fmt::format(
+          "when unit {}'s all-gather was issued in backward, {} gathered units "
+          "were alive; expected at most {}",
+          u, c.alive, kUnitBuffers);
     if (c.out != forward_gathers[u]->out)
-      return fmt::format("in backward, unit {} is gathered into another buffer than in forward; "
-                         "expected gather buffer u mod 2 both times",
-                         u);
+      return fmt::format(
+          "in backward, unit {} is gathered into another buffer than in forward; "
+          "expected gather buffer u mod 2 both times",
+          u);
   }
   if (scatters.size() != count)
     return fmt::format("backward launched {} reduce-scatters; expected one per unit, {}{}",
@@ -1049,43 +1065,50 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
     const RecordedCall want{CommOp::kReduceScatter, n * units[u].chunk_elements,
                             units[u].chunk_elements, ReduceOp::kSum};
     if (c.call != want || c.window != u)
-      return fmt::format("backward's reduce-scatter {} is {} launched in unit {}'s hooks; "
-                         "expected unit {}'s {} launched in its own backward",
-                         k, grading::describe(c.call),
-                         c.window == kNone ? std::string("no") : fmt::format("{}", c.window), u,
-                         grading::describe(want));
+      return fmt::format(
+          "backward's reduce-scatter {} is {} launched in unit {}'s hooks; "
+          "expected unit {}'s {} launched in its own backward",
+          k, grading::describe(c.call),
+          c.window == kNone ? std::string("no") : fmt::format("{}", c.window), u,
+          grading::describe(want));
     if (c.out != shard_grad + units[u].shard_offset)
-      return fmt::format("unit {}'s reduce-scatter writes elsewhere than shard_gradients() at its "
-                         "shard offset {}",
-                         u, units[u].shard_offset);
+      return fmt::format(
+          "unit {}'s reduce-scatter writes elsewhere than shard_gradients() at its "
+          "shard offset {}",
+          u, units[u].shard_offset);
     for (const CallLog::Call* g : forward_gathers)
       if (g->out == c.in)
-        return fmt::format("unit {}'s reduce-scatter reads a gather buffer; expected its own "
-                           "gradient buffer (a gather in flight writes into that one)",
-                           u);
+        return fmt::format(
+            "unit {}'s reduce-scatter reads a gather buffer; expected its own "
+            "gradient buffer (a gather in flight writes into that one)",
+            u);
     if (k >= 2 && c.in != scatters[k - 2]->in)
-      return fmt::format("unit {}'s reduce-scatter reads another buffer than unit {}'s; expected "
-                         "gradient buffer u mod 2 (two buffers in turn)",
-                         u, u + 2);
+      return fmt::format(
+          "unit {}'s reduce-scatter reads another buffer than unit {}'s; expected "
+          "gradient buffer u mod 2 (two buffers in turn)",
+          u, u + 2);
     if (k >= 1 && c.in == scatters[k - 1]->in)
-      return fmt::format("units {} and {} reduce-scatter from the same buffer; expected gradient "
-                         "buffer u mod 2",
-                         u + 1, u);
+      return fmt::format(
+          "units {} and {} reduce-scatter from the same buffer; expected gradient "
+          "buffer u mod 2",
+          u + 1, u);
     if (c.nonzero_padding)
-      return fmt::format("unit {}'s reduce-scatter input has a non-zero padding element at issue "
-                         "(index {}, E = {}); expected the padding zero",
-                         u, *c.nonzero_padding, units[u].elements);
+      return fmt::format(
+          "unit {}'s reduce-scatter input has a non-zero padding element at issue "
+          "(index {}, E = {}); expected the padding zero",
+          u, *c.nonzero_padding, units[u].elements);
   }
   if (!log.early_waits.empty()) return log.early_waits.front();
   const std::size_t expected_in_step = clipping ? 1 : 0;
   if (in_step.size() != expected_in_step ||
-      (clipping && in_step.front()->call != RecordedCall{CommOp::kAllReduce, 1, 1, ReduceOp::kSum})) {
+      (clipping &&
+       in_step.front()->call != RecordedCall{CommOp::kAllReduce, 1, 1, ReduceOp::kSum})) {
     std::vector<std::string> seen;
     for (const CallLog::Call* c : in_step) seen.push_back(grading::describe(c->call));
-    return fmt::format("step() called [{}]; expected {} (the parameters stay sharded: no "
-                       "all-gather in step())",
-                       fmt::join(seen, ", "),
-                       clipping ? "only allreduce(1, sum) for the norm" : "nothing");
+    return fmt::format(
+        "step() called [{}]; expected {} (the parameters stay sharded: no "
+        "all-gather in step())",
+        fmt::join(seen, ", "), clipping ? "only allreduce(1, sum) for the norm" : "nothing");
   }
   return "";
 }
@@ -1130,8 +1153,8 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
-              const std::string finding = judge_step(
-                  log, units, world, zero.shard_gradients().data(), max_norm > 0);
+              const std::string finding =
+                  judge_step(log, units, world, zero.shard_gradients().data(), max_norm > 0);
               if (!finding.empty()) {
                 verdict.fail(fmt::format("{}step {}: {}", label, step, finding));
                 continue;
@@ -1146,7 +1169,8 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
                     label, step, bytes, used.of(CommOp::kAllReduce).bytes_sent, expected_bytes,
                     max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
                                  : " and none by all-reduce"));
-              if (ddp_bytes > 0) ratio = static_cast<double>(bytes) / static_cast<double>(ddp_bytes);
+              if (ddp_bytes > 0)
+                ratio = static_cast<double>(bytes) / static_cast<double>(ddp_bytes);
             }
           }
           if (verdict.passed())
@@ -1168,13 +1192,15 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
 class GatherWaitTimer final : public Communicator {
  public:
   explicit GatherWaitTimer(Communicator& inner) : inner_(inner) {}
-  double exposed = 0;        ///< seconds spent in waits and tests of all-gathers
-  std::size_t gathers = 0;   ///< all-gathers issued
+  double exposed = 0;       ///< seconds spent in waits and tests of all-gathers
+  std::size_t gathers = 0;  ///< all-gathers issued
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override { return inner_.isend(d, p, t); }
+  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override {
+    return inner_.isend(d, p, t);
+  }
   std::unique_ptr<Work> irecv(MutableBuffer d, int p, int t) override {
     return inner_.irecv(d, p, t);
   }
@@ -1200,9 +1226,6 @@ class GatherWaitTimer final : public Communicator {
    public:
     Timed(std::unique_ptr<Work> inner, GatherWaitTimer& timer)
         : inner_(std::move(inner)), timer_(timer) {}
-    ~Timed() override {
-      if (inner_) wait();
-    }
     void wait() override {
       const double start = timer_.clock().now();
       inner_->wait();
@@ -1256,31 +1279,40 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
   double total = 0;
   double step_seconds = 0;
   std::size_t gathers = 0;
-  launch(launch_options, [&](Communicator& comm) {
-    Model model = make_model(options);
-    GatherWaitTimer timer(comm);
-    ZeroThreeOptimizer zero(model, timer, factory_for(options));
-    const Batch batch = grading::local_batch(data, options, 0, comm.rank(), world);
-    comm.clock().mark_step();
-    model.backward(model.forward(batch.inputs), batch.labels);
-    (void)zero.step();
-    comm.clock().mark_step();
-    if (comm.rank() != 0) return;
-    const RankTrace trace = comm.clock().trace();
-    for (const TraceEvent& event : trace.events)
-      if (event.name == "allgather" && event.lane != TraceLane::kCompute) total += event.duration;
-    exposed = timer.exposed;
-    gathers = timer.gathers;
-    step_seconds = summarize_steps(trace).back().total;
-  });
+  try {
+    launch(launch_options, [&](Communicator& comm) {
+      Model model = make_model(options);
+      GatherWaitTimer timer(comm);
+      ZeroThreeOptimizer zero(model, timer, factory_for(options));
+      const Batch batch = grading::local_batch(data, options, 0, comm.rank(), world);
+      comm.clock().mark_step();
+      model.backward(model.forward(batch.inputs), batch.labels);
+      (void)zero.step();
+      comm.clock().mark_step();
+      if (comm.rank() != 0) return;
+      const RankTrace trace = comm.clock().trace();
+      for (const TraceEvent& event : trace.events)
+        if (event.name == "allgather" && event.lane != TraceLane::kCompute) total += event.duration;
+      exposed = timer.exposed;
+      gathers = timer.gathers;
+      step_seconds = summarize_steps(trace).back().total;
+    });
+  } catch (const NotImplemented&) {
+    throw;
+  } catch (const std::exception& error) {
+    FAIL() << fmt::format("on 8 simulated ranks a rank failed with {}: {}\n  drawn: {}",
+                          grading::type_name(error), error.what(), draws.describe());
+  }
   ASSERT_GT(total, 0.0) << "no all-gather reached the simulated clock";
-  const double hidden_fraction = 1.0 - exposed / total;
+  // A wait can block longer than its gather's time on the link: it also waits for the other
+  // ranks to issue theirs. Then nothing was hidden.
+  const double hidden_fraction = std::max(0.0, 1.0 - exposed / total);
   if (hidden_fraction < 0.5)
     ADD_FAILURE() << fmt::format(
-        "on 8 ranks (ib-ndr, cpu), {}: {} all-gathers took {} ms on the link and the waits on "
-        "them blocked {} ms: {:.0f}% hidden; expected at least 50% (prefetch unit u + 1 in unit "
-        "u's pre-forward, u - 1 in u's pre-backward, so that it travels while u computes)\n  "
-        "drawn: {}",
+        "on 8 ranks (ib-ndr, cpu), {}: {} all-gathers took {:.3f} ms on the link and the waits "
+        "on them blocked {:.3f} ms: {:.0f}% hidden; expected at least 50% (prefetch unit u + 1 "
+        "in unit u's pre-forward, u - 1 in u's pre-backward, so that it travels while u "
+        "computes)\n  drawn: {}",
         options.model, gathers, total * 1e3, exposed * 1e3, 100 * hidden_fraction,
         draws.describe());
   else

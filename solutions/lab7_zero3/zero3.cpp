@@ -25,14 +25,12 @@ std::vector<Unit> plan_units(const Model& model, int world_size) {
   // SKELETON: (void)world_size;
   // SKELETON: throw NotImplemented("lab7::plan_units");
   if (world_size < 1) throw Error(fmt::format("plan_units: world size {} < 1", world_size));
-  // Model::layers() is not const; the parameters know their layer only by name order, so
-  // walk the parameters in definition order and start a unit wherever the layer changes.
-  // Each layer's parameters are consecutive in definition order (Model::add).
+  // Model::layers() has no const overload; reading the layers changes nothing.
   Model& layers_of = const_cast<Model&>(model);
   const std::span<Layer* const> layers = layers_of.layers();
   const std::span<const Parameter* const> parameters = model.parameters();
   std::vector<Unit> units;
-  std::size_t next = 0;  // the next parameter index
+  std::size_t next = 0;  // parameters seen so far
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const std::vector<Parameter*> own = layers[l]->parameters();
     if (own.empty()) continue;
@@ -40,8 +38,8 @@ std::vector<Unit> plan_units(const Model& model, int world_size) {
     unit.layer = l;
     for (const Parameter* parameter : own) {
       if (parameter->frozen)
-        throw Error(fmt::format(
-            "plan_units: parameter {} is frozen; ZeRO-3 shards every parameter", parameter->name));
+        throw Error(fmt::format("plan_units: parameter {} is frozen; ZeRO-3 shards every parameter",
+                                parameter->name));
       unit.parameters.push_back(parameter->index);
       unit.elements += parameter->value.size();
       ++next;
@@ -121,9 +119,9 @@ struct ZeroThreeOptimizer::State {
   void issue_gather(std::size_t u) {
     const std::size_t b = u % gather_buffers.size();
     const Unit& unit = units[u];
-    gathers[b] = comm.allgather(
-        std::as_const(shard_params).view(unit.shard_offset, unit.chunk_elements),
-        gather_buffers[b].view(0, world() * unit.chunk_elements));
+    gathers[b] =
+        comm.allgather(std::as_const(shard_params).view(unit.shard_offset, unit.chunk_elements),
+                       gather_buffers[b].view(0, world() * unit.chunk_elements));
     gathering[b] = u;
   }
 
@@ -177,13 +175,15 @@ struct ZeroThreeOptimizer::State {
     std::size_t offset = 0;
     for (const std::size_t index : unit.parameters) {
       Parameter& parameter = *parameters[index];
-      copy(std::as_const(parameter.grad).view(), grad_buffers[b].view(offset, parameter.grad.size()));
+      copy(std::as_const(parameter.grad).view(),
+           grad_buffers[b].view(offset, parameter.grad.size()));
       offset += parameter.grad.size();
       parameter.grad = Tensor();  // released: only the shard of the gradient stays
     }
     const std::size_t padded = world() * unit.chunk_elements;
     // The buffer is shared with other units: zero this unit's padding before it goes.
-    if (unit.elements < padded) fill(grad_buffers[b].view(unit.elements, padded - unit.elements), 0.0f);
+    if (unit.elements < padded)
+      fill(grad_buffers[b].view(unit.elements, padded - unit.elements), 0.0f);
     pending[u] = comm.reduce_scatter(std::as_const(grad_buffers[b]).view(0, padded),
                                      shard_grad.view(unit.shard_offset, unit.chunk_elements),
                                      ReduceOp::kSum);
