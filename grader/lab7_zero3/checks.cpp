@@ -812,6 +812,124 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
   }
 }
 
+/// Sets this rank's memory budget to `bytes` more than it holds now, and lifts it again.
+class ScopedBudget {
+ public:
+  explicit ScopedBudget(std::size_t bytes) : tracker_(this_rank_memory().tracker()) {
+    tracker_.set_budget(tracker_.current_total() + bytes);
+  }
+  ~ScopedBudget() { tracker_.set_budget(std::nullopt); }
+  ScopedBudget(const ScopedBudget&) = delete;
+  ScopedBudget& operator=(const ScopedBudget&) = delete;
+
+ private:
+  MemoryTracker& tracker_;
+};
+
+TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
+  Draws draws("Lab7Memory.TrainsAModelDdpCannotFit");
+  // An MLP of four equal hidden layers, AdamW, a budget of 18 Psi bytes per rank on top of
+  // what the rank holds: replicated training needs 16 Psi (parameters, gradients, AdamW
+  // state) plus lab 2's flat buffer of 4 Psi, and fails; ZeRO-3 needs the model as built
+  // (8 Psi: values and zero gradients, before the constructor releases them), then 16 Psi / N
+  // plus one unit's values and gradients and four buffers of one unit.
+  TrainOptions options;
+  const std::int64_t hidden = draws.integer("hidden", 256, 384);
+  options.model = fmt::format("64-{0}-{0}-{0}-{0}-10", hidden);
+  options.activation = "relu";
+  options.optimizer = "adamw";
+  options.lr = draws.uniform("lr", 5e-4f, 3e-3f);
+  options.weight_decay = 0.01f;
+  options.steps = 2;
+  options.seed = draws.seed("seed");
+  const std::vector<int> drawn = draws.world_sizes(8);
+  // Eight ranks locally; under mpi, every process.
+  const int world = grading::check_backend() == Backend::kLocal
+                        ? 8
+                        : *std::max_element(drawn.begin(), drawn.end());
+  const std::int64_t rows = draws.integer("rows per rank", 2, 4);
+  options.global_batch = rows * world;
+  options.dataset = fmt::format("synthetic:{}", 4 * options.global_batch);
+  const auto data = std::make_shared<const Dataset>(load_dataset(options.dataset, 1));
+  const std::size_t psi = make_model(options).num_parameters();
+  const std::size_t budget = 18 * psi;
+  if (world < 2) GTEST_SKIP() << "needs two ranks or more";
+  const Trajectory exact = grading::emulate_data_parallel(options, *data, world);
+  run_on_ranks(
+      world,
+      [&](Communicator& comm, Verdict& verdict) {
+        // The grader's replicated training (lab 2's flat averaging) under the budget.
+        std::string ddp_error;
+        try {
+          const ScopedBudget scoped(budget);
+          Model model = make_model(options);
+          const auto optimizer = grading::optimizer_for(options, model.num_parameters());
+          Tensor flat({static_cast<std::int64_t>(psi)}, MemoryCategory::kCommunication);
+          const Batch batch = grading::local_batch(*data, options, 0, comm.rank(), world);
+          model.backward(model.forward(batch.inputs), batch.labels);
+          grading::average_gradients_flat(model, comm, flat);
+          optimizer->step(model);
+        } catch (const OutOfMemory& error) {
+          ddp_error = error.what();
+        }
+        if (ddp_error.empty()) {
+          verdict.fail(
+              fmt::format("the grader's replicated training fit in {} bytes (Psi = {}); "
+                          "the check's budget is wrong",
+                          budget, psi));
+          return;
+        }
+        // The student's ZeRO-3 under the same budget.
+        const std::vector<std::size_t> indices = [&] {
+          Model layout = make_model(options);
+          return shard_indices(layout, contract_units(layout, world), comm.rank());
+        }();
+        const Model layout = make_model(options);
+        std::size_t peak = 0;
+        std::size_t training_peak = 0;
+        try {
+          const ScopedBudget scoped(budget);
+          MemoryTracker& tracker = this_rank_memory().tracker();
+          const std::size_t base = tracker.current_total();
+          tracker.reset_peaks();
+          Model model = make_model(options);
+          std::vector<float> before = model.flat_parameters();
+          ZeroThreeOptimizer zero(model, comm, factory_for(options));
+          peak = tracker.peak_total() - base;
+          tracker.reset_peaks();
+          for (int step = 1; step <= options.steps; ++step) {
+            const Batch batch = grading::local_batch(*data, options, step - 1, comm.rank(), world);
+            model.backward(model.forward(batch.inputs), batch.labels);
+            (void)zero.step();
+            const std::vector<float>& flat =
+                exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
+            if (verdict.passed())
+              verdict.expect_empty(
+                  check_shard(layout, indices, zero.shard_parameters(), flat, before, world),
+                  fmt::format("under a budget of {} bytes, after step {}", budget, step));
+            before = flat;
+          }
+          training_peak = tracker.peak_total() - base;
+        } catch (const OutOfMemory& error) {
+          verdict.fail(fmt::format(
+              "ZeroThreeOptimizer on N = {} ran out of a budget of 18 Psi = {} bytes per rank "
+              "(Psi = {}): {}; expected it to fit (16 Psi / N of shards, one unit's values and "
+              "gradients, four buffers of one unit)",
+              world, budget, psi, error.what()));
+          return;
+        }
+        if (verdict.passed())
+          verdict.note(fmt::format(
+              "Psi = {}, budget 18 Psi = {} bytes per rank: replicated training ran out ({}); "
+              "ZeRO-3 on N = {} trained bitwise lab 2's: peak {} bytes ({:.1f} Psi) while the "
+              "whole model still existed in the constructor, {} bytes ({:.1f} Psi) while training",
+              psi, budget, ddp_error.substr(0, ddp_error.find('\n')), world, peak,
+              static_cast<double>(peak) / static_cast<double>(psi), training_peak,
+              static_cast<double>(training_peak) / static_cast<double>(psi)));
+      },
+      draws);
+}
+
 // --- Lab7Communication ---------------------------------------------------------------------
 
 /// What the grader sees through a recording communicator and its own layer hooks
