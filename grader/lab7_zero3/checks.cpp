@@ -958,6 +958,7 @@ struct CallLog {
     RecordedCall call;
     Phase phase = kStep;
     std::size_t window = kNone;  ///< the unit whose pre-hook fired last in this phase
+    bool after_compute = false;  ///< issued after the window unit's layer ran
     const void* in = nullptr;
     const void* out = nullptr;
     std::size_t alive = 0;                       ///< gathers alive at issue, this one included
@@ -966,6 +967,7 @@ struct CallLog {
   };
   Phase phase = kStep;
   std::size_t window = kNone;
+  bool window_computed = false;    ///< the grader's post-hook of the window unit has fired
   std::size_t gathers_issued = 0;  ///< in this phase
   std::size_t units_done = 0;      ///< unit post-hooks seen in this phase
   std::vector<Call> calls;
@@ -979,6 +981,7 @@ struct CallLog {
   void begin(Phase p) {
     phase = p;
     window = kNone;
+    window_computed = false;
     gathers_issued = 0;
     units_done = 0;
     last_gather = kNone;
@@ -995,14 +998,20 @@ struct CallLog {
         if (layers[l] == &layer) return unit_of_layer[l];
       return kNone;
     };
-    model.on_pre_forward([this, unit_of](Layer& layer) {
-      if (const std::size_t u = unit_of(layer); u != kNone) window = u;
-    });
-    model.on_pre_backward([this, unit_of](Layer& layer) {
-      if (const std::size_t u = unit_of(layer); u != kNone) window = u;
-    });
+    const auto pre = [this, unit_of](Layer& layer) {
+      if (const std::size_t u = unit_of(layer); u != kNone) {
+        window = u;
+        window_computed = false;
+      }
+    };
+    model.on_pre_forward(pre);
+    model.on_pre_backward(pre);
+    // The grader's post-hook runs before the student's: a call issued after it was issued
+    // after the layer ran.
     const auto post = [this, unit_of](Layer& layer) {
-      if (unit_of(layer) != kNone) ++units_done;
+      if (unit_of(layer) == kNone) return;
+      ++units_done;
+      window_computed = true;
     };
     model.on_post_forward(post);
     model.on_post_backward(post);
@@ -1012,6 +1021,7 @@ struct CallLog {
       c.call = call;
       c.phase = phase;
       c.window = window;
+      c.after_compute = window_computed;
       c.in = in.data;
       c.out = out.data;
       waited.resize(index + 1, false);
@@ -1125,6 +1135,11 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
                                               : fmt::format("in unit {}'s pre-forward", c.window),
                           u - 1, u - 1,
                           c.window == u ? " (no prefetch: every gather is exposed)" : "");
+    if (u >= 1 && c.after_compute)
+      return fmt::format(
+          "unit {}'s all-gather was issued after unit {}'s forward ran (in its post-forward); "
+          "expected in its pre-forward, so that the gather travels while unit {} computes",
+          u, u - 1, u - 1);
     if (!c.previous_gather_waited)
       return fmt::format(
           "unit {}'s all-gather was issued before unit {}'s was waited on; expected the prefetch "
@@ -1170,6 +1185,11 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
           c.window == kNone ? "before the first unit's pre-backward"
                             : fmt::format("in unit {}'s hooks", c.window),
           want, u == count - 1 ? "" : ", after its wait (backward prefetch)");
+    if (u + 1 < count && c.after_compute)
+      return fmt::format(
+          "in backward, unit {}'s all-gather was issued after unit {}'s backward ran; expected "
+          "in its pre-backward, so that the gather travels while unit {} computes",
+          u, u + 1, u + 1);
     if (!c.previous_gather_waited)
       return fmt::format(
           "in backward, unit {}'s all-gather was issued before unit {}'s was "
