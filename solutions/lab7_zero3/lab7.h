@@ -154,6 +154,10 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///   * After the constructor no tensor is allocated but the values you materialise and the
 ///     gradients backward makes; `step()` allocates none. Every buffer is a `Tensor`: the
 ///     constructor, your hooks and `step()` take no block of 1 KiB or more from the heap.
+///   * Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in which
+///     replicated training (16 Psi of parameters, gradients and AdamW state plus lab 2's
+///     4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of eight equal
+///     hidden layers with AdamW, bitwise lab 2's.
 ///
 /// Communication per step: U all-gathers (C_u -> N C_u) in unit order during forward, U
 /// all-gathers in reverse unit order during backward and U reduce-scatters (kSum) in
