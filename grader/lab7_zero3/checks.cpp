@@ -454,8 +454,11 @@ TEST(Lab7Equivalence, BitwiseLab2AfterEveryStep) {
   // SGD and AdamW on drawn models, then AdamW on a model whose second hidden layer has 2
   // units with a LayerNorm (a unit of 4 elements: on N >= 3 some ranks own only padding of
   // it, and still join its calls and update their whole shard).
-  for (const auto& [optimizer, narrow] : std::vector<std::pair<std::string, bool>>{
+  for (const auto& drawn : std::vector<std::pair<std::string, bool>>{
            {"sgd", false}, {"adamw", false}, {"adamw", true}}) {
+    // Plain names: clang before 16 cannot capture a structured binding in a lambda.
+    const std::string& optimizer = drawn.first;
+    const bool narrow = drawn.second;
     Training training = grading::draw_sharded_training(draws, optimizer);
     if (narrow) {
       training.options.model = fmt::format("64-{}-2-10", training.hidden1);
