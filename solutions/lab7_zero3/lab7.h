@@ -1,0 +1,229 @@
+// lab7.h: lab 7, ZeRO-3: the parameters sharded over the data-parallel ranks too, gathered
+// unit by unit just before they are used and freed just after. The contract between your
+// code and the grader: the interfaces you implement, the invariants they must keep, and
+// how each is checked.
+//
+// Lab 6 sharded the optimizer state and the gradients, but every rank still held the whole
+// model (4 Psi bytes of parameters). ZeRO stage 3 (Rajbhandari et al., SC20), PyTorch
+// FSDP's FULL_SHARD, keeps only the rank's shard of the parameters too: each layer with
+// parameters is a unit (FSDP's flat parameter of one wrapped module); a unit's parameters
+// are all-gathered just before its forward and freed after it, all-gathered again before
+// its backward and freed after it, and its gradients are reduce-scattered into the shard of
+// the gradient as soon as its backward has made them. The all-gather of the next unit is
+// issued ahead (prefetch) so that it travels while this unit computes, with at most two
+// gathered units at once (FSDP's limit_all_gathers). README.md beside this file poses the
+// problem; its Hints section, at the end, helps if you are stuck. Do not change this
+// header: the grader is compiled against it.
+//
+// What every check holds you to:
+//   * Exact arithmetic. Every element's averaged gradient is lab 2's:
+//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
+//     then a division by N (not a multiplication by 1/N). All-gathers copy bits, so every
+//     forward computes with exactly lab 2's parameters: the grader compares the loss of
+//     every forward and every rank's shard of the parameters bitwise with an emulation of
+//     lab 2 after every step.
+//   * Asynchrony done right. Every check runs in the adversarial completion mode
+//     (`dp::Completion::kAdversarial`): a call's result reaches its buffer only when that
+//     call's own `Work` is waited on.
+//   * Counters you cannot change: the communicator's `CommCounters`, a recording
+//     communicator, layer hooks of the grader's registered before yours, the rank's
+//     `MemoryTracker`, its simulated clock and the heap use of the rank's thread.
+//   * Arithmetic with the runtime's operations (dp/tensor_ops.h) on `Tensor`s.
+//   * No mutable globals: ranks are threads of one process.
+//
+// Example (one data-parallel step):
+//
+//   dp::lab7::ZeroThreeOptimizer zero(model, comm, [](std::size_t shard) {
+//     return std::make_unique<dp::AdamW>(shard, dp::AdamWOptions{.lr = 1e-3f});
+//   }, /*max_norm=*/1.0f);                           // the model's values are released now
+//   dp::Tensor logits = model.forward(batch.inputs);  // units gathered and freed in turn
+//   model.backward(logits, batch.labels);             // again, and reduce-scattered
+//   std::optional<float> norm = zero.step();          // updates this rank's shard only
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "dp/comm.h"
+#include "dp/model.h"
+#include "dp/optimizer.h"
+#include "dp/tensor.h"
+
+namespace dp::lab7 {
+
+/// How many gather buffers, and how many gradient buffers, a `ZeroThreeOptimizer` keeps
+/// (fewer when there are fewer units): unit u is gathered into gather buffer u mod 2 and
+/// its gradients reduce-scattered from gradient buffer u mod 2.
+inline constexpr std::size_t kUnitBuffers = 2;
+
+/// One unit: the parameters of one layer, gathered, freed and reduce-scattered together.
+struct Unit {
+  /// The layer's index in `Model::layers()`.
+  std::size_t layer = 0;
+  /// Indices into `Model::parameters()` of the layer's parameters, in definition order
+  /// (weight, then bias).
+  std::vector<std::size_t> parameters;
+  /// E: the sum of the parameters' sizes. The unit's flat range is its parameters one after
+  /// another in definition order (each in its own element order), then N C - E zero
+  /// padding elements.
+  std::size_t elements = 0;
+  /// C = ceil(E / N): every rank's chunk of the unit, padding included. Rank r owns
+  /// elements [r C, (r + 1) C) of the unit's flat range.
+  std::size_t chunk_elements = 0;
+  /// Where this unit's chunk starts in every rank's shard: the sum of the chunks of the
+  /// units before it.
+  std::size_t shard_offset = 0;
+
+  /// Two units are equal when every field is.
+  bool operator==(const Unit&) const = default;
+};
+
+/// The unit rule: every layer of `model` with parameters is one unit, in layer order
+/// (u = 0 .. U-1), holding its parameters in definition order; then each unit gets its
+/// chunk and its shard offset for `world_size` ranks, as `Unit` describes. Reads only the
+/// parameters' sizes, so call it before the values are released.
+///
+/// Throws `dp::Error` when `world_size < 1` or a parameter is frozen. Checked for drawn
+/// models and world sizes up to 16, chunks of padding only included, against the
+/// grader's copy of the rule.
+std::vector<Unit> plan_units(const Model& model, int world_size);
+
+/// S: the elements of every rank's shard, the sum of the units' chunks.
+std::size_t shard_elements(const std::vector<Unit>& units);
+
+/// Builds the inner optimizer of one rank over its shard: called once, by the constructor
+/// of `ZeroThreeOptimizer`, with S; the optimizer keeps state for S elements.
+using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
+
+/// ZeRO stage 3: parameters, gradients and optimizer state sharded; parameters gathered
+/// unit by unit with prefetch, gradients reduce-scattered unit by unit during backward.
+///
+/// The constructor plans the units (`plan_units(model, comm.size())`), makes the inner
+/// optimizer with `make_inner(S)` (once), allocates every buffer the steps need, copies
+/// this rank's shard of the (identical) initial parameters, then releases every
+/// `Parameter::value` and every `Parameter::grad` (empty tensors: only the shard of the
+/// parameters stays), and registers its layer hooks on `model`. The object must outlive
+/// every forward and backward of `model`; `model` and `comm` must outlive it.
+///
+/// A step is one `Model::forward` and one `Model::backward` on the rank's local batch, then
+/// one `step()`. A forward alone (evaluation) is allowed too.
+///
+/// Forward, at the pre-forward of unit u's layer: unless unit u's all-gather is already in
+/// flight (prefetched), issue it; wait for it; materialise the unit's parameters (allocate
+/// each `Parameter::value`, its shape as at construction, under `kParameters`, and copy it
+/// from the gathered buffer); then prefetch: issue the all-gather of unit u + 1 (if any).
+/// At the post-forward of unit u, release its values. Only unit 0's all-gather is issued
+/// at its own pre-forward; every other unit's was issued at its predecessor's, after that
+/// predecessor's wait and before its layer's forward runs.
+///
+/// Backward, the same in reverse unit order: at the pre-backward of unit u, unless it is
+/// in flight (only unit U-1's is not: the forward prefetches nothing past U-1), issue its
+/// all-gather; wait; materialise; prefetch unit u - 1 (if any). Once the layer's backward
+/// has made the unit's gradients (its gradient-ready hooks or its post-backward), copy them
+/// to their places in the unit's gradient buffer, release every `Parameter::grad`, zero
+/// the buffer's padding and launch the asynchronous
+/// `reduce_scatter(buffer [N C elements], ReduceOp::kSum)` into elements
+/// [shard_offset, shard_offset + C) of `shard_gradients()`, all before the next unit's
+/// backward starts; at the post-backward of unit u, release its values.
+///
+/// Unit u's all-gather is `allgather(shard_parameters() [shard_offset, +C) -> N C
+/// elements)` into gather buffer u mod 2; unit u's reduce-scatter reads gradient buffer
+/// u mod 2. Before the first gradient of unit u is copied into its gradient buffer, the
+/// reduce-scatter of unit u + 2, which used the same buffer, is waited on; no other wait
+/// on a reduce-scatter happens during backward.
+///
+/// `step()` then waits for the reduce-scatters still running, divides the shard of the
+/// gradient by N, clips it (when `max_norm > 0`) and updates the shard of the parameters
+/// with the inner optimizer. No all-gather: the parameters stay sharded until the next
+/// forward gathers them.
+///
+/// Memory, from the `MemoryTracker` (bytes, float32), each checked:
+///   * `kParameters`: the shard of the parameters, 4 S bytes, at all times; during a
+///     unit's forward or backward also that unit's values: at the peak 4 S + 4 max_u E_u.
+///     No value exists between units, after the constructor or after backward.
+///   * `kGradients`: the shard of the gradient, 4 S, at all times; during a unit's backward
+///     also its gradients until you release them: at the peak 4 S + 4 max_u E_u.
+///   * `kCommunication`: min(kUnitBuffers, U) gather buffers and min(kUnitBuffers, U)
+///     gradient buffers of 4 max_u(N C_u) bytes each, and with clipping one float for the
+///     norm. Nothing else.
+///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
+///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
+///   * After the constructor no tensor is allocated but the values you materialise and the
+///     gradients backward makes; `step()` allocates none. Every buffer is a `Tensor`: the
+///     constructor, your hooks and `step()` take no block of 1 KiB or more from the heap.
+///   * Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in which
+///     replicated training (16 Psi of parameters, gradients and AdamW state plus lab 2's
+///     4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of eight equal
+///     hidden layers with AdamW, bitwise lab 2's.
+///
+/// Communication per step: U all-gathers (C_u -> N C_u) in unit order during forward, U
+/// all-gathers in reverse unit order during backward and U reduce-scatters (kSum) in
+/// reverse unit order, each launched in its unit's backward, their padding zero at issue;
+/// in `step()`, with clipping one `allreduce` (kSum) of one float, and nothing else. Per
+/// rank that is 1.5 times DDP's volume (two all-gathers and one reduce-scatter, each half
+/// of an all-reduce), plus the padding.
+class ZeroThreeOptimizer {
+ public:
+  /// Sets up ZeRO-3 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on.
+  ///
+  /// Throws `dp::Error` when a parameter of `model` is frozen or already released, when
+  /// `max_norm` is negative or not finite, when `make_inner` is empty, returns nullptr,
+  /// or returns an optimizer whose `state_size()` is not S.
+  ZeroThreeOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
+                     float max_norm = 0.0f);
+  /// Waits for any call still running (a `Work` must not outlive its buffer).
+  ~ZeroThreeOptimizer();
+  ZeroThreeOptimizer(const ZeroThreeOptimizer&) = delete;
+  ZeroThreeOptimizer& operator=(const ZeroThreeOptimizer&) = delete;
+
+  /// One optimizer step after one forward and backward; on return this rank's shard of
+  /// the parameters is updated, every `Parameter::value` and `Parameter::grad` is released
+  /// and every call it made is complete. Calls `begin_step()` of the inner optimizer once,
+  /// and `update` once over the whole shard (also on a rank whose chunks are all padding).
+  ///
+  /// Clipping, when on, has lab 6's exact arithmetic (so the grader compares bitwise):
+  /// rank r computes p_r = (float) dp::dot(g, g) over its whole averaged shard g (S
+  /// elements; the padding is zero and adds nothing); an all-reduce (`kSum`, rank order)
+  /// gives s = p_0 + ... + p_{N-1} in float; the norm is std::sqrt(s) in float; when
+  /// c = max_norm / (norm + 1e-6f) is below 1, the shard is scaled by c (`dp::scale`)
+  /// before the update.
+  ///
+  /// Returns the global norm before clipping when clipping is on (the same on every rank),
+  /// std::nullopt when it is off. Throws `dp::Error`, naming the unit, when a unit's
+  /// reduce-scatter was not launched since the last step (no backward, or one that did not
+  /// reach it).
+  std::optional<float> step();
+
+  /// The units, as `plan_units` made them.
+  const std::vector<Unit>& units() const;
+  /// This rank's shard of the averaged gradient after `step()`: (S), chunk by chunk in
+  /// unit order, its padding zero (after clipping, as the update used it).
+  const Tensor& shard_gradients() const;
+  /// This rank's shard of the parameters: (S), laid out as `shard_gradients()`, its padding
+  /// zero. The inner optimizer updates it in place; it is the only copy of this rank's
+  /// chunks.
+  const Tensor& shard_parameters() const;
+  /// The optimizer `make_inner` made.
+  Optimizer& inner();
+
+ private:
+  struct State;  // yours: defined in zero3.cpp
+  std::unique_ptr<State> state_;
+};
+
+/// Design question, graded against the `MemoryTracker`: the parameter memory of one rank
+/// at its peak, peak(`kParameters`) + peak(`kCommunication`) over one forward, one backward
+/// and one `step()` of your `ZeroThreeOptimizer` (clipping off), both measured from just
+/// after its constructor and counting the shard, for `model` (read, not changed) on
+/// `world_size` ranks. Count the shard, the values of the units you materialise, and your
+/// buffers; compare it with lab 6, which holds the whole model (4 Psi) on every rank
+/// (README.md derives both).
+///
+/// The grader draws models and world sizes (rubric.json lists the ranges), runs one
+/// forward, backward and step on each rank, and expects your prediction exactly.
+std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size);
+
+}  // namespace dp::lab7
