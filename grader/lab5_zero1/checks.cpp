@@ -656,19 +656,11 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
               if (recorder.calls != expected) {
-                std::vector<std::string> seen;
-                std::vector<std::string> wanted;
-                for (const RecordedCall& call : recorder.calls)
-                  seen.push_back(grading::describe(call));
-                for (const RecordedCall& call : expected) wanted.push_back(grading::describe(call));
-                const bool allreduced = std::any_of(
-                    recorder.calls.begin(), recorder.calls.end(), [&](const RecordedCall& call) {
-                      return call.op == CommOp::kAllReduce && call.in > 1;
-                    });
+                const bool allreduced = grading::allreduces_a_buffer(recorder.calls);
                 verdict.fail(fmt::format(
-                    "{}step {}: step() called [{}]; expected [{}] (Psi = {}, N = {}, S = {}){}",
-                    max_norm > 0 ? "with clipping, " : "", step, fmt::join(seen, ", "),
-                    fmt::join(wanted, ", "), p.num_parameters, world, p.shard_elements,
+                    "{}step {}: step() called {}; expected {} (Psi = {}, N = {}, S = {}){}",
+                    max_norm > 0 ? "with clipping, " : "", step, grading::describe(recorder.calls),
+                    grading::describe(expected), p.num_parameters, world, p.shard_elements,
                     allreduced ? ": an all-reduce of the gradients is DDP, not ZeRO-1: "
                                  "reduce-scatter them into the shard"
                                : ""));

@@ -412,9 +412,8 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // shard: the contract asks for dp::Error from the hook. Every rank throws at its
           // first hook, before it launches anything, so the ranks stay in step.
           fresh.backward(fresh.forward(batch.inputs), batch.labels);
-          expect_error("a second backward before step()", [&] {
-            fresh.backward(fresh.forward(batch.inputs), batch.labels);
-          });
+          expect_error("a second backward before step()",
+                       [&] { fresh.backward(fresh.forward(batch.inputs), batch.labels); });
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
@@ -890,18 +889,11 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
               if (recorder.calls != expected) {
-                std::vector<std::string> seen;
-                std::vector<std::string> wanted;
-                for (const RecordedCall& call : recorder.calls)
-                  seen.push_back(grading::describe(call));
-                for (const RecordedCall& call : expected) wanted.push_back(grading::describe(call));
-                const bool allreduced = std::any_of(
-                    recorder.calls.begin(), recorder.calls.end(), [&](const RecordedCall& call) {
-                      return call.op == CommOp::kAllReduce && call.in > 1;
-                    });
+                const bool allreduced = grading::allreduces_a_buffer(recorder.calls);
                 verdict.fail(fmt::format(
-                    "{}step {}: backward and step() called [{}]; expected [{}] ({} buckets){}",
-                    label, step, fmt::join(seen, ", "), fmt::join(wanted, ", "), buckets.size(),
+                    "{}step {}: backward and step() called {}; expected {} ({} buckets){}", label,
+                    step, grading::describe(recorder.calls), grading::describe(expected),
+                    buckets.size(),
                     allreduced ? ": an all-reduce of gradients keeps the whole gradient on every "
                                  "rank; reduce-scatter each bucket into the shard"
                                : ""));

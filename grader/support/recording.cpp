@@ -2,7 +2,9 @@
 #include "recording.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace dp::grading {
@@ -41,6 +43,18 @@ std::string describe(const RecordedCall& call) {
     case CommOp::kBroadcast: return fmt::format("broadcast({})", call.out);
     default: return std::string(to_string(call.op));
   }
+}
+
+std::string describe(const std::vector<RecordedCall>& calls) {
+  std::vector<std::string> parts;
+  for (const RecordedCall& call : calls) parts.push_back(describe(call));
+  return fmt::format("[{}]", fmt::join(parts, ", "));
+}
+
+bool allreduces_a_buffer(const std::vector<RecordedCall>& calls) {
+  return std::any_of(calls.begin(), calls.end(), [](const RecordedCall& call) {
+    return call.op == CommOp::kAllReduce && call.in > 1;
+  });
 }
 
 std::optional<std::size_t> first_nonzero(ConstBuffer data, std::size_t from) {

@@ -41,6 +41,12 @@ struct RecordedCall {
 
 /// "reduce_scatter(1024 -> 256, sum)", "allgather(256 -> 1024)", "allreduce(1, sum)", ...
 std::string describe(const RecordedCall& call);
+/// A sequence of calls, "[reduce_scatter(1024 -> 256, sum), allgather(256 -> 1024)]": what a
+/// check prints as seen against expected.
+std::string describe(const std::vector<RecordedCall>& calls);
+/// True when `calls` holds an all-reduce of more than one element: in a sharded lab, an
+/// all-reduce of the gradients where a reduce-scatter belongs (DDP's traffic and memory).
+bool allreduces_a_buffer(const std::vector<RecordedCall>& calls);
 
 /// The index of the first element of `data` (float32) at or after `from` that is not
 /// +0.0 or -0.0, or nullopt: padding that must be zero when a call is issued.
