@@ -3,11 +3,12 @@
 // every rank's shard of the parameters and the loss of every forward bitwise lab 2's flat
 // arithmetic; clipping must follow the contract's arithmetic bit for bit; the MemoryTracker
 // must show only the shard of the parameters plus the unit in use, no value between units,
-// the shard of the gradient plus one unit's gradients, the contract's four buffers and an
+// the shard of the gradient plus one unit's gradients, the contract's three buffers and an
 // optimizer over the shard, and a step must allocate nothing but the values materialised
 // and the gradients backward makes; a recording communicator, layer hooks of the grader's
 // and the backend's counters must show each unit's all-gather prefetched while the unit
-// before it computes, at most two gathers alive, the reduce-scatters during backward and
+// before it computes, into the one gather buffer only once the unit before it was
+// materialised from it, at most two units alive, the reduce-scatters during backward and
 // nothing but the norm in step(), 1.5x DDP's volume plus the padding; on the simulated
 // clock the prefetch must hide at least half of the all-gather time; the design question's
 // prediction must equal the tracker's peak. Every check draws its configuration from the
@@ -128,12 +129,17 @@ std::size_t largest_unit(const std::vector<Unit>& units) {
   return largest;
 }
 
-/// Bytes of the contract's buffers: 2 x min(2, U) x 4 max_u N C_u.
+/// At most this many units alive at once: one materialised, one arriving (FSDP's
+/// limit_all_gathers).
+constexpr std::size_t kMaxGatheredUnits = 2;
+
+/// Bytes of the contract's buffers: one gather buffer and min(2, U) gradient buffers of
+/// 4 max_u N C_u bytes each.
 std::size_t contract_buffer_bytes(const std::vector<Unit>& units, int world) {
   std::size_t largest = 0;
   for (const Unit& u : units)
     largest = std::max(largest, static_cast<std::size_t>(world) * u.chunk_elements);
-  return 2 * std::min(kUnitBuffers, units.size()) * 4 * largest;
+  return (kGatherBuffers + std::min(kGradientBuffers, units.size())) * 4 * largest;
 }
 
 /// The names of the parameters of `model` whose value (or gradient) is allocated.
@@ -398,6 +404,14 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                            return std::make_unique<Sgd>(s + 1, SgdOptions{});
                          });
                        });
+          {
+            // A second optimizer on a model whose values the first released: it would shard
+            // empty values. Its own model, never run: a second set of hooks stays on it.
+            Model released = training.model();
+            ZeroThreeOptimizer first(released, comm, factory_for(options));
+            expect_error("a second ZeroThreeOptimizer on a model whose values the first released",
+                         [&] { ZeroThreeOptimizer second(released, comm, factory_for(options)); });
+          }
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
@@ -435,12 +449,35 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                 "elements) over the whole shard, on every rank",
                 fmt::join(seen, ", "), shard));
           }
+          if (!verdict.passed()) return;
+          // A forward alone (evaluation) is allowed, also between steps: forward, forward,
+          // backward, step.
+          try {
+            (void)fresh.forward(batch.inputs);
+            fresh.backward(fresh.forward(batch.inputs), batch.labels);
+            (void)zero.step();
+          } catch (const NotImplemented&) {
+            throw;
+          } catch (const std::exception& error) {
+            verdict.fail(fmt::format(
+                "a forward alone (evaluation) before forward, backward and step() threw {}: {}; "
+                "expected the step to work (a forward without a backward is allowed)",
+                grading::type_name(error), error.what()));
+            return;
+          }
+          // A second backward before step() would reduce-scatter over the first one's shard:
+          // the contract asks for dp::Error from the hook. Every rank runs the same calls and
+          // throws at the same hook, so the ranks stay in step.
+          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          expect_error("a second backward before step()",
+                       [&] { fresh.backward(fresh.forward(batch.inputs), batch.labels); });
           if (verdict.passed())
             verdict.note(
-                "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
-                "returning nullptr or an optimizer of the wrong size throw dp::Error, and so does "
-                "a step without a backward; the factory is called once with S; a step is one "
-                "begin_step and one update over the whole shard");
+                "a frozen parameter, a released value, a negative, NaN or infinite max_norm, an "
+                "empty factory, one returning nullptr or an optimizer of the wrong size throw "
+                "dp::Error, and so do a step without a backward and a second backward before "
+                "step(); a forward alone between steps works; the factory is called once with S; "
+                "a step is one begin_step and one update over the whole shard");
         },
         draws);
   }
@@ -696,11 +733,15 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
                     : ""));
           else if (comm_peak != buffers)
             verdict.fail(fmt::format(
-                "communication bytes at the peak {}; expected 2 x min(2, U) x 4 max_u(N C_u){} = "
-                "{} ({} units: two gather and two gradient buffers){}",
+                "communication bytes at the peak {}; expected (1 + min(2, U)) x 4 max_u(N C_u){} "
+                "= {} ({} units: one gather and two gradient buffers){}",
                 comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
                 units.size(),
-                comm_peak < buffers ? ": fewer buffers than the contract's four" : ""));
+                comm_peak < buffers   ? ": fewer buffers than the contract's three"
+                : comm_peak > buffers ? ": more buffers than the contract's three (one gather "
+                                        "buffer is enough: copy the unit out before the "
+                                        "prefetch)"
+                                      : ""));
           else
             verdict.note(fmt::format(
                 "N = {}, Psi = {}: parameter peak {} bytes (4 S = {} plus the largest unit's {}), "
@@ -849,8 +890,8 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
   // what the rank holds: replicated training needs 16 Psi (parameters, gradients, AdamW
   // state) plus lab 2's flat buffer of 4 Psi, and fails; ZeRO-3 needs the model as built
   // (8 Psi: values and zero gradients, before the constructor releases them) plus, if the
-  // constructor allocates everything before it releases them, 16 Psi / N of shards and four
-  // buffers of one unit (about 2 Psi): at most 18 Psi on 2 ranks, 12 Psi on 8.
+  // constructor allocates everything before it releases them, 16 Psi / N of shards and three
+  // buffers of one unit (about 1.7 Psi): under 18 Psi on 2 ranks, 12 Psi on 8.
   TrainOptions options;
   const std::int64_t hidden = draws.integer("hidden", 256, 384);
   options.model = fmt::format("64-{0}-{0}-{0}-{0}-{0}-{0}-{0}-{0}-10", hidden);
@@ -932,7 +973,7 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
           verdict.fail(fmt::format(
               "ZeroThreeOptimizer on N = {} ran out of a budget of 19 Psi = {} bytes per rank "
               "(Psi = {}): {}; expected it to fit (16 Psi / N of shards, one unit's values and "
-              "gradients, four buffers of one unit)",
+              "gradients, three buffers of one unit)",
               world, budget, psi, error.what()));
           return;
         }
@@ -953,8 +994,8 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
 /// What the grader sees through a recording communicator and its own layer hooks
 /// (registered before the student's): each call with its phase, the unit whose hooks were
 /// running when it was issued, its buffers, whether the gather before it had been waited
-/// on, how many gathered units were alive, and the waits of reduce-scatters during
-/// backward.
+/// on, whether the window unit's values had been copied out of the gather buffer, how many
+/// gathered units were alive, and the waits of reduce-scatters during backward.
 struct CallLog {
   enum Phase { kForward, kBackward, kStep };
   struct Call {
@@ -964,8 +1005,13 @@ struct CallLog {
     bool after_compute = false;  ///< issued after the window unit's layer ran
     const void* in = nullptr;
     const void* out = nullptr;
-    std::size_t alive = 0;                       ///< gathers alive at issue, this one included
-    bool previous_gather_waited = true;          ///< the phase's gather before it was waited
+    std::size_t alive = 0;               ///< gathers alive at issue, this one included
+    bool previous_gather_waited = true;  ///< the phase's gather before it was waited
+    /// All-gathers: "" when every parameter of the window unit held a value, bitwise the
+    /// output buffer's elements at its place in the unit, when the call was issued (the unit
+    /// was materialised from the buffer before this gather could overwrite it); else what
+    /// was missing.
+    std::string window_not_materialised;
     std::optional<std::size_t> nonzero_padding;  ///< reduce-scatters: at issue
   };
   Phase phase = kStep;
@@ -1018,8 +1064,8 @@ struct CallLog {
     };
     model.on_post_forward(post);
     model.on_post_backward(post);
-    recorder.on_issue = [this](std::size_t index, const RecordedCall& call, ConstBuffer in,
-                               MutableBuffer out) {
+    recorder.on_issue = [this, &model](std::size_t index, const RecordedCall& call, ConstBuffer in,
+                                       MutableBuffer out) {
       Call c;
       c.call = call;
       c.phase = phase;
@@ -1034,6 +1080,8 @@ struct CallLog {
         c.alive = gathers_issued - std::min(gathers_issued, units_done);
         c.previous_gather_waited = last_gather == kNone || waited[last_gather];
         last_gather = index;
+        // Seen before the call is passed on: the output still holds what was gathered last.
+        if (window != kNone) c.window_not_materialised = check_materialised(model, window, out);
       }
       if (call.op == CommOp::kReduceScatter && phase == kBackward && window != kNone) {
         const Unit& unit = (*units)[window];
@@ -1057,6 +1105,24 @@ struct CallLog {
       }
       waited[index] = true;
     };
+  }
+
+  /// "" when every parameter of unit `u` holds a value equal, bitwise, to `buffer`'s
+  /// elements at its place in the unit (over the part of the unit `buffer` covers).
+  std::string check_materialised(const Model& model, std::size_t u, MutableBuffer buffer) const {
+    const auto* gathered = static_cast<const float*>(buffer.data);
+    std::size_t offset = 0;
+    for (const std::size_t p : (*units)[u].parameters) {
+      const Parameter& parameter = *model.parameters()[p];
+      if (parameter.value.empty()) return fmt::format("{} had no value", parameter.name);
+      const std::span<const float> value = parameter.value.span();
+      const std::size_t covered =
+          offset >= buffer.count ? 0 : std::min(value.size(), buffer.count - offset);
+      if (covered > 0 && std::memcmp(value.data(), gathered + offset, covered * sizeof(float)) != 0)
+        return fmt::format("{}'s value did not hold the gathered elements", parameter.name);
+      offset += value.size();
+    }
+    return "";
   }
 
   void reset(grading::RecordingCommunicator& recorder) {
@@ -1148,21 +1214,22 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
           "unit {}'s all-gather was issued before unit {}'s was waited on; expected the prefetch "
           "after the wait (at most two gathered units at once)",
           u, u - 1);
-    if (c.alive > kUnitBuffers)
+    if (c.alive > kMaxGatheredUnits)
       return fmt::format(
           "when unit {}'s all-gather was issued in forward, {} gathered units were "
           "alive; expected at most {} (FSDP's limit_all_gathers)",
-          u, c.alive, kUnitBuffers);
-    if (u >= 1 && c.out == forward_gathers[u - 1]->out)
+          u, c.alive, kMaxGatheredUnits);
+    if (u >= 1 && c.out != forward_gathers[0]->out)
       return fmt::format(
-          "units {} and {} are gathered into the same buffer; expected buffer u mod 2 (the "
-          "prefetch would overwrite the unit in use)",
-          u - 1, u);
-    if (u >= 2 && c.out != forward_gathers[u - 2]->out)
+          "units 0 and {} are gathered into different buffers; expected every unit in the one "
+          "gather buffer (copy a unit out before the next one's gather: one buffer is enough)",
+          u);
+    if (u >= 1 && !c.window_not_materialised.empty())
       return fmt::format(
-          "unit {} is gathered into another buffer than unit {}; expected buffer u "
-          "mod 2 (two buffers in turn)",
-          u, u - 2);
+          "unit {}'s all-gather was issued into the gather buffer before unit {}'s values were "
+          "materialised from it ({}); expected wait, copy out, then prefetch (the buffer is "
+          "free only once the unit before is copied out)",
+          u, u - 1, c.window_not_materialised);
   }
   // Backward: U gathers in reverse unit order, each but U-1's prefetched; U reduce-scatters.
   if (backward_gathers.size() != count)
@@ -1198,16 +1265,21 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
           "in backward, unit {}'s all-gather was issued before unit {}'s was "
           "waited on; expected the prefetch after the wait",
           u, u + 1);
-    if (c.alive > kUnitBuffers)
+    if (c.alive > kMaxGatheredUnits)
       return fmt::format(
           "when unit {}'s all-gather was issued in backward, {} gathered units "
           "were alive; expected at most {}",
-          u, c.alive, kUnitBuffers);
-    if (c.out != forward_gathers[u]->out)
+          u, c.alive, kMaxGatheredUnits);
+    if (c.out != forward_gathers[0]->out)
       return fmt::format(
           "in backward, unit {} is gathered into another buffer than in forward; "
-          "expected gather buffer u mod 2 both times",
+          "expected the one gather buffer both times",
           u);
+    if (u + 1 < count && !c.window_not_materialised.empty())
+      return fmt::format(
+          "in backward, unit {}'s all-gather was issued into the gather buffer before unit {}'s "
+          "values were materialised from it ({}); expected wait, copy out, then prefetch",
+          u, u + 1, c.window_not_materialised);
   }
   if (scatters.size() != count)
     return fmt::format("backward launched {} reduce-scatters; expected one per unit, {}{}",
@@ -1331,9 +1403,10 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "{} units: each all-gather prefetched in the unit before's hooks, at most two "
-                "alive, two gather and two gradient buffers in turn, {} reduce-scatters during "
-                "backward, nothing but the norm in step(); {}",
+                "{} units: each all-gather prefetched in the unit before's hooks, into the one "
+                "gather buffer once that unit was materialised, at most two alive, two gradient "
+                "buffers in turn, {} reduce-scatters during backward, nothing but the norm in "
+                "step(); {}",
                 units.size(), units.size(),
                 world > 1 ? fmt::format("on N = {} a step sent {:.4f}x DDP's all-reduce bytes "
                                         "(1.5x plus the padding)",

@@ -11,9 +11,9 @@
 // its backward and freed after it, and its gradients are reduce-scattered into the shard of
 // the gradient as soon as its backward has made them. The all-gather of the next unit is
 // issued ahead (prefetch) so that it travels while this unit computes, with at most two
-// gathered units at once (FSDP's limit_all_gathers). README.md beside this file poses the
-// problem; its Hints section, at the end, helps if you are stuck. Do not change this
-// header: the grader is compiled against it.
+// units at once, one materialised and one arriving (FSDP's limit_all_gathers). README.md
+// beside this file poses the problem; its Hints section, at the end, helps if you are
+// stuck. Do not change this header: the grader is compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
@@ -54,10 +54,15 @@
 
 namespace dp::lab7 {
 
-/// How many gather buffers, and how many gradient buffers, a `ZeroThreeOptimizer` keeps
-/// (fewer when there are fewer units): unit u is gathered into gather buffer u mod 2 and
-/// its gradients reduce-scattered from gradient buffer u mod 2.
-inline constexpr std::size_t kUnitBuffers = 2;
+/// How many gather buffers a `ZeroThreeOptimizer` keeps: one. Every unit is gathered into
+/// it; a unit's values are copied out of it (materialised) before the next unit's
+/// all-gather is issued into it, so one buffer gives the same overlap as two.
+inline constexpr std::size_t kGatherBuffers = 1;
+
+/// How many gradient buffers a `ZeroThreeOptimizer` keeps (fewer when there are fewer
+/// units): unit u's gradients are reduce-scattered from gradient buffer u mod 2, so that
+/// unit u - 1 can fill the other while unit u's reduce-scatter still reads its own.
+inline constexpr std::size_t kGradientBuffers = 2;
 
 /// One unit: the parameters of one layer, gathered, freed and reduce-scattered together.
 struct Unit {
@@ -109,7 +114,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// every forward and backward of `model`; `model` and `comm` must outlive it.
 ///
 /// A step is one `Model::forward` and one `Model::backward` on the rank's local batch, then
-/// one `step()`. A forward alone (evaluation) is allowed too.
+/// one `step()`. A forward alone (evaluation) is allowed too, also between steps. A second
+/// backward before `step()` throws `dp::Error` from your hook (its gradients would otherwise
+/// overwrite the first's in the shard, and half a step would be lost silently).
 ///
 /// Forward, at the pre-forward of unit u's layer: unless unit u's all-gather is already in
 /// flight (prefetched), issue it; wait for it; materialise the unit's parameters (allocate
@@ -117,7 +124,7 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// from the gathered buffer); then prefetch: issue the all-gather of unit u + 1 (if any).
 /// At the post-forward of unit u, release its values. Only unit 0's all-gather is issued
 /// at its own pre-forward; every other unit's was issued at its predecessor's, after that
-/// predecessor's wait and before its layer's forward runs.
+/// predecessor's wait and materialisation and before its layer's forward runs.
 ///
 /// Backward, the same in reverse unit order: at the pre-backward of unit u, unless it is
 /// in flight (only unit U-1's is not: the forward prefetches nothing past U-1), issue its
@@ -130,10 +137,12 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// backward starts; at the post-backward of unit u, release its values.
 ///
 /// Unit u's all-gather is `allgather(shard_parameters() [shard_offset, +C) -> N C
-/// elements)` into gather buffer u mod 2; unit u's reduce-scatter reads gradient buffer
-/// u mod 2. Before the first gradient of unit u is copied into its gradient buffer, the
-/// reduce-scatter of unit u + 2, which used the same buffer, is waited on; no other wait
-/// on a reduce-scatter happens during backward.
+/// elements)` into the one gather buffer, so a prefetch is issued only after the unit
+/// before it was materialised from that buffer (the grader checks, at the prefetch's
+/// issue, that that unit's values exist and hold the buffer's contents). Unit u's
+/// reduce-scatter reads gradient buffer u mod 2. Before the first gradient of unit u is
+/// copied into its gradient buffer, the reduce-scatter of unit u + 2, which used the same
+/// buffer, is waited on; no other wait on a reduce-scatter happens during backward.
 ///
 /// `step()` then waits for the reduce-scatters still running, divides the shard of the
 /// gradient by N, clips it (when `max_norm > 0`) and updates the shard of the parameters
@@ -146,9 +155,8 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     No value exists between units, after the constructor or after backward.
 ///   * `kGradients`: the shard of the gradient, 4 S, at all times; during a unit's backward
 ///     also its gradients until you release them: at the peak 4 S + 4 max_u E_u.
-///   * `kCommunication`: min(kUnitBuffers, U) gather buffers and min(kUnitBuffers, U)
-///     gradient buffers of 4 max_u(N C_u) bytes each, and with clipping one float for the
-///     norm. Nothing else.
+///   * `kCommunication`: one gather buffer and min(kGradientBuffers, U) gradient buffers of
+///     4 max_u(N C_u) bytes each, and with clipping one float for the norm. Nothing else.
 ///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
 ///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
 ///   * After the constructor no tensor is allocated but the values you materialise and the

@@ -86,8 +86,8 @@ struct ZeroThreeOptimizer::State {
   std::vector<std::vector<std::int64_t>> shapes;
   /// Per layer index: its unit, or kNone for a layer without parameters.
   std::vector<std::size_t> unit_of_layer;
-  /// min(2, U) buffers of max_u N C_u elements: unit u is gathered into u mod 2.
-  std::vector<Tensor> gather_buffers;
+  /// max_u N C_u elements: every unit is gathered here, then copied out (materialised).
+  Tensor gather_buffer;
   /// min(2, U) buffers of max_u N C_u elements: unit u's gradients go into u mod 2.
   std::vector<Tensor> grad_buffers;
   /// (S): this rank's chunks of the summed, then averaged, gradient.
@@ -98,9 +98,9 @@ struct ZeroThreeOptimizer::State {
   Tensor norm_buffer;
   // The calls in flight come after the buffers they use: they are destroyed (each waiting
   // for its call) before the buffers are freed.
-  /// Per gather buffer: the all-gather in flight into it, and its unit (kNone: none).
-  std::vector<std::unique_ptr<Work>> gathers;
-  std::vector<std::size_t> gathering;
+  /// The all-gather in flight into the gather buffer, and its unit (kNone: none).
+  std::unique_ptr<Work> gather;
+  std::size_t gathering = kNone;
   /// Per unit: its reduce-scatter in flight, and whether it was launched since the step.
   std::vector<std::unique_ptr<Work>> pending;
   std::vector<char> launched;
@@ -115,38 +115,38 @@ struct ZeroThreeOptimizer::State {
     return kNone;
   }
 
-  /// Issues unit u's all-gather into gather buffer u mod 2 (which must be free).
+  /// Issues unit u's all-gather into the gather buffer, which must be free: no all-gather
+  /// in flight, and the unit gathered last already copied out.
   void issue_gather(std::size_t u) {
-    const std::size_t b = u % gather_buffers.size();
     const Unit& unit = units[u];
-    gathers[b] =
+    gather =
         comm.allgather(std::as_const(shard_params).view(unit.shard_offset, unit.chunk_elements),
-                       gather_buffers[b].view(0, world() * unit.chunk_elements));
-    gathering[b] = u;
+                       gather_buffer.view(0, world() * unit.chunk_elements));
+    gathering = u;
   }
 
   /// Waits for unit u's all-gather (issuing it if it is not in flight) and materialises
   /// the unit's values from it; then prefetches unit `next` (kNone: none).
   void acquire(std::size_t u, std::size_t next) {
-    const std::size_t b = u % gather_buffers.size();
-    if (gathering[b] != u) {
-      if (gathers[b] != nullptr) gathers[b]->wait();  // another unit's, out of order
+    if (gathering != u) {
+      if (gather != nullptr) gather->wait();  // another unit's, out of order
       issue_gather(u);
     }
-    gathers[b]->wait();
-    gathers[b].reset();
-    gathering[b] = kNone;
+    gather->wait();
+    gather.reset();
+    gathering = kNone;
     const std::span<Parameter* const> parameters = model.parameters();
     std::size_t offset = 0;
     for (const std::size_t index : units[u].parameters) {
       Parameter& parameter = *parameters[index];
       parameter.value = Tensor::uninitialized(shapes[index], MemoryCategory::kParameters);
-      copy(std::as_const(gather_buffers[b]).view(offset, parameter.value.size()),
+      copy(std::as_const(gather_buffer).view(offset, parameter.value.size()),
            parameter.value.view());
       offset += parameter.value.size();
     }
-    // The buffer of `next` held unit u - 1's (or u + 1's) values, copied out already.
-    if (next != kNone && gathering[next % gather_buffers.size()] != next) issue_gather(next);
+    // Unit u's values are copied out: the buffer is free for the next unit, which travels
+    // while unit u computes.
+    if (next != kNone) issue_gather(next);
   }
 
   /// Releases unit u's values.
@@ -160,11 +160,6 @@ struct ZeroThreeOptimizer::State {
   void reduce_gradients(std::size_t u) {
     const std::size_t b = u % grad_buffers.size();
     const Unit& unit = units[u];
-    if (launched[u])
-      throw Error(fmt::format(
-          "ZeroThreeOptimizer: unit {} finished a second backward since the last step(); call "
-          "step() after every backward",
-          u));
     // Unit u + 2 used this buffer: its reduce-scatter must be done reading it.
     const std::size_t previous = u + grad_buffers.size();
     if (previous < units.size() && pending[previous] != nullptr) {
@@ -202,6 +197,14 @@ struct ZeroThreeOptimizer::State {
   void pre_backward(Layer& layer) {
     const std::size_t u = unit_of(layer);
     if (u == kNone) return;
+    // A second backward would reduce-scatter over the first one's shard of the gradient.
+    // Thrown before this unit's all-gather, so every rank stops at the same point with
+    // nothing in flight.
+    if (launched[u])
+      throw Error(fmt::format(
+          "ZeroThreeOptimizer: a second backward reached unit {} since the last step(); call "
+          "step() after every backward",
+          u));
     acquire(u, u > 0 ? u - 1 : kNone);
   }
   void post_backward(Layer& layer) {
@@ -213,9 +216,8 @@ struct ZeroThreeOptimizer::State {
 
   /// Waits for every call in flight.
   void drain() {
-    for (auto& work : gathers)
-      if (work != nullptr) work->wait(), work.reset();
-    for (std::size_t& unit : gathering) unit = kNone;
+    if (gather != nullptr) gather->wait(), gather.reset();
+    gathering = kNone;
     for (auto& work : pending)
       if (work != nullptr) work->wait(), work.reset();
   }
@@ -252,14 +254,10 @@ ZeroThreeOptimizer::ZeroThreeOptimizer(Model& model, Communicator& comm,
   const std::size_t world = s.world();
   std::size_t largest = 0;
   for (const Unit& unit : s.units) largest = std::max(largest, world * unit.chunk_elements);
-  const std::size_t buffers = std::min(kUnitBuffers, s.units.size());
   const std::vector<std::int64_t> shape{static_cast<std::int64_t>(largest)};
-  for (std::size_t i = 0; i < buffers; ++i) {
-    s.gather_buffers.emplace_back(shape, MemoryCategory::kCommunication);
+  s.gather_buffer = Tensor(shape, MemoryCategory::kCommunication);
+  for (std::size_t i = 0; i < std::min(kGradientBuffers, s.units.size()); ++i)
     s.grad_buffers.emplace_back(shape, MemoryCategory::kCommunication);
-  }
-  s.gathers.resize(buffers);
-  s.gathering.assign(buffers, State::kNone);
   s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients);
   s.shard_params = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters);
   if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication);
@@ -385,10 +383,11 @@ std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size) {
     largest_unit = std::max(largest_unit, unit.elements);
   }
   // The shard always; one unit's values at a time (each freed before the next arrives);
-  // two gather and two gradient buffers, allocated once.
+  // one gather buffer and two gradient buffers, allocated once.
   const std::size_t shard = 4 * shard_elements(units);
   const std::size_t values = 4 * largest_unit;
-  const std::size_t buffers = 2 * std::min(kUnitBuffers, units.size()) * 4 * largest_padded;
+  const std::size_t buffers =
+      (kGatherBuffers + std::min(kGradientBuffers, units.size())) * 4 * largest_padded;
   return shard + values + buffers;
   // END SOLUTION
 }
