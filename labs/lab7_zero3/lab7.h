@@ -144,7 +144,8 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// issue, that that unit's values exist and hold the buffer's contents). Unit u's
 /// reduce-scatter reads gradient buffer u mod 2. Before the first gradient of unit u is
 /// copied into its gradient buffer, the reduce-scatter of unit u + 2, which used the same
-/// buffer, is waited on; no other wait on a reduce-scatter happens during backward.
+/// buffer, is waited on, once unit u's layer has made its gradients (not before: it travels
+/// while the layer computes); no other wait on a reduce-scatter happens during backward.
 ///
 /// `step()` then waits for the reduce-scatters still running, divides the shard of the
 /// gradient by N, clips it (when `max_norm > 0`) and updates the shard of the parameters
