@@ -8,6 +8,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -401,7 +402,8 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
 
 TEST(ShardedCheckpointErrors, ACorruptOrForeignIndex) {
   const fs::path dir = test_directory();
-  expect_error([&] { dp::load_checkpoint_index(dir); }, {"index.json"});
+  expect_error([&] { dp::load_checkpoint_index(dir); },
+               {"is not a sharded checkpoint: it has no index.json"});
   dp::write_file_atomically(dir / "index.json", "{\"format\": ");
   expect_error([&] { dp::load_checkpoint_index(dir); }, {"index.json", "not valid JSON"});
   dp::write_file_atomically(dir / "index.json", R"({"format": "something-else"})");
@@ -438,6 +440,20 @@ TEST(ShardedCheckpointFiles, WritesOnlyRegularFilesAndLeavesNoTemporaryFile) {
   for (const fs::directory_entry& entry : fs::directory_iterator(dir))
     EXPECT_EQ(entry.path().filename().string().find(".tmp"), std::string::npos) << entry.path();
   expect_loads(dir, layouts_of("flat", 2), "after the refusals");
+}
+
+}  // namespace
+
+namespace {
+
+// The example checkpoint `dplab consolidate` is tested on (cli/CMakeLists.txt): written to
+// $DPLAB_SHARDED_CHECKPOINT_DIR when set, else to this test's directory.
+TEST(ShardedCheckpointExample, LabSixLayoutAtFourRanks) {
+  const char* target = std::getenv("DPLAB_SHARDED_CHECKPOINT_DIR");
+  const fs::path dir = target != nullptr ? fs::path(target) : test_directory();
+  fs::create_directories(dir);
+  save_all(dir, plan_of("buckets", 4));
+  EXPECT_EQ(dp::load_checkpoint_index(dir).layouts.size(), 4u);
 }
 
 }  // namespace

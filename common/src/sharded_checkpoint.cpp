@@ -488,6 +488,12 @@ void save_checkpoint_shard(const fs::path& directory, const ShardedCheckpointPla
 ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
   const fs::path path = directory / kIndexFile;
   const std::string file = "sharded checkpoint index '" + path.string() + "'";
+  std::error_code ignored;
+  if (!fs::exists(path, ignored))
+    throw Error(
+        fmt::format("'{}' is not a sharded checkpoint: it has no {} (expected the "
+                    "directory that save_checkpoint_shard wrote)",
+                    directory.string(), kIndexFile));
   ShardedCheckpointPlan plan = plan_from_index(
       parse_json(detail::read_whole_file(path, "sharded checkpoint index"), file), file);
   try {
