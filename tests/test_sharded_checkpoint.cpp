@@ -300,6 +300,10 @@ TEST(ShardedCheckpointErrors, PlansWhoseRangesOverlapLeaveGapsOrRunPastTheEnd) {
   unknown.layouts[0].ranges[0].parameter = "fc9.weight";
   expect_error([&] { dp::validate_plan(unknown); },
                {"names parameter 'fc9.weight', which the model does not have"});
+  dp::ShardedCheckpointPlan huge = plan;
+  huge.parameters[3].shape = {std::int64_t{1} << 40, std::int64_t{1} << 40};
+  expect_error([&] { dp::validate_plan(huge); },
+               {"parameter 'fc2.bias' has shape [1099511627776, 1099511627776]: more elements"});
   dp::ShardedCheckpointPlan reserved = plan;
   reserved.metadata["world_size"] = "2";
   expect_error([&] { dp::validate_plan(reserved); }, {"metadata key 'world_size' is reserved"});
@@ -331,6 +335,9 @@ TEST(ShardedCheckpointErrors, SavingChecksTheRankAndEveryTensor) {
   const std::vector<dp::NamedTensor> good = {
       {"params", &right}, {"exp_avg", &right}, {"exp_avg_sq", &right}};
   expect_error([&] { dp::save_checkpoint_shard(dir, plan, 3, good); }, {"rank 3, expected 0 to 2"});
+  dp::ShardedCheckpointPlan not_utf8 = plan;
+  not_utf8.metadata["note"] = "\xff";
+  expect_error([&] { dp::save_checkpoint_shard(dir, not_utf8, 0, good); }, {"not valid UTF-8"});
   EXPECT_TRUE(fs::is_empty(dir));  // nothing written by a failed save
 }
 

@@ -371,10 +371,21 @@ void validate_plan(const ShardedCheckpointPlan& plan) {
     if (!names.insert(parameter.name).second)
       throw Error(
           fmt::format("sharded checkpoint: parameter name '{}' appears twice", parameter.name));
-    for (const std::int64_t extent : parameter.shape)
+    // Extents are checked one by one so that the product in `size()` cannot wrap around
+    // (a hand-edited index could hold any numbers).
+    std::size_t elements = 1;
+    for (const std::int64_t extent : parameter.shape) {
       if (extent < 0)
         throw Error(fmt::format("sharded checkpoint: parameter '{}' has a negative extent {}",
                                 parameter.name, extent));
+      const auto n = static_cast<std::size_t>(extent);
+      if (n != 0 && elements > (std::numeric_limits<std::size_t>::max() / 8) / n)
+        throw Error(
+            fmt::format("sharded checkpoint: parameter '{}' has shape [{}]: more elements "
+                        "than memory can hold",
+                        parameter.name, fmt::join(parameter.shape, ", ")));
+      elements *= n;
+    }
   }
   if (plan.layouts.empty())
     throw Error("sharded checkpoint: no layouts, expected one per rank (world size >= 1)");
@@ -479,10 +490,19 @@ void save_checkpoint_shard(const fs::path& directory, const ShardedCheckpointPla
   metadata["format"] = kFormat;
   metadata["rank"] = std::to_string(rank);
   metadata["world_size"] = std::to_string(world_size);
-  metadata["layout"] = layout_to_json(layout).dump();
+  std::string index;
+  try {
+    metadata["layout"] = layout_to_json(layout).dump();
+    if (rank == 0) index = index_text(plan);
+  } catch (const nlohmann::json::exception& error) {
+    throw Error(
+        fmt::format("save_checkpoint_shard '{}': a parameter name, tensor name or "
+                    "metadata string is not valid UTF-8 ({})",
+                    file.string(), error.what()));
+  }
   save_safetensors(file, ordered, metadata);
   // The index after the shard: a rank 0 that fails to save its shard leaves no index.
-  if (rank == 0) write_file_atomically(directory / kIndexFile, index_text(plan));
+  if (rank == 0) write_file_atomically(directory / kIndexFile, index);
 }
 
 ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
