@@ -6,6 +6,7 @@
 // is a NaN sentinel, so a loader that reads padding or leaves it unzeroed is caught.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
@@ -23,6 +24,7 @@
 #include "dp/comm.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/model.h"
 #include "dp/output_file.h"
 #include "dp/sharded_checkpoint.h"
 #include "test_support.h"
@@ -461,6 +463,52 @@ TEST(ShardedCheckpointExample, LabSixLayoutAtFourRanks) {
   fs::create_directories(dir);
   save_all(dir, plan_of("buckets", 4));
   EXPECT_EQ(dp::load_checkpoint_index(dir).layouts.size(), 4u);
+}
+
+}  // namespace
+
+namespace {
+
+// A real model's parameters, sharded as lab 7 shards them and consolidated: every parameter
+// equals the model's, bit for bit, and its shape is the model's.
+TEST(ShardedCheckpointModel, ConsolidatesAModelShardedByUnits) {
+  const dp::Model model = dp::Model::mlp("5-7-3", {.seed = 3});
+  const std::vector<dp::CheckpointParameter> params = dp::checkpoint_parameters(model);
+  ASSERT_EQ(params.size(), 4u);
+  EXPECT_EQ(params[0], (dp::CheckpointParameter{"fc1.weight", {7, 5}}));
+  const std::vector<std::vector<std::size_t>> units = {{0, 1}, {2, 3}};
+  dp::ShardedCheckpointPlan plan;
+  plan.parameters = params;
+  plan.layouts = dp::chunked_layouts(params, units, 3);
+  plan.tensors = {dp::kShardParameters};
+  const std::vector<float> flat = model.flat_parameters();
+  std::vector<std::size_t> offsets;
+  for (const dp::Parameter* parameter : model.parameters()) offsets.push_back(parameter->offset);
+  const fs::path dir = test_directory();
+  for (int rank = 0; rank < 3; ++rank) {
+    const dp::ShardLayout& layout = plan.layouts[static_cast<std::size_t>(rank)];
+    dp::Tensor shard({static_cast<std::int64_t>(layout.shard_elements)});
+    for (const dp::ShardRange& range : layout.ranges) {
+      const auto index =
+          static_cast<std::size_t>(std::find_if(params.begin(), params.end(),
+                                                [&](const dp::CheckpointParameter& p) {
+                                                  return p.name == range.parameter;
+                                                }) -
+                                   params.begin());
+      std::memcpy(shard.data() + range.shard_offset,
+                  flat.data() + offsets[index] + range.parameter_offset,
+                  range.count * sizeof(float));
+    }
+    const std::vector<dp::NamedTensor> named = {{dp::kShardParameters, &shard}};
+    dp::save_checkpoint_shard(dir, plan, rank, named);
+  }
+  const dp::Checkpoint full = dp::consolidated_checkpoint(dir);
+  EXPECT_EQ(full.tensors.size(), 4u);
+  for (const dp::Parameter* parameter : model.parameters()) {
+    const dp::Tensor& saved = full.tensors.at(parameter->name);
+    EXPECT_EQ(saved.shape(), parameter->value.shape());
+    EXPECT_TRUE(bitwise_equal(saved, parameter->value)) << parameter->name;
+  }
 }
 
 }  // namespace
