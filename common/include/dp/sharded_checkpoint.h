@@ -34,8 +34,8 @@
 //
 //   dp::ShardedCheckpointPlan plan;
 //   plan.parameters = dp::checkpoint_parameters(model);
-//   plan.layouts = dp::chunked_layouts(plan.parameters, {dp::all_parameters(plan.parameters)},
-//                                      world_size);
+//   std::vector<std::vector<std::size_t>> segments = {dp::all_parameters(plan.parameters)};
+//   plan.layouts = dp::chunked_layouts(plan.parameters, segments, world_size);
 //   plan.tensors = {"params", "exp_avg", "exp_avg_sq"};
 //   plan.metadata = {{"step", "100"}};
 //   std::vector<dp::NamedTensor> mine = {{"params", &shard}, {"exp_avg", &m}, {"exp_avg_sq", &v}};
@@ -43,9 +43,9 @@
 //   comm.barrier();                                        // the checkpoint is complete
 //
 //   // Later, at another world size: this rank's layout there, then its tensors.
-//   std::vector<dp::ShardLayout> layouts = dp::chunked_layouts(parameters, segments, new_size);
+//   auto layouts = dp::chunked_layouts(plan.parameters, segments, new_size);
 //   std::map<std::string, dp::Tensor> state = dp::load_checkpoint_shard("ckpt", layouts[rank]);
-//   state.at("params");                                    // (S'), padding zero
+//   state.at("params");                                    // (S'), its padding zero
 //
 //   dp::consolidate_checkpoint("ckpt", "full.safetensors");  // or `dplab consolidate`
 #pragma once
@@ -154,11 +154,11 @@ std::string shard_file_name(int rank, int world_size);
 
 /// Saves rank `rank`'s shard of a checkpoint into `directory` (which must exist):
 /// `tensors` are the plan's tensors, each by its name, each with the rank's shard size
-/// (any shape; saved 1-D). Rank 0 then also writes `index.json`, so that one call per rank
-/// and no collective make a checkpoint; it is complete when every rank has returned (a
-/// barrier). Only rank 0 writes the index because the index is the same for every rank:
-/// N copies would cost N fsyncs for one file. Validates the plan first (every rank does:
-/// an invalid plan fails before any file is written). Throws `dp::Error` on an invalid plan,
+/// (any shape: saved with it; loading checks only the element count). Rank 0 then also writes
+/// `index.json`, so that one call per rank and no collective make a checkpoint; it is complete when
+/// every rank has returned (a barrier). Only rank 0 writes the index because the index is the same
+/// for every rank: N copies would cost N fsyncs for one file. Validates the plan first (every rank
+/// does: an invalid plan fails before any file is written). Throws `dp::Error` on an invalid plan,
 /// a rank out of range, a missing, extra or wrongly sized tensor, or a write failure.
 void save_checkpoint_shard(const std::filesystem::path& directory,
                            const ShardedCheckpointPlan& plan, int rank,
