@@ -15,5 +15,8 @@ void add_run_command(CLI::App& app);
 /// Adds `dplab grade`: runs each lab's check program and prints the score table (exit code
 /// 0 only at full marks). In `dplab-reference` it grades the reference solutions.
 void add_grade_command(CLI::App& app);
+/// Adds `dplab consolidate`: writes one full checkpoint from a sharded checkpoint's
+/// directory (dp/sharded_checkpoint.h).
+void add_consolidate_command(CLI::App& app);
 
 }  // namespace dp::cli
