@@ -75,7 +75,8 @@ TEST(DeviceViews, WithoutCudaEveryOperationOnADeviceViewSaysHowToGetIt) {
   EXPECT_THROW(fill(device, 0.0f), Error);
   EXPECT_THROW((void)norm(device), Error);
   EXPECT_THROW((void)all_finite(device), Error);
-  EXPECT_THROW(copy(device, TensorView(storage.data(), 4)), Error);
+  std::vector<float> host(4);
+  EXPECT_THROW(copy(device, TensorView(host.data(), 4)), Error);
 }
 
 }  // namespace
