@@ -10,6 +10,7 @@
 
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/optimizer.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
 #include "test_support.h"
@@ -64,6 +65,21 @@ TEST(DeviceViews, HostAccessToDeviceMemoryIsRefused) {
   const std::string buffer = message_of<Error>([&] { [[maybe_unused]] MutableBuffer b = device; });
   EXPECT_TRUE(contains(buffer, "a communication buffer of a tensor in cuda memory")) << buffer;
   EXPECT_THROW([[maybe_unused]] ConstBuffer b = ConstTensorView(device), Error);
+}
+
+TEST(DeviceViews, AnOptimizerRefusesViewsOnAnotherDeviceThanItsState) {
+  std::vector<float> params(4, 1.0f);
+  std::vector<float> grads(4, 0.5f);
+  Sgd sgd(4, {.lr = 0.1f});  // state on the host
+  sgd.begin_step();
+  const std::string message = message_of<Error>([&] {
+    sgd.update(0, TensorView(params.data(), 4, Device::kCuda),
+               ConstTensorView(grads.data(), 4, Device::kCuda));
+  });
+  EXPECT_TRUE(contains(message, "sgd update of parameters in cuda memory")) << message;
+  EXPECT_TRUE(contains(message, "(host memory)")) << message;
+  sgd.update(0, TensorView(params.data(), 4), ConstTensorView(grads.data(), 4));  // host views
+  EXPECT_EQ(params[0], 1.0f - 0.1f * 0.5f);
 }
 
 TEST(DeviceViews, WithoutCudaEveryOperationOnADeviceViewSaysHowToGetIt) {

@@ -3,7 +3,8 @@
 // which ctest reports as skipped (SKIP_RETURN_CODE in tests/CMakeLists.txt).
 //
 // Tolerances (derived in common/src/cuda/kernels.cu):
-//   - fill, copy, scale, divide, add, axpy, all_finite: bitwise equal to the host;
+//   - fill, copy, scale, divide, add, axpy, all_finite, the SGD and AdamW updates: bitwise
+//     equal to the host;
 //   - dot, norm: |device - host| <= 2 (n - 1) 2^-53 sum|x[i] y[i]| (for norm, of the
 //     squares: the norm is compared through its square).
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/optimizer.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
 
@@ -164,6 +166,46 @@ TEST(GpuTensorOps, AllFiniteFindsOneNanOrInfinityAnywhere) {
     EXPECT_FALSE(all_finite(y.view()));
     EXPECT_TRUE(all_finite(y.view(0, kN - 1)));
   }
+}
+
+/// Runs `steps` updates of a slice with `host` and `device` (the same optimizer on either
+/// device) from the same parameters and gradients, expecting bitwise equal parameters
+/// after each step and equal state at the end.
+template <typename OptimizerType>
+void expect_same_updates(OptimizerType& host, OptimizerType& device, const char* what) {
+  constexpr std::size_t kOffset = 1000;
+  const std::size_t n = kN - 2000;  // a slice of the state, as a ZeRO shard updates
+  Tensor p_host = Tensor::from(random_values(n, 7));
+  Tensor p_device = p_host.to(Device::kCuda);
+  for (int step = 0; step < 3; ++step) {
+    const Tensor g_host = Tensor::from(random_values(n, 8 + step));
+    const Tensor g_device = g_host.to(Device::kCuda);
+    host.begin_step();
+    device.begin_step();
+    host.update(kOffset, p_host.view(), g_host.view());
+    device.update(kOffset, p_device.view(), g_device.view());
+    EXPECT_TRUE(bitwise_equal(p_host, p_device)) << what << ", step " << step + 1;
+  }
+  const auto host_state = host.state();
+  const auto device_state = device.state();
+  ASSERT_EQ(host_state.size(), device_state.size());
+  for (std::size_t i = 0; i < host_state.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(*host_state[i].tensor, *device_state[i].tensor))
+        << what << ", " << host_state[i].name;
+}
+
+TEST(GpuOptimizers, SgdAndAdamWUpdatesEqualTheHostBitwise) {
+  for (const SgdOptions options :
+       {SgdOptions{.lr = 0.1f}, SgdOptions{.lr = 0.1f, .weight_decay = 0.01f},
+        SgdOptions{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f}}) {
+    Sgd host(kN, options);
+    Sgd device(kN, options, Device::kCuda);
+    expect_same_updates(host, device, "sgd");
+  }
+  AdamW host(kN, {.lr = 1e-3f});
+  AdamW device(kN, {.lr = 1e-3f}, Device::kCuda);
+  EXPECT_EQ(device.device(), Device::kCuda);
+  expect_same_updates(host, device, "adamw");
 }
 
 TEST(GpuTensorOps, OperandsOnTwoDevicesAreRefused) {

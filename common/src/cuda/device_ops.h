@@ -53,4 +53,20 @@ double sum_of_squares(const float* x, std::size_t n);
 /// True when every x[i] is finite.
 bool all_finite(const float* x, std::size_t n);
 
+/// SGD on n elements, the arithmetic of Sgd::update (dp/optimizer.h); `buffer` is the
+/// momentum buffer at the same offset, nullptr without momentum.
+void sgd_update(float* params, const float* grads, float* buffer, std::size_t n, float lr,
+                float momentum, float weight_decay);
+
+/// The per-step constants of AdamW (AdamW::update computes them on the host).
+struct AdamWStep {
+  float beta1, beta2, eps;  ///< the settings
+  float step_size;          ///< lr / (1 - beta1^t)
+  float sqrt_correction2;   ///< sqrt(1 - beta2^t)
+  float decay;              ///< 1 - lr * weight_decay
+};
+/// AdamW on n elements, the arithmetic of AdamW::update; m and v at the same offset.
+void adamw_update(float* params, const float* grads, float* m, float* v, std::size_t n,
+                  const AdamWStep& step);
+
 }  // namespace dp::cuda

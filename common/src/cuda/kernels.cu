@@ -1,7 +1,8 @@
-// The kernels of the element-wise operations of dp/tensor_ops.h on a CUDA device.
+// The kernels of the element-wise operations of dp/tensor_ops.h and of the optimizers'
+// updates (dp/optimizer.h) on a CUDA device.
 //
-// Element-wise kernels give bitwise the host's results: each element is computed by one
-// thread with the same IEEE operations, and the intrinsics __fmul_rn, __fadd_rn and
+// Element-wise kernels (the optimizers' too) give bitwise the host's results: each element is
+// computed by one thread with the same IEEE operations, and the intrinsics __fmul_rn, __fadd_rn and
 // __fdiv_rn round each one on its own. Without them nvcc would contract a product and a
 // sum into one fused multiply-add (rounded once), and axpy would differ from the host in
 // the last bit.
@@ -82,6 +83,42 @@ __global__ void non_finite_kernel(const float* x, std::size_t n, int* found) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     if (!isfinite(x[i])) *found = 1;
+}
+
+// --- Optimizers: the loops of common/src/optimizer.cpp, one element per thread ----------
+
+__global__ void sgd_kernel(float* p, const float* grad, float* buffer, std::size_t n, float lr,
+                           float momentum, float weight_decay) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float g =
+        weight_decay != 0.0f ? __fadd_rn(grad[i], __fmul_rn(weight_decay, p[i])) : grad[i];
+    if (buffer == nullptr) {
+      p[i] = __fsub_rn(p[i], __fmul_rn(lr, g));
+    } else {
+      buffer[i] = __fadd_rn(__fmul_rn(momentum, buffer[i]), g);
+      p[i] = __fsub_rn(p[i], __fmul_rn(lr, buffer[i]));
+    }
+  }
+}
+
+__global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, std::size_t n,
+                             AdamWStep step) {
+  const float one_minus_beta1 = 1.0f - step.beta1;  // as the host loop computes them
+  const float one_minus_beta2 = 1.0f - step.beta2;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float g = grad[i];
+    const float decayed = __fmul_rn(p[i], step.decay);
+    const float m_i = __fadd_rn(__fmul_rn(step.beta1, m[i]), __fmul_rn(one_minus_beta1, g));
+    const float v_i =
+        __fadd_rn(__fmul_rn(step.beta2, v[i]), __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
+    m[i] = m_i;
+    v[i] = v_i;
+    const float denominator =
+        __fadd_rn(__fdiv_rn(__fsqrt_rn(v_i), step.sqrt_correction2), step.eps);
+    p[i] = __fsub_rn(decayed, __fdiv_rn(__fmul_rn(step.step_size, m_i), denominator));
+  }
 }
 
 // --- Reductions ---------------------------------------------------------------------------
@@ -181,6 +218,22 @@ double dot(const float* x, const float* y, std::size_t n) {
 
 double sum_of_squares(const float* x, std::size_t n) {
   return reduce_products(x, nullptr, n);
+}
+
+void sgd_update(float* params, const float* grads, float* buffer, std::size_t n, float lr,
+                float momentum, float weight_decay) {
+  if (n == 0) return;
+  sgd_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(
+      params, grads, buffer, n, lr, momentum, weight_decay);
+  check_launch("sgd update");
+}
+
+void adamw_update(float* params, const float* grads, float* m, float* v, std::size_t n,
+                  const AdamWStep& step) {
+  if (n == 0) return;
+  adamw_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(params, grads, m, v, n,
+                                                                             step);
+  check_launch("adamw update");
 }
 
 bool all_finite(const float* x, std::size_t n) {

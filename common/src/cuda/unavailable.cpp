@@ -61,4 +61,13 @@ bool all_finite(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("all_finite");
 }
 
+void sgd_update(float* /*params*/, const float* /*grads*/, float* /*buffer*/, std::size_t /*n*/,
+                float /*lr*/, float /*momentum*/, float /*weight_decay*/) {
+  no_cuda("sgd update");
+}
+void adamw_update(float* /*params*/, const float* /*grads*/, float* /*m*/, float* /*v*/,
+                  std::size_t /*n*/, const AdamWStep& /*step*/) {
+  no_cuda("adamw update");
+}
+
 }  // namespace dp::cuda
