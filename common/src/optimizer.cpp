@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "cuda/device_ops.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/model.h"
@@ -22,7 +23,7 @@ void Optimizer::step(Model& model) {
     begin_step();
     for (Parameter* parameter : model.parameters()) {
       if (parameter->frozen) continue;
-      update(parameter->offset, parameter->value.span(), parameter->grad.span());
+      update(parameter->offset, parameter->value.view(), parameter->grad.view());
     }
   });
 }
@@ -47,21 +48,41 @@ void Optimizer::set_step_count(std::int64_t steps) {
   step_count_ = steps;
 }
 
+void Optimizer::update(std::size_t offset, TensorView params, ConstTensorView grads) {
+  if (params.device() != device_ || grads.device() != device_)
+    throw Error(fmt::format(
+        "{} update of parameters in {} memory with gradients in {} memory: expected both "
+        "where the optimizer's state lives ({} memory)",
+        name(), to_string(params.device()), to_string(grads.device()), to_string(device_)));
+  if (device_ == Device::kHost) return update(offset, params.host_span(), grads.host_span());
+  check_update(offset, params.size(), grads.size());
+  update_on_device(offset, params.data(), grads.data(), params.size());
+}
+
+void Optimizer::update_on_device(std::size_t /*offset*/, float* /*params*/, const float* /*grads*/,
+                                 std::size_t /*n*/) {
+  throw Error(fmt::format("{} has no update for {} memory", name(), to_string(device_)));
+}
+
 void Optimizer::check_update(std::size_t offset, std::span<float> params,
                              std::span<const float> grads) const {
-  if (params.size() != grads.size())
-    throw Error(fmt::format("{} update got {} parameters but {} gradients", name(), params.size(),
-                            grads.size()));
-  if (offset > state_size_ || params.size() > state_size_ - offset)
+  check_update(offset, params.size(), grads.size());
+}
+
+void Optimizer::check_update(std::size_t offset, std::size_t params, std::size_t grads) const {
+  if (params != grads)
+    throw Error(fmt::format("{} update got {} parameters but {} gradients", name(), params, grads));
+  if (offset > state_size_ || params > state_size_ - offset)
     throw Error(fmt::format("{} update of elements [{}, {}) is outside its state of {} elements",
-                            name(), offset, offset + params.size(), state_size_));
+                            name(), offset, offset + params, state_size_));
   if (step_count_ == 0)
     throw Error(fmt::format("{} update before any step: call begin_step() first", name()));
 }
 
 // --- SGD ---------------------------------------------------------------------------------
 
-Sgd::Sgd(std::size_t state_size, SgdOptions options) : Optimizer(state_size), options_(options) {
+Sgd::Sgd(std::size_t state_size, SgdOptions options, Device device)
+    : Optimizer(state_size, device), options_(options) {
   // Finite and in range: an infinite rate or a momentum of 1 or more only makes NaNs.
   if (!(options.lr >= 0.0f && std::isfinite(options.lr)) ||
       !(options.momentum >= 0.0f && options.momentum < 1.0f) ||
@@ -73,7 +94,7 @@ Sgd::Sgd(std::size_t state_size, SgdOptions options) : Optimizer(state_size), op
   // A zero buffer makes the first step buf = 0 * momentum + g = g, exactly as PyTorch.
   if (options.momentum != 0.0f)
     momentum_buffer_ =
-        Tensor({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState);
+        Tensor({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState, device);
 }
 
 void Sgd::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
@@ -100,6 +121,11 @@ void Sgd::update(std::size_t offset, std::span<float> params, std::span<const fl
   }
 }
 
+void Sgd::update_on_device(std::size_t offset, float* params, const float* grads, std::size_t n) {
+  float* buffer = options_.momentum != 0.0f ? momentum_buffer_.view().data() + offset : nullptr;
+  cuda::sgd_update(params, grads, buffer, n, options_.lr, options_.momentum, options_.weight_decay);
+}
+
 std::vector<OptimizerState> Sgd::state() {
   if (momentum_buffer_.empty()) return {};
   return {{"momentum_buffer", &momentum_buffer_}};
@@ -107,11 +133,12 @@ std::vector<OptimizerState> Sgd::state() {
 
 // --- AdamW -------------------------------------------------------------------------------
 
-AdamW::AdamW(std::size_t state_size, AdamWOptions options)
-    : Optimizer(state_size),
+AdamW::AdamW(std::size_t state_size, AdamWOptions options, Device device)
+    : Optimizer(state_size, device),
       options_(options),
-      exp_avg_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState),
-      exp_avg_sq_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState) {
+      exp_avg_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState, device),
+      exp_avg_sq_({static_cast<std::int64_t>(state_size)}, MemoryCategory::kOptimizerState,
+                  device) {
   const bool betas_ok = options.beta1 >= 0.0f && options.beta1 < 1.0f && options.beta2 >= 0.0f &&
                         options.beta2 < 1.0f;
   if (!betas_ok || !(options.eps > 0.0f && std::isfinite(options.eps)) ||
@@ -124,17 +151,35 @@ AdamW::AdamW(std::size_t state_size, AdamWOptions options)
                     options.beta1, options.beta2, options.eps, options.lr, options.weight_decay));
 }
 
-void AdamW::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
-  check_update(offset, params, grads);
+AdamW::StepConstants AdamW::step_constants() const {
   const float lr = options_.lr;
-  const float beta1 = options_.beta1;
-  const float beta2 = options_.beta2;
   const double t = static_cast<double>(step_count());
   // Bias correction, in PyTorch's arrangement: step_size = lr / (1 - beta1^t) and
   // denominator sqrt(v) / sqrt(1 - beta2^t) + eps.
-  const float step_size = static_cast<float>(lr / (1.0 - std::pow(double{beta1}, t)));
-  const float sqrt_correction2 = static_cast<float>(std::sqrt(1.0 - std::pow(double{beta2}, t)));
-  const float decay = 1.0f - lr * options_.weight_decay;  // decoupled from the gradient
+  return {
+      .step_size = static_cast<float>(lr / (1.0 - std::pow(double{options_.beta1}, t))),
+      .sqrt_correction2 = static_cast<float>(std::sqrt(1.0 - std::pow(double{options_.beta2}, t))),
+      .decay = 1.0f - lr * options_.weight_decay,  // decoupled from the gradient
+  };
+}
+
+void AdamW::update_on_device(std::size_t offset, float* params, const float* grads, std::size_t n) {
+  const StepConstants constants = step_constants();
+  cuda::adamw_update(params, grads, exp_avg_.view().data() + offset,
+                     exp_avg_sq_.view().data() + offset, n,
+                     {.beta1 = options_.beta1,
+                      .beta2 = options_.beta2,
+                      .eps = options_.eps,
+                      .step_size = constants.step_size,
+                      .sqrt_correction2 = constants.sqrt_correction2,
+                      .decay = constants.decay});
+}
+
+void AdamW::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
+  check_update(offset, params, grads);
+  const float beta1 = options_.beta1;
+  const float beta2 = options_.beta2;
+  const auto [step_size, sqrt_correction2, decay] = step_constants();
   float* m = exp_avg_.data() + offset;
   float* v = exp_avg_sq_.data() + offset;
   for (std::size_t i = 0; i < params.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <utility>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -21,8 +22,25 @@ void detail::check_range(std::string_view function, std::size_t offset, std::siz
 std::string_view to_string(Device device) {
   switch (device) {
     case Device::kHost: return "host";
+    case Device::kCuda: return "cuda";
   }
   return "unknown";
+}
+
+bool cuda_compiled() {
+  return cuda::compiled();
+}
+
+int cuda_device_count() {
+  return cuda::device_count();
+}
+
+void detail::throw_not_host(std::string_view accessor, Device device) {
+  throw Error(fmt::format(
+      "{} of a tensor in {} memory: expected host memory; the host cannot read device "
+      "memory: use the operations of dp/tensor_ops.h, which work on every device, or copy "
+      "it to the host first (Tensor::to(Device::kHost))",
+      accessor, to_string(device)));
 }
 
 namespace {
@@ -71,35 +89,50 @@ std::string shape_to_string(const std::vector<std::int64_t>& shape) {
   return fmt::format("({})", fmt::join(shape, ", "));
 }
 
-Tensor::Tensor(std::vector<std::int64_t> shape, MemoryCategory category) {
-  allocate(std::move(shape), category);
+Tensor::Tensor(std::vector<std::int64_t> shape, MemoryCategory category, Device device) {
+  allocate(std::move(shape), category, device);
   fill(0.0f);
 }
 
-Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, MemoryCategory category) {
+Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, MemoryCategory category,
+                             Device device) {
   Tensor tensor;
-  tensor.allocate(std::move(shape), category);
+  tensor.allocate(std::move(shape), category, device);
   return tensor;
 }
 
-Tensor Tensor::from(std::span<const float> values, MemoryCategory category) {
-  Tensor tensor = uninitialized({static_cast<std::int64_t>(values.size())}, category);
-  std::copy(values.begin(), values.end(), tensor.data_);
+Tensor Tensor::from(std::span<const float> values, MemoryCategory category, Device device) {
+  Tensor tensor = uninitialized({static_cast<std::int64_t>(values.size())}, category, device);
+  if (device == Device::kHost)
+    std::copy(values.begin(), values.end(), tensor.data_);
+  else
+    cuda::copy_bytes(tensor.data_, values.data(), tensor.bytes());
   return tensor;
 }
 
-void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category) {
+void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, Device device) {
   size_ = element_count(shape);
   shape_ = std::move(shape);
   category_ = category;
+  device_ = device;
   owner_ = this_rank_memory_shared();
   // Charged first: past the rank's memory budget this throws before anything is allocated.
+  // Device bytes go to the same accounts as host bytes: a rank's training state is counted
+  // wherever it lives (on a GPU, the budget is that GPU's memory).
   owner_->tracker().on_allocate(category_, bytes());
   try {
-    data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+    // Device memory comes from CUDA's stream-ordered pool (cuda/runtime.cpp says why),
+    // host memory from the rank's caching allocator.
+    if (device_ == Device::kHost)
+      data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+    else
+      data_ = static_cast<float*>(cuda::allocate(bytes()));
   } catch (...) {
     owner_->tracker().on_release(category_, bytes());
     owner_.reset();
+    size_ = 0;
+    shape_.clear();
+    device_ = Device::kHost;
     throw;
   }
 }
@@ -107,12 +140,16 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category) 
 void Tensor::release() {
   if (owner_ != nullptr) {
     owner_->tracker().on_release(category_, bytes());
-    owner_->allocator().deallocate(data_, bytes());
+    if (device_ == Device::kHost)
+      owner_->allocator().deallocate(data_, bytes());
+    else
+      cuda::deallocate(data_);
   }
   owner_.reset();
   data_ = nullptr;
   size_ = 0;
   shape_.clear();
+  device_ = Device::kHost;
 }
 
 Tensor::Tensor(Tensor&& other) noexcept
@@ -120,6 +157,7 @@ Tensor::Tensor(Tensor&& other) noexcept
       size_(std::exchange(other.size_, 0)),
       data_(std::exchange(other.data_, nullptr)),
       category_(other.category_),
+      device_(std::exchange(other.device_, Device::kHost)),
       owner_(std::move(other.owner_)) {
   other.shape_.clear();
 }
@@ -132,6 +170,7 @@ Tensor& Tensor::operator=(Tensor&& other) noexcept {
     size_ = std::exchange(other.size_, 0);
     data_ = std::exchange(other.data_, nullptr);
     category_ = other.category_;
+    device_ = std::exchange(other.device_, Device::kHost);
     owner_ = std::move(other.owner_);
   }
   return *this;
@@ -146,8 +185,22 @@ Tensor Tensor::clone() const {
 }
 
 Tensor Tensor::clone(MemoryCategory category) const {
-  Tensor copy = uninitialized(shape_, category);
-  if (size_ > 0) std::memcpy(copy.data_, data_, bytes());
+  Tensor copy = uninitialized(shape_, category, device_);
+  if (size_ == 0) return copy;
+  if (device_ == Device::kHost)
+    std::memcpy(copy.data_, data_, bytes());
+  else
+    cuda::copy_bytes(copy.data_, data_, bytes());
+  return copy;
+}
+
+Tensor Tensor::to(Device device) const {
+  Tensor copy = uninitialized(shape_, category_, device);
+  if (size_ == 0) return copy;
+  if (device_ == Device::kHost && device == Device::kHost)
+    std::memcpy(copy.data_, data_, bytes());
+  else
+    cuda::copy_bytes(copy.data_, data_, bytes());
   return copy;
 }
 
@@ -158,7 +211,10 @@ std::int64_t Tensor::dim(std::size_t d) const {
 }
 
 void Tensor::fill(float value) {
-  std::fill(data_, data_ + size_, value);
+  if (device_ == Device::kHost)
+    std::fill(data_, data_ + size_, value);
+  else
+    cuda::fill(data_, size_, value);
 }
 
 void Tensor::reshape(std::vector<std::int64_t> shape) {

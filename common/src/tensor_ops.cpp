@@ -1,12 +1,16 @@
-// The element-wise operations of dp/tensor_ops.h on the host. Each checks its operands,
-// then runs one plain loop as one compute op on the rank's clock: n flops, and the bytes
-// it reads and writes, on the device's roofline.
+// The element-wise operations of dp/tensor_ops.h. Each checks its operands and dispatches
+// on their device: on the host it runs one plain loop (the readable ground truth), on a
+// CUDA device the kernel of cuda/kernels.cu, which gives the same results (bitwise for the
+// element-wise operations, within the bound stated there for dot and norm). Either way it
+// is one compute op on the rank's clock: n flops, and the bytes it reads and writes, on the
+// device's roofline.
 #include "dp/tensor_ops.h"
 
 #include <cmath>
 #include <cstring>
 #include <string_view>
 
+#include "cuda/device_ops.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 
@@ -21,10 +25,15 @@ void check_same_size(std::string_view op, std::size_t first, std::size_t second)
                             first, second));
 }
 
-void check_host(std::string_view op, Device device) {
-  // The GPU backend adds its kernels here; until then only host memory exists.
-  if (device != Device::kHost)
-    throw Error(fmt::format("{}: no implementation for {} memory", op, to_string(device)));
+/// The device both operands live on; throws `dp::Error` when they differ (an operation
+/// never moves data between devices behind the caller's back: that is `copy`'s job).
+Device common_device(std::string_view op, Device first, Device second) {
+  if (first != second)
+    throw Error(
+        fmt::format("{}: the views live in {} and {} memory; expected both on the "
+                    "same device (dp::copy moves elements between devices)",
+                    op, to_string(first), to_string(second)));
+  return first;
 }
 
 /// The cost of one pass over `elements` that reads `reads` and writes `writes` floats
@@ -37,57 +46,61 @@ OpCost pass_cost(std::size_t elements, int reads, int writes) {
 }  // namespace
 
 void fill(TensorView x, float value) {
-  check_host("fill", x.device());
   float* out = x.data();
   timed_compute("fill", "", pass_cost(x.size(), 0, 1), [&] {
+    if (x.device() != Device::kHost) return cuda::fill(out, x.size(), value);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = value;
   });
 }
 
 void copy(ConstTensorView source, TensorView destination) {
   check_same_size("copy", source.size(), destination.size());
-  check_host("copy", source.device());
-  check_host("copy", destination.device());
+  // The one operation that crosses devices: host to device, device to host or within a
+  // device. It returns when a host destination holds the elements.
+  const bool on_host = source.device() == Device::kHost && destination.device() == Device::kHost;
   timed_compute("copy", "", pass_cost(source.size(), 1, 1), [&] {
-    if (source.size() > 0 && source.data() != destination.data())
+    if (source.size() == 0 || source.data() == destination.data()) return;
+    if (on_host)
       std::memcpy(destination.data(), source.data(), source.bytes());
+    else
+      cuda::copy_bytes(destination.data(), source.data(), source.bytes());
   });
 }
 
 void scale(TensorView x, float factor) {
-  check_host("scale", x.device());
   float* out = x.data();
   timed_compute("scale", "", pass_cost(x.size(), 1, 1), [&] {
+    if (x.device() != Device::kHost) return cuda::scale(out, x.size(), factor);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = factor * out[i];
   });
 }
 
 void divide(TensorView x, float divisor) {
-  check_host("divide", x.device());
   float* out = x.data();
   timed_compute("divide", "", pass_cost(x.size(), 1, 1), [&] {
+    if (x.device() != Device::kHost) return cuda::divide(out, x.size(), divisor);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = out[i] / divisor;
   });
 }
 
 void add(ConstTensorView x, TensorView y) {
   check_same_size("add", x.size(), y.size());
-  check_host("add", x.device());
-  check_host("add", y.device());
+  const Device device = common_device("add", x.device(), y.device());
   const float* in = x.data();
   float* out = y.data();
   timed_compute("add", "", pass_cost(x.size(), 2, 1), [&] {
+    if (device != Device::kHost) return cuda::add(in, out, x.size());
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = out[i] + in[i];
   });
 }
 
 void axpy(float alpha, ConstTensorView x, TensorView y) {
   check_same_size("axpy", x.size(), y.size());
-  check_host("axpy", x.device());
-  check_host("axpy", y.device());
+  const Device device = common_device("axpy", x.device(), y.device());
   const float* in = x.data();
   float* out = y.data();
   timed_compute("axpy", "", pass_cost(x.size(), 2, 1), [&] {
+    if (device != Device::kHost) return cuda::axpy(alpha, in, out, x.size());
     for (std::size_t i = 0; i < x.size(); ++i) {
       const float product = alpha * in[i];  // rounded on its own, as the comment promises
       out[i] = out[i] + product;
@@ -97,11 +110,11 @@ void axpy(float alpha, ConstTensorView x, TensorView y) {
 
 double dot(ConstTensorView x, ConstTensorView y) {
   check_same_size("dot", x.size(), y.size());
-  check_host("dot", x.device());
-  check_host("dot", y.device());
+  const Device device = common_device("dot", x.device(), y.device());
   const float* a = x.data();
   const float* b = y.data();
   return timed_compute("dot", "", pass_cost(x.size(), 2, 0), [&] {
+    if (device != Device::kHost) return cuda::dot(a, b, x.size());
     double sum = 0;
     for (std::size_t i = 0; i < x.size(); ++i)
       sum += static_cast<double>(a[i]) * static_cast<double>(b[i]);
@@ -110,9 +123,9 @@ double dot(ConstTensorView x, ConstTensorView y) {
 }
 
 double norm(ConstTensorView x) {
-  check_host("norm", x.device());
   const float* a = x.data();
   return timed_compute("norm", "", pass_cost(x.size(), 1, 0), [&] {
+    if (x.device() != Device::kHost) return std::sqrt(cuda::sum_of_squares(a, x.size()));
     double sum = 0;
     for (std::size_t i = 0; i < x.size(); ++i)
       sum += static_cast<double>(a[i]) * static_cast<double>(a[i]);
@@ -121,9 +134,9 @@ double norm(ConstTensorView x) {
 }
 
 bool all_finite(ConstTensorView x) {
-  check_host("all_finite", x.device());
   const float* a = x.data();
   return timed_compute("all_finite", "", pass_cost(x.size(), 1, 0), [&] {
+    if (x.device() != Device::kHost) return cuda::all_finite(a, x.size());
     for (std::size_t i = 0; i < x.size(); ++i)
       if (!std::isfinite(a[i])) return false;
     return true;

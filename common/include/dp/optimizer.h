@@ -7,7 +7,9 @@
 // non-frozen parameter. A ZeRO rank instead makes an optimizer for its shard only and
 // updates just that slice: the state bytes then shrink by the number of ranks.
 //
-// State tensors are charged under `MemoryCategory::kOptimizerState`.
+// State tensors are charged under `MemoryCategory::kOptimizerState`. They live on the
+// device given at construction (the host by default): an optimizer on a CUDA device updates
+// device views with a kernel whose results equal the host loop's bit for bit.
 //
 // Example:
 //
@@ -16,7 +18,7 @@
 //
 //   dp::Sgd shard_sgd(shard_size, {.lr = 0.1f, .momentum = 0.9f});   // ZeRO-1 style
 //   shard_sgd.begin_step();
-//   shard_sgd.update(0, my_params, my_grads);   // spans of shard_size elements
+//   shard_sgd.update(0, my_params, my_grads);   // spans or views of shard_size elements
 #pragma once
 
 #include <cstddef>
@@ -72,6 +74,10 @@ class Optimizer {
   /// sizes of `params` and `grads` differ, or `begin_step()` was never called.
   virtual void update(std::size_t offset, std::span<float> params,
                       std::span<const float> grads) = 0;
+  /// The same on views, on the device the optimizer's state lives on (`device()`): host
+  /// views go to the update above, device views to the optimizer's kernel. Throws
+  /// `dp::Error` when the views and the state live on different devices.
+  void update(std::size_t offset, TensorView params, ConstTensorView grads);
   /// begin_step(), then update() of every non-frozen parameter of `model` at its
   /// `Parameter::offset`; charged to the thread's clock (dp/clock.h) as one compute op.
   void step(Model& model);
@@ -80,6 +86,8 @@ class Optimizer {
 
   /// Elements of the index space this optimizer keeps state for.
   std::size_t state_size() const { return state_size_; }
+  /// Where the state lives, and the parameters and gradients it updates must.
+  Device device() const { return device_; }
   /// Number of `begin_step()` calls so far.
   std::int64_t step_count() const { return step_count_; }
   /// Sets the step counter, to resume from a checkpoint.
@@ -88,14 +96,22 @@ class Optimizer {
   virtual std::vector<OptimizerState> state() = 0;
 
  protected:
-  /// An optimizer for an index space of `state_size` elements.
-  explicit Optimizer(std::size_t state_size) : state_size_(state_size) {}
+  /// An optimizer for an index space of `state_size` elements, its state on `device`.
+  explicit Optimizer(std::size_t state_size, Device device = Device::kHost)
+      : state_size_(state_size), device_(device) {}
   /// Throws `dp::Error` unless `update(offset, params, grads)` is valid now.
   void check_update(std::size_t offset, std::span<float> params,
                     std::span<const float> grads) const;
+  /// The same on the numbers of parameters and gradients (for device views).
+  void check_update(std::size_t offset, std::size_t params, std::size_t grads) const;
+  /// The update of `n` elements of device memory at `offset` (checked already). The
+  /// default throws: an optimizer without a kernel runs on the host only.
+  virtual void update_on_device(std::size_t offset, float* params, const float* grads,
+                                std::size_t n);
 
  private:
   std::size_t state_size_;
+  Device device_;
   std::int64_t step_count_ = 0;
 };
 
@@ -107,9 +123,10 @@ class Sgd final : public Optimizer {
   /// SGD over `state_size` elements; the momentum buffer exists only when momentum != 0.
   /// Throws `dp::Error` unless lr and weight decay are finite and >= 0 and momentum is in
   /// [0, 1).
-  Sgd(std::size_t state_size, SgdOptions options);
+  Sgd(std::size_t state_size, SgdOptions options, Device device = Device::kHost);
   /// "sgd".
   std::string_view name() const override { return "sgd"; }
+  using Optimizer::update;  // the update on views
   /// See `Optimizer::update`.
   void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
   /// {"momentum_buffer"} with momentum, else empty.
@@ -118,6 +135,11 @@ class Sgd final : public Optimizer {
   OpCost update_cost(std::size_t elements) const override;
   /// The settings.
   const SgdOptions& options() const { return options_; }
+
+ protected:
+  /// The kernel of cuda/kernels.cu, bitwise the host loop.
+  void update_on_device(std::size_t offset, float* params, const float* grads,
+                        std::size_t n) override;
 
  private:
   SgdOptions options_;
@@ -132,9 +154,10 @@ class AdamW final : public Optimizer {
   /// AdamW over `state_size` elements: m and v take 2 * 4 * state_size bytes.
   /// Throws `dp::Error` on settings out of range (betas in [0, 1), finite eps > 0, finite
   /// lr >= 0 and weight decay >= 0).
-  AdamW(std::size_t state_size, AdamWOptions options);
+  AdamW(std::size_t state_size, AdamWOptions options, Device device = Device::kHost);
   /// "adamw".
   std::string_view name() const override { return "adamw"; }
+  using Optimizer::update;  // the update on views
   /// See `Optimizer::update`.
   void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
   /// {"exp_avg", "exp_avg_sq"}.
@@ -144,7 +167,18 @@ class AdamW final : public Optimizer {
   /// The settings.
   const AdamWOptions& options() const { return options_; }
 
+ protected:
+  /// The kernel of cuda/kernels.cu, bitwise the host loop.
+  void update_on_device(std::size_t offset, float* params, const float* grads,
+                        std::size_t n) override;
+
  private:
+  /// The per-step constants of the update, shared by the host loop and the kernel.
+  struct StepConstants {
+    float step_size, sqrt_correction2, decay;
+  };
+  StepConstants step_constants() const;
+
   AdamWOptions options_;
   Tensor exp_avg_;     // (state_size), m
   Tensor exp_avg_sq_;  // (state_size), v

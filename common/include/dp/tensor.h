@@ -2,8 +2,15 @@
 // views of a range of its elements.
 //
 // Tensors are move-only, so every copy of a large array is visible in the code
-// (`clone()`). Memory comes from the rank's caching allocator and is recorded by its
-// `MemoryTracker` under the category given at construction.
+// (`clone()`, `to()`). Memory comes from the rank's caching allocator and is recorded by
+// its `MemoryTracker` under the category given at construction.
+//
+// A tensor lives on the host or, in a build with CUDA, on the calling thread's current CUDA
+// device (`Device::kCuda`). Device bytes are charged to the same per-category accounts as
+// host bytes, so the memory the ZeRO labs are graded on is counted wherever it lives. The
+// host accessors (`data()`, `span()`, `operator[]`, `at()`) throw `dp::Error` for a device
+// tensor: code that must run on both works on views with the operations of dp/tensor_ops.h,
+// and moves data across with `to()` or `dp::copy`.
 //
 // A `TensorView` names elements [offset, offset + count) of a tensor without owning them:
 // a parameter's gradient, or one parameter's place in a flat buffer. The element-wise
@@ -17,6 +24,8 @@
 //   std::span<float> flat = x.span();        // all 2048 elements
 //   dp::Tensor w = dp::Tensor::uninitialized({256, 64}, dp::MemoryCategory::kParameters);
 //   dp::TensorView row1 = x.view(64, 64);    // elements [64, 128): the second row
+//   dp::Tensor g({256, 64}, dp::MemoryCategory::kGradients, dp::Device::kCuda);
+//   dp::Tensor g_host = g.to(dp::Device::kHost);  // a copy the host can read
 #pragma once
 
 #include <cstddef>
@@ -40,14 +49,25 @@ void check_range(std::string_view function, std::size_t offset, std::size_t coun
                  std::size_t size);
 }  // namespace detail
 
-/// Where a tensor's elements live. Only host memory exists so far; CUDA devices come with
-/// the GPU backend, and every operation on views checks the device it is given.
+/// Where a tensor's elements live. Every operation on views checks the devices it is given.
 enum class Device {
   kHost,  ///< the process's own memory
+  kCuda,  ///< the calling thread's current CUDA device (only in a build with CUDA)
 };
 
 /// A short name, e.g. "host".
 std::string_view to_string(Device device);
+
+/// True when this build has CUDA (configured with a CUDA compiler and DP_CUDA on).
+bool cuda_compiled();
+/// Number of CUDA devices this process sees: 0 in a build without CUDA, without a driver
+/// or without a GPU. The GPU tests skip when it is 0.
+int cuda_device_count();
+
+namespace detail {
+/// Throws `dp::Error`: `accessor` reads host memory and the tensor lives on `device`.
+[[noreturn]] void throw_not_host(std::string_view accessor, Device device);
+}  // namespace detail
 
 /// A writable, non-owning view of `size()` contiguous float32 elements on one device.
 ///
@@ -75,10 +95,17 @@ class TensorView {
   TensorView slice(std::size_t offset, std::size_t count) const;
   /// The elements as a host span; throws `dp::Error` for a view of device memory.
   std::span<float> host_span() const;
-  /// The same elements as a communication buffer, for the communicator's calls.
-  operator MutableBuffer() const { return {data_, size_, DataType::kFloat32}; }  // NOLINT
-  /// The same elements as a read-only communication buffer.
-  operator ConstBuffer() const { return {data_, size_, DataType::kFloat32}; }  // NOLINT
+  /// The same elements as a communication buffer, for the communicator's calls. Throws
+  /// `dp::Error` for device memory: no backend takes device buffers yet.
+  operator MutableBuffer() const {  // NOLINT(google-explicit-constructor)
+    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
+    return {data_, size_, DataType::kFloat32};
+  }
+  /// The same elements as a read-only communication buffer (host memory only, as above).
+  operator ConstBuffer() const {  // NOLINT(google-explicit-constructor)
+    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
+    return {data_, size_, DataType::kFloat32};
+  }
 
  private:
   float* data_ = nullptr;
@@ -112,8 +139,12 @@ class ConstTensorView {
   ConstTensorView slice(std::size_t offset, std::size_t count) const;
   /// The elements as a host span; throws `dp::Error` for a view of device memory.
   std::span<const float> host_span() const;
-  /// The same elements as a read-only communication buffer.
-  operator ConstBuffer() const { return {data_, size_, DataType::kFloat32}; }  // NOLINT
+  /// The same elements as a read-only communication buffer. Throws `dp::Error` for device
+  /// memory: no backend takes device buffers yet.
+  operator ConstBuffer() const {  // NOLINT(google-explicit-constructor)
+    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
+    return {data_, size_, DataType::kFloat32};
+  }
 
  private:
   const float* data_ = nullptr;
@@ -126,16 +157,21 @@ class Tensor {
  public:
   /// An empty tensor: no shape, no elements.
   Tensor() = default;
-  /// A zero-filled tensor of `shape`, charged to this thread's rank under `category`.
+  /// A zero-filled tensor of `shape` on `device`, charged to this thread's rank under
+  /// `category`. Throws `dp::Error` for `Device::kCuda` in a build without CUDA or in a
+  /// process that sees no CUDA device.
   explicit Tensor(std::vector<std::int64_t> shape,
-                  MemoryCategory category = MemoryCategory::kActivations);
+                  MemoryCategory category = MemoryCategory::kActivations,
+                  Device device = Device::kHost);
   /// A tensor whose elements are left as the allocator hands them over (for outputs that
   /// are overwritten at once).
   static Tensor uninitialized(std::vector<std::int64_t> shape,
-                              MemoryCategory category = MemoryCategory::kActivations);
-  /// A 1-D tensor holding a copy of `values`.
+                              MemoryCategory category = MemoryCategory::kActivations,
+                              Device device = Device::kHost);
+  /// A 1-D tensor on `device` holding a copy of `values` (host memory).
   static Tensor from(std::span<const float> values,
-                     MemoryCategory category = MemoryCategory::kActivations);
+                     MemoryCategory category = MemoryCategory::kActivations,
+                     Device device = Device::kHost);
 
   /// Takes over `other`'s memory; `other` becomes empty.
   Tensor(Tensor&& other) noexcept;
@@ -149,6 +185,9 @@ class Tensor {
   Tensor clone() const;
   /// A deep copy charged under another category.
   Tensor clone(MemoryCategory category) const;
+  /// A deep copy on `device`, same shape and category: how data crosses between host and
+  /// device (a copy to the device it is already on is a `clone()`).
+  Tensor to(Device device) const;
 
   /// The shape, outermost dimension first.
   const std::vector<std::int64_t>& shape() const { return shape_; }
@@ -166,11 +205,11 @@ class Tensor {
   MemoryCategory category() const { return category_; }
 
   /// Where the elements live.
-  Device device() const { return Device::kHost; }
-  /// A view of every element.
-  TensorView view() { return {data_, size_, device()}; }
-  /// A read-only view of every element.
-  ConstTensorView view() const { return {data_, size_, device()}; }
+  Device device() const { return device_; }
+  /// A view of every element (on the tensor's device).
+  TensorView view() { return {data_, size_, device_}; }
+  /// A read-only view of every element (on the tensor's device).
+  ConstTensorView view() const { return {data_, size_, device_}; }
   /// A view of elements [offset, offset + count) of the flat array; throws `dp::Error`
   /// past the end.
   TensorView view(std::size_t offset, std::size_t count) {
@@ -183,24 +222,51 @@ class Tensor {
     return view().slice(offset, count);
   }
 
-  /// Pointer to the first element.
-  float* data() { return data_; }
-  /// Pointer to the first element (read-only).
-  const float* data() const { return data_; }
-  /// All elements, flat.
-  std::span<float> span() { return {data_, size_}; }
-  /// All elements, flat (read-only).
-  std::span<const float> span() const { return {data_, size_}; }
-  /// Element `i` of the flat array.
-  float& operator[](std::size_t i) { return data_[i]; }
-  /// Element `i` of the flat array (read-only).
-  float operator[](std::size_t i) const { return data_[i]; }
-  /// Element (row, col) of a 2-D tensor.
-  float& at(std::int64_t row, std::int64_t col) { return data_[row * shape_[1] + col]; }
-  /// Element (row, col) of a 2-D tensor (read-only).
-  float at(std::int64_t row, std::int64_t col) const { return data_[row * shape_[1] + col]; }
+  // The host accessors below throw `dp::Error` for a device tensor: dereferencing a device
+  // pointer on the host would crash or read garbage, far from the line at fault.
 
-  /// Sets every element to `value`.
+  /// Pointer to the first element (host tensors only).
+  float* data() {
+    require_host("Tensor::data()");
+    return data_;
+  }
+  /// Pointer to the first element, read-only (host tensors only).
+  const float* data() const {
+    require_host("Tensor::data()");
+    return data_;
+  }
+  /// All elements, flat (host tensors only).
+  std::span<float> span() {
+    require_host("Tensor::span()");
+    return {data_, size_};
+  }
+  /// All elements, flat, read-only (host tensors only).
+  std::span<const float> span() const {
+    require_host("Tensor::span()");
+    return {data_, size_};
+  }
+  /// Element `i` of the flat array (host tensors only).
+  float& operator[](std::size_t i) {
+    require_host("Tensor::operator[]");
+    return data_[i];
+  }
+  /// Element `i` of the flat array, read-only (host tensors only).
+  float operator[](std::size_t i) const {
+    require_host("Tensor::operator[]");
+    return data_[i];
+  }
+  /// Element (row, col) of a 2-D tensor (host tensors only).
+  float& at(std::int64_t row, std::int64_t col) {
+    require_host("Tensor::at()");
+    return data_[row * shape_[1] + col];
+  }
+  /// Element (row, col) of a 2-D tensor, read-only (host tensors only).
+  float at(std::int64_t row, std::int64_t col) const {
+    require_host("Tensor::at()");
+    return data_[row * shape_[1] + col];
+  }
+
+  /// Sets every element to `value` (on the tensor's device).
   void fill(float value);
   /// Changes the shape to one with the same number of elements.
   void reshape(std::vector<std::int64_t> shape);
@@ -208,13 +274,17 @@ class Tensor {
   std::string shape_string() const;
 
  private:
-  void allocate(std::vector<std::int64_t> shape, MemoryCategory category);
+  void allocate(std::vector<std::int64_t> shape, MemoryCategory category, Device device);
   void release();
+  void require_host(std::string_view accessor) const {
+    if (device_ != Device::kHost) detail::throw_not_host(accessor, device_);
+  }
 
   std::vector<std::int64_t> shape_;
   std::size_t size_ = 0;
   float* data_ = nullptr;
   MemoryCategory category_ = MemoryCategory::kActivations;
+  Device device_ = Device::kHost;
   std::shared_ptr<RankMemory> owner_;  // the rank charged for this tensor
 };
 

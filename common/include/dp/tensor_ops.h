@@ -11,6 +11,13 @@
 // as the loop in its comment would: results are reproducible bit for bit. `divide(x, 3)`
 // and `scale(x, 1.0f / 3)` are different operations that can differ in the last bit.
 //
+// The operands of an operation live on one device (`copy` excepted: it moves elements
+// between host and device), else it throws `dp::Error`. On a CUDA device the element-wise
+// operations give bitwise the host's results; `dot` and `norm` add the same exact double
+// products in another order, so they agree with the host within 2 (n - 1) 2^-53
+// sum|x[i] y[i]| (common/src/cuda/kernels.cu derives it), and are reproducible bit for bit
+// from run to run.
+//
 // Example (averaging with a flat buffer):
 //
 //   std::size_t offset = 0;
@@ -29,8 +36,9 @@ namespace dp {
 /// x[i] = value for every i.
 void fill(TensorView x, float value);
 
-/// destination[i] = source[i]. Throws `dp::Error` unless the sizes are equal; the views
-/// must not overlap (unless they are the same elements).
+/// destination[i] = source[i], across devices too (host to device, device to host).
+/// Throws `dp::Error` unless the sizes are equal; the views must not overlap (unless they
+/// are the same elements). Returns when a host destination holds the elements.
 void copy(ConstTensorView source, TensorView destination);
 
 /// x[i] = factor * x[i].
@@ -46,11 +54,13 @@ void add(ConstTensorView x, TensorView y);
 /// unless the sizes are equal.
 void axpy(float alpha, ConstTensorView x, TensorView y);
 
-/// The sum of x[i] * y[i], accumulated in double precision in index order. Throws
-/// `dp::Error` unless the sizes are equal.
+/// The sum of x[i] * y[i], accumulated in double precision in index order (on a device,
+/// in another order: see the top of this file). Throws `dp::Error` unless the sizes are
+/// equal.
 double dot(ConstTensorView x, ConstTensorView y);
 
-/// The Euclidean norm sqrt(sum of x[i]^2), accumulated in double precision in index order.
+/// The Euclidean norm sqrt(sum of x[i]^2), accumulated in double precision in index order
+/// (on a device, in another order: see the top of this file).
 double norm(ConstTensorView x);
 
 /// True when every element is finite (no NaN, no infinity).

@@ -1,0 +1,257 @@
+// The kernels of the element-wise operations of dp/tensor_ops.h and of the optimizers'
+// updates (dp/optimizer.h) on a CUDA device.
+//
+// Element-wise kernels (the optimizers' too) give bitwise the host's results: each element is
+// computed by one thread with the same IEEE operations, and the intrinsics __fmul_rn, __fadd_rn and
+// __fdiv_rn round each one on its own. Without them nvcc would contract a product and a
+// sum into one fused multiply-add (rounded once), and axpy would differ from the host in
+// the last bit.
+//
+// Reductions (dot, norm) cannot visit the elements in index order and stay parallel. Each
+// product of two floats is exact in double (24 + 24 significant bits < 53), so host and
+// device add the same numbers and differ only in the order of the additions: each thread
+// sums a strided subset, a block adds its threads' sums as a tree, and one last block adds
+// the blocks' sums in block order. Each double addition is rounded with a relative error of
+// at most u = 2^-53, so either order lies within (n - 1) u sum|x[i] y[i]| of the exact sum,
+// and the two results within
+//     |device - host| <= 2 (n - 1) u sum|x[i] y[i]|            (dot; for norm, of the square)
+// which the GPU tests check. For the norm the terms are positive: the relative difference is
+// at most (n - 1) u + u for the square root, 1.1e-8 for 10^8 elements, below the spacing
+// of floats (6e-8). The number of blocks depends only on n, so the device result is
+// reproducible bit for bit from run to run and from GPU to GPU.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "cuda/device_ops.h"
+
+namespace dp::cuda {
+namespace {
+
+constexpr int kThreads = 256;       // threads per block
+constexpr int kMaxBlocks = 4096;    // element-wise kernels: a grid-stride loop past this
+constexpr int kReduceBlocks = 512;  // reductions: at most this many partial sums
+
+void check(cudaError_t status, const char* what) {
+  check_status(static_cast<int>(status), what);
+}
+
+/// Throws when the last launch failed (a bad configuration, no device, an earlier fault).
+void check_launch(const char* kernel) {
+  check(cudaGetLastError(), kernel);
+}
+
+int blocks_for(std::size_t n, int cap) {
+  const std::size_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(std::min<std::size_t>(blocks, static_cast<std::size_t>(cap)));
+}
+
+// --- Element-wise kernels: thread i handles elements i, i + stride, ... ------------------
+
+__global__ void fill_kernel(float* x, std::size_t n, float value) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] = value;
+}
+
+__global__ void scale_kernel(float* x, std::size_t n, float factor) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    x[i] = __fmul_rn(factor, x[i]);
+}
+
+__global__ void divide_kernel(float* x, std::size_t n, float divisor) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    x[i] = __fdiv_rn(x[i], divisor);
+}
+
+__global__ void add_kernel(const float* x, float* y, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = __fadd_rn(y[i], x[i]);
+}
+
+__global__ void axpy_kernel(float alpha, const float* x, float* y, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+}
+
+/// Sets *found to 1 when some element is not finite (every writer writes the same value).
+__global__ void non_finite_kernel(const float* x, std::size_t n, int* found) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    if (!isfinite(x[i])) *found = 1;
+}
+
+// --- Optimizers: the loops of common/src/optimizer.cpp, one element per thread ----------
+
+__global__ void sgd_kernel(float* p, const float* grad, float* buffer, std::size_t n, float lr,
+                           float momentum, float weight_decay) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float g =
+        weight_decay != 0.0f ? __fadd_rn(grad[i], __fmul_rn(weight_decay, p[i])) : grad[i];
+    if (buffer == nullptr) {
+      p[i] = __fsub_rn(p[i], __fmul_rn(lr, g));
+    } else {
+      buffer[i] = __fadd_rn(__fmul_rn(momentum, buffer[i]), g);
+      p[i] = __fsub_rn(p[i], __fmul_rn(lr, buffer[i]));
+    }
+  }
+}
+
+__global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, std::size_t n,
+                             AdamWStep step) {
+  const float one_minus_beta1 = 1.0f - step.beta1;  // as the host loop computes them
+  const float one_minus_beta2 = 1.0f - step.beta2;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float g = grad[i];
+    const float decayed = __fmul_rn(p[i], step.decay);
+    const float m_i = __fadd_rn(__fmul_rn(step.beta1, m[i]), __fmul_rn(one_minus_beta1, g));
+    const float v_i =
+        __fadd_rn(__fmul_rn(step.beta2, v[i]), __fmul_rn(__fmul_rn(one_minus_beta2, g), g));
+    m[i] = m_i;
+    v[i] = v_i;
+    const float denominator =
+        __fadd_rn(__fdiv_rn(__fsqrt_rn(v_i), step.sqrt_correction2), step.eps);
+    p[i] = __fsub_rn(decayed, __fdiv_rn(__fmul_rn(step.step_size, m_i), denominator));
+  }
+}
+
+// --- Reductions ---------------------------------------------------------------------------
+
+/// Adds the kThreads values of `shared` as a tree in a fixed order; thread 0 gets the sum.
+__device__ double block_sum(double* shared) {
+  for (int width = kThreads / 2; width > 0; width /= 2) {
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < width)
+      shared[threadIdx.x] = __dadd_rn(shared[threadIdx.x], shared[threadIdx.x + width]);
+  }
+  return shared[0];
+}
+
+/// partial[block] = sum over the block's elements of x[i] * y[i] (y == nullptr: x[i]^2).
+__global__ void dot_partial_kernel(const float* x, const float* y, std::size_t n, double* partial) {
+  __shared__ double shared[kThreads];
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  double sum = 0.0;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const double a = x[i];
+    const double b = y != nullptr ? static_cast<double>(y[i]) : a;
+    sum = __dadd_rn(sum, __dmul_rn(a, b));  // the product is exact: see the file comment
+  }
+  shared[threadIdx.x] = sum;
+  const double total = block_sum(shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+/// *result = the sum of partial[0 .. count), by one block.
+__global__ void sum_partials_kernel(const double* partial, int count, double* result) {
+  __shared__ double shared[kThreads];
+  double sum = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += kThreads)
+    sum = __dadd_rn(sum, partial[i]);
+  shared[threadIdx.x] = sum;
+  const double total = block_sum(shared);
+  if (threadIdx.x == 0) *result = total;
+}
+
+double reduce_products(const float* x, const float* y, std::size_t n) {
+  if (n == 0) return 0.0;
+  const int blocks = blocks_for(n, kReduceBlocks);
+  // The partial sums live in a small scratch block from the stream-ordered pool (a few
+  // KiB, not charged to a memory category: like the host's loop variables).
+  double* scratch = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), (blocks + 1) * sizeof(double),
+                        cudaStreamLegacy),
+        "cudaMallocAsync (reduction scratch)");
+  double result = 0.0;
+  cudaError_t status = cudaSuccess;
+  dot_partial_kernel<<<blocks, kThreads, 0, cudaStreamLegacy>>>(x, y, n, scratch);
+  sum_partials_kernel<<<1, kThreads, 0, cudaStreamLegacy>>>(scratch, blocks, scratch + blocks);
+  status = cudaGetLastError();
+  if (status == cudaSuccess)
+    status = cudaMemcpy(&result, scratch + blocks, sizeof(double), cudaMemcpyDeviceToHost);
+  (void)cudaFreeAsync(scratch, cudaStreamLegacy);
+  check(status, "reduction (dot, norm)");
+  return result;
+}
+
+}  // namespace
+
+void fill(float* x, std::size_t n, float value) {
+  if (n == 0) return;
+  fill_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, value);
+  check_launch("fill");
+}
+
+void scale(float* x, std::size_t n, float factor) {
+  if (n == 0) return;
+  scale_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, factor);
+  check_launch("scale");
+}
+
+void divide(float* x, std::size_t n, float divisor) {
+  if (n == 0) return;
+  divide_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, divisor);
+  check_launch("divide");
+}
+
+void add(const float* x, float* y, std::size_t n) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, y, n);
+  check_launch("add");
+}
+
+void axpy(float alpha, const float* x, float* y, std::size_t n) {
+  if (n == 0) return;
+  axpy_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(alpha, x, y, n);
+  check_launch("axpy");
+}
+
+double dot(const float* x, const float* y, std::size_t n) {
+  return reduce_products(x, y, n);
+}
+
+double sum_of_squares(const float* x, std::size_t n) {
+  return reduce_products(x, nullptr, n);
+}
+
+void sgd_update(float* params, const float* grads, float* buffer, std::size_t n, float lr,
+                float momentum, float weight_decay) {
+  if (n == 0) return;
+  sgd_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(
+      params, grads, buffer, n, lr, momentum, weight_decay);
+  check_launch("sgd update");
+}
+
+void adamw_update(float* params, const float* grads, float* m, float* v, std::size_t n,
+                  const AdamWStep& step) {
+  if (n == 0) return;
+  adamw_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(params, grads, m, v, n,
+                                                                             step);
+  check_launch("adamw update");
+}
+
+bool all_finite(const float* x, std::size_t n) {
+  if (n == 0) return true;
+  int* found = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&found), sizeof(int), cudaStreamLegacy),
+        "cudaMallocAsync (all_finite flag)");
+  int host_found = 0;
+  cudaError_t status = cudaMemsetAsync(found, 0, sizeof(int), cudaStreamLegacy);
+  if (status == cudaSuccess) {
+    non_finite_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, found);
+    status = cudaGetLastError();
+  }
+  if (status == cudaSuccess)
+    status = cudaMemcpy(&host_found, found, sizeof(int), cudaMemcpyDeviceToHost);
+  (void)cudaFreeAsync(found, cudaStreamLegacy);
+  check(status, "all_finite");
+  return host_found == 0;
+}
+
+}  // namespace dp::cuda
