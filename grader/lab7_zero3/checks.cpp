@@ -1036,7 +1036,7 @@ struct CallLog {
   };
   Phase phase = kStep;
   std::size_t window = kNone;
-  bool window_computed = false;    ///< the grader's post-hook of the window unit has fired
+  bool window_computed = false;  ///< the grader's post-hook of the window unit has fired
   /// The window unit's layer has made a gradient in this backward (the grader's
   /// gradient-ready hook, which fires before the student's, has seen one).
   bool window_gradients_made = false;
