@@ -758,9 +758,10 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
                 comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
                 units.size(),
                 comm_peak < buffers   ? ": fewer buffers than the contract's three"
-                : comm_peak > buffers ? ": more buffers than the contract's three (one gather "
-                                        "buffer is enough: copy the unit out before the "
-                                        "prefetch)"
+                : comm_peak > buffers ? ": more than the contract's three buffers (one gather "
+                                        "buffer is enough if the unit is copied out before the "
+                                        "prefetch; a buffer allocated again in every backward "
+                                        "adds up too)"
                                       : ""));
           else
             verdict.note(fmt::format(
@@ -1328,13 +1329,19 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
     const CallLog::Call& c = *scatters[k];
     const RecordedCall want{CommOp::kReduceScatter, n * units[u].chunk_elements,
                             units[u].chunk_elements, ReduceOp::kSum};
-    if (c.call != want || c.window != u)
+    if (c.window != u)
       return fmt::format(
           "backward's reduce-scatter {} is {} launched in unit {}'s hooks; "
           "expected unit {}'s {} launched in its own backward",
           k, grading::describe(c.call),
           c.window == kNone ? std::string("no") : fmt::format("{}", c.window), u,
           grading::describe(want));
+    if (c.call != want)
+      return fmt::format("unit {}'s reduce-scatter is {}; expected {}{}", u,
+                         grading::describe(c.call), grading::describe(want),
+                         c.call.reduce != want.reduce
+                             ? " (the contract's sum, then one division by N in step())"
+                             : "");
     if (c.out != shard_grad + units[u].shard_offset)
       return fmt::format(
           "unit {}'s reduce-scatter writes elsewhere than shard_gradients() at its "

@@ -102,8 +102,10 @@ std::string scale_hint(std::span<const float> seen_change, std::span<const float
   if (cosine < 0.999) return "";
   const double ratio = seen_dot_expected / expected_norm2;
   if (std::abs(ratio - 1.0) < 1e-3)
-    return "it is the expected change to within 0.1% (the same arithmetic in another form or "
-           "order? x * (1/N) instead of x / N, or another order of the sum)";
+    return "it is the expected change to within 0.1%: the same arithmetic in another form or "
+           "order (x * (1/N) instead of x / N, another order of the sum, a constant changed), "
+           "or, with AdamW, gradients off by a factor (its update hardly depends on their "
+           "scale: a division before the last wait, or none, looks like this)";
   for (const Suspect& suspect : suspects)
     if (std::abs(ratio / suspect.factor - 1.0) < 0.01)
       return fmt::format("it is {:.2f}x the expected change ({}?)", ratio, suspect.diagnosis);
