@@ -149,10 +149,10 @@ std::string type_name(const std::exception& error) {
 }
 
 bool run_on_ranks(int world_size, const RankCheck& check, const Draws& draws,
-                  std::chrono::milliseconds hang_timeout) {
+                  std::chrono::milliseconds hang_timeout, Backend backend) {
   LaunchOptions options;
   options.world_size = world_size;
-  options.backend = check_backend();
+  options.backend = backend;
   options.comm.hang_timeout = hang_timeout;
   options.comm.completion = Completion::kAdversarial;
   options.comm.completion_seed = draws.completion_seed() + static_cast<std::uint64_t>(world_size);

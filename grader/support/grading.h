@@ -146,9 +146,11 @@ using RankCheck = std::function<void(Communicator& comm, Verdict& verdict)>;
 /// mismatched collective), with its type demangled. Rank 0's notes go to `note_measured`.
 /// A rank blocked for `hang_timeout` ends the check with the runtime's hang report instead
 /// of the grader's time limit. Returns true when every rank passed. Under mpi only this
-/// process's rank is reported here.
+/// process's rank is reported here. `backend` overrides the check backend: a check whose
+/// lesson needs several ranks runs them as local threads in a one-process mpi job.
 bool run_on_ranks(int world_size, const RankCheck& check, const Draws& draws,
-                  std::chrono::milliseconds hang_timeout = std::chrono::seconds(30));
+                  std::chrono::milliseconds hang_timeout = std::chrono::seconds(30),
+                  Backend backend = check_backend());
 
 /// The bytes this rank sends when it all-reduces buffers of `element_counts` float32
 /// elements, one call each, on `comm`: measured by doing exactly that on scratch buffers
