@@ -2,6 +2,7 @@
 #include "mpirun.h"
 
 #include <fmt/format.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -12,6 +13,15 @@
 namespace dp::cli {
 namespace {
 
+/// The cores this process may run on (its affinity mask: a container's share, not the host's).
+int cores_of_this_machine() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0)
+    return static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  return CPU_COUNT(&set);
+}
+
 /// Options for the whole job: they come before the first program.
 std::vector<std::string> job_options(const MpirunOptions& options) {
   std::vector<std::string> argv = {options.mpirun};
@@ -21,6 +31,13 @@ std::vector<std::string> job_options(const MpirunOptions& options) {
   // Containers forbid the ptrace-based single-copy transfers of the vader shared-memory
   // transport; without this Open MPI prints an error for every large message.
   for (const char* arg : {"--mca", "btl_vader_single_copy_mechanism", "none"}) argv.push_back(arg);
+  // Open MPI polls for messages while a rank waits. With more ranks than cores a polling rank
+  // takes the core the rank it waits for needs: 8 ranks on 2 cores trained 10 times slower
+  // (1 000 against 10 000 samples/s, measured). Yielding the core when idle costs a system
+  // call per poll, nothing when cores are free. Open MPI turns it on itself only when it sees
+  // more ranks than slots, which a host file with many slots hides.
+  if (options.ranks > cores_of_this_machine())
+    for (const char* arg : {"--mca", "mpi_yield_when_idle", "1"}) argv.push_back(arg);
   if (!options.hostfile.empty()) {
     argv.push_back("--hostfile");
     argv.push_back(options.hostfile);

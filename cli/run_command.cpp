@@ -8,7 +8,8 @@
 //          -n 4 -x MALLOC_MMAP_MAX_=0 -x MALLOC_TRIM_THRESHOLD_=1073741824
 //          /path/to/dplab train --steps 50 --backend mpi
 //
-// with --allow-run-as-root added when run as root (containers); mpirun.h builds it, the
+// with --allow-run-as-root added when run as root (containers) and --mca mpi_yield_when_idle 1
+// when the ranks outnumber this machine's cores; mpirun.h builds it, the
 // same way for `dplab grade`. --hostfile passes a host file to mpirun for several machines.
 #include <fmt/format.h>
 #include <unistd.h>

@@ -50,6 +50,13 @@ grep -Eq '^ +4096 .* 0\.255$' <<<"$table" ||
 grep -Eq '^ +16777216 .* 47\.724$' <<<"$table" ||
   fail "expected busbw 47.724 GB/s at 16 MiB:"$'\n'"$table"
 
+# The simulated default is one iteration, because every iteration takes the same virtual
+# time: the table equals that of the wall clock's default, 5 iterations after a warm-up.
+one="$("$dplab" bench-comm -n 4 --net ib-ndr --max-bytes 4M | grep -v '^#')"
+five="$("$dplab" bench-comm -n 4 --net ib-ndr --max-bytes 4M --iters 5 --warmup 1 | grep -v '^#')"
+[[ "$one" == "$five" ]] ||
+  fail "one simulated iteration should time as five:"$'\n'"$one"$'\n'"against"$'\n'"$five"
+
 # 2. --csv: stdout holds a header and rows only; the notes go to stderr. The handout's awk
 #    program fits the rows to the fabric's alpha (30 us) and beta (0.8 ns/B).
 "$dplab" bench-comm -n 2 --op sendrecv --net 10gbe --max-bytes 16M --csv >"$scratch/t.csv" \
