@@ -427,6 +427,31 @@ TEST(ShardedCheckpointErrors, ACorruptOrForeignIndex) {
                {"\"world_size\" is 3 but \"shards\" describes 2 shards"});
 }
 
+// The fuzz target's seed corpus (tests/fuzz/corpus/checkpoint_index): the valid index loads
+// as the plan it states, and each near miss is refused with its reason. A seed that stopped
+// meaning what its name says would make the fuzzer start from the wrong place.
+TEST(ShardedCheckpointErrors, TheFuzzSeedsLoadOrFailForTheirReason) {
+  const fs::path corpus = fs::path(DP_FUZZ_CORPUS_DIR) / "checkpoint_index";
+  const auto load = [&](const std::string& seed) {
+    const fs::path dir = test_directory();
+    fs::copy_file(corpus / seed, dir / "index.json");
+    for (int rank = 0; rank < 2; ++rank)
+      dp::write_file_atomically(dir / dp::shard_file_name(rank, 2), "");
+    return dp::load_checkpoint_index(dir);
+  };
+  const dp::ShardedCheckpointPlan plan = load("two_ranks_padded.json");
+  ASSERT_EQ(plan.layouts.size(), 2u);
+  EXPECT_EQ(plan.layouts[1].shard_elements, 5u);  // 4 elements and 1 of padding
+  EXPECT_EQ(plan.metadata.at("step"), "3");
+  expect_error([&] { load("overlap.json"); }, {"'fc.weight' elements [4, 5) are saved twice"});
+  expect_error([&] { load("uncovered.json"); }, {"'fc.bias' elements [0, 3) are in no rank"});
+  expect_error([&] { load("huge_shape.json"); }, {"more elements than memory can hold"});
+  expect_error([&] { load("world_size_mismatch.json"); },
+               {"\"world_size\" is 3 but \"shards\" describes 2 shards"});
+  expect_error([&] { load("count_overflow.json"); },
+               {"\"count\": 18446744073709551615, expected at most 9223372036854775807"});
+}
+
 // --- safe writes --------------------------------------------------------------------------
 
 TEST(ShardedCheckpointFiles, WritesOnlyRegularFilesAndLeavesNoTemporaryFile) {

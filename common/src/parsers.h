@@ -1,8 +1,8 @@
 // parsers.h (private to library dp): the file parsers behind the loaders, on data in memory.
 //
-// `load_safetensors`, `load_csv` and `load_idx` open their files and hand the contents to
-// these functions; the fuzz targets (tests/fuzz/) hand them arbitrary bytes. `file` is only
-// the name that error messages show.
+// `load_safetensors`, `load_csv`, `load_idx` and `load_checkpoint_index` open their files
+// and hand the contents to these functions; the fuzz targets (tests/fuzz/) hand them
+// arbitrary bytes. `file` is only the name that error messages show.
 //
 // Example:
 //
@@ -16,6 +16,7 @@
 
 #include "dp/checkpoint.h"
 #include "dp/data.h"
+#include "dp/sharded_checkpoint.h"
 
 namespace dp::detail {
 
@@ -31,5 +32,9 @@ Dataset parse_csv(std::istream& in, const std::string& file, float feature_scale
 /// The IDX image and label files `image_bytes` and `label_bytes` (see `load_idx`).
 Dataset parse_idx(std::string_view image_bytes, std::string_view label_bytes,
                   const std::string& image_file, const std::string& label_file);
+
+/// The plan that a sharded checkpoint's index.json holds: `text` parsed, every field
+/// checked and the plan validated (`validate_plan`); errors name `file`.
+ShardedCheckpointPlan parse_checkpoint_index(std::string_view text, const std::string& file);
 
 }  // namespace dp::detail

@@ -15,6 +15,7 @@
 #include "data/file_io.h"
 #include "dp/error.h"
 #include "dp/output_file.h"
+#include "parsers.h"
 
 namespace dp {
 namespace {
@@ -68,12 +69,17 @@ const nlohmann::json& field(const nlohmann::json& value, const char* key,
   return *it;
 }
 
+/// The whole number `key` of `value`. Numbers are capped at half of size_t's range so that
+/// sums of two offsets and counts, as the checks form them, cannot wrap around.
 std::size_t unsigned_field(const nlohmann::json& value, const char* key, const std::string& where) {
+  constexpr std::size_t kLargest = std::numeric_limits<std::size_t>::max() / 2;
   const nlohmann::json& number = field(value, key, where);
-  if (!number.is_number_unsigned() ||
-      number.get<std::uint64_t>() > std::numeric_limits<std::size_t>::max() / 2)
+  if (!number.is_number_unsigned())
     throw Error(
         fmt::format("{} has \"{}\": {}, expected a whole number >= 0", where, key, number.dump()));
+  if (number.get<std::uint64_t>() > kLargest)
+    throw Error(
+        fmt::format("{} has \"{}\": {}, expected at most {}", where, key, number.dump(), kLargest));
   return number.get<std::size_t>();
 }
 
@@ -505,6 +511,17 @@ void save_checkpoint_shard(const fs::path& directory, const ShardedCheckpointPla
   if (rank == 0) write_file_atomically(directory / kIndexFile, index);
 }
 
+ShardedCheckpointPlan detail::parse_checkpoint_index(std::string_view text,
+                                                     const std::string& file) {
+  ShardedCheckpointPlan plan = plan_from_index(parse_json(text, file), file);
+  try {
+    validate_plan(plan);
+  } catch (const Error& error) {
+    throw Error(fmt::format("{}: {}", file, error.what()));
+  }
+  return plan;
+}
+
 ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
   const fs::path path = directory / kIndexFile;
   const std::string file = "sharded checkpoint index '" + path.string() + "'";
@@ -514,13 +531,8 @@ ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
         fmt::format("'{}' is not a sharded checkpoint: it has no {} (expected the "
                     "directory that save_checkpoint_shard wrote)",
                     directory.string(), kIndexFile));
-  ShardedCheckpointPlan plan = plan_from_index(
-      parse_json(detail::read_whole_file(path, "sharded checkpoint index"), file), file);
-  try {
-    validate_plan(plan);
-  } catch (const Error& error) {
-    throw Error(fmt::format("{}: {}", file, error.what()));
-  }
+  ShardedCheckpointPlan plan = detail::parse_checkpoint_index(
+      detail::read_whole_file(path, "sharded checkpoint index"), file);
   const int world_size = static_cast<int>(plan.layouts.size());
   for (int rank = 0; rank < world_size; ++rank) {
     const fs::path shard = directory / shard_file_name(rank, world_size);
