@@ -125,14 +125,14 @@ std::string compare_values(std::span<const float> seen, std::span<const float> e
 
 /// What the check expects, computed once in the grader's own process.
 struct Expected {
-  int saved_after = 0;                                   ///< k
-  std::vector<CheckpointParameter> parameters;           ///< the model's, in order
-  Offsets offsets;                                       ///< flat offsets by name
-  std::vector<std::vector<std::size_t>> segments;        ///< the lab's
-  std::map<std::string, std::vector<float>> state;       ///< after k steps, flat
-  std::map<int, Trajectory> resumed;                     ///< by load world size M
-  std::map<int, std::vector<ShardLayout>> layouts;       ///< by world size
-  std::vector<float> parameters_at_save() const {        ///< after k steps
+  int saved_after = 0;                              ///< k
+  std::vector<CheckpointParameter> parameters;      ///< the model's, in order
+  Offsets offsets;                                  ///< flat offsets by name
+  std::vector<std::vector<std::size_t>> segments;   ///< the lab's
+  std::map<std::string, std::vector<float>> state;  ///< after k steps, flat
+  std::map<int, Trajectory> resumed;                ///< by load world size M
+  std::map<int, std::vector<ShardLayout>> layouts;  ///< by world size
+  std::vector<float> parameters_at_save() const {   ///< after k steps
     return resumed.begin()->second.parameters_after_step[static_cast<std::size_t>(saved_after - 1)];
   }
 };
@@ -169,26 +169,28 @@ std::string read_back(const std::filesystem::path& directory, const Expected& ex
   const auto step = plan.metadata.find("step");
   const std::string k = std::to_string(expected.saved_after);
   if (step == plan.metadata.end() || step->second != k)
-    return fmt::format("index.json's metadata \"step\" is {}; expected the inner optimizer's "
-                       "step count, {}",
-                       step == plan.metadata.end() ? "missing" : '"' + step->second + '"', k);
+    return fmt::format(
+        "index.json's metadata \"step\" is {}; expected the inner optimizer's "
+        "step count, {}",
+        step == plan.metadata.end() ? "missing" : '"' + step->second + '"', k);
   std::vector<std::string> names = {kShardParameters};
   for (const auto& [name, values] : expected.state) names.push_back(name);
   std::vector<std::string> seen_names = plan.tensors;
   std::sort(names.begin(), names.end());
   std::sort(seen_names.begin(), seen_names.end());
   if (seen_names != names)
-    return fmt::format("the checkpoint holds the tensors [{}]; expected [{}] (the parameters and "
-                       "every state tensor of the inner optimizer, by its name)",
-                       fmt::join(seen_names, ", "), fmt::join(names, ", "));
+    return fmt::format(
+        "the checkpoint holds the tensors [{}]; expected [{}] (the parameters and "
+        "every state tensor of the inner optimizer, by its name)",
+        fmt::join(seen_names, ", "), fmt::join(names, ", "));
   const Checkpoint full = consolidated_checkpoint(directory);
   const std::vector<float> at_save = expected.parameters_at_save();
   for (const CheckpointParameter& parameter : expected.parameters) {
     const std::size_t offset = expected.offsets.at(parameter.name);
     const std::string finding =
         compare_values(full.tensors.at(parameter.name).span(),
-                       std::span(at_save).subspan(offset, parameter.size()),
-                       {{parameter.name, 0}}, "the consolidated parameters");
+                       std::span(at_save).subspan(offset, parameter.size()), {{parameter.name, 0}},
+                       "the consolidated parameters");
     if (!finding.empty())
       return fmt::format("{} (the emulation's after step {}, bitwise)", finding, k);
   }
@@ -214,8 +216,8 @@ void save_foreign_checkpoint(const std::filesystem::path& directory,
   plan.metadata = {{"step", "1"}};
   std::vector<Tensor> values;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i)
-    values.emplace_back(std::vector<std::int64_t>{
-        static_cast<std::int64_t>(plan.layouts.front().shard_elements)});
+    values.emplace_back(
+        std::vector<std::int64_t>{static_cast<std::int64_t>(plan.layouts.front().shard_elements)});
   std::vector<NamedTensor> named;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i)
     named.push_back({plan.tensors[i], &values[i]});
@@ -247,11 +249,10 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
     how.after_step = [&](int step, Optimizer& optimizer) {
       if (step != k - 1) return;
       for (const OptimizerState& state : optimizer.state())
-        expected.state[state.name].assign(state.tensor->span().begin(),
-                                          state.tensor->span().end());
+        expected.state[state.name].assign(state.tensor->span().begin(), state.tensor->span().end());
     };
-    expected.resumed[world] = emulate_data_parallel(training.for_world(kSavedWorld),
-                                                    *training.data, kSavedWorld, how);
+    expected.resumed[world] =
+        emulate_data_parallel(training.for_world(kSavedWorld), *training.data, kSavedWorld, how);
   }
 
   // 1. k steps on 4 ranks, then the save: on the job's ranks under a 4-process mpi job.
@@ -264,16 +265,16 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
     Model model = training.model();
     const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
     for (int step = 0; step < k; ++step)
-      subject->train_step(
-          local_batch(*training.data, options, step, comm.rank(), kSavedWorld));
+      subject->train_step(local_batch(*training.data, options, step, comm.rank(), kSavedWorld));
     subject->save(directory);
     // Complete on return, on every rank: this rank's shard and rank 0's index are there.
-    for (const std::string& file : {shard_file_name(comm.rank(), kSavedWorld),
-                                    std::string("index.json")})
+    for (const std::string& file :
+         {shard_file_name(comm.rank(), kSavedWorld), std::string("index.json")})
       if (!std::filesystem::exists(directory / file))
-        verdict.fail(fmt::format("save_checkpoint returned on rank {} before {} existed; expected "
-                                 "the checkpoint complete on every rank (a barrier)",
-                                 comm.rank(), file));
+        verdict.fail(
+            fmt::format("save_checkpoint returned on rank {} before {} existed; expected "
+                        "the checkpoint complete on every rank (a barrier)",
+                        comm.rank(), file));
   };
   bool passed = run_on_ranks(kSavedWorld, save, draws, std::chrono::seconds(30),
                              on_mpi_ranks ? Backend::kMpi : Backend::kLocal);
@@ -302,8 +303,8 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           subject->load(directory);
           const ShardLayout& layout =
               expected.layouts.at(world)[static_cast<std::size_t>(comm.rank())];
-          const std::string what = fmt::format("saved on 4 ranks after step {}, loaded on {}", k,
-                                               world);
+          const std::string what =
+              fmt::format("saved on 4 ranks after step {}, loaded on {}", k, world);
           if (subject->inner().step_count() != k)
             verdict.fail(fmt::format(
                 "{}: the inner optimizer's step count is {}; expected the checkpoint's {} (AdamW's "
@@ -316,11 +317,10 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           for (const OptimizerState& state : subject->inner().state()) {
             const auto saved = expected.state.find(state.name);
             if (saved == expected.state.end()) continue;  // read_back named the tensors
-            verdict.expect_empty(
-                compare_shard(state.tensor->span(),
-                              shard_of(layout, expected.offsets, saved->second), layout,
-                              "the inner optimizer's " + state.name),
-                what);
+            verdict.expect_empty(compare_shard(state.tensor->span(),
+                                               shard_of(layout, expected.offsets, saved->second),
+                                               layout, "the inner optimizer's " + state.name),
+                                 what);
           }
           const auto check_values = [&](std::span<const float> flat, const std::string& when) {
             if (lab.values_replicated) {
@@ -331,9 +331,10 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
             }
             for (const Parameter* parameter : model.parameters())
               if (parameter->value.size() != 0) {
-                verdict.fail(fmt::format("{}: {}'s value holds {} elements; expected it released "
-                                         "(only the shard stays)",
-                                         when, parameter->name, parameter->value.size()));
+                verdict.fail(
+                    fmt::format("{}: {}'s value holds {} elements; expected it released "
+                                "(only the shard stays)",
+                                when, parameter->name, parameter->value.size()));
                 return;
               }
           };
@@ -387,9 +388,10 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                 lab.make(model, comm, training.for_world(2));
             try {
               subject->load(where);
-              verdict.fail(fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
-                                       "what was expected and what was seen",
-                                       what));
+              verdict.fail(
+                  fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
+                              "what was expected and what was seen",
+                              what));
             } catch (const NotImplemented&) {
               throw;
             } catch (const Error&) {

@@ -220,9 +220,9 @@ void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpoin
     return fmt::format("{}", fmt::join(described, ", "));
   };
   if (saved.parameters != expected.parameters)
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
-        describe(saved.parameters), describe(expected.parameters)));
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
   if (saved.tensors != expected.tensors)
     throw Error(fmt::format(
         "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
@@ -261,7 +261,8 @@ void ZeroOneOptimizer::load_checkpoint(const std::filesystem::path& directory) {
   // This rank's shard at the current world size, whatever world size saved it: the runtime
   // copies every range by parameter name and offset and zeroes the padding.
   std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
-  for (const OptimizerState& state : s.inner->state()) targets.push_back({state.name, state.tensor});
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
   load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(rank)], targets);
   s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
   // Every rank's model must hold the parameters again: all-gather the shards, as a step does.

@@ -330,9 +330,9 @@ void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpoin
     return fmt::format("{}", fmt::join(described, ", "));
   };
   if (saved.parameters != expected.parameters)
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
-        describe(saved.parameters), describe(expected.parameters)));
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
   if (saved.tensors != expected.tensors)
     throw Error(fmt::format(
         "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
@@ -370,7 +370,8 @@ void ZeroTwoOptimizer::load_checkpoint(const std::filesystem::path& directory) {
   // This rank's shard for the current buckets and world size, whatever saved it: the
   // runtime copies every range by parameter name and offset and zeroes the padding.
   std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
-  for (const OptimizerState& state : s.inner->state()) targets.push_back({state.name, state.tensor});
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
   load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(s.comm.rank())], targets);
   s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
   // Every rank's model must hold the parameters again: all-gather bucket by bucket, as a

@@ -406,9 +406,9 @@ void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpoin
     return fmt::format("{}", fmt::join(described, ", "));
   };
   if (saved.parameters != expected.parameters)
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
-        describe(saved.parameters), describe(expected.parameters)));
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
   if (saved.tensors != expected.tensors)
     throw Error(fmt::format(
         "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
@@ -449,7 +449,8 @@ void ZeroThreeOptimizer::load_checkpoint(const std::filesystem::path& directory)
   // size, copied by parameter name and offset, the padding zero. No gather: the values stay
   // released until the next forward gathers them from these shards.
   std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
-  for (const OptimizerState& state : s.inner->state()) targets.push_back({state.name, state.tensor});
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
   load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(s.comm.rank())], targets);
   s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
   // END SOLUTION
