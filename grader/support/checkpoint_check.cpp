@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -22,6 +23,12 @@
 
 namespace dp::grading {
 namespace {
+
+/// How long a rank may block before the check reports a hang. A rank waits at the save's
+/// barrier while its peers write and fsync their files, which on a busy machine's disk can
+/// take seconds: with the other checks' 30 s, one 4-process mpi run in about fifteen failed
+/// after 30 s with rank 0 still writing index.json.
+constexpr std::chrono::milliseconds kFileHangTimeout = std::chrono::seconds(240);
 
 /// The world size the checkpoint is saved on, and those it is loaded on.
 constexpr int kSavedWorld = 4;
@@ -276,144 +283,153 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                         "the checkpoint complete on every rank (a barrier)",
                         comm.rank(), file));
   };
-  bool passed = run_on_ranks(kSavedWorld, save, draws, std::chrono::seconds(30),
+  bool passed = run_on_ranks(kSavedWorld, save, draws, kFileHangTimeout,
                              on_mpi_ranks ? Backend::kMpi : Backend::kLocal);
 
-  // 2. The grader reads the checkpoint.
-  if (passed) {
-    const std::string finding = read_back(directory, expected, lab.segments_name);
-    if (!finding.empty()) {
-      ADD_FAILURE() << fmt::format("saved on 4 ranks after step {} of {}: {}\n  drawn: {}", k,
-                                   steps, finding, draws.describe());
-      passed = false;
+  // Phases 2 to 4 run in this process only; whatever they throw, every process must still
+  // reach the clean-up's barrier under mpi, so an exception becomes a failure here.
+  try {
+    // 2. The grader reads the checkpoint.
+    if (passed) {
+      const std::string finding = read_back(directory, expected, lab.segments_name);
+      if (!finding.empty()) {
+        ADD_FAILURE() << fmt::format("saved on 4 ranks after step {} of {}: {}\n  drawn: {}", k,
+                                     steps, finding, draws.describe());
+        passed = false;
+      }
     }
-  }
 
-  // 3. Loaded on 2, 3 and 4 ranks (local threads), then the remaining steps.
-  for (int world : kLoadWorlds) {
-    if (!passed) break;
-    const Trajectory& exact = expected.resumed.at(world);
-    const std::vector<float> at_save = expected.parameters_at_save();
-    passed = run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          Model model = training.model();
-          const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
-          subject->load(directory);
-          const ShardLayout& layout =
-              expected.layouts.at(world)[static_cast<std::size_t>(comm.rank())];
-          const std::string what =
-              fmt::format("saved on 4 ranks after step {}, loaded on {}", k, world);
-          if (subject->inner().step_count() != k)
-            verdict.fail(fmt::format(
-                "{}: the inner optimizer's step count is {}; expected the checkpoint's {} (AdamW's "
-                "bias correction divides by 1 - beta^t: a lost step count changes every update)",
-                what, subject->inner().step_count(), k));
-          verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
-                                             shard_of(layout, expected.offsets, at_save), layout,
-                                             "shard_parameters()"),
-                               what);
-          for (const OptimizerState& state : subject->inner().state()) {
-            const auto saved = expected.state.find(state.name);
-            if (saved == expected.state.end()) continue;  // read_back named the tensors
-            verdict.expect_empty(compare_shard(state.tensor->span(),
-                                               shard_of(layout, expected.offsets, saved->second),
-                                               layout, "the inner optimizer's " + state.name),
+    // 3. Loaded on 2, 3 and 4 ranks (local threads), then the remaining steps.
+    for (int world : kLoadWorlds) {
+      if (!passed) break;
+      const Trajectory& exact = expected.resumed.at(world);
+      const std::vector<float> at_save = expected.parameters_at_save();
+      passed = run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            Model model = training.model();
+            const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
+            subject->load(directory);
+            const ShardLayout& layout =
+                expected.layouts.at(world)[static_cast<std::size_t>(comm.rank())];
+            const std::string what =
+                fmt::format("saved on 4 ranks after step {}, loaded on {}", k, world);
+            if (subject->inner().step_count() != k)
+              verdict.fail(fmt::format(
+                  "{}: the inner optimizer's step count is {}; expected the checkpoint's {} "
+                  "(AdamW's "
+                  "bias correction divides by 1 - beta^t: a lost step count changes every update)",
+                  what, subject->inner().step_count(), k));
+            verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+                                               shard_of(layout, expected.offsets, at_save), layout,
+                                               "shard_parameters()"),
                                  what);
-          }
-          const auto check_values = [&](std::span<const float> flat, const std::string& when) {
-            if (lab.values_replicated) {
-              verdict.expect_empty(compare_values(model.flat_parameters(), flat, expected.offsets,
-                                                  "the model's parameters"),
-                                   when + " (every Parameter::value must hold the parameters)");
-              return;
+            for (const OptimizerState& state : subject->inner().state()) {
+              const auto saved = expected.state.find(state.name);
+              if (saved == expected.state.end()) continue;  // read_back named the tensors
+              verdict.expect_empty(compare_shard(state.tensor->span(),
+                                                 shard_of(layout, expected.offsets, saved->second),
+                                                 layout, "the inner optimizer's " + state.name),
+                                   what);
             }
-            for (const Parameter* parameter : model.parameters())
-              if (parameter->value.size() != 0) {
-                verdict.fail(
-                    fmt::format("{}: {}'s value holds {} elements; expected it released "
-                                "(only the shard stays)",
-                                when, parameter->name, parameter->value.size()));
+            const auto check_values = [&](std::span<const float> flat, const std::string& when) {
+              if (lab.values_replicated) {
+                verdict.expect_empty(compare_values(model.flat_parameters(), flat, expected.offsets,
+                                                    "the model's parameters"),
+                                     when + " (every Parameter::value must hold the parameters)");
                 return;
               }
-          };
-          if (verdict.passed()) check_values(at_save, what);
-          // Every rank runs every step whatever it found, so that no rank waits for a peer
-          // that stopped; a failure is recorded once.
-          for (int step = k; step < steps; ++step) {
-            subject->train_step(local_batch(*training.data, options, step, comm.rank(), world));
-            if (!verdict.passed()) continue;
-            const std::vector<float>& after =
-                exact.parameters_after_step[static_cast<std::size_t>(step)];
-            const std::string when = fmt::format("{}, then step {}", what, step + 1);
-            verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
-                                               shard_of(layout, expected.offsets, after), layout,
-                                               "shard_parameters()"),
-                                 when + " (the emulation: k steps on 4 ranks, the rest on " +
-                                     std::to_string(world) + ")");
-            if (verdict.passed()) check_values(after, when);
-          }
-        },
-        draws, std::chrono::seconds(30), Backend::kLocal);
-  }
-
-  // 4. Misuse: checkpoints of another model and without the optimizer's state.
-  if (passed) {
-    std::vector<std::string> state_names = {kShardParameters};
-    for (const auto& [name, values] : expected.state) state_names.push_back(name);
-    std::vector<CheckpointParameter> other = expected.parameters;
-    other.back().shape.back() += 1;
-    const std::vector<std::pair<std::string, std::function<void(const std::filesystem::path&)>>>
-        foreign = {
-            {fmt::format("a checkpoint whose {} has shape [{}]", other.back().name,
-                         fmt::join(other.back().shape, ", ")),
-             [&](const std::filesystem::path& where) {
-               save_foreign_checkpoint(where, other, state_names);
-             }},
-            {"a checkpoint of the parameters without the optimizer's state",
-             [&](const std::filesystem::path& where) {
-               save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
-             }},
-        };
-    for (const auto& [what, write] : foreign) {
-      const std::filesystem::path where = directory / "foreign";
-      std::filesystem::create_directories(where);
-      write(where);
-      passed = run_on_ranks(
-          2,
-          [&](Communicator& comm, Verdict& verdict) {
-            Model model = training.model();
-            const std::unique_ptr<CheckpointSubject> subject =
-                lab.make(model, comm, training.for_world(2));
-            try {
-              subject->load(where);
-              verdict.fail(
-                  fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
-                              "what was expected and what was seen",
-                              what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
+              for (const Parameter* parameter : model.parameters())
+                if (parameter->value.size() != 0) {
+                  verdict.fail(
+                      fmt::format("{}: {}'s value holds {} elements; expected it released "
+                                  "(only the shard stays)",
+                                  when, parameter->name, parameter->value.size()));
+                  return;
+                }
+            };
+            if (verdict.passed()) check_values(at_save, what);
+            // Every rank runs every step whatever it found, so that no rank waits for a peer
+            // that stopped; a failure is recorded once.
+            for (int step = k; step < steps; ++step) {
+              subject->train_step(local_batch(*training.data, options, step, comm.rank(), world));
+              if (!verdict.passed()) continue;
+              const std::vector<float>& after =
+                  exact.parameters_after_step[static_cast<std::size_t>(step)];
+              const std::string when = fmt::format("{}, then step {}", what, step + 1);
+              verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+                                                 shard_of(layout, expected.offsets, after), layout,
+                                                 "shard_parameters()"),
+                                   when + " (the emulation: k steps on 4 ranks, the rest on " +
+                                       std::to_string(world) + ")");
+              if (verdict.passed()) check_values(after, when);
             }
           },
-          draws, std::chrono::seconds(30), Backend::kLocal);
-      std::error_code ignored;
-      std::filesystem::remove_all(where, ignored);
-      if (!passed) break;
+          draws, kFileHangTimeout, Backend::kLocal);
     }
-  }
 
-  if (passed)
-    note_measured(fmt::format(
-        "saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
-        "index's layouts and the consolidated parameters and optimizer state are the emulation's "
-        "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}) it trained on bitwise; a "
-        "checkpoint of other shapes or without optimizer state throws dp::Error",
-        k, steps, expected.layouts.at(4).front().shard_elements,
-        expected.layouts.at(2).front().shard_elements,
-        expected.layouts.at(3).front().shard_elements,
-        expected.layouts.at(4).front().shard_elements));
+    // 4. Misuse: checkpoints of another model and without the optimizer's state.
+    if (passed) {
+      std::vector<std::string> state_names = {kShardParameters};
+      for (const auto& [name, values] : expected.state) state_names.push_back(name);
+      std::vector<CheckpointParameter> other = expected.parameters;
+      other.back().shape.back() += 1;
+      const std::vector<std::pair<std::string, std::function<void(const std::filesystem::path&)>>>
+          foreign = {
+              {fmt::format("a checkpoint whose {} has shape [{}]", other.back().name,
+                           fmt::join(other.back().shape, ", ")),
+               [&](const std::filesystem::path& where) {
+                 save_foreign_checkpoint(where, other, state_names);
+               }},
+              {"a checkpoint of the parameters without the optimizer's state",
+               [&](const std::filesystem::path& where) {
+                 save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
+               }},
+          };
+      for (const auto& [what, write] : foreign) {
+        // A directory of this process's own: under mpi every process runs this part.
+        const std::filesystem::path where = make_directory();
+        write(where);
+        passed = run_on_ranks(
+            2,
+            [&](Communicator& comm, Verdict& verdict) {
+              Model model = training.model();
+              const std::unique_ptr<CheckpointSubject> subject =
+                  lab.make(model, comm, training.for_world(2));
+              try {
+                subject->load(where);
+                verdict.fail(
+                    fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
+                                "what was expected and what was seen",
+                                what));
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error&) {
+              }
+            },
+            draws, kFileHangTimeout, Backend::kLocal);
+        std::error_code ignored;
+        std::filesystem::remove_all(where, ignored);
+        if (!passed) break;
+      }
+    }
+
+    if (passed)
+      note_measured(fmt::format(
+          "saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
+          "index's layouts and the consolidated parameters and optimizer state are the emulation's "
+          "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}) it trained on bitwise; a "
+          "checkpoint of other shapes or without optimizer state throws dp::Error",
+          k, steps, expected.layouts.at(4).front().shard_elements,
+          expected.layouts.at(2).front().shard_elements,
+          expected.layouts.at(3).front().shard_elements,
+          expected.layouts.at(4).front().shard_elements));
+
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << fmt::format("the checkpoint check failed with {}: {}\n  drawn: {}",
+                                 type_name(error), error.what(), draws.describe());
+  }
 
   // The directory goes; under mpi once every process has read it.
   if (on_mpi_ranks) {
@@ -424,7 +440,7 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           std::error_code ignored;
           if (comm.rank() == 0) std::filesystem::remove_all(directory, ignored);
         },
-        draws, std::chrono::seconds(30), Backend::kMpi);
+        draws, kFileHangTimeout, Backend::kMpi);
   } else {
     std::error_code ignored;
     std::filesystem::remove_all(directory, ignored);
