@@ -417,11 +417,11 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
 
     if (passed)
       note_measured(fmt::format(
-          "saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
+          "{}: saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
           "index's layouts and the consolidated parameters and optimizer state are the emulation's "
           "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}) it trained on bitwise; a "
           "checkpoint of other shapes or without optimizer state throws dp::Error",
-          k, steps, expected.layouts.at(4).front().shard_elements,
+          training.options.optimizer, k, steps, expected.layouts.at(4).front().shard_elements,
           expected.layouts.at(2).front().shard_elements,
           expected.layouts.at(3).front().shard_elements,
           expected.layouts.at(4).front().shard_elements));

@@ -79,7 +79,8 @@ struct CheckpointLab {
   std::string segments_name = "one segment of every parameter";
 };
 
-/// The whole check (see the top of this file), on `training` (AdamW) drawn by the caller
+/// The whole check (see the top of this file), on `training` (AdamW or SGD with momentum: an
+/// optimizer with state) drawn by the caller
 /// from `draws`: reports through GoogleTest failures, and on a pass what it measured.
 void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                               const CheckpointLab& lab);
