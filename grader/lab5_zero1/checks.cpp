@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_check.h"
 #include "compare.h"
 #include "dp/data.h"
 #include "dp/error.h"
@@ -782,6 +784,51 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
           draws);
     }
   }
+}
+
+// --- Lab5Checkpoint ----------------------------------------------------------------------------
+
+/// The student's ZeroOneOptimizer as the checkpoint check drives it.
+class ZeroOneSubject final : public grading::CheckpointSubject {
+ public:
+  ZeroOneSubject(Model& model, Communicator& comm, const TrainOptions& options)
+      : model_(model), zero_(model, comm, factory_for(options)) {}
+  void train_step(const Batch& batch) override {
+    model_.zero_grad();
+    model_.backward(model_.forward(batch.inputs), batch.labels);
+    (void)zero_.step();
+  }
+  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
+  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
+  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
+  Optimizer& inner() override { return zero_.inner(); }
+
+ private:
+  Model& model_;
+  ZeroOneOptimizer zero_;
+};
+
+TEST(Lab5Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
+  Draws draws("Lab5Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  // A model that pads on 2, 3 and 4 ranks, so that a load at M reads past padding of N.
+  const Training training = draw_training(draws, "adamw", {2, 3, 4});
+  grading::CheckpointLab lab;
+  lab.segments = [](const Model& model) {
+    std::vector<std::size_t> all(model.parameters().size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return std::vector<std::vector<std::size_t>>{all};
+  };
+  lab.make = [](Model& model, Communicator& comm, const TrainOptions& options) {
+    return std::make_unique<ZeroOneSubject>(model, comm, options);
+  };
+  lab.values_replicated = true;
+  lab.segments_name = "one segment of every parameter in definition order";
+  grading::check_sharded_checkpoint(draws, training, lab);
+  if (HasFailure()) return;
+  // SGD's momentum buffer is state too, with another name.
+  Training sgd = draw_training(draws, "sgd", {2, 3, 4});
+  sgd.options.momentum = 0.9f;
+  grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 
 }  // namespace

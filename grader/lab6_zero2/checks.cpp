@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -29,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_check.h"
 #include "compare.h"
 #include "dp/data.h"
 #include "dp/error.h"
@@ -1032,6 +1034,57 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
           draws);
     }
   }
+}
+
+// --- Lab6Checkpoint ----------------------------------------------------------------------------
+
+/// The student's ZeroTwoOptimizer as the checkpoint check drives it.
+class ZeroTwoSubject final : public grading::CheckpointSubject {
+ public:
+  ZeroTwoSubject(Model& model, Communicator& comm, const TrainOptions& options,
+                 std::size_t cap_bytes)
+      : model_(model), zero_(model, comm, factory_for(options), cap_bytes) {}
+  void train_step(const Batch& batch) override {
+    model_.zero_grad();
+    model_.backward(model_.forward(batch.inputs), batch.labels);
+    (void)zero_.step();
+  }
+  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
+  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
+  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
+  Optimizer& inner() override { return zero_.inner(); }
+
+ private:
+  Model& model_;
+  ZeroTwoOptimizer zero_;
+};
+
+TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
+  Draws draws("Lab6Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  const Training training = draw_training(draws, "adamw");
+  grading::CheckpointLab lab;
+  // The buckets do not depend on the world size (only their chunks do).
+  lab.segments = [&](const Model& model) {
+    std::vector<std::vector<std::size_t>> segments;
+    for (const Bucket& bucket : contract_buckets(model, 1, training.cap_bytes))
+      segments.push_back(bucket.parameters);
+    return segments;
+  };
+  lab.make = [&](Model& model, Communicator& comm, const TrainOptions& options) {
+    return std::make_unique<ZeroTwoSubject>(model, comm, options, training.cap_bytes);
+  };
+  lab.values_replicated = true;
+  lab.segments_name = fmt::format("the buckets (cap {} bytes), each its parameters in bucket order",
+                                  training.cap_bytes);
+  grading::check_sharded_checkpoint(draws, training, lab);
+  if (HasFailure()) return;
+  // SGD's momentum buffer is state too, with another name; the same buckets (the same cap).
+  Training sgd{grading::draw_sharded_training(draws, "sgd")};
+  sgd.options.momentum = 0.9f;
+  sgd.options.model = training.options.model;
+  sgd.options.layer_norm = training.options.layer_norm;
+  sgd.cap_bytes = training.cap_bytes;
+  grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -33,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_check.h"
 #include "compare.h"
 #include "dp/clock.h"
 #include "dp/data.h"
@@ -1654,6 +1656,53 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
           draws);
     }
   }
+}
+
+// --- Lab7Checkpoint ----------------------------------------------------------------------------
+
+/// The student's ZeroThreeOptimizer as the checkpoint check drives it.
+class ZeroThreeSubject final : public grading::CheckpointSubject {
+ public:
+  ZeroThreeSubject(Model& model, Communicator& comm, const TrainOptions& options)
+      : model_(model), zero_(model, comm, factory_for(options)) {}
+  void train_step(const Batch& batch) override {
+    model_.backward(model_.forward(batch.inputs), batch.labels);
+    (void)zero_.step();
+  }
+  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
+  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
+  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
+  Optimizer& inner() override { return zero_.inner(); }
+
+ private:
+  Model& model_;
+  ZeroThreeOptimizer zero_;
+};
+
+TEST(Lab7Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
+  Draws draws("Lab7Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  const Training training = grading::draw_sharded_training(draws, "adamw");
+  grading::CheckpointLab lab;
+  // The units do not depend on the world size (only their chunks do).
+  lab.segments = [&](const Model&) {
+    Model model = training.model();
+    std::vector<std::vector<std::size_t>> segments;
+    for (const Unit& unit : contract_units(model, 1)) segments.push_back(unit.parameters);
+    return segments;
+  };
+  lab.make = [](Model& model, Communicator& comm, const TrainOptions& options) {
+    return std::make_unique<ZeroThreeSubject>(model, comm, options);
+  };
+  lab.values_replicated = false;  // the contract: values stay released, only the shard
+  lab.segments_name = "the units, each its layer's parameters in definition order";
+  grading::check_sharded_checkpoint(draws, training, lab);
+  if (HasFailure()) return;
+  // SGD's momentum buffer is state too, with another name; the same model (the same units).
+  grading::ShardedTraining sgd = grading::draw_sharded_training(draws, "sgd");
+  sgd.options.momentum = 0.9f;
+  sgd.options.model = training.options.model;
+  sgd.options.layer_norm = training.options.layer_norm;
+  grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 
 }  // namespace

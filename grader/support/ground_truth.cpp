@@ -97,15 +97,25 @@ Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& dat
   // The loss scale of a micro-batch, computed as lab code computes it: 1/k in float.
   const float loss_scale = 1.0f / static_cast<float>(k);
   Trajectory trajectory;
+  // After a resume the steps run on other ranks with another global batch.
+  TrainOptions resumed = options;
+  resumed.global_batch = how.resume_global_batch;
+  DP_CHECK(how.resume_step < 0 ||
+               (how.resume_world > 0 && resumed.global_batch % (how.resume_world * k) == 0),
+           "a resumed global batch of {} does not split into {} ranks x {} micro-batches",
+           resumed.global_batch, how.resume_world, k);
   for (int step = 0; step < options.steps; ++step) {
+    const bool after_resume = how.resume_step >= 0 && step >= how.resume_step;
+    const TrainOptions& step_options = after_resume ? resumed : options;
+    const int world = after_resume ? how.resume_world : world_size;
     probe.set_flat_parameters(
         versions[static_cast<std::size_t>(std::max(0, step - how.staleness))]);
     std::vector<std::vector<float>> local;
     std::vector<float>& losses = trajectory.rank_losses.emplace_back();
-    for (int rank = 0; rank < world_size; ++rank) {
+    for (int rank = 0; rank < world; ++rank) {
       probe.zero_grad();
       float loss_sum = 0;
-      for (const Batch& micro : micro_batches(data, options, step, rank, world_size, k)) {
+      for (const Batch& micro : micro_batches(data, step_options, step, rank, world, k)) {
         const Tensor logits = probe.forward(micro.inputs);
         loss_sum += probe.backward(logits, micro.labels, loss_scale);
       }
@@ -114,13 +124,14 @@ Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& dat
     }
     std::vector<float> sum = how.sum(local);
     // Then a division by N (a division: g / N, not g * (1/N)).
-    const auto divisor = static_cast<float>(world_size);
+    const auto divisor = static_cast<float>(world);
     for (float& value : sum) value = value / divisor;
     if (how.before_step) how.before_step(step, sum);
     set_gradients(model, sum);
     trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient, largest_magnitude(sum));
     trajectory.gradients_of_step.push_back(std::move(sum));
     optimizer->step(model);
+    if (how.after_step) how.after_step(step, *optimizer);
     trajectory.parameters_after_step.push_back(model.flat_parameters());
     versions.push_back(trajectory.parameters_after_step.back());
   }

@@ -84,6 +84,17 @@ struct Emulation {
   /// division by N and before the optimizer step, which applies the gradient as this leaves
   /// it (lab 5's clipping). Empty: the gradient is applied as it is.
   std::function<void(int step, std::vector<float>& averaged)> before_step = nullptr;
+  /// Called with the step (0-based) and the optimizer (over the whole flat space) after the
+  /// step's update: to read its state tensors at that step (a checkpoint's contents).
+  std::function<void(int step, Optimizer& optimizer)> after_step = nullptr;
+  /// A run resumed from a checkpoint on another world size: from step `resume_step`
+  /// (0-based) on, the steps run on `resume_world` ranks with a global batch of
+  /// `resume_global_batch` rows. The optimizer's update is element-wise, so the state a
+  /// resharded load restores continues exactly as this one optimizer over the whole flat
+  /// space does. Negative: the whole run on `world_size` ranks.
+  int resume_step = -1;
+  int resume_world = 0;                  ///< M: the ranks after the resume
+  std::int64_t resume_global_batch = 0;  ///< the global batch after the resume
 };
 
 /// `emulate_data_parallel` with the sum's order and the staleness of `how`.

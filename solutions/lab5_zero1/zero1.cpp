@@ -1,6 +1,7 @@
 // zero1.cpp: lab 5, ZeRO-1. Your part: the partition rule, the members of
 // ZeroOneOptimizer::State and the bodies below.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -8,10 +9,13 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/sharded_checkpoint.h"
 #include "dp/tensor_ops.h"
 #include "lab5.h"
 
@@ -185,6 +189,87 @@ Optimizer& ZeroOneOptimizer::inner() {
   // BEGIN SOLUTION
   // SKELETON: throw NotImplemented("lab5::ZeroOneOptimizer::inner");
   return *state_->inner;
+  // END SOLUTION
+}
+
+// BEGIN SOLUTION
+// SKELETON: // Your helpers for the checkpoints, if any.
+namespace {
+
+/// ZeRO-1's checkpoint plan for `model` on `world_size` ranks: one segment of every
+/// parameter, cut into the partition's N equal shards (the last ones padded), so that the
+/// index says exactly which flat elements each shard holds.
+ShardedCheckpointPlan checkpoint_plan(const Model& model, int world_size, Optimizer& inner) {
+  ShardedCheckpointPlan plan;
+  plan.parameters = checkpoint_parameters(model);
+  const std::vector<std::vector<std::size_t>> segments = {all_parameters(plan.parameters)};
+  plan.layouts = chunked_layouts(plan.parameters, segments, world_size);
+  plan.tensors = {kShardParameters};
+  for (const OptimizerState& state : inner.state()) plan.tensors.push_back(state.name);
+  plan.metadata = {{"step", std::to_string(inner.step_count())}};
+  return plan;
+}
+
+/// Throws unless the checkpoint `saved` holds what `expected` (this run's plan) needs: the
+/// same parameters, names and shapes in order, and the same tensors.
+void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpointPlan& expected) {
+  const auto describe = [](const std::vector<CheckpointParameter>& parameters) {
+    std::vector<std::string> described;
+    for (const CheckpointParameter& p : parameters)
+      described.push_back(fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", ")));
+    return fmt::format("{}", fmt::join(described, ", "));
+  };
+  if (saved.parameters != expected.parameters)
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
+  if (saved.tensors != expected.tensors)
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
+        "and the inner optimizer's state)",
+        fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
+  if (!saved.metadata.contains("step"))
+    throw Error("load_checkpoint: the checkpoint has no \"step\"; expected the step count");
+}
+
+}  // namespace
+// END SOLUTION
+
+void ZeroOneOptimizer::save_checkpoint(const std::filesystem::path& directory) const {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab5::ZeroOneOptimizer::save_checkpoint");
+  State& s = *state_;
+  const ShardedCheckpointPlan plan = checkpoint_plan(s.model, s.comm.size(), *s.inner);
+  // Each rank saves what it holds, as it lies in memory: its shard and its optimizer state.
+  std::vector<NamedTensor> mine = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state()) mine.push_back({state.name, state.tensor});
+  save_checkpoint_shard(directory, plan, s.comm.rank(), mine);
+  s.comm.barrier();  // complete only when every rank's shard (and rank 0's index) is written
+  // END SOLUTION
+}
+
+void ZeroOneOptimizer::load_checkpoint(const std::filesystem::path& directory) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab5::ZeroOneOptimizer::load_checkpoint");
+  State& s = *state_;
+  const int rank = s.comm.rank();
+  const ShardedCheckpointPlan plan = checkpoint_plan(s.model, s.comm.size(), *s.inner);
+  const ShardedCheckpointPlan saved = load_checkpoint_index(directory);
+  check_compatible(saved, plan);
+  // This rank's shard at the current world size, whatever world size saved it: the runtime
+  // copies every range by parameter name and offset and zeroes the padding.
+  std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
+  load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(rank)], targets);
+  s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
+  // Every rank's model must hold the parameters again: all-gather the shards, as a step does.
+  s.comm.allgather(std::as_const(s.shard_params).view(), s.flat.view())->wait();
+  for (Parameter* parameter : s.model.parameters())
+    copy(std::as_const(s.flat).view(parameter->offset, parameter->value.size()),
+         parameter->value.view());
   // END SOLUTION
 }
 

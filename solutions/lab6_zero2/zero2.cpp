@@ -1,6 +1,7 @@
 // zero2.cpp: lab 6, ZeRO-2. Your part: the bucket rule, the members of
 // ZeroTwoOptimizer::State and the bodies below.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,11 +10,13 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/sharded_checkpoint.h"
 #include "dp/tensor_ops.h"
 #include "lab6.h"
 
@@ -293,6 +296,101 @@ Optimizer& ZeroTwoOptimizer::inner() {
   // BEGIN SOLUTION
   // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::inner");
   return *state_->inner;
+  // END SOLUTION
+}
+
+// BEGIN SOLUTION
+// SKELETON: // Your helpers for the checkpoints, if any.
+namespace {
+
+/// ZeRO-2's checkpoint plan for `model` on `world_size` ranks: one segment per bucket, each
+/// cut into N chunks (the last ones padded), rank r's chunks one after another in bucket
+/// order, exactly as the shard lies in memory. The index records this layout, padding and
+/// all, so that a load at another world size finds every element by name and offset.
+ShardedCheckpointPlan checkpoint_plan(const Model& model, const std::vector<Bucket>& buckets,
+                                      int world_size, Optimizer& inner) {
+  ShardedCheckpointPlan plan;
+  plan.parameters = checkpoint_parameters(model);
+  std::vector<std::vector<std::size_t>> segments;
+  for (const Bucket& bucket : buckets) segments.push_back(bucket.parameters);
+  plan.layouts = chunked_layouts(plan.parameters, segments, world_size);
+  plan.tensors = {kShardParameters};
+  for (const OptimizerState& state : inner.state()) plan.tensors.push_back(state.name);
+  plan.metadata = {{"step", std::to_string(inner.step_count())}};
+  return plan;
+}
+
+/// Throws unless the checkpoint `saved` holds what `expected` (this run's plan) needs: the
+/// same parameters, names and shapes in order, and the same tensors.
+void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpointPlan& expected) {
+  const auto describe = [](const std::vector<CheckpointParameter>& parameters) {
+    std::vector<std::string> described;
+    for (const CheckpointParameter& p : parameters)
+      described.push_back(fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", ")));
+    return fmt::format("{}", fmt::join(described, ", "));
+  };
+  if (saved.parameters != expected.parameters)
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
+  if (saved.tensors != expected.tensors)
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
+        "and the inner optimizer's state)",
+        fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
+  if (!saved.metadata.contains("step"))
+    throw Error("load_checkpoint: the checkpoint has no \"step\"; expected the step count");
+}
+
+}  // namespace
+// END SOLUTION
+
+void ZeroTwoOptimizer::save_checkpoint(const std::filesystem::path& directory) const {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::save_checkpoint");
+  State& s = *state_;
+  const ShardedCheckpointPlan plan = checkpoint_plan(s.model, s.buckets, s.comm.size(), *s.inner);
+  // Each rank saves what it holds, as it lies in memory: its shard and its optimizer state.
+  std::vector<NamedTensor> mine = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state()) mine.push_back({state.name, state.tensor});
+  save_checkpoint_shard(directory, plan, s.comm.rank(), mine);
+  s.comm.barrier();  // complete only when every rank's shard (and rank 0's index) is written
+  // END SOLUTION
+}
+
+void ZeroTwoOptimizer::load_checkpoint(const std::filesystem::path& directory) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::load_checkpoint");
+  State& s = *state_;
+  const ShardedCheckpointPlan plan = checkpoint_plan(s.model, s.buckets, s.comm.size(), *s.inner);
+  const ShardedCheckpointPlan saved = load_checkpoint_index(directory);
+  check_compatible(saved, plan);
+  // This rank's shard for the current buckets and world size, whatever saved it: the
+  // runtime copies every range by parameter name and offset and zeroes the padding.
+  std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
+  load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(s.comm.rank())], targets);
+  s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
+  // Every rank's model must hold the parameters again: all-gather bucket by bucket, as a
+  // step does, through the bucket buffers.
+  const std::span<Parameter* const> parameters = s.model.parameters();
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    const Bucket& bucket = s.buckets[b];
+    s.comm
+        .allgather(std::as_const(s.shard_params).view(bucket.shard_offset, bucket.chunk_elements),
+                   s.padded_range(b))
+        ->wait();
+    std::size_t offset = 0;
+    for (const std::size_t index : bucket.parameters) {
+      Parameter& parameter = *parameters[index];
+      copy(std::as_const(s.buffer_of(b)).view(offset, parameter.value.size()),
+           parameter.value.view());
+      offset += parameter.value.size();
+    }
+  }
   // END SOLUTION
 }
 

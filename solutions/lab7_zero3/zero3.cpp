@@ -1,6 +1,7 @@
 // zero3.cpp: lab 7, ZeRO-3. Your part: the unit rule, the members of
 // ZeroThreeOptimizer::State and the bodies below.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -9,11 +10,13 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/sharded_checkpoint.h"
 #include "dp/tensor_ops.h"
 #include "lab7.h"
 
@@ -366,6 +369,90 @@ Optimizer& ZeroThreeOptimizer::inner() {
   // BEGIN SOLUTION
   // SKELETON: throw NotImplemented("lab7::ZeroThreeOptimizer::inner");
   return *state_->inner;
+  // END SOLUTION
+}
+
+// BEGIN SOLUTION
+// SKELETON: // Your helpers for the checkpoints, if any.
+namespace {
+
+/// ZeRO-3's checkpoint plan on `world_size` ranks: one segment per unit, each cut into N
+/// chunks (the last ones padded), rank r's chunks one after another in unit order, exactly
+/// as the shard lies in memory. The values are released, so the parameters' names come
+/// from the model and their shapes from those kept at construction.
+ShardedCheckpointPlan checkpoint_plan(const Model& model,
+                                      const std::vector<std::vector<std::int64_t>>& shapes,
+                                      const std::vector<Unit>& units, int world_size,
+                                      Optimizer& inner) {
+  ShardedCheckpointPlan plan;
+  for (const Parameter* parameter : model.parameters())
+    plan.parameters.push_back({parameter->name, shapes[parameter->index]});
+  std::vector<std::vector<std::size_t>> segments;
+  for (const Unit& unit : units) segments.push_back(unit.parameters);
+  plan.layouts = chunked_layouts(plan.parameters, segments, world_size);
+  plan.tensors = {kShardParameters};
+  for (const OptimizerState& state : inner.state()) plan.tensors.push_back(state.name);
+  plan.metadata = {{"step", std::to_string(inner.step_count())}};
+  return plan;
+}
+
+/// Throws unless the checkpoint `saved` holds what `expected` (this run's plan) needs: the
+/// same parameters, names and shapes in order, and the same tensors.
+void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpointPlan& expected) {
+  const auto describe = [](const std::vector<CheckpointParameter>& parameters) {
+    std::vector<std::string> described;
+    for (const CheckpointParameter& p : parameters)
+      described.push_back(fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", ")));
+    return fmt::format("{}", fmt::join(described, ", "));
+  };
+  if (saved.parameters != expected.parameters)
+    throw Error(
+        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
+                    describe(saved.parameters), describe(expected.parameters)));
+  if (saved.tensors != expected.tensors)
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
+        "and the inner optimizer's state)",
+        fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
+  if (!saved.metadata.contains("step"))
+    throw Error("load_checkpoint: the checkpoint has no \"step\"; expected the step count");
+}
+
+}  // namespace
+// END SOLUTION
+
+void ZeroThreeOptimizer::save_checkpoint(const std::filesystem::path& directory) const {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab7::ZeroThreeOptimizer::save_checkpoint");
+  State& s = *state_;
+  const ShardedCheckpointPlan plan =
+      checkpoint_plan(s.model, s.shapes, s.units, s.comm.size(), *s.inner);
+  // Each rank saves what it holds, as it lies in memory: its shard and its optimizer state.
+  std::vector<NamedTensor> mine = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state()) mine.push_back({state.name, state.tensor});
+  save_checkpoint_shard(directory, plan, s.comm.rank(), mine);
+  s.comm.barrier();  // complete only when every rank's shard (and rank 0's index) is written
+  // END SOLUTION
+}
+
+void ZeroThreeOptimizer::load_checkpoint(const std::filesystem::path& directory) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)directory;
+  // SKELETON: throw NotImplemented("lab7::ZeroThreeOptimizer::load_checkpoint");
+  State& s = *state_;
+  const ShardedCheckpointPlan plan =
+      checkpoint_plan(s.model, s.shapes, s.units, s.comm.size(), *s.inner);
+  const ShardedCheckpointPlan saved = load_checkpoint_index(directory);
+  check_compatible(saved, plan);
+  // Straight into the tensors this rank holds: its shard for the current units and world
+  // size, copied by parameter name and offset, the padding zero. No gather: the values stay
+  // released until the next forward gathers them from these shards.
+  std::vector<ShardTarget> targets = {{kShardParameters, &s.shard_params}};
+  for (const OptimizerState& state : s.inner->state())
+    targets.push_back({state.name, state.tensor});
+  load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(s.comm.rank())], targets);
+  s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
   // END SOLUTION
 }
 

@@ -1,0 +1,450 @@
+#include "checkpoint_check.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>  // mkdtemp
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <ranges>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/sharded_checkpoint.h"
+#include "ground_truth.h"
+
+namespace dp::grading {
+namespace {
+
+/// How long a rank may block before the check reports a hang. A rank waits at the save's
+/// barrier while its peers write and fsync their files, which on a busy machine's disk can
+/// take seconds: with the other checks' 30 s, one 4-process mpi run in about fifteen failed
+/// after 30 s with rank 0 still writing index.json.
+constexpr std::chrono::milliseconds kFileHangTimeout = std::chrono::seconds(240);
+
+/// The world size the checkpoint is saved on, and those it is loaded on.
+constexpr int kSavedWorld = 4;
+const std::vector<int> kLoadWorlds = {2, 3, 4};
+
+/// A fresh directory of its own under the system's temporary directory.
+std::filesystem::path make_directory() {
+  std::string name = (std::filesystem::temp_directory_path() / "dplab-checkpoint-XXXXXX").string();
+  if (mkdtemp(name.data()) == nullptr)
+    throw Error(fmt::format("cannot make a directory {}: {}", name, std::strerror(errno)));
+  return name;
+}
+
+/// Rank 0 makes the directory; the other ranks (processes under mpi) learn its name.
+std::filesystem::path shared_directory(Communicator& comm) {
+  std::vector<std::uint8_t> name(4096, 0);
+  if (comm.rank() == 0) {
+    const std::string made = make_directory().string();
+    DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
+    std::copy(made.begin(), made.end(), name.begin());
+  }
+  comm.broadcast(MutableBuffer{name.data(), name.size(), DataType::kUInt8}, 0)->wait();
+  return std::string(reinterpret_cast<const char*>(name.data()));
+}
+
+std::string describe(const ShardRange& range) {
+  return fmt::format("{{{} elements [{}, {}) at shard offset {}}}", range.parameter,
+                     range.parameter_offset, range.parameter_offset + range.count,
+                     range.shard_offset);
+}
+
+/// "" when `seen` is `expected`, else the first difference: a lost padding offset shows as
+/// the first range whose shard offset is wrong.
+std::string compare_layout(const ShardLayout& seen, const ShardLayout& expected) {
+  for (std::size_t i = 0; i < std::min(seen.ranges.size(), expected.ranges.size()); ++i)
+    if (!(seen.ranges[i] == expected.ranges[i]))
+      return fmt::format("range {} is {}; expected {}", i, describe(seen.ranges[i]),
+                         describe(expected.ranges[i]));
+  if (seen.ranges.size() != expected.ranges.size())
+    return fmt::format("{} ranges; expected {}", seen.ranges.size(), expected.ranges.size());
+  if (seen.shard_elements != expected.shard_elements)
+    return fmt::format("a shard of {} elements; expected {} (padding included)",
+                       seen.shard_elements, expected.shard_elements);
+  return "";
+}
+
+/// The flat offset of every parameter, by name: where its elements sit in the emulation's
+/// flat vectors (parameters and optimizer state alike).
+using Offsets = std::map<std::string, std::size_t>;
+
+/// The shard `layout` cuts from the flat `values`: its padding zero.
+std::vector<float> shard_of(const ShardLayout& layout, const Offsets& offsets,
+                            std::span<const float> values) {
+  std::vector<float> shard(layout.shard_elements, 0.0f);
+  for (const ShardRange& range : layout.ranges)
+    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(offsets.at(range.parameter) +
+                                                             range.parameter_offset),
+                range.count, shard.begin() + static_cast<std::ptrdiff_t>(range.shard_offset));
+  return shard;
+}
+
+/// "" when `seen` is bitwise `expected`, else the first differing element, named by the
+/// parameter element it holds (or as padding).
+std::string compare_shard(std::span<const float> seen, const std::vector<float>& expected,
+                          const ShardLayout& layout, const std::string& what) {
+  if (seen.size() != expected.size())
+    return fmt::format("{} holds {} elements; expected the layout's {}", what, seen.size(),
+                       expected.size());
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (std::memcmp(&seen[i], &expected[i], sizeof(float)) == 0) continue;
+    std::string holds = "padding";
+    for (const ShardRange& range : layout.ranges)
+      if (i >= range.shard_offset && i < range.shard_offset + range.count)
+        holds = fmt::format("{} element {}", range.parameter,
+                            range.parameter_offset + i - range.shard_offset);
+    return fmt::format("{}[{}] ({}) holds {}; expected {}", what, i, holds, seen[i], expected[i]);
+  }
+  return "";
+}
+
+/// "" when `seen` is bitwise `expected` (flat, the model's order), else the first
+/// differing element by parameter.
+std::string compare_values(std::span<const float> seen, std::span<const float> expected,
+                           const Offsets& offsets, const std::string& what) {
+  if (seen.size() != expected.size())
+    return fmt::format("{}: {} elements; expected {}", what, seen.size(), expected.size());
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (std::memcmp(&seen[i], &expected[i], sizeof(float)) == 0) continue;
+    std::string name;
+    std::size_t first = 0;
+    for (const auto& [parameter, offset] : offsets)
+      if (offset <= i && offset >= first) {
+        name = parameter;
+        first = offset;
+      }
+    return fmt::format("{}: flat element {} ({} element {}) holds {}; expected {}", what, i, name,
+                       i - first, seen[i], expected[i]);
+  }
+  return "";
+}
+
+/// What the check expects, computed once in the grader's own process.
+struct Expected {
+  int saved_after = 0;                              ///< k
+  std::vector<CheckpointParameter> parameters;      ///< the model's, in order
+  Offsets offsets;                                  ///< flat offsets by name
+  std::vector<std::vector<std::size_t>> segments;   ///< the lab's
+  std::map<std::string, std::vector<float>> state;  ///< after k steps, flat
+  std::map<int, Trajectory> resumed;                ///< by load world size M
+  std::map<int, std::vector<ShardLayout>> layouts;  ///< by world size
+  std::vector<float> parameters_at_save() const {   ///< after k steps
+    return resumed.begin()->second.parameters_after_step[static_cast<std::size_t>(saved_after - 1)];
+  }
+};
+
+/// Reads the checkpoint as the grader: "" when it is the contract's, else the first finding.
+std::string read_back(const std::filesystem::path& directory, const Expected& expected,
+                      const std::string& segments_name) {
+  ShardedCheckpointPlan plan;
+  try {
+    plan = load_checkpoint_index(directory);
+  } catch (const Error& error) {
+    return fmt::format("the grader could not read the checkpoint's index: {}", error.what());
+  }
+  if (plan.parameters != expected.parameters)
+    return fmt::format(
+        "index.json lists {} parameters ({}); expected the model's {} ({}), names and shapes",
+        plan.parameters.size(),
+        fmt::join(plan.parameters | std::views::transform(&CheckpointParameter::name), ", "),
+        expected.parameters.size(),
+        fmt::join(expected.parameters | std::views::transform(&CheckpointParameter::name), ", "));
+  const std::vector<ShardLayout>& layouts = expected.layouts.at(kSavedWorld);
+  if (plan.layouts.size() != layouts.size())
+    return fmt::format("index.json has {} ranks; expected the {} it was saved on",
+                       plan.layouts.size(), layouts.size());
+  for (std::size_t r = 0; r < layouts.size(); ++r) {
+    const std::string finding = compare_layout(plan.layouts[r], layouts[r]);
+    if (!finding.empty())
+      return fmt::format(
+          "index.json: rank {}'s layout: {} (the contract's layout is chunked_layouts over {}: "
+          "each segment cut into N chunks of C = ceil(E / N), rank r's chunks one after "
+          "another, padding included)",
+          r, finding, segments_name);
+  }
+  const auto step = plan.metadata.find("step");
+  const std::string k = std::to_string(expected.saved_after);
+  if (step == plan.metadata.end() || step->second != k)
+    return fmt::format(
+        "index.json's metadata \"step\" is {}; expected the inner optimizer's "
+        "step count, {}",
+        step == plan.metadata.end() ? "missing" : '"' + step->second + '"', k);
+  std::vector<std::string> names = {kShardParameters};
+  for (const auto& [name, values] : expected.state) names.push_back(name);
+  std::vector<std::string> seen_names = plan.tensors;
+  std::sort(names.begin(), names.end());
+  std::sort(seen_names.begin(), seen_names.end());
+  if (seen_names != names)
+    return fmt::format(
+        "the checkpoint holds the tensors [{}]; expected [{}] (the parameters and "
+        "every state tensor of the inner optimizer, by its name)",
+        fmt::join(seen_names, ", "), fmt::join(names, ", "));
+  const Checkpoint full = consolidated_checkpoint(directory);
+  const std::vector<float> at_save = expected.parameters_at_save();
+  for (const CheckpointParameter& parameter : expected.parameters) {
+    const std::size_t offset = expected.offsets.at(parameter.name);
+    const std::string finding =
+        compare_values(full.tensors.at(parameter.name).span(),
+                       std::span(at_save).subspan(offset, parameter.size()), {{parameter.name, 0}},
+                       "the consolidated parameters");
+    if (!finding.empty())
+      return fmt::format("{} (the emulation's after step {}, bitwise)", finding, k);
+  }
+  for (const auto& [name, values] : expected.state) {
+    const std::string finding = compare_values(full.tensors.at("optimizer." + name).span(), values,
+                                               expected.offsets, "the consolidated " + name);
+    if (!finding.empty())
+      return fmt::format("{} (the emulation's optimizer state after step {}, bitwise)", finding, k);
+  }
+  return "";
+}
+
+/// Saves a checkpoint the way a one-rank run of another set-up would: the grader's own
+/// file, to show that `load_checkpoint` checks what it loads.
+void save_foreign_checkpoint(const std::filesystem::path& directory,
+                             std::vector<CheckpointParameter> parameters,
+                             std::vector<std::string> tensors) {
+  ShardedCheckpointPlan plan;
+  plan.parameters = std::move(parameters);
+  const std::vector<std::vector<std::size_t>> segments = {all_parameters(plan.parameters)};
+  plan.layouts = chunked_layouts(plan.parameters, segments, 1);
+  plan.tensors = std::move(tensors);
+  plan.metadata = {{"step", "1"}};
+  std::vector<Tensor> values;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i)
+    values.emplace_back(
+        std::vector<std::int64_t>{static_cast<std::int64_t>(plan.layouts.front().shard_elements)});
+  std::vector<NamedTensor> named;
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i)
+    named.push_back({plan.tensors[i], &values[i]});
+  save_checkpoint_shard(directory, plan, 0, named);
+}
+
+}  // namespace
+
+void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
+                              const CheckpointLab& lab) {
+  const int steps = training.options.steps;
+  Expected expected;
+  expected.saved_after = static_cast<int>(draws.integer("steps before the save", 1, steps - 1));
+  const int k = expected.saved_after;
+  {
+    const Model model = training.model();
+    expected.parameters = checkpoint_parameters(model);
+    for (const Parameter* parameter : model.parameters())
+      expected.offsets[parameter->name] = parameter->offset;
+    expected.segments = lab.segments(model);
+  }
+  for (int world : {2, 3, 4})
+    expected.layouts[world] = chunked_layouts(expected.parameters, expected.segments, world);
+  for (int world : kLoadWorlds) {
+    Emulation how;
+    how.resume_step = k;
+    how.resume_world = world;
+    how.resume_global_batch = training.rows_per_rank * world;
+    how.after_step = [&](int step, Optimizer& optimizer) {
+      if (step != k - 1) return;
+      for (const OptimizerState& state : optimizer.state())
+        expected.state[state.name].assign(state.tensor->span().begin(), state.tensor->span().end());
+    };
+    expected.resumed[world] =
+        emulate_data_parallel(training.for_world(kSavedWorld), *training.data, kSavedWorld, how);
+  }
+
+  // 1. k steps on 4 ranks, then the save: on the job's ranks under a 4-process mpi job.
+  const bool on_mpi_ranks = check_backend() == Backend::kMpi && mpi_world_size() == kSavedWorld;
+  std::filesystem::path directory;
+  if (!on_mpi_ranks) directory = make_directory();
+  const auto save = [&](Communicator& comm, Verdict& verdict) {
+    if (on_mpi_ranks) directory = shared_directory(comm);
+    const TrainOptions options = training.for_world(kSavedWorld);
+    Model model = training.model();
+    const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
+    for (int step = 0; step < k; ++step)
+      subject->train_step(local_batch(*training.data, options, step, comm.rank(), kSavedWorld));
+    subject->save(directory);
+    // Complete on return, on every rank: this rank's shard and rank 0's index are there.
+    for (const std::string& file :
+         {shard_file_name(comm.rank(), kSavedWorld), std::string("index.json")})
+      if (!std::filesystem::exists(directory / file))
+        verdict.fail(
+            fmt::format("save_checkpoint returned on rank {} before {} existed; expected "
+                        "the checkpoint complete on every rank (a barrier)",
+                        comm.rank(), file));
+  };
+  bool passed = run_on_ranks(kSavedWorld, save, draws, kFileHangTimeout,
+                             on_mpi_ranks ? Backend::kMpi : Backend::kLocal);
+
+  // Phases 2 to 4 run in this process only; whatever they throw, every process must still
+  // reach the clean-up's barrier under mpi, so an exception becomes a failure here.
+  try {
+    // 2. The grader reads the checkpoint.
+    if (passed) {
+      const std::string finding = read_back(directory, expected, lab.segments_name);
+      if (!finding.empty()) {
+        ADD_FAILURE() << fmt::format("saved on 4 ranks after step {} of {}: {}\n  drawn: {}", k,
+                                     steps, finding, draws.describe());
+        passed = false;
+      }
+    }
+
+    // 3. Loaded on 2, 3 and 4 ranks (local threads), then the remaining steps.
+    for (int world : kLoadWorlds) {
+      if (!passed) break;
+      const Trajectory& exact = expected.resumed.at(world);
+      const std::vector<float> at_save = expected.parameters_at_save();
+      passed = run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            Model model = training.model();
+            const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
+            subject->load(directory);
+            const ShardLayout& layout =
+                expected.layouts.at(world)[static_cast<std::size_t>(comm.rank())];
+            const std::string what =
+                fmt::format("saved on 4 ranks after step {}, loaded on {}", k, world);
+            if (subject->inner().step_count() != k)
+              verdict.fail(fmt::format(
+                  "{}: the inner optimizer's step count is {}; expected the checkpoint's {} "
+                  "(AdamW's "
+                  "bias correction divides by 1 - beta^t: a lost step count changes every update)",
+                  what, subject->inner().step_count(), k));
+            verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+                                               shard_of(layout, expected.offsets, at_save), layout,
+                                               "shard_parameters()"),
+                                 what);
+            for (const OptimizerState& state : subject->inner().state()) {
+              const auto saved = expected.state.find(state.name);
+              if (saved == expected.state.end()) continue;  // read_back named the tensors
+              verdict.expect_empty(compare_shard(state.tensor->span(),
+                                                 shard_of(layout, expected.offsets, saved->second),
+                                                 layout, "the inner optimizer's " + state.name),
+                                   what);
+            }
+            const auto check_values = [&](std::span<const float> flat, const std::string& when) {
+              if (lab.values_replicated) {
+                verdict.expect_empty(compare_values(model.flat_parameters(), flat, expected.offsets,
+                                                    "the model's parameters"),
+                                     when + " (every Parameter::value must hold the parameters)");
+                return;
+              }
+              for (const Parameter* parameter : model.parameters())
+                if (parameter->value.size() != 0) {
+                  verdict.fail(
+                      fmt::format("{}: {}'s value holds {} elements; expected it released "
+                                  "(only the shard stays)",
+                                  when, parameter->name, parameter->value.size()));
+                  return;
+                }
+            };
+            if (verdict.passed()) check_values(at_save, what);
+            // Every rank runs every step whatever it found, so that no rank waits for a peer
+            // that stopped; a failure is recorded once.
+            for (int step = k; step < steps; ++step) {
+              subject->train_step(local_batch(*training.data, options, step, comm.rank(), world));
+              if (!verdict.passed()) continue;
+              const std::vector<float>& after =
+                  exact.parameters_after_step[static_cast<std::size_t>(step)];
+              const std::string when = fmt::format("{}, then step {}", what, step + 1);
+              verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+                                                 shard_of(layout, expected.offsets, after), layout,
+                                                 "shard_parameters()"),
+                                   when + " (the emulation: k steps on 4 ranks, the rest on " +
+                                       std::to_string(world) + ")");
+              if (verdict.passed()) check_values(after, when);
+            }
+          },
+          draws, kFileHangTimeout, Backend::kLocal);
+    }
+
+    // 4. Misuse: checkpoints of another model and without the optimizer's state.
+    if (passed) {
+      std::vector<std::string> state_names = {kShardParameters};
+      for (const auto& [name, values] : expected.state) state_names.push_back(name);
+      std::vector<CheckpointParameter> other = expected.parameters;
+      other.back().shape.back() += 1;
+      const std::vector<std::pair<std::string, std::function<void(const std::filesystem::path&)>>>
+          foreign = {
+              {fmt::format("a checkpoint whose {} has shape [{}]", other.back().name,
+                           fmt::join(other.back().shape, ", ")),
+               [&](const std::filesystem::path& where) {
+                 save_foreign_checkpoint(where, other, state_names);
+               }},
+              {"a checkpoint of the parameters without the optimizer's state",
+               [&](const std::filesystem::path& where) {
+                 save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
+               }},
+          };
+      for (const auto& [what, write] : foreign) {
+        // A directory of this process's own: under mpi every process runs this part.
+        const std::filesystem::path where = make_directory();
+        write(where);
+        passed = run_on_ranks(
+            2,
+            [&](Communicator& comm, Verdict& verdict) {
+              Model model = training.model();
+              const std::unique_ptr<CheckpointSubject> subject =
+                  lab.make(model, comm, training.for_world(2));
+              try {
+                subject->load(where);
+                verdict.fail(
+                    fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
+                                "what was expected and what was seen",
+                                what));
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error&) {
+              }
+            },
+            draws, kFileHangTimeout, Backend::kLocal);
+        std::error_code ignored;
+        std::filesystem::remove_all(where, ignored);
+        if (!passed) break;
+      }
+    }
+
+    if (passed)
+      note_measured(fmt::format(
+          "{}: saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
+          "index's layouts and the consolidated parameters and optimizer state are the emulation's "
+          "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}) it trained on bitwise; a "
+          "checkpoint of other shapes or without optimizer state throws dp::Error",
+          training.options.optimizer, k, steps, expected.layouts.at(4).front().shard_elements,
+          expected.layouts.at(2).front().shard_elements,
+          expected.layouts.at(3).front().shard_elements,
+          expected.layouts.at(4).front().shard_elements));
+
+  } catch (const std::exception& error) {
+    ADD_FAILURE() << fmt::format("the checkpoint check failed with {}: {}\n  drawn: {}",
+                                 type_name(error), error.what(), draws.describe());
+  }
+
+  // The directory goes; under mpi once every process has read it.
+  if (on_mpi_ranks) {
+    run_on_ranks(
+        kSavedWorld,
+        [&](Communicator& comm, Verdict&) {
+          comm.barrier();
+          std::error_code ignored;
+          if (comm.rank() == 0) std::filesystem::remove_all(directory, ignored);
+        },
+        draws, kFileHangTimeout, Backend::kMpi);
+  } else {
+    std::error_code ignored;
+    std::filesystem::remove_all(directory, ignored);
+  }
+}
+
+}  // namespace dp::grading
