@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
@@ -111,7 +112,18 @@ SpawnedChild spawn_child(const std::vector<std::string>& argv,
   // Its own process group (pgid = its pid), so that a time-out reaches the program and
   // what it started (mpirun's ranks) with one signal.
   posix_spawnattr_setpgroup(&attributes, 0);
-  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP);
+  // With no signal blocked, whatever the caller holds (SignalForwarding), and the default
+  // action for the termination signals even where the grader was started ignoring them
+  // (nohup): the child must die of the SIGTERM a time-out or a forward sends it.
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attributes, &none);
+  sigset_t terminating;
+  sigemptyset(&terminating);
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaddset(&terminating, signal);
+  posix_spawnattr_setsigdefault(&attributes, &terminating);
+  posix_spawnattr_setflags(&attributes,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   std::vector<std::string> args = argv;
   std::vector<std::string> env = environment;
   std::vector<char*> arg_pointers = pointers_to(args);
@@ -132,6 +144,68 @@ SpawnedChild spawn_child(const std::vector<std::string>& argv,
   child.pid = pid;
   child.output_fd = output[0];
   return child;
+}
+
+// --- forwarding termination signals -------------------------------------------------------
+
+namespace {
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// The group the handler forwards to: 0 while none. An atomic of a lock-free type is what a
+// signal handler may read.
+std::atomic<int> forwarded_group{0};
+std::atomic<bool> forwarding_exists{false};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+/// The handler: SIGTERM to the child's group (mpirun ends its ranks on it), then this
+/// process's default action for `signal`. Only async-signal-safe calls.
+void forward_and_end(int signal) {
+  const int group = forwarded_group.load();
+  if (group > 0) kill(-group, SIGTERM);
+  struct sigaction default_action = {};
+  default_action.sa_handler = SIG_DFL;
+  sigemptyset(&default_action.sa_mask);
+  sigaction(signal, &default_action, nullptr);
+  sigset_t just_this;
+  sigemptyset(&just_this);
+  sigaddset(&just_this, signal);
+  sigprocmask(SIG_UNBLOCK, &just_this, nullptr);
+  raise(signal);
+}
+
+}  // namespace
+
+struct SignalForwarding::Saved {
+  struct sigaction actions[std::size(kForwardedSignals)];
+  sigset_t mask;
+};
+
+SignalForwarding::SignalForwarding() : saved_(std::make_unique<Saved>()) {
+  if (forwarding_exists.exchange(true))
+    throw Error("SignalForwarding: one already exists (one child is run at a time)");
+  sigset_t held;
+  sigemptyset(&held);
+  for (const int signal : kForwardedSignals) sigaddset(&held, signal);
+  pthread_sigmask(SIG_BLOCK, &held, &saved_->mask);
+  struct sigaction action = {};
+  action.sa_handler = forward_and_end;
+  sigemptyset(&action.sa_mask);
+  for (std::size_t i = 0; i < std::size(kForwardedSignals); ++i)
+    sigaction(kForwardedSignals[i], &action, &saved_->actions[i]);
+}
+
+void SignalForwarding::forward_to(int group) {
+  forwarded_group.store(group > 0 ? group : 0);
+  pthread_sigmask(SIG_SETMASK, &saved_->mask, nullptr);
+}
+
+SignalForwarding::~SignalForwarding() {
+  // Handlers first, then the mask: a signal held until now meets the previous handler.
+  for (std::size_t i = 0; i < std::size(kForwardedSignals); ++i)
+    sigaction(kForwardedSignals[i], &saved_->actions[i], nullptr);
+  forwarded_group.store(0);
+  pthread_sigmask(SIG_SETMASK, &saved_->mask, nullptr);
+  forwarding_exists.store(false);
 }
 
 void become_child_subreaper() {

@@ -16,6 +16,7 @@
 //   kill_descendants(before);
 #pragma once
 
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
@@ -35,6 +36,37 @@ struct SpawnedChild {
 SpawnedChild spawn_child(const std::vector<std::string>& argv,
                          const std::vector<std::string>& environment,
                          const std::string& working_directory = {});
+
+/// While it exists, SIGINT, SIGTERM and SIGHUP sent to this process reach the process group
+/// of the child it forwards to (`forward_to`) as SIGTERM, and then end this process as they
+/// would have without it. The child runs in a process group of its own, so that a time-out
+/// reaches it and mpirun's ranks with one signal; a Ctrl-C at the terminal or a `timeout`
+/// around `dplab grade` reaches only the grader's group, and without forwarding mpirun and
+/// its ranks would run on, orphaned. One at a time: it throws `dp::Error` if another exists.
+///
+/// Example:
+///
+///   SignalForwarding forwarding;            // the signals are held until forward_to
+///   SpawnedChild child = spawn_child(...);  // the child starts with them unblocked
+///   forwarding.forward_to(child.pid);
+class SignalForwarding {
+ public:
+  /// Installs the handlers and holds the three signals (blocked) until `forward_to`, so that
+  /// none arrives between the spawn and knowing the child's group.
+  SignalForwarding();
+  /// Restores the previous handlers and signal mask; a held signal is then delivered.
+  ~SignalForwarding();
+  SignalForwarding(const SignalForwarding&) = delete;
+  SignalForwarding& operator=(const SignalForwarding&) = delete;
+
+  /// Forwards to process group `group` (the child's pid; < 1: to nobody) and stops holding
+  /// the signals.
+  void forward_to(int group);
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
+};
 
 /// Makes this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER): orphaned
 /// descendants become its children. Throws `dp::Error` when the kernel refuses.

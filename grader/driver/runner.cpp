@@ -454,8 +454,10 @@ RunResult run_check_program(const RunRequest& request) {
   // In the run's own directory: whatever files a lab writes (a forged report, say) land
   // there and go with it, not in the directory the grader was started from.
   const WorkingDirectory working_directory;
+  SignalForwarding forwarding;  // a Ctrl-C or a kill of the grader ends the child's group too
   const SpawnedChild child =
       spawn_child(command, child_environment(variables), working_directory.path().string());
+  forwarding.forward_to(child.pid);
   if (child.pid < 0) {
     result.status = RunStatus::kFailedToStart;
     result.start_error = child.error;

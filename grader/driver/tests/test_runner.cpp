@@ -4,6 +4,7 @@
 // never throws; and nothing the program started outlives the run.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -248,6 +249,58 @@ TEST_F(RunnerTest, NoProcessTheRunStartedOutlivesIt) {
   EXPECT_TRUE(result.surviving_processes.empty());
   EXPECT_EQ(processes_with(marker), std::vector<int>{})
       << "the setsid grandchild " << marker << " outlived the run";
+}
+
+// A Ctrl-C or a kill of the grader reaches the check program, which runs in a process group
+// of its own (where a terminal's Ctrl-C never arrives): without forwarding, mpirun and its
+// ranks ran on after `timeout` ended `dplab grade`, busy-polling two cores for 20 minutes.
+TEST_F(RunnerTest, ASignalToTheGraderEndsTheCheckProgramToo) {
+  const std::filesystem::path pid_file =
+      std::filesystem::temp_directory_path() / fmt::format("dplab-forward-{}", getpid());
+  std::filesystem::remove(pid_file);
+  // The launcher's shell writes its pid and becomes the check program, which hangs; a
+  // second later (once the program is asleep: one still printing would die of SIGPIPE when
+  // the grader's end of the pipe closes, forwarded or not) a subshell interrupts the grader,
+  // the shell's parent.
+  request_.launcher = [pid_file](const std::vector<std::string>& command, int, const auto&) {
+    std::vector<std::string> argv = {
+        "/bin/sh", "-c",
+        fmt::format("echo $$ > '{}'; (sleep 1; kill -INT $PPID) & exec \"$@\"", pid_file.string()),
+        "sh"};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
+  };
+  setenv("FAKE_CHECKS_MODE", "hang", 1);
+  // The grader in a child of this test (not a death test, which would wait for the end of
+  // the hanging program's copy of its pipe, forever when forwarding fails).
+  const pid_t grader = fork();
+  if (grader == 0) {
+    run_check_program(request_);
+    _exit(0);  // not reached when the signal ends it
+  }
+  ASSERT_GT(grader, 0);
+  int status = 0;
+  waitpid(grader, &status, 0);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT)
+      << "the grader ends as the signal says, after forwarding it (status " << status << ")";
+  int pid = 0;
+  std::ifstream(pid_file) >> pid;
+  std::filesystem::remove(pid_file);
+  ASSERT_GT(pid, 0) << "the launcher did not run";
+  // Gone, or a zombie of this process (a subreaper since an earlier run) left to reap.
+  const auto running = [pid] {
+    std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+    std::string text;
+    if (!std::getline(stat, text)) return false;
+    return text.substr(text.rfind(')') + 2, 1) != "Z";
+  };
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (running() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  const bool survived = running();
+  if (survived) kill(pid, SIGKILL);
+  waitpid(pid, nullptr, WNOHANG);
+  EXPECT_FALSE(survived) << "the hanging check program outlived the grader";
 }
 
 TEST_F(RunnerTest, AThreadSanitizerReportFailsEveryCheck) {
