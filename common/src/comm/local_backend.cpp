@@ -182,6 +182,10 @@ struct Operation : std::enable_shared_from_this<Operation> {
   // takes longer than any spin, and the communication threads that run it need the
   // cores a spinning rank holds).
   bool spin = true;
+  // Finished lock-free: the rank's CallLog still lists it as pending (with a pointer to
+  // `finished`, so that reports leave it out) until the rank's own thread, which alone
+  // reads and writes this, records the completion (LocalWorld::close_log).
+  bool log_open = false;
   std::exception_ptr error;
   // Simulated sends posted before their receive: a copy of the input (malloc'd, so that
   // the grader's count of lab code's operator new does not see it).
@@ -340,7 +344,10 @@ class LocalWorld {
   /// Blocks the calling rank until `operation` completes; throws its error.
   void wait(Operation& operation);
   /// `Work::test()`: true once `operation` completed (simulated: by the rank's clock).
-  bool test(const Operation& operation);
+  bool test(Operation& operation);
+  /// Records in the rank's log that `operation`, finished, completed (see
+  /// Operation::log_open); the rank's own thread calls it before the call goes away.
+  void close_log(Operation& operation);
   /// True once `operation` completed (simulated: its completion time is known).
   bool is_ready(const Operation& operation);
   /// Waits for `operation` without throwing (for destructors).
@@ -857,6 +864,10 @@ std::shared_ptr<Operation> LocalWorld::post_fast_collective(std::shared_ptr<Oper
   }
   const int me = operation->rank;
   Rank& self = ranks_[me];
+  // Whoever finishes the call leaves this rank's log alone (another core's lines: that
+  // cost ~0.9 us of a 4 KiB all-reduce's 3.1): this rank records the completion itself.
+  operation->record.finished = &operation->finished;
+  operation->log_open = true;
   operation->call_index = self.log.record(operation->record);
   operation->record.index = operation->call_index;
   count_collective(*operation);
@@ -905,7 +916,7 @@ void LocalWorld::wait_for_fast_slot(FastSlot& slot, std::uint64_t sequence,
             kStuckRankGrace);
       }
       // The call was recorded but never posted: it ends here, with the abort.
-      ranks_[operation.rank].log.complete(operation.call_index);
+      ranks_[operation.rank].log.complete(operation.call_index);  // before the flag goes
       throw_if_aborted();
     }
     std::this_thread::yield();
@@ -954,14 +965,12 @@ void LocalWorld::run_full_slot(FastSlot& slot, std::uint64_t sequence) {
 }
 
 void LocalWorld::finish_lock_free(std::span<Operation* const> members) {
-  // The data has moved: mark each call finished. After its store a rank may return from
-  // wait() and free its call, so everything needed later is copied first.
+  // The data has moved: mark each call finished (each rank records it in its log, see
+  // Operation::log_open). After its store a rank may return from wait() and free its
+  // call, so everything needed later is copied first.
   std::array<std::pair<int, std::uint64_t>, kMaxWorldSize> calls;
-  for (std::size_t i = 0; i < members.size(); ++i) {
-    Operation& member = *members[i];
-    calls[i] = {member.rank, member.call_index};
-    ranks_[member.rank].log.complete(member.call_index);
-  }
+  for (std::size_t i = 0; i < members.size(); ++i)
+    calls[i] = {members[i]->rank, members[i]->call_index};
   // seq_cst, with the load of sleepers_ after it: see sleepers_.
   for (Operation* member : members) member->finished.store(true, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
@@ -1206,6 +1215,7 @@ bool LocalWorld::spin_until_ready(Operation& operation) {
 void LocalWorld::wait(Operation& operation) {
   // Without the simulation a ready call needs nothing under the lock: the fast path.
   if (!network_ && (operation.spin ? spin_until_ready(operation) : is_ready(operation))) {
+    close_log(operation);
     if (operation.error) std::rethrow_exception(operation.error);
     return;
   }
@@ -1222,6 +1232,7 @@ void LocalWorld::wait(Operation& operation) {
   const auto ready = [&] { return operation.finished.load(std::memory_order_seq_cst); };
   // On the simulated clock, returning moves the rank's compute time to the completion.
   const auto finish = [&] {
+    close_log(operation);
     if (operation.error) std::rethrow_exception(operation.error);
     if (network_) {
       network_->clock(operation.rank).advance_to(operation.timing.completion);
@@ -1286,8 +1297,18 @@ bool LocalWorld::is_ready(const Operation& operation) {
   return operation.finished.load(std::memory_order_acquire);
 }
 
-bool LocalWorld::test(const Operation& operation) {
-  if (!network_) return operation.finished.load(std::memory_order_acquire);
+void LocalWorld::close_log(Operation& operation) {
+  if (!operation.log_open) return;
+  operation.log_open = false;
+  ranks_[operation.rank].log.complete(operation.call_index);
+}
+
+bool LocalWorld::test(Operation& operation) {
+  if (!network_) {
+    if (!operation.finished.load(std::memory_order_acquire)) return false;
+    close_log(operation);
+    return true;
+  }
   std::lock_guard lock(mutex_);
   network_->publish(operation.rank);
   settle();
@@ -1306,7 +1327,8 @@ LocalWork::~LocalWork() {
         "in flight)",
         operation_->rank, operation_->record.describe()));
   world_.wait_quietly(*operation_);
-  operation_->slot.reset();  // the call and its slot refer to each other (see CollectiveSlot)
+  world_.close_log(*operation_);  // if wait() threw before it did
+  operation_->slot.reset();       // the call and its slot refer to each other (see CollectiveSlot)
 }
 
 void LocalWork::wait() {
