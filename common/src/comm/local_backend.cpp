@@ -968,16 +968,19 @@ void LocalWorld::finish_lock_free(std::span<Operation* const> members) {
   // The data has moved: mark each call finished (each rank records it in its log, see
   // Operation::log_open). After its store a rank may return from wait() and free its
   // call, so everything needed later is copied first.
-  std::array<std::pair<int, std::uint64_t>, kMaxWorldSize> calls;
-  for (std::size_t i = 0; i < members.size(); ++i)
-    calls[i] = {members[i]->rank, members[i]->call_index};
+  std::array<int, kMaxWorldSize> ranks;  // plain arrays: nothing to construct
+  std::array<std::uint64_t, kMaxWorldSize> call_indices;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    ranks[i] = members[i]->rank;
+    call_indices[i] = members[i]->call_index;
+  }
   // seq_cst, with the load of sleepers_ after it: see sleepers_.
   for (Operation* member : members) member->finished.store(true, std::memory_order_seq_cst);
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
   std::lock_guard lock(mutex_);
   for (std::size_t i = 0; i < members.size(); ++i) {
-    Rank& owner = ranks_[calls[i].first];
-    if (owner.blocked_on == calls[i].second) owner.blocked_on.reset();
+    Rank& owner = ranks_[ranks[i]];
+    if (owner.blocked_on == call_indices[i]) owner.blocked_on.reset();
   }
   changed_.notify_all();
 }
@@ -986,15 +989,27 @@ void execute_eager(std::span<Operation* const> members) {
   // The whole collective, by the last rank to issue it. Its index space is the whole
   // array, or for reduce-scatter and all-gather the concatenation of the ranks' shards.
   const Operation& first = *members[0];
-  // On the stack: this runs for every small collective.
-  std::array<ConstBuffer, kMaxWorldSize> input_array;
-  std::array<MutableBuffer, kMaxWorldSize> output_array;
+  // On the stack up to 16 ranks: this runs for every small collective, and an array of
+  // buffers is constructed element by element (kMaxWorldSize of them would be 12 KiB).
+  constexpr std::size_t kOnStack = 16;
+  std::array<ConstBuffer, kOnStack> input_stack;
+  std::array<MutableBuffer, kOnStack> output_stack;
+  std::vector<ConstBuffer> input_heap;
+  std::vector<MutableBuffer> output_heap;
+  ConstBuffer* input_array = input_stack.data();
+  MutableBuffer* output_array = output_stack.data();
+  if (members.size() > kOnStack) {
+    input_heap.resize(members.size());
+    output_heap.resize(members.size());
+    input_array = input_heap.data();
+    output_array = output_heap.data();
+  }
   for (std::size_t r = 0; r < members.size(); ++r) {
     input_array[r] = members[r]->input;
     output_array[r] = members[r]->output;
   }
-  const std::span<const ConstBuffer> inputs(input_array.data(), members.size());
-  const std::span<const MutableBuffer> outputs(output_array.data(), members.size());
+  const std::span<const ConstBuffer> inputs(input_array, members.size());
+  const std::span<const MutableBuffer> outputs(output_array, members.size());
   switch (first.op) {
     case CommOp::kAllReduce:
       reduce_chunk(outputs, 0, inputs, 0, first.output.count, first.reduce);
