@@ -84,6 +84,9 @@ using WallTime = std::chrono::steady_clock;
 /// up to here (measured on 2 ranks, 64 KiB: 18.6 us in 16 KiB pieces that both ranks
 /// claimed, 9.0 us for one rank alone): claiming pieces moves cache lines between cores.
 constexpr std::size_t kEagerBytes = std::size_t{256} << 10;
+/// The pieces a large collective is cut into (see CollectiveSlot): claiming one costs
+/// ~0.1 us, moving it ~10 us.
+constexpr std::size_t kPieceBytes = std::size_t{256} << 10;
 /// Above this size a rank waiting for a collective sleeps at once: 2 ranks take ~50 us
 /// for 1 MiB, about what a waiting rank spins and yields for (SpinPolicy).
 constexpr std::size_t kSpinBytes = std::size_t{1} << 20;
@@ -144,9 +147,19 @@ struct CollectiveSlot {
   std::vector<std::shared_ptr<Operation>> members;
   int arrived = 0;                      // ranks that issued it (simulated: see open_slots_)
   std::optional<std::string> mismatch;  // set once every rank issued it
-  // The communication threads' path.
+  // The communication threads' path with the simulation.
   int threads_arrived = 0;
   std::array<int, 3> phase_arrivals{};
+  // Without the simulation, a large collective: pieces of the index space [0, elements),
+  // claimed by whichever thread is free to work on it (communication threads, ranks
+  // waiting for it), so that every core works whatever the scheduler runs.
+  std::size_t elements = 0;
+  std::size_t piece_elements = 0;
+  std::size_t pieces = 0;
+  std::vector<ConstBuffer> inputs;  // by rank
+  std::vector<MutableBuffer> outputs;
+  alignas(64) std::atomic<std::size_t> next_piece{0};
+  alignas(64) std::atomic<std::size_t> pieces_done{0};
 };
 
 /// Where the ranks meet for one collective without the simulation, lock-free (see the
@@ -192,6 +205,9 @@ struct Operation : std::enable_shared_from_this<Operation> {
   std::unique_ptr<unsigned char, decltype(&std::free)> eager_copy{nullptr, &std::free};
   VirtualCall timing;  // simulated times (when the simulation is on)
   bool ready = false;  // done and, when simulated, its completion time known
+  // A large collective's pieces (set, release, once every rank issued it): its rank
+  // helps with them when it waits.
+  std::atomic<CollectiveSlot*> pieces{nullptr};
   // `ready`, readable without the mutex. A collective that met in a FastSlot is finished
   // lock-free by the last rank to arrive, which sets only this (not done, not ready).
   std::atomic<bool> finished{false};
@@ -284,6 +300,8 @@ void copy_elements(MutableBuffer dst, std::size_t dst_offset, ConstBuffer src,
 
 /// Runs a small collective whose calls (by rank) match, on the calling thread.
 void execute_eager(std::span<Operation* const> members);
+/// Runs piece `piece` of a large collective (see CollectiveSlot).
+void execute_piece(const CollectiveSlot& slot, std::size_t piece);
 
 class LocalWorld;
 
@@ -371,6 +389,8 @@ class LocalWorld {
     CallLog log;
     CommCounters counters;
     std::deque<std::shared_ptr<Operation>> collective_queue;  // for the comm thread
+    // Without the simulation: large collectives whose pieces the comm thread works on.
+    std::deque<std::shared_ptr<CollectiveSlot>> piece_queue;
     std::thread comm_thread;
     bool comm_thread_waiting_for_peers = false;
     std::optional<std::uint64_t> blocked_on;  // call the rank's own thread waits for
@@ -396,6 +416,8 @@ class LocalWorld {
   void wait_for_fast_slot(FastSlot& slot, std::uint64_t sequence, const Operation& operation);
   void run_full_slot(FastSlot& slot, std::uint64_t sequence);
   void finish_lock_free(std::span<Operation* const> members);
+  // A large collective's pieces: claims and runs them until none is left.
+  void run_pieces(CollectiveSlot& slot);
   // Spins until `operation` is ready; false if it is not after
   // spin_policy_.before_sleep or the ranks were aborted.
   bool spin_until_ready(Operation& operation);
@@ -947,13 +969,23 @@ void LocalWorld::run_full_slot(FastSlot& slot, std::uint64_t sequence) {
       const auto error = std::make_exception_ptr(CommError(*mismatch));
       for (Operation* member : members) complete(*member, error);
     } else {
-      // Large: every rank's communication thread takes its part (they may all start now).
+      // Large: cut into pieces for the communication threads and the waiting ranks.
       auto shared = std::make_shared<CollectiveSlot>();
-      for (Operation* member : members) shared->members.push_back(member->shared_from_this());
       shared->arrived = p;
       for (Operation* member : members) {
-        member->slot = shared;
-        ranks_[member->rank].collective_queue.push_back(member->shared_from_this());
+        shared->members.push_back(member->shared_from_this());
+        shared->inputs.push_back(member->input);
+        shared->outputs.push_back(member->output);
+      }
+      shared->elements =
+          first.op == CommOp::kReduceScatter ? first.input.count : first.output.count;
+      shared->piece_elements =
+          std::max<std::size_t>(1, kPieceBytes / element_size(first.input.type));
+      shared->pieces = (shared->elements + shared->piece_elements - 1) / shared->piece_elements;
+      for (Operation* member : members) {
+        member->slot = shared;  // keeps the pieces alive while the call is
+        member->pieces.store(shared.get(), std::memory_order_release);
+        ranks_[member->rank].piece_queue.push_back(shared);
       }
       comm_changed_.notify_all();
     }
@@ -1038,11 +1070,80 @@ void execute_eager(std::span<Operation* const> members) {
   }
 }
 
+void LocalWorld::run_pieces(CollectiveSlot& slot) {
+  while (true) {
+    // Read before claiming: a claim (a read-modify-write) after the last piece would take
+    // the line from the threads at work.
+    if (slot.next_piece.load(std::memory_order_relaxed) >= slot.pieces) return;
+    const std::size_t piece = slot.next_piece.fetch_add(1, std::memory_order_relaxed);
+    if (piece >= slot.pieces) return;
+    execute_piece(slot, piece);
+    // acq_rel: whoever finishes last sees every piece's writes and publishes them (with
+    // the mutex, to every rank).
+    if (slot.pieces_done.fetch_add(1, std::memory_order_acq_rel) + 1 == slot.pieces) {
+      std::lock_guard lock(mutex_);
+      for (auto& member : slot.members) complete(*member, nullptr);
+      return;
+    }
+  }
+}
+
+void execute_piece(const CollectiveSlot& slot, std::size_t piece) {
+  // Pieces cover [begin, end) of the index space: the whole array, or for reduce-scatter
+  // and all-gather the concatenation of the ranks' shards.
+  const Operation& first = *slot.members[0];
+  const std::size_t begin = piece * slot.piece_elements;
+  const std::size_t end = std::min(begin + slot.piece_elements, slot.elements);
+  switch (first.op) {
+    case CommOp::kAllReduce:
+      reduce_chunk(slot.outputs, begin, slot.inputs, begin, end - begin, first.reduce);
+      return;
+    case CommOp::kReduceScatter:
+    case CommOp::kAllGather: {
+      const std::size_t shard =
+          first.op == CommOp::kReduceScatter ? first.output.count : first.input.count;
+      for (std::size_t owner = begin / shard; owner * shard < end; ++owner) {
+        const std::size_t from = std::max(begin, owner * shard);
+        const std::size_t to = std::min(end, (owner + 1) * shard);
+        if (first.op == CommOp::kReduceScatter) {
+          reduce_chunk(std::span(&slot.outputs[owner], 1), from - owner * shard, slot.inputs, from,
+                       to - from, first.reduce);
+        } else {
+          for (const MutableBuffer& output : slot.outputs)
+            copy_elements(output, from, slot.inputs[owner], from - owner * shard, to - from);
+        }
+      }
+      return;
+    }
+    case CommOp::kBroadcast:
+      for (std::size_t r = 0; r < slot.outputs.size(); ++r)
+        if (static_cast<int>(r) != first.root)
+          copy_elements(slot.outputs[r], begin, slot.outputs[static_cast<std::size_t>(first.root)],
+                        begin, end - begin);
+      return;
+    default: DP_CHECK(false, "{} has no pieces", to_string(first.op));
+  }
+}
+
 void LocalWorld::run_comm_thread(int rank) {
   Rank& self = ranks_[rank];
   std::unique_lock lock(mutex_);
   while (true) {
-    comm_changed_.wait(lock, [&] { return shutting_down_ || !self.collective_queue.empty(); });
+    comm_changed_.wait(lock, [&] {
+      return shutting_down_ || !self.collective_queue.empty() || !self.piece_queue.empty();
+    });
+    if (!self.piece_queue.empty()) {
+      // A large collective's pieces (see CollectiveSlot): this thread works on them until
+      // none is left to claim, even after an abort (a peer may be writing into this
+      // rank's buffer: the last piece ends every rank's call). The queue keeps the slot
+      // meanwhile, which tells the deadlock detector that work is in progress.
+      const std::shared_ptr<CollectiveSlot> pieces = self.piece_queue.front();
+      lock.unlock();
+      run_pieces(*pieces);
+      lock.lock();
+      self.piece_queue.pop_front();
+      continue;
+    }
     if (self.collective_queue.empty()) return;  // shutting down with nothing left
     std::shared_ptr<Operation> operation = self.collective_queue.front();
     if (abort_reason_) {
@@ -1192,6 +1293,7 @@ void LocalWorld::check_for_deadlock() {
   for (const Rank& rank : ranks_) {
     if (!rank.blocked_on && !rank.finished) return;
     if (!rank.collective_queue.empty() && !rank.comm_thread_waiting_for_peers) return;
+    if (!rank.piece_queue.empty()) return;
   }
   bool anyone_waits = false;
   for (const Rank& rank : ranks_) anyone_waits = anyone_waits || rank.blocked_on.has_value();
@@ -1229,6 +1331,11 @@ bool LocalWorld::spin_until_ready(Operation& operation) {
 
 void LocalWorld::wait(Operation& operation) {
   // Without the simulation a ready call needs nothing under the lock: the fast path.
+  if (!network_) {
+    // A large collective: work on its pieces, if every rank has issued it already.
+    if (CollectiveSlot* pieces = operation.pieces.load(std::memory_order_acquire))
+      run_pieces(*pieces);
+  }
   if (!network_ && (operation.spin ? spin_until_ready(operation) : is_ready(operation))) {
     close_log(operation);
     if (operation.error) std::rethrow_exception(operation.error);
