@@ -1,16 +1,16 @@
 // The local backend: every rank is a thread of this process.
 //
-// Ranks share one address space, so a collective needs no messages: each rank's
-// communication thread reads and writes its peers' buffers directly. An all-reduce is a
-// reduce-scatter and an all-gather fused into one pass: rank i sums chunk i of every
-// rank's buffer, in rank order 0, 1, ..., p-1, and stores the result into chunk i of
-// every rank's buffer. Per rank that reads n and writes n bytes, the least any
-// all-reduce can move (on a memory-bound machine, traffic is time).
+// Ranks share one address space, so a collective needs no messages: a thread reads and
+// writes every rank's buffer directly. An all-reduce is a reduce-scatter and an
+// all-gather fused into one pass: each element is summed over the ranks' buffers in rank
+// order 0, 1, ..., p-1 and the sum stored into every rank's buffer. That reads n and
+// writes n bytes per rank, the least any all-reduce can move (on a memory-bound machine,
+// traffic is time). Nothing is copied beyond that: no staging buffers.
 //
-// Each chunk is reduced exactly once, so every rank ends with the same bits, and the
-// fixed order makes the result independent of thread timing. The bytes that cross
-// between ranks are those of a ring all-reduce, 2 (p-1)/p n per rank, and they are what
-// the counters record. Nothing is copied beyond that: no staging buffers.
+// Each element is reduced exactly once, so every rank ends with the same bits, and the
+// fixed order makes the result independent of thread timing and of which thread did the
+// work. The counters record the bytes a ring all-reduce moves between ranks,
+// 2 (p-1)/p n per rank, whatever the threads did.
 //
 // Without the simulation, the ranks meet for a collective without a lock: the n-th
 // collective of every rank meets in slot n mod kFastSlots of a ring allocated with the
@@ -21,9 +21,13 @@
 // are ready, a small all-reduce thus costs no lock, no allocation beyond the call's own
 // handle, no system call and no thread switch: only the reduction and a few cache lines
 // that move between cores (on a virtual machine each such move costs ~0.1-0.2 us, and
-// they, not the arithmetic, decide a 4 KiB all-reduce's time). Larger collectives are
-// handed to the communication threads once every rank has issued them. The bits are the
-// same on either path: every element is summed in rank order.
+// they, not the arithmetic, decide a 4 KiB all-reduce's time). A larger collective is
+// cut into pieces once every rank has issued it; the communication threads and the
+// ranks waiting for it claim pieces until none is left (`CollectiveSlot`), so every
+// core works on it whichever threads the scheduler runs.
+//
+// With the simulation, the ranks meet under the mutex and each rank's communication
+// thread reduces chunk i = rank of every buffer (`execute_collective`), in phases.
 //
 // Everything else sits behind one mutex (`mutex_`), which keeps the deadlock detector
 // exact: a deadlock is declared when every rank waits on a call, no communication
