@@ -84,14 +84,15 @@ namespace {
 using WallTime = std::chrono::steady_clock;
 
 /// Collectives up to this size run eagerly on the ranks' own threads (see the top): the
-/// last rank to issue one does all of it. Splitting the work between the ranks was slower
-/// up to here (measured on 2 ranks, 64 KiB: 18.6 us in 16 KiB pieces that both ranks
-/// claimed, 9.0 us for one rank alone): claiming pieces moves cache lines between cores.
+/// last rank to issue one does all of it. Splitting the work between the ranks was not
+/// faster up to here (measured on 2 ranks, 64 KiB: 9.0 us for one rank alone, 9.5 us in
+/// 16 KiB pieces that both ranks claimed, 18.6 us in 2 KiB pieces): claiming pieces moves
+/// cache lines between cores.
 constexpr std::size_t kEagerBytes = std::size_t{256} << 10;
 /// The pieces a large collective is cut into (see CollectiveSlot): claiming one costs
 /// ~0.1 us, moving it ~10 us.
 constexpr std::size_t kPieceBytes = std::size_t{256} << 10;
-/// Above this size a rank waiting for a collective sleeps at once: 2 ranks take ~50 us
+/// Above this size a rank waiting for a collective sleeps at once: 2 ranks take ~90 us
 /// for 1 MiB, about what a waiting rank spins and yields for (SpinPolicy).
 constexpr std::size_t kSpinBytes = std::size_t{1} << 20;
 /// Collectives a rank may have issued ahead of the slowest rank before it waits for a
