@@ -126,6 +126,39 @@ TEST(CommErrors, HangIsReportedAfterTheTimeout) {
   EXPECT_NE(message.find("rank 1: is not waiting in dplab"), std::string::npos) << message;
 }
 
+TEST(CommErrors, AReportLeavesOutACollectiveThatFinishedButWasNotWaitedFor) {
+  const std::string message = comm_error_of(local(2), [](Communicator& comm) {
+    std::vector<float> data(16, 1.0f), in(4);
+    auto reduced = comm.allreduce(std::span(data), ReduceOp::kSum);
+    if (comm.rank() == 1) reduced->wait();  // rank 0 never waits for it, yet it finished
+    comm.irecv(std::span(in), 1 - comm.rank(), 0)->wait();
+  });
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 0: waits for call #1 recv(from=1, tag=0, count=4 float32)"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("also pending"), std::string::npos) << message;
+}
+
+TEST(CommErrors, ARankTooFarAheadOfAPeerIsReportedAfterTheTimeout) {
+  // The local backend's rendezvous holds 1024 collectives in flight: rank 0 waits to issue
+  // more while rank 1 computes.
+  const std::string message = comm_error_of(local(2, milliseconds(300)), [](Communicator& comm) {
+    std::vector<float> data(4);
+    std::vector<std::unique_ptr<Work>> works;
+    if (comm.rank() == 0) {
+      for (int i = 0; i < 1100; ++i)
+        works.push_back(comm.allreduce(std::span(data), ReduceOp::kSum));
+    } else {
+      std::this_thread::sleep_for(seconds(1));
+    }
+  });
+  EXPECT_NE(message.find("timeout: rank 0 waited 0.3 s to issue call #1024 allreduce"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("a peer has not issued collective #0"), std::string::npos) << message;
+}
+
 TEST(CommErrors, AFailingRankEndsTheOthersAndItsErrorIsRethrown) {
   const auto start = SteadyClock::now();
   try {

@@ -45,6 +45,7 @@ std::uint64_t CallLog::record(CallRecord call) {
   if (is_collective(call.op)) {
     call.collective_index = next_collective_++;
     collectives_.push_back(call);
+    collectives_.back().finished = nullptr;  // kept after the call and its flag are gone
     if (collectives_.size() > kKeptCollectives) collectives_.pop_front();
   }
   pending_.push_back(call);
@@ -81,7 +82,9 @@ RankCallState CallLog::snapshot(int rank, std::optional<std::uint64_t> blocked_o
   state.finished = finished;
   {
     std::lock_guard lock(mutex_);
-    state.pending.assign(pending_.begin(), pending_.end());
+    for (const CallRecord& call : pending_)
+      if (call.finished == nullptr || !call.finished->load(std::memory_order_acquire))
+        state.pending.push_back(call);
     state.collectives.assign(collectives_.begin(), collectives_.end());
   }
   if (blocked_on) state.blocked_on = find(*blocked_on);

@@ -2,6 +2,7 @@
 // report built from every rank's record. Shared by the local and mpi backends.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -25,6 +26,10 @@ struct CallRecord {
   int peer = -1;                     ///< peer of send/recv, root of broadcast
   int tag = 0;                       ///< tag of send/recv
   bool done = false;
+  /// Local backend: the call's flag that says it finished, set by another rank's thread
+  /// before the owner records the completion here (see CallLog::snapshot); the owner
+  /// calls complete() before the flag goes away. Null when not used.
+  const std::atomic<bool>* finished = nullptr;
 
   /// E.g. "allreduce(count=1024 float32, op=sum) #7" or "recv(from=2, tag=0, count=16)".
   std::string describe() const;
@@ -56,6 +61,7 @@ class CallLog {
   /// The call with `index`, if still kept.
   std::optional<CallRecord> find(std::uint64_t index) const;
   /// This rank's state for a report; `blocked_on` is the call being waited for, if any.
+  /// A pending call whose `finished` flag is set is left out: it has completed.
   RankCallState snapshot(int rank, std::optional<std::uint64_t> blocked_on, bool finished) const;
 
  private:
