@@ -13,6 +13,7 @@
 #include <map>
 #include <ranges>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
