@@ -409,6 +409,36 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
                {"no tensor 'momentum_buffer' (it has params, exp_avg, exp_avg_sq)"});
 }
 
+TEST(ShardedCheckpointErrors, AFailedTargetCheckChangesNoTarget) {
+  const fs::path dir = test_directory();
+  save_all(dir, plan_of("flat", 2));
+  const dp::ShardLayout layout = layouts_of("flat", 3)[1];
+  // The first targets are good, the last is missing from the checkpoint or of the wrong
+  // size: every target is checked before any is written, so none changes.
+  dp::Tensor params({static_cast<std::int64_t>(layout.shard_elements)});
+  dp::Tensor exp_avg({static_cast<std::int64_t>(layout.shard_elements)});
+  dp::Tensor other({static_cast<std::int64_t>(layout.shard_elements)});
+  dp::Tensor small({static_cast<std::int64_t>(layout.shard_elements - 1)});
+  params.fill(kPaddingSentinel);
+  exp_avg.fill(2.5f);
+  other.fill(-1.0f);
+  small.fill(-1.0f);
+  const dp::Tensor params_before = params.clone();
+  const dp::Tensor exp_avg_before = exp_avg.clone();
+  const std::vector<dp::ShardTarget> missing = {
+      {"params", &params}, {"exp_avg", &exp_avg}, {"momentum_buffer", &other}};
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout, missing); },
+               {"no tensor 'momentum_buffer'"});
+  EXPECT_TRUE(bitwise_equal(params, params_before)) << "a missing tensor changed 'params'";
+  EXPECT_TRUE(bitwise_equal(exp_avg, exp_avg_before)) << "a missing tensor changed 'exp_avg'";
+  const std::vector<dp::ShardTarget> wrong_size = {
+      {"params", &params}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &small}};
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout, wrong_size); },
+               {"the tensor to fill for 'exp_avg_sq'"});
+  EXPECT_TRUE(bitwise_equal(params, params_before)) << "a wrong size changed 'params'";
+  EXPECT_TRUE(bitwise_equal(exp_avg, exp_avg_before)) << "a wrong size changed 'exp_avg'";
+}
+
 TEST(ShardedCheckpointErrors, ACorruptOrForeignIndex) {
   const fs::path dir = test_directory();
   expect_error([&] { dp::load_checkpoint_index(dir); },

@@ -565,9 +565,10 @@ void load_checkpoint_shard(const fs::path& directory, const ShardLayout& layout,
           "load_checkpoint_shard: the tensor to fill for '{}' has {} elements, "
           "expected the layout's shard size {}",
           target.name, target.tensor ? target.tensor->size() : 0, layout.shard_elements));
-    // Padding is zero in a loaded shard, whatever the saved shards held there.
-    target.tensor->fill(0.0f);
   }
+  // Every target checked before any is written: a missing tensor changes nothing.
+  // Padding is zero in a loaded shard, whatever the saved shards held there.
+  for (const ShardTarget& target : targets) target.tensor->fill(0.0f);
 
   const int world_size = static_cast<int>(plan.layouts.size());
   std::map<int, Checkpoint> shards;  // the saved shards read so far, by rank

@@ -810,6 +810,7 @@ class ZeroOneSubject final : public grading::CheckpointSubject {
 
 TEST(Lab5Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Draws draws("Lab5Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  draws.section("AdamW:");
   // A model that pads on 2, 3 and 4 ranks, so that a load at M reads past padding of N.
   const Training training = draw_training(draws, "adamw", {2, 3, 4});
   grading::CheckpointLab lab;
@@ -826,8 +827,10 @@ TEST(Lab5Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   grading::check_sharded_checkpoint(draws, training, lab);
   if (HasFailure()) return;
   // SGD's momentum buffer is state too, with another name.
+  draws.section("then SGD with momentum 0.9:");
   Training sgd = draw_training(draws, "sgd", {2, 3, 4});
   sgd.options.momentum = 0.9f;
+  draws.overrule("momentum 0.9", "momentum=0.9 (set by the check)");
   grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 

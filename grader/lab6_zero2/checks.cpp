@@ -1061,6 +1061,7 @@ class ZeroTwoSubject final : public grading::CheckpointSubject {
 
 TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Draws draws("Lab6Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  draws.section("AdamW:");
   const Training training = draw_training(draws, "adamw");
   grading::CheckpointLab lab;
   // The buckets do not depend on the world size (only their chunks do).
@@ -1076,14 +1077,41 @@ TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   lab.values_replicated = true;
   lab.segments_name = fmt::format("the buckets (cap {} bytes), each its parameters in bucket order",
                                   training.cap_bytes);
+  // The contract promises any cap: a load on 4 ranks with another cap (other buckets) must
+  // cut the shard for its own buckets. One bucket of everything when the drawn cap makes
+  // several, else a cap of 0 (a bucket per parameter).
+  std::size_t other_cap = 0;
+  {
+    const Model model = training.model();
+    if (contract_buckets(model, 1, training.cap_bytes).size() > 1)
+      other_cap = 4 * model.flat_parameters().size();
+  }
+  lab.other_segments = [other_cap](const Model& model) {
+    std::vector<std::vector<std::size_t>> segments;
+    for (const Bucket& bucket : contract_buckets(model, 1, other_cap))
+      segments.push_back(bucket.parameters);
+    return segments;
+  };
+  lab.make_other = [other_cap](Model& model, Communicator& comm, const TrainOptions& options) {
+    return std::make_unique<ZeroTwoSubject>(model, comm, options, other_cap);
+  };
+  lab.other_segments_name = fmt::format("a bucket cap of {} bytes", other_cap);
   grading::check_sharded_checkpoint(draws, training, lab);
   if (HasFailure()) return;
   // SGD's momentum buffer is state too, with another name; the same buckets (the same cap).
+  draws.section("then SGD with momentum 0.9 on the AdamW model and cap:");
   Training sgd{grading::draw_sharded_training(draws, "sgd")};
   sgd.options.momentum = 0.9f;
   sgd.options.model = training.options.model;
   sgd.options.layer_norm = training.options.layer_norm;
+  sgd.hidden1 = training.hidden1;
+  sgd.hidden2 = training.hidden2;
   sgd.cap_bytes = training.cap_bytes;
+  draws.overrule("hidden1", fmt::format("hidden1={} (the AdamW model's)", sgd.hidden1));
+  draws.overrule("hidden2", fmt::format("hidden2={} (the AdamW model's)", sgd.hidden2));
+  draws.overrule("layer norm",
+                 fmt::format("layer norm={} (the AdamW model's)", sgd.options.layer_norm));
+  draws.overrule("momentum 0.9", "momentum=0.9 (set by the check)");
   grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 

@@ -1681,6 +1681,7 @@ class ZeroThreeSubject final : public grading::CheckpointSubject {
 
 TEST(Lab7Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Draws draws("Lab7Checkpoint.SavedAtFourLoadsAtTwoAndThree");
+  draws.section("AdamW:");
   const Training training = grading::draw_sharded_training(draws, "adamw");
   grading::CheckpointLab lab;
   // The units do not depend on the world size (only their chunks do).
@@ -1698,10 +1699,18 @@ TEST(Lab7Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   grading::check_sharded_checkpoint(draws, training, lab);
   if (HasFailure()) return;
   // SGD's momentum buffer is state too, with another name; the same model (the same units).
+  draws.section("then SGD with momentum 0.9 on the AdamW model:");
   grading::ShardedTraining sgd = grading::draw_sharded_training(draws, "sgd");
   sgd.options.momentum = 0.9f;
   sgd.options.model = training.options.model;
   sgd.options.layer_norm = training.options.layer_norm;
+  sgd.hidden1 = training.hidden1;
+  sgd.hidden2 = training.hidden2;
+  draws.overrule("hidden1", fmt::format("hidden1={} (the AdamW model's)", sgd.hidden1));
+  draws.overrule("hidden2", fmt::format("hidden2={} (the AdamW model's)", sgd.hidden2));
+  draws.overrule("layer norm",
+                 fmt::format("layer norm={} (the AdamW model's)", sgd.options.layer_norm));
+  draws.overrule("momentum 0.9", "momentum=0.9 (set by the check)");
   grading::check_sharded_checkpoint(draws, sgd, lab);
 }
 

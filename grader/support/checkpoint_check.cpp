@@ -13,6 +13,7 @@
 #include <map>
 #include <ranges>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -139,6 +140,7 @@ struct Expected {
   std::map<std::string, std::vector<float>> state;  ///< after k steps, flat
   std::map<int, Trajectory> resumed;                ///< by load world size M
   std::map<int, std::vector<ShardLayout>> layouts;  ///< by world size
+  std::vector<ShardLayout> other_layouts;           ///< lab 6: another cap, at 4 ranks
   std::vector<float> parameters_at_save() const {   ///< after k steps
     return resumed.begin()->second.parameters_after_step[static_cast<std::size_t>(saved_after - 1)];
   }
@@ -220,11 +222,14 @@ void save_foreign_checkpoint(const std::filesystem::path& directory,
   const std::vector<std::vector<std::size_t>> segments = {all_parameters(plan.parameters)};
   plan.layouts = chunked_layouts(plan.parameters, segments, 1);
   plan.tensors = std::move(tensors);
-  plan.metadata = {{"step", "1"}};
+  // A step count and values no run of the check has: a load that writes any shows.
+  plan.metadata = {{"step", "7"}};
   std::vector<Tensor> values;
-  for (std::size_t i = 0; i < plan.tensors.size(); ++i)
+  for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     values.emplace_back(
         std::vector<std::int64_t>{static_cast<std::int64_t>(plan.layouts.front().shard_elements)});
+    values.back().fill(0.25f + static_cast<float>(i));
+  }
   std::vector<NamedTensor> named;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i)
     named.push_back({plan.tensors[i], &values[i]});
@@ -245,6 +250,9 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
     for (const Parameter* parameter : model.parameters())
       expected.offsets[parameter->name] = parameter->offset;
     expected.segments = lab.segments(model);
+    if (lab.other_segments)
+      expected.other_layouts =
+          chunked_layouts(expected.parameters, lab.other_segments(model), kSavedWorld);
   }
   for (int world : {2, 3, 4})
     expected.layouts[world] = chunked_layouts(expected.parameters, expected.segments, world);
@@ -275,13 +283,25 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
       subject->train_step(local_batch(*training.data, options, step, comm.rank(), kSavedWorld));
     subject->save(directory);
     // Complete on return, on every rank: this rank's shard and rank 0's index are there.
-    for (const std::string& file :
-         {shard_file_name(comm.rank(), kSavedWorld), std::string("index.json")})
-      if (!std::filesystem::exists(directory / file))
-        verdict.fail(
-            fmt::format("save_checkpoint returned on rank {} before {} existed; expected "
-                        "the checkpoint complete on every rank (a barrier)",
-                        comm.rank(), file));
+    // Every rank's shard, not only this rank's: a save that returns before its peers wrote
+    // theirs (no barrier after the writes) shows here on the ranks that finished first.
+    for (int rank = 0; rank < kSavedWorld; ++rank) {
+      const std::string file = shard_file_name(rank, kSavedWorld);
+      if (!std::filesystem::exists(directory / file)) {
+        verdict.fail(fmt::format(
+            "rank {}'s shard file {} does not exist after save_checkpoint returned on rank {}; "
+            "expected every rank to write its own shard, and the checkpoint complete when "
+            "save returns (a barrier after the writes)",
+            rank, file, comm.rank()));
+        return;
+      }
+    }
+    if (!std::filesystem::exists(directory / "index.json"))
+      verdict.fail(fmt::format(
+          "index.json does not exist after save_checkpoint returned on rank {}; expected rank "
+          "0 to write it (dp::save_checkpoint_shard does), and the checkpoint complete when "
+          "save returns (a barrier after the writes)",
+          comm.rank()));
   };
   bool passed = run_on_ranks(kSavedWorld, save, draws, kFileHangTimeout,
                              on_mpi_ranks ? Backend::kMpi : Backend::kLocal);
@@ -299,9 +319,26 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
       }
     }
 
-    // 3. Loaded on 2, 3 and 4 ranks (local threads), then the remaining steps.
-    for (int world : kLoadWorlds) {
+    // 3. Loaded on 2, 3 and 4 ranks (local threads), then the remaining steps; lab 6 also
+    // on 4 ranks with other buckets (another layout at the saved world size).
+    struct Load {
+      int world;
+      const std::vector<ShardLayout>* layouts;
+      const std::function<std::unique_ptr<CheckpointSubject>(Model&, Communicator&,
+                                                             const TrainOptions&)>* make;
+      std::string how;
+    };
+    std::vector<Load> loads;
+    for (int world : kLoadWorlds)
+      loads.push_back({world, &expected.layouts.at(world), &lab.make, ""});
+    if (lab.other_segments)
+      loads.push_back({kSavedWorld, &expected.other_layouts, &lab.make_other,
+                       fmt::format(" with {} (another layout at the saved world size: the shard "
+                                   "is cut for the optimizer's own layout)",
+                                   lab.other_segments_name)});
+    for (const Load& load : loads) {
       if (!passed) break;
+      const int world = load.world;
       const Trajectory& exact = expected.resumed.at(world);
       const std::vector<float> at_save = expected.parameters_at_save();
       passed = run_on_ranks(
@@ -309,12 +346,11 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           [&](Communicator& comm, Verdict& verdict) {
             const TrainOptions options = training.for_world(world);
             Model model = training.model();
-            const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
+            const std::unique_ptr<CheckpointSubject> subject = (*load.make)(model, comm, options);
             subject->load(directory);
-            const ShardLayout& layout =
-                expected.layouts.at(world)[static_cast<std::size_t>(comm.rank())];
+            const ShardLayout& layout = (*load.layouts)[static_cast<std::size_t>(comm.rank())];
             const std::string what =
-                fmt::format("saved on 4 ranks after step {}, loaded on {}", k, world);
+                fmt::format("saved on 4 ranks after step {}, loaded on {}{}", k, world, load.how);
             if (subject->inner().step_count() != k)
               verdict.fail(fmt::format(
                   "{}: the inner optimizer's step count is {}; expected the checkpoint's {} "
@@ -369,44 +405,106 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           draws, kFileHangTimeout, Backend::kLocal);
     }
 
-    // 4. Misuse: checkpoints of another model and without the optimizer's state.
+    // 4. Misuse: checkpoints of another model and without the optimizer's state. Each must
+    // throw, name what differs, and change nothing.
     if (passed) {
       std::vector<std::string> state_names = {kShardParameters};
       for (const auto& [name, values] : expected.state) state_names.push_back(name);
-      std::vector<CheckpointParameter> other = expected.parameters;
-      other.back().shape.back() += 1;
-      const std::vector<std::pair<std::string, std::function<void(const std::filesystem::path&)>>>
-          foreign = {
-              {fmt::format("a checkpoint whose {} has shape [{}]", other.back().name,
-                           fmt::join(other.back().shape, ", ")),
-               [&](const std::filesystem::path& where) {
-                 save_foreign_checkpoint(where, other, state_names);
-               }},
-              {"a checkpoint of the parameters without the optimizer's state",
-               [&](const std::filesystem::path& where) {
-                 save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
-               }},
-          };
-      for (const auto& [what, write] : foreign) {
+      struct Foreign {
+        std::string what;
+        std::string names;  ///< the message must contain it
+        std::function<void(const std::filesystem::path&)> write;
+      };
+      std::vector<Foreign> foreign;
+      std::vector<CheckpointParameter> larger = expected.parameters;
+      larger.back().shape.back() += 1;
+      foreign.push_back({fmt::format("a checkpoint whose {} has shape [{}] (this model's [{}])",
+                                     larger.back().name, fmt::join(larger.back().shape, ", "),
+                                     fmt::join(expected.parameters.back().shape, ", ")),
+                         larger.back().name, [&, larger](const std::filesystem::path& where) {
+                           save_foreign_checkpoint(where, larger, state_names);
+                         }});
+      // The same element count, another shape: a load that compares sizes only takes it.
+      std::vector<CheckpointParameter> swapped = expected.parameters;
+      const auto matrix = std::find_if(swapped.begin(), swapped.end(), [](const auto& p) {
+        return p.shape.size() == 2 && p.shape[0] != p.shape[1];
+      });
+      if (matrix != swapped.end()) {
+        const CheckpointParameter original = *matrix;
+        std::swap(matrix->shape[0], matrix->shape[1]);
+        foreign.push_back(
+            {fmt::format("a checkpoint whose {} has shape [{}] (this model's [{}]: the same "
+                         "element count, another shape)",
+                         matrix->name, fmt::join(matrix->shape, ", "),
+                         fmt::join(original.shape, ", ")),
+             matrix->name, [&, swapped](const std::filesystem::path& where) {
+               save_foreign_checkpoint(where, swapped, state_names);
+             }});
+      }
+      foreign.push_back({"a checkpoint of the parameters without the optimizer's state",
+                         state_names.size() > 1 ? state_names[1] : std::string(kShardParameters),
+                         [&](const std::filesystem::path& where) {
+                           save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
+                         }});
+      for (const Foreign& bad : foreign) {
         // A directory of this process's own: under mpi every process runs this part.
         const std::filesystem::path where = make_directory();
-        write(where);
+        bad.write(where);
         passed = run_on_ranks(
             2,
             [&](Communicator& comm, Verdict& verdict) {
               Model model = training.model();
-              const std::unique_ptr<CheckpointSubject> subject =
-                  lab.make(model, comm, training.for_world(2));
+              const TrainOptions options = training.for_world(2);
+              const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
+              // One step first, so that the state is not all zeros and the step count 1.
+              subject->train_step(local_batch(*training.data, options, 0, comm.rank(), 2));
+              const auto copy_of = [](const Tensor& tensor) {
+                return std::vector<float>(tensor.span().begin(), tensor.span().end());
+              };
+              const std::vector<float> shard = copy_of(subject->shard_parameters());
+              std::map<std::string, std::vector<float>> state;
+              for (const OptimizerState& s : subject->inner().state())
+                state[s.name] = copy_of(*s.tensor);
+              const std::int64_t step_count = subject->inner().step_count();
+              const std::vector<float> values =
+                  lab.values_replicated ? model.flat_parameters() : std::vector<float>{};
               try {
                 subject->load(where);
                 verdict.fail(
                     fmt::format("load_checkpoint of {} returned; expected dp::Error saying "
                                 "what was expected and what was seen",
-                                what));
+                                bad.what));
+                return;
               } catch (const NotImplemented&) {
                 throw;
-              } catch (const Error&) {
+              } catch (const Error& error) {
+                if (std::string_view(error.what()).find(bad.names) == std::string_view::npos)
+                  verdict.fail(fmt::format(
+                      "load_checkpoint of {} threw dp::Error \"{}\"; expected the message to "
+                      "name {} (what was expected and what was seen)",
+                      bad.what, error.what(), bad.names));
               }
+              const std::string after = fmt::format(
+                  "after load_checkpoint of {} threw (a bad checkpoint must change nothing: "
+                  "check it whole before writing anything)",
+                  bad.what);
+              const auto same = [&](std::span<const float> seen, const std::vector<float>& was,
+                                    const std::string& what) {
+                if (seen.size() != was.size() ||
+                    std::memcmp(seen.data(), was.data(), was.size() * sizeof(float)) != 0)
+                  verdict.fail(fmt::format("{}: {} changed", after, what));
+              };
+              same(subject->shard_parameters().span(), shard, "shard_parameters()");
+              for (const OptimizerState& s : subject->inner().state()) {
+                const auto was = state.find(s.name);
+                if (was != state.end())
+                  same(s.tensor->span(), was->second, "the inner optimizer's " + s.name);
+              }
+              if (subject->inner().step_count() != step_count)
+                verdict.fail(fmt::format("{}: the inner optimizer's step count is {}; it was {}",
+                                         after, subject->inner().step_count(), step_count));
+              if (lab.values_replicated)
+                same(model.flat_parameters(), values, "the model's parameter values");
             },
             draws, kFileHangTimeout, Backend::kLocal);
         std::error_code ignored;
@@ -419,12 +517,15 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
       note_measured(fmt::format(
           "{}: saved on 4 ranks after step {} of {} (shards of {} elements, padding included); the "
           "index's layouts and the consolidated parameters and optimizer state are the emulation's "
-          "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}) it trained on bitwise; a "
-          "checkpoint of other shapes or without optimizer state throws dp::Error",
+          "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}){} it trained on bitwise; "
+          "a "
+          "checkpoint of other shapes (one of the same element count) or without optimizer "
+          "state throws dp::Error naming what differs and changes nothing",
           training.options.optimizer, k, steps, expected.layouts.at(4).front().shard_elements,
           expected.layouts.at(2).front().shard_elements,
           expected.layouts.at(3).front().shard_elements,
-          expected.layouts.at(4).front().shard_elements));
+          expected.layouts.at(4).front().shard_elements,
+          lab.other_segments ? fmt::format(" and on 4 with {}", lab.other_segments_name) : ""));
 
   } catch (const std::exception& error) {
     ADD_FAILURE() << fmt::format("the checkpoint check failed with {}: {}\n  drawn: {}",

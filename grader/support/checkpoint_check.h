@@ -14,8 +14,14 @@
 //   3. loads it with fresh optimizers on 2, 3 and 4 ranks and trains the remaining steps:
 //      every rank's shard (and the model, where the contract keeps it whole) bitwise the
 //      emulation that ran k steps on 4 ranks and the rest on M;
-//   4. misuse: a checkpoint of another model's shapes, and one without the optimizer's
-//      state, must make `load_checkpoint` throw `dp::Error`.
+//      Lab 6 also loads on 4 ranks with another bucket cap (other buckets, another layout
+//      at the same world size);
+//   4. misuse: a checkpoint of another model's shapes (one with an extent one larger, one
+//      with a weight's extents swapped: the same element count), and one without the
+//      optimizer's state, must make `load_checkpoint` throw `dp::Error` whose message names
+//      the parameter (or state tensor) that differs, and must change nothing: after each
+//      throw the rank's parameter shard, every inner-optimizer state tensor, the step count
+//      and (labs 5 and 6) every parameter's value are bitwise what they were before the call.
 //
 // Under mpi with 4 processes the save runs on the job's ranks (rank 0 makes the directory
 // and broadcasts its name); the loads run as local threads in every process. Any other mpi
@@ -77,6 +83,17 @@ struct CheckpointLab {
   bool values_replicated = true;
   /// How the lab calls its segments in messages ("the buckets", "the units").
   std::string segments_name = "one segment of every parameter";
+  /// Lab 6: other segments of the same model (another bucket cap) and the optimizer that
+  /// uses them. When set, the check also loads at the saved world size with these: a load
+  /// must cut the shard for the optimizer's own layout, never reuse the saved one because
+  /// the world size matches. Unset: no such load.
+  std::function<std::vector<std::vector<std::size_t>>(const Model& model)> other_segments;
+  /// Builds the optimizer over `other_segments` (see there).
+  std::function<std::unique_ptr<CheckpointSubject>(Model& model, Communicator& comm,
+                                                   const TrainOptions& options)>
+      make_other;
+  /// How the lab calls `other_segments` in messages ("the buckets of cap 0 bytes").
+  std::string other_segments_name;
 };
 
 /// The whole check (see the top of this file), on `training` (AdamW or SGD with momentum: an

@@ -130,6 +130,20 @@ std::string Draws::describe() const {
   return fmt::format("grading seed {}: {}", grade_seed(), fmt::join(drawn_, " "));
 }
 
+void Draws::section(std::string_view title) {
+  drawn_.push_back(fmt::format("[{}]", title));
+}
+
+void Draws::overrule(std::string_view name, const std::string& text) {
+  const std::string prefix = fmt::format("{}=", name);
+  for (auto it = drawn_.rbegin(); it != drawn_.rend(); ++it)
+    if (it->starts_with(prefix)) {
+      *it = text;
+      return;
+    }
+  throw Error(fmt::format("Draws::overrule: nothing was drawn as '{}'", name));
+}
+
 void Draws::record(std::string_view name, const std::string& value) {
   drawn_.push_back(fmt::format("{}={}", name, value));
 }

@@ -102,6 +102,13 @@ class Draws {
 
   /// Every value drawn so far, e.g. "seed 42: steps=4 k=3 lr=0.05".
   std::string describe() const;
+  /// Opens a part of the description, e.g. "[then SGD:]": for a check that draws two set-ups
+  /// one after the other. Draws nothing.
+  void section(std::string_view title);
+  /// Replaces the description of the last value drawn as `name` with `text`, for a value
+  /// the check then set itself (e.g. "momentum=0.9 (set by the check)"), so that the
+  /// description says what ran. Draws nothing; `name` must have been drawn.
+  void overrule(std::string_view name, const std::string& text);
   /// The seed of the adversarial completion mode for runs of this check.
   std::uint64_t completion_seed() const { return completion_seed_; }
 

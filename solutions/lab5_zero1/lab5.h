@@ -157,8 +157,8 @@ class ZeroOneOptimizer {
   /// its own shard with `dp::save_checkpoint_shard`, without gathering anything: tensor
   /// "params" is `shard_parameters()`, and every state tensor of the inner optimizer
   /// (`Optimizer::state()`) is saved under its own name; metadata "step" is the inner
-  /// optimizer's `step_count()`. The layout is `dp::chunked_layouts` over one segment of
-  /// every parameter in definition order (`dp::all_parameters`): this partition, its
+  /// optimizer's `step_count()` in decimal ("3"). The layout is `dp::chunked_layouts` over one
+  /// segment of every parameter in definition order (`dp::all_parameters`): this partition, its
   /// padding included. Returns when the checkpoint is complete on every rank (a barrier on
   /// the communicator). `const`: it changes nothing of the training state; the barrier is
   /// a collective on the communicator the optimizer refers to, not part of its state.
@@ -176,10 +176,17 @@ class ZeroOneOptimizer {
   /// ranks hold what a run that never stopped would hold, and the next `step()` continues it
   /// bitwise.
   ///
-  /// Throws `dp::Error`, saying what was expected and what was seen, when the checkpoint's
-  /// parameters (names and shapes, in order) are not this model's or its tensors are not
-  /// "params" and the inner optimizer's state names; nothing is changed then. Checked: a
-  /// checkpoint saved on 4 ranks, loaded on 2, 3 and 4, must continue the training bitwise.
+  /// Throws `dp::Error` when the checkpoint's parameters (names and shapes, in order: a
+  /// shape with the same element count but other extents differs too) are not this
+  /// model's, when its tensors are not "params" and the inner optimizer's state names
+  /// (compared as a set: the order they were saved in is free), or when its metadata
+  /// "step" is not a step count in decimal. The message names what differs: the first
+  /// differing parameter, with the shape expected and the shape seen, or the tensors
+  /// expected and seen. A bad checkpoint throws before anything changes: this rank's
+  /// shards, the inner optimizer's state and step count and every parameter's value are then as
+  /// they were (check everything before writing anything). Checked: a checkpoint saved on 4 ranks,
+  /// loaded on 2, 3 and 4, must continue the training bitwise; each bad checkpoint must throw, name
+  /// what differs, and change nothing.
   void load_checkpoint(const std::filesystem::path& directory);
 
  private:

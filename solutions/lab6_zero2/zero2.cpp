@@ -321,25 +321,39 @@ ShardedCheckpointPlan checkpoint_plan(const Model& model, const std::vector<Buck
 }
 
 /// Throws unless the checkpoint `saved` holds what `expected` (this run's plan) needs: the
-/// same parameters, names and shapes in order, and the same tensors.
+/// same parameters, names and shapes in order, the same tensors (as a set) and a decimal
+/// "step". Throws before the caller changes anything.
 void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpointPlan& expected) {
-  const auto describe = [](const std::vector<CheckpointParameter>& parameters) {
-    std::vector<std::string> described;
-    for (const CheckpointParameter& p : parameters)
-      described.push_back(fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", ")));
-    return fmt::format("{}", fmt::join(described, ", "));
+  const auto describe = [](const CheckpointParameter& p) {
+    return fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", "));
   };
-  if (saved.parameters != expected.parameters)
-    throw Error(
-        fmt::format("load_checkpoint: the checkpoint's parameters are {}; expected this model's {}",
-                    describe(saved.parameters), describe(expected.parameters)));
-  if (saved.tensors != expected.tensors)
+  // The first parameter that differs, by name and shape, in order.
+  for (std::size_t i = 0; i < std::max(saved.parameters.size(), expected.parameters.size()); ++i) {
+    if (i < saved.parameters.size() && i < expected.parameters.size() &&
+        saved.parameters[i] == expected.parameters[i])
+      continue;
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint's parameter {} is {}; expected this model's {}", i,
+        i < saved.parameters.size() ? describe(saved.parameters[i]) : "missing",
+        i < expected.parameters.size() ? describe(expected.parameters[i]) : "none"));
+  }
+  // The tensors as a set: the order they were saved in does not matter.
+  std::vector<std::string> seen = saved.tensors;
+  std::vector<std::string> wanted = expected.tensors;
+  std::sort(seen.begin(), seen.end());
+  std::sort(wanted.begin(), wanted.end());
+  if (seen != wanted)
     throw Error(fmt::format(
         "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
         "and the inner optimizer's state)",
         fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
-  if (!saved.metadata.contains("step"))
-    throw Error("load_checkpoint: the checkpoint has no \"step\"; expected the step count");
+  const auto step = saved.metadata.find("step");
+  if (step == saved.metadata.end() || step->second.empty() || step->second.size() > 18 ||
+      !std::all_of(step->second.begin(), step->second.end(),
+                   [](char c) { return c >= '0' && c <= '9'; }))
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint's \"step\" is {}; expected the step count in decimal",
+        step == saved.metadata.end() ? "missing" : '"' + step->second + '"'));
 }
 
 }  // namespace

@@ -224,7 +224,7 @@ class ZeroThreeOptimizer {
   /// its own shard with `dp::save_checkpoint_shard`, without gathering anything (no rank
   /// ever holds the whole model): tensor "params" is `shard_parameters()`, and every state
   /// tensor of the inner optimizer (`Optimizer::state()`) is saved under its own name;
-  /// metadata "step" is the inner optimizer's `step_count()`. The layout is
+  /// metadata "step" is the inner optimizer's `step_count()` in decimal ("3"). The layout is
   /// `dp::chunked_layouts` with one segment per unit (its parameters in definition order):
   /// each unit's chunk, its padding included, at its shard offset. The parameters' names and
   /// shapes are those at construction (the values are released). Returns when the
@@ -246,10 +246,17 @@ class ZeroThreeOptimizer {
   /// rank's elements, into the tensors this rank already holds: no tensor of the whole
   /// model is ever allocated.
   ///
-  /// Throws `dp::Error`, saying what was expected and what was seen, when the checkpoint's
-  /// parameters (names and shapes, in order) are not this model's or its tensors are not
-  /// "params" and the inner optimizer's state names; nothing is changed then. Checked: a
-  /// checkpoint saved on 4 ranks, loaded on 2, 3 and 4, must continue the training bitwise.
+  /// Throws `dp::Error` when the checkpoint's parameters (names and shapes, in order: a
+  /// shape with the same element count but other extents differs too) are not this
+  /// model's, when its tensors are not "params" and the inner optimizer's state names
+  /// (compared as a set: the order they were saved in is free), or when its metadata
+  /// "step" is not a step count in decimal. The message names what differs: the first
+  /// differing parameter, with the shape expected and the shape seen, or the tensors
+  /// expected and seen. A bad checkpoint throws before anything changes: this rank's
+  /// shards, the inner optimizer's state and step count are then as they were (check
+  /// everything before writing anything). Checked: a checkpoint saved on 4 ranks, loaded on
+  /// 2, 3 and 4, must continue the training bitwise; each bad checkpoint must throw,
+  /// name what differs, and change nothing.
   void load_checkpoint(const std::filesystem::path& directory);
 
  private:

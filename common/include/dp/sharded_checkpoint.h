@@ -179,7 +179,10 @@ struct ShardTarget {
 /// bit, from the saved shards that hold them, and the padding is set to zero. Reads only
 /// the shard files that hold some of the layout's elements, and checks each against the
 /// index (rank, world size, layout, every tensor present with the shard's size). Throws
-/// `dp::Error` on a missing file or tensor, a mismatch, or a target of the wrong size.
+/// `dp::Error` on a missing file or tensor, a mismatch, or a target of the wrong size. It
+/// checks every target first (its name against the index's tensors, its size against the
+/// layout's): a failure before copying changes no target; a shard file that proves corrupt
+/// midway can leave targets partly filled.
 void load_checkpoint_shard(const std::filesystem::path& directory, const ShardLayout& layout,
                            std::span<const ShardTarget> targets);
 
