@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
-#include <ranges>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -147,6 +146,15 @@ struct Expected {
 };
 
 /// Reads the checkpoint as the grader: "" when it is the contract's, else the first finding.
+/// "fc1.weight [32, 64], fc1.bias [32], ...": parameters as a message lists them. (A loop, not
+/// views::transform: clang rejects libstdc++ 12's ranges in the sanitize build.)
+std::string names_and_shapes(const std::vector<CheckpointParameter>& parameters) {
+  std::vector<std::string> described;
+  for (const CheckpointParameter& parameter : parameters)
+    described.push_back(fmt::format("{} [{}]", parameter.name, fmt::join(parameter.shape, ", ")));
+  return fmt::format("{}", fmt::join(described, ", "));
+}
+
 std::string read_back(const std::filesystem::path& directory, const Expected& expected,
                       const std::string& segments_name) {
   ShardedCheckpointPlan plan;
@@ -158,10 +166,8 @@ std::string read_back(const std::filesystem::path& directory, const Expected& ex
   if (plan.parameters != expected.parameters)
     return fmt::format(
         "index.json lists {} parameters ({}); expected the model's {} ({}), names and shapes",
-        plan.parameters.size(),
-        fmt::join(plan.parameters | std::views::transform(&CheckpointParameter::name), ", "),
-        expected.parameters.size(),
-        fmt::join(expected.parameters | std::views::transform(&CheckpointParameter::name), ", "));
+        plan.parameters.size(), names_and_shapes(plan.parameters), expected.parameters.size(),
+        names_and_shapes(expected.parameters));
   const std::vector<ShardLayout>& layouts = expected.layouts.at(kSavedWorld);
   if (plan.layouts.size() != layouts.size())
     return fmt::format("index.json has {} ranks; expected the {} it was saved on",
