@@ -43,6 +43,15 @@ void Layer::require_grad_output(const Tensor& grad_output, std::int64_t batch,
                     name(), batch, features, grad_output.shape_string()));
 }
 
+void Layer::require_same_device(const Tensor& tensor, std::string_view what,
+                                const Tensor& reference, std::string_view reference_what) const {
+  if (tensor.device() != reference.device())
+    throw Error(fmt::format(
+        "{}: {} lives on {} but {} lives on {}; a layer's input, parameters and gradients "
+        "must live on one device (move the model with Model::to, a tensor with Tensor::to)",
+        name(), what, to_string(tensor.device()), reference_what, to_string(reference.device())));
+}
+
 void Layer::require_value(const Parameter& parameter, const std::vector<std::int64_t>& shape) {
   if (parameter.value.shape() != shape)
     throw Error(
@@ -53,7 +62,13 @@ void Layer::require_value(const Parameter& parameter, const std::vector<std::int
 
 Tensor& Layer::grad_for_accumulation(Parameter& parameter) {
   if (parameter.grad.empty() && !parameter.value.empty())
-    parameter.grad = Tensor(parameter.value.shape(), MemoryCategory::kGradients);
+    parameter.grad =
+        Tensor(parameter.value.shape(), MemoryCategory::kGradients, parameter.value.device());
+  if (parameter.grad.device() != parameter.value.device())
+    throw Error(fmt::format(
+        "the gradient of {} lives on {} but its value on {}; move both "
+        "(Model::to moves every parameter's value and gradient)",
+        parameter.name, to_string(parameter.grad.device()), to_string(parameter.value.device())));
   DP_CHECK(parameter.grad.shape() == parameter.value.shape(),
            "gradient of {} has shape {} but its value {}", parameter.name,
            parameter.grad.shape_string(), parameter.value.shape_string());

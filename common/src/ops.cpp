@@ -5,6 +5,7 @@
 #include <chrono>
 #include <limits>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -87,6 +88,17 @@ void matmul_into(const Tensor& a, Transpose transpose_a, const Tensor& b, Transp
                             m, k, k_b, n));
   if (c.rank() != 2 || c.dim(0) != m || c.dim(1) != n)
     throw Error(fmt::format("matmul: the output must be ({}, {}), got {}", m, n, c.shape_string()));
+  if (a.device() != c.device() || b.device() != c.device())
+    throw Error(fmt::format(
+        "matmul: the operands must live on one device, got a on {}, b on {} and the output on "
+        "{} (move them with Tensor::to)",
+        to_string(a.device()), to_string(b.device()), to_string(c.device())));
+  if (c.device() != Device::kHost) {
+    // The views' raw pointers: Tensor::data() is for host memory only.
+    cuda::gemm(transpose_a == Transpose::kYes, transpose_b == Transpose::kYes, m, n, k, alpha,
+               a.view().data(), a.dim(1), b.view().data(), b.dim(1), beta, c.view().data(), n);
+    return;
+  }
   gemm(transpose_a, transpose_b, m, n, k, alpha, a.data(), a.dim(1), b.data(), b.dim(1), beta,
        c.data(), n);
 }
@@ -95,7 +107,7 @@ Tensor matmul(const Tensor& a, Transpose transpose_a, const Tensor& b, Transpose
               MemoryCategory category) {
   const std::int64_t m = op_shape(a, transpose_a, "a").first;
   const std::int64_t n = op_shape(b, transpose_b, "b").second;
-  Tensor c = Tensor::uninitialized({m, n}, category);
+  Tensor c = Tensor::uninitialized({m, n}, category, a.device());
   matmul_into(a, transpose_a, b, transpose_b, c, 1.0f, 0.0f);
   return c;
 }

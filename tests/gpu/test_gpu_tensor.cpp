@@ -23,27 +23,20 @@
 #include "dp/optimizer.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
+#include "gpu_test_support.h"
 
 namespace dp {
 namespace {
 
+using testing::gpu::bitwise_equal;
+
 /// n floats drawn uniformly from [-1, 1) with a fixed seed (a size that is not a multiple
 /// of any block size, so the kernels' tails are exercised).
 std::vector<float> random_values(std::size_t n, unsigned seed) {
-  std::mt19937 generator(seed);
-  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  std::vector<float> values(n);
-  for (float& value : values) value = uniform(generator);
-  return values;
+  return testing::gpu::random_values(n, seed);
 }
 
 constexpr std::size_t kN = (1u << 20) + 37;
-
-/// True when the two tensors (one on the host, one on the device) hold the same bits.
-bool bitwise_equal(const Tensor& host, const Tensor& device) {
-  const Tensor copied = device.to(Device::kHost);
-  return host.size() == copied.size() && std::memcmp(host.data(), copied.data(), host.bytes()) == 0;
-}
 
 /// The bound of the file comment for a sum of n products with absolute sum `magnitude`.
 double reduction_bound(std::size_t n, double magnitude) {

@@ -11,6 +11,11 @@
 // A gradient that a hook released (an empty tensor, ZeRO-2) is allocated again, zeroed,
 // before backward adds to it.
 //
+// Each layer runs where its tensors live: its .cpp file holds the host loop, the readable
+// definition, and hands device tensors to the CUDA kernels of common/src/cuda/. The input,
+// the parameters and the gradients of a layer must live on one device, else forward or
+// backward throws `dp::Error` naming the layer and both devices.
+//
 // Example:
 //
 //   dp::Linear fc("fc1", 64, 256);
@@ -22,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -102,9 +108,14 @@ class Layer {
   /// Throws `dp::Error` unless `grad_output` is (batch, features), the last output's shape.
   void require_grad_output(const Tensor& grad_output, std::int64_t batch,
                            std::int64_t features) const;
+  /// Throws `dp::Error` naming this layer unless `tensor` (called `what`) lives on the
+  /// device of `reference` (called `reference_what`), e.g. the input and the weight.
+  void require_same_device(const Tensor& tensor, std::string_view what, const Tensor& reference,
+                           std::string_view reference_what) const;
   /// Throws `dp::Error` unless `parameter.value` is `shape` (a hook may have freed it).
   static void require_value(const Parameter& parameter, const std::vector<std::int64_t>& shape);
-  /// `parameter.grad`, allocated again (zero-filled) if a hook released it.
+  /// `parameter.grad`, allocated again (zero-filled, on the value's device) if a hook
+  /// released it; throws `dp::Error` when it lives on another device than the value.
   static Tensor& grad_for_accumulation(Parameter& parameter);
 
  private:

@@ -1,8 +1,17 @@
-// ops.h: the matrix products of the runtime, as thin wrappers over CBLAS (OpenBLAS).
+// ops.h: the matrix products of the runtime, as thin wrappers over CBLAS (OpenBLAS) on the
+// host and cuBLAS on a CUDA device.
 //
 // Every matrix product in dplab goes through here, never through a naive loop: BLAS is
-// tens of times faster, and one place to call it means one place to swap in cuBLAS.
-// Matrices are row-major. Ranks are threads, so `dp::launch` sets BLAS to one thread
+// tens of times faster, and one place to call it is the one place that dispatches on the
+// device. Matrices are row-major. `matmul` and `matmul_into` run where their tensors live
+// (all on one device); `gemm` and `gemv` take host pointers.
+//
+// On a CUDA device the products go through cuBLAS, one handle per thread (per rank) on the
+// thread's compute stream, in full float32: the math mode is CUBLAS_DEFAULT_MATH and TF32
+// is never enabled (TF32 rounds the inputs to 10 mantissa bits, an error near 1e-3 that the
+// labs' equivalence checks would see). The sums run in another order than OpenBLAS's, so
+// device and host agree within float32 rounding, not bit for bit (tests/gpu states the
+// tolerance). Ranks are threads, so `dp::launch` sets BLAS to one thread
 // per process with `set_blas_threads(1)`: the cores are already busy with ranks, and a
 // single-threaded BLAS sums in a fixed order, so results are deterministic.
 //
@@ -42,17 +51,19 @@ void gemm(Transpose transpose_a, Transpose transpose_b, std::int64_t m, std::int
 void gemv(Transpose transpose_a, std::int64_t rows, std::int64_t cols, float alpha, const float* a,
           std::int64_t lda, const float* x, float beta, float* y);
 
-/// c = alpha * op(a) op(b) + beta * c for 2-D tensors; throws `dp::Error` when the shapes
-/// do not fit together.
+/// c = alpha * op(a) op(b) + beta * c for 2-D tensors, on the device they live on (cuBLAS
+/// on a CUDA device, float32 without TF32). Throws `dp::Error` when the shapes do not fit
+/// together or the tensors live on different devices.
 void matmul_into(const Tensor& a, Transpose transpose_a, const Tensor& b, Transpose transpose_b,
                  Tensor& c, float alpha = 1.0f, float beta = 0.0f);
 
-/// A new tensor op(a) op(b) charged under `category`; throws `dp::Error` when the shapes
-/// do not fit together.
+/// A new tensor op(a) op(b) on a's device, charged under `category`; throws `dp::Error`
+/// when the shapes do not fit together or the operands live on different devices.
 Tensor matmul(const Tensor& a, Transpose transpose_a, const Tensor& b, Transpose transpose_b,
               MemoryCategory category = MemoryCategory::kActivations);
 
-/// Wall seconds the calling thread has spent inside BLAS (every `gemm` and `gemv` it made),
+/// Wall seconds the calling thread has spent inside host BLAS (every `gemm` and `gemv` it
+/// made; cuBLAS calls return before the GPU has run them and are not counted),
 /// since it started: a benchmark's measure of how much of a training step is matrix
 /// products. Timing costs two clock reads per call, nothing next to a product.
 double blas_seconds_of_this_thread();

@@ -7,13 +7,23 @@
 //   - unavailable.cpp, when it is off: every function throws a dp::Error that says how to
 //     configure a build with CUDA.
 //
-// Every function works on the calling thread's current CUDA device and, for now, on its
-// legacy default stream (one stream, so operations run in the order they are issued and a
-// host read after them sees their results). A compute stream per rank comes with the
-// kernels of the layers.
+// Streams: every function works on the calling thread's current CUDA device and issues its
+// work on the calling thread's compute stream, CUDA's per-thread default stream
+// (cudaStreamPerThread): ranks are threads, so each rank has one compute stream of its own,
+// and two ranks sharing a GPU run their kernels concurrently instead of queueing on the
+// legacy default stream. Operations of one thread run in the order they are issued.
+//
+// How host reads synchronise: a function that returns a value computed on the device (dot,
+// norm, all_finite, max_abs, the loss) or copies into host memory (copy_bytes) copies on the
+// compute stream and waits for it (cudaStreamSynchronize), so the host sees every result
+// issued before it. Everything else returns as soon as the work is queued. A device tensor
+// handed to another thread (a rank's model returned to the main thread) must be
+// synchronised by its thread first (`synchronize()`, or any host read); its memory is
+// returned on the stream of the thread that frees it.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace dp::cuda {
 
@@ -25,6 +35,12 @@ void check_status(int status, const char* what);
 bool compiled();
 /// Number of CUDA devices this process sees (0 without CUDA, a driver or a GPU).
 int device_count();
+
+/// The calling thread's compute stream, a cudaStream_t (opaque here: no CUDA header), for
+/// code that orders other streams against it (events of a communicator).
+void* compute_stream();
+/// Waits until the work issued so far on the calling thread's compute stream has finished.
+void synchronize();
 
 /// `bytes` of device memory, uninitialised (nullptr for 0); throws `dp::Error` on failure.
 void* allocate(std::size_t bytes);
@@ -52,6 +68,52 @@ double dot(const float* x, const float* y, std::size_t n);
 double sum_of_squares(const float* x, std::size_t n);
 /// True when every x[i] is finite.
 bool all_finite(const float* x, std::size_t n);
+/// The largest |x[i]| (0 for n = 0); a NaN among them makes the result NaN. The maximum
+/// does not depend on the order of the comparisons: it equals the host's bit for bit.
+float max_abs(const float* x, std::size_t n);
+
+// --- Matrix products (blas.cpp: cuBLAS) --------------------------------------------------
+
+/// C = alpha * op(A) op(B) + beta * C on row-major device matrices, the contract of
+/// dp::gemm (dp/ops.h): op(A) is (m, k), op(B) is (k, n), C is (m, n), and lda, ldb, ldc
+/// are the row strides. Through cuBLAS with a handle per thread, in full float32 (no TF32).
+void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
+          float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+          float beta, float* c, std::int64_t ldc);
+
+// --- Layers (layer_kernels.cu): the loops of common/src/layers/*.cpp ---------------------
+// Matrices are row-major (rows, cols); "+=" means the result is added into what is there.
+
+/// out[r][j] = row[j] for every row r: the bias a Linear's output starts from.
+void broadcast_rows(const float* row, float* out, std::int64_t rows, std::int64_t cols);
+/// sums[j] += x[0][j] + x[1][j] + ... (float, rows in order, then one addition into sums[j]):
+/// the bias gradient of a Linear, bitwise the host's.
+void add_column_sums(const float* x, std::int64_t rows, std::int64_t cols, float* sums);
+/// y[i] = max(x[i], 0) (bitwise the host's).
+void relu_forward(const float* x, float* y, std::size_t n);
+/// dx[i] = x[i] > 0 ? dy[i] : 0 (bitwise the host's).
+void relu_backward(const float* x, const float* dy, float* dx, std::size_t n);
+/// The tanh approximation of GELU (dp/layers/gelu.h), within a few float ulps of the host.
+void gelu_forward(const float* x, float* y, std::size_t n);
+/// dx[i] = dy[i] * GELU'(x[i]), within a few float ulps of the host.
+void gelu_backward(const float* x, const float* dy, float* dx, std::size_t n);
+/// LayerNorm over rows of `width`: y = gamma * xhat + beta with xhat = (x - mean) * inv_std;
+/// saves xhat (rows, width) and inv_std (rows). Row statistics in double, summed as a tree.
+void layer_norm_forward(const float* x, const float* gamma, const float* beta, std::int64_t rows,
+                        std::int64_t width, float eps, float* y, float* xhat, float* inv_std);
+/// LayerNorm backward: dx (rows, width); dgamma += sum over rows of dy * xhat and dbeta +=
+/// sum over rows of dy (each may be nullptr: a frozen parameter gets nothing).
+void layer_norm_backward(const float* dy, const float* xhat, const float* inv_std,
+                         const float* gamma, std::int64_t rows, std::int64_t width, float* dx,
+                         float* dgamma, float* dbeta);
+/// Softmax cross-entropy forward on logits (rows, classes) and host `labels` (rows, checked
+/// already): writes the probabilities (rows, classes) and returns the sum of the rows'
+/// losses, added on the host in row order (double).
+double cross_entropy_forward(const float* logits, const int* labels, std::int64_t rows,
+                             std::int64_t classes, float* probabilities);
+/// grad[r][j] = factor * (p[r][j] - (j == labels[r])), host `labels`.
+void cross_entropy_backward(const float* probabilities, const int* labels, std::int64_t rows,
+                            std::int64_t classes, float factor, float* grad);
 
 /// SGD on n elements, the arithmetic of Sgd::update (dp/optimizer.h); `buffer` is the
 /// momentum buffer at the same offset, nullptr without momentum.

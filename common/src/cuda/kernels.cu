@@ -21,31 +21,15 @@
 // reproducible bit for bit from run to run and from GPU to GPU.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstddef>
+#include <cstring>
 
-#include "cuda/device_ops.h"
+#include "cuda/kernel_support.cuh"
 
 namespace dp::cuda {
 namespace {
 
-constexpr int kThreads = 256;       // threads per block
-constexpr int kMaxBlocks = 4096;    // element-wise kernels: a grid-stride loop past this
 constexpr int kReduceBlocks = 512;  // reductions: at most this many partial sums
-
-void check(cudaError_t status, const char* what) {
-  check_status(static_cast<int>(status), what);
-}
-
-/// Throws when the last launch failed (a bad configuration, no device, an earlier fault).
-void check_launch(const char* kernel) {
-  check(cudaGetLastError(), kernel);
-}
-
-int blocks_for(std::size_t n, int cap) {
-  const std::size_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(std::min<std::size_t>(blocks, static_cast<std::size_t>(cap)));
-}
 
 // --- Element-wise kernels: thread i handles elements i, i + stride, ... ------------------
 
@@ -83,6 +67,17 @@ __global__ void non_finite_kernel(const float* x, std::size_t n, int* found) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     if (!isfinite(x[i])) *found = 1;
+}
+
+/// *largest = the bits of max |x[i]|. Non-negative floats order as their bit patterns read
+/// as integers, so an integer atomicMax finds the largest, and the result does not depend
+/// on the order the threads arrive in.
+__global__ void max_abs_kernel(const float* x, std::size_t n, unsigned int* largest) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned int mine = 0;  // the bits of +0.0f
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    mine = max(mine, __float_as_uint(fabsf(x[i])));
+  atomicMax(largest, mine);
 }
 
 // --- Optimizers: the loops of common/src/optimizer.cpp, one element per thread ----------
@@ -123,16 +118,6 @@ __global__ void adamw_kernel(float* p, const float* grad, float* m, float* v, st
 
 // --- Reductions ---------------------------------------------------------------------------
 
-/// Adds the kThreads values of `shared` as a tree in a fixed order; thread 0 gets the sum.
-__device__ double block_sum(double* shared) {
-  for (int width = kThreads / 2; width > 0; width /= 2) {
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < width)
-      shared[threadIdx.x] = __dadd_rn(shared[threadIdx.x], shared[threadIdx.x + width]);
-  }
-  return shared[0];
-}
-
 /// partial[block] = sum over the block's elements of x[i] * y[i] (y == nullptr: x[i]^2).
 __global__ void dot_partial_kernel(const float* x, const float* y, std::size_t n, double* partial) {
   __shared__ double shared[kThreads];
@@ -165,17 +150,16 @@ double reduce_products(const float* x, const float* y, std::size_t n) {
   // The partial sums live in a small scratch block from the stream-ordered pool (a few
   // KiB, not charged to a memory category: like the host's loop variables).
   double* scratch = nullptr;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&scratch), (blocks + 1) * sizeof(double),
-                        cudaStreamLegacy),
-        "cudaMallocAsync (reduction scratch)");
+  check(
+      cudaMallocAsync(reinterpret_cast<void**>(&scratch), (blocks + 1) * sizeof(double), compute()),
+      "cudaMallocAsync (reduction scratch)");
   double result = 0.0;
   cudaError_t status = cudaSuccess;
-  dot_partial_kernel<<<blocks, kThreads, 0, cudaStreamLegacy>>>(x, y, n, scratch);
-  sum_partials_kernel<<<1, kThreads, 0, cudaStreamLegacy>>>(scratch, blocks, scratch + blocks);
+  dot_partial_kernel<<<blocks, kThreads, 0, compute()>>>(x, y, n, scratch);
+  sum_partials_kernel<<<1, kThreads, 0, compute()>>>(scratch, blocks, scratch + blocks);
   status = cudaGetLastError();
-  if (status == cudaSuccess)
-    status = cudaMemcpy(&result, scratch + blocks, sizeof(double), cudaMemcpyDeviceToHost);
-  (void)cudaFreeAsync(scratch, cudaStreamLegacy);
+  if (status == cudaSuccess) status = read_back(&result, scratch + blocks, sizeof(double));
+  (void)cudaFreeAsync(scratch, compute());
   check(status, "reduction (dot, norm)");
   return result;
 }
@@ -184,31 +168,31 @@ double reduce_products(const float* x, const float* y, std::size_t n) {
 
 void fill(float* x, std::size_t n, float value) {
   if (n == 0) return;
-  fill_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, value);
+  fill_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, value);
   check_launch("fill");
 }
 
 void scale(float* x, std::size_t n, float factor) {
   if (n == 0) return;
-  scale_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, factor);
+  scale_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, factor);
   check_launch("scale");
 }
 
 void divide(float* x, std::size_t n, float divisor) {
   if (n == 0) return;
-  divide_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, divisor);
+  divide_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, divisor);
   check_launch("divide");
 }
 
 void add(const float* x, float* y, std::size_t n) {
   if (n == 0) return;
-  add_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, y, n);
+  add_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, y, n);
   check_launch("add");
 }
 
 void axpy(float alpha, const float* x, float* y, std::size_t n) {
   if (n == 0) return;
-  axpy_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(alpha, x, y, n);
+  axpy_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(alpha, x, y, n);
   check_launch("axpy");
 }
 
@@ -223,35 +207,53 @@ double sum_of_squares(const float* x, std::size_t n) {
 void sgd_update(float* params, const float* grads, float* buffer, std::size_t n, float lr,
                 float momentum, float weight_decay) {
   if (n == 0) return;
-  sgd_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(
-      params, grads, buffer, n, lr, momentum, weight_decay);
+  sgd_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(params, grads, buffer, n, lr,
+                                                                    momentum, weight_decay);
   check_launch("sgd update");
 }
 
 void adamw_update(float* params, const float* grads, float* m, float* v, std::size_t n,
                   const AdamWStep& step) {
   if (n == 0) return;
-  adamw_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(params, grads, m, v, n,
-                                                                             step);
+  adamw_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(params, grads, m, v, n, step);
   check_launch("adamw update");
 }
 
 bool all_finite(const float* x, std::size_t n) {
   if (n == 0) return true;
   int* found = nullptr;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&found), sizeof(int), cudaStreamLegacy),
+  check(cudaMallocAsync(reinterpret_cast<void**>(&found), sizeof(int), compute()),
         "cudaMallocAsync (all_finite flag)");
   int host_found = 0;
-  cudaError_t status = cudaMemsetAsync(found, 0, sizeof(int), cudaStreamLegacy);
+  cudaError_t status = cudaMemsetAsync(found, 0, sizeof(int), compute());
   if (status == cudaSuccess) {
-    non_finite_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, cudaStreamLegacy>>>(x, n, found);
+    non_finite_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, found);
     status = cudaGetLastError();
   }
-  if (status == cudaSuccess)
-    status = cudaMemcpy(&host_found, found, sizeof(int), cudaMemcpyDeviceToHost);
-  (void)cudaFreeAsync(found, cudaStreamLegacy);
+  if (status == cudaSuccess) status = read_back(&host_found, found, sizeof(int));
+  (void)cudaFreeAsync(found, compute());
   check(status, "all_finite");
   return host_found == 0;
+}
+
+float max_abs(const float* x, std::size_t n) {
+  if (n == 0) return 0.0f;
+  unsigned int* largest = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&largest), sizeof(unsigned int), compute()),
+        "cudaMallocAsync (max_abs result)");
+  unsigned int host_largest = 0;
+  cudaError_t status = cudaMemsetAsync(largest, 0, sizeof(unsigned int), compute());
+  if (status == cudaSuccess) {
+    max_abs_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, largest);
+    status = cudaGetLastError();
+  }
+  if (status == cudaSuccess) status = read_back(&host_largest, largest, sizeof(unsigned int));
+  (void)cudaFreeAsync(largest, compute());
+  check(status, "max_abs");
+  float result = 0.0f;
+  static_assert(sizeof(result) == sizeof(host_largest));
+  std::memcpy(&result, &host_largest, sizeof(result));
+  return result;
 }
 
 }  // namespace dp::cuda

@@ -78,7 +78,7 @@ void* allocate(std::size_t bytes) {
   if (bytes == 0) return nullptr;
   keep_pool_memory();
   void* block = nullptr;
-  check(cudaMallocAsync(&block, bytes, cudaStreamLegacy),
+  check(cudaMallocAsync(&block, bytes, cudaStreamPerThread),
         fmt::format("cudaMallocAsync of {} bytes", bytes));
   return block;
 }
@@ -86,15 +86,31 @@ void* allocate(std::size_t bytes) {
 void deallocate(void* block) noexcept {
   // A failure here (the context is gone at exit) cannot be reported from a destructor;
   // the memory goes with the context.
-  if (block != nullptr) (void)cudaFreeAsync(block, cudaStreamLegacy);
+  if (block != nullptr) (void)cudaFreeAsync(block, cudaStreamPerThread);
 }
 
 void copy_bytes(void* destination, const void* source, std::size_t bytes) {
   if (bytes == 0 || destination == source) return;
-  // cudaMemcpyDefault: unified addressing tells host from device pointers. The call is
-  // ordered after the kernels issued before it and returns when a host destination holds
-  // the bytes.
-  check(cudaMemcpy(destination, source, bytes, cudaMemcpyDefault), "cudaMemcpy");
+  // cudaMemcpyDefault: unified addressing tells host from device pointers. The copy is
+  // queued on the compute stream after the kernels issued before it. From pageable host
+  // memory the call returns once the source has been staged, so the caller may reuse it.
+  check(cudaMemcpyAsync(destination, source, bytes, cudaMemcpyDefault, cudaStreamPerThread),
+        "cudaMemcpyAsync");
+  // A host destination is read as soon as this returns: wait for the copy. A device
+  // destination is only read by later work on the same stream, so a device-to-device copy
+  // (Tensor::clone of an activation) does not stall the host.
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, destination), "cudaPointerGetAttributes");
+  if (attributes.type != cudaMemoryTypeDevice)
+    check(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize (copy to host)");
+}
+
+void* compute_stream() {
+  return static_cast<void*>(cudaStreamPerThread);
+}
+
+void synchronize() {
+  check(cudaStreamSynchronize(cudaStreamPerThread), "cudaStreamSynchronize");
 }
 
 }  // namespace dp::cuda

@@ -28,6 +28,13 @@ int device_count() {
   return 0;
 }
 
+void* compute_stream() {
+  no_cuda("a compute stream");
+}
+void synchronize() {
+  no_cuda("synchronize");
+}
+
 void* allocate(std::size_t /*bytes*/) {
   no_cuda("allocating a tensor");
 }
@@ -59,6 +66,57 @@ double sum_of_squares(const float* /*x*/, std::size_t /*n*/) {
 }
 bool all_finite(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("all_finite");
+}
+
+float max_abs(const float* /*x*/, std::size_t /*n*/) {
+  no_cuda("max_abs");
+}
+
+void gemm(bool /*transpose_a*/, bool /*transpose_b*/, std::int64_t /*m*/, std::int64_t /*n*/,
+          std::int64_t /*k*/, float /*alpha*/, const float* /*a*/, std::int64_t /*lda*/,
+          const float* /*b*/, std::int64_t /*ldb*/, float /*beta*/, float* /*c*/,
+          std::int64_t /*ldc*/) {
+  no_cuda("a matrix product");
+}
+
+void broadcast_rows(const float* /*row*/, float* /*out*/, std::int64_t /*rows*/,
+                    std::int64_t /*cols*/) {
+  no_cuda("linear forward (bias)");
+}
+void add_column_sums(const float* /*x*/, std::int64_t /*rows*/, std::int64_t /*cols*/,
+                     float* /*sums*/) {
+  no_cuda("linear backward (bias gradient)");
+}
+void relu_forward(const float* /*x*/, float* /*y*/, std::size_t /*n*/) {
+  no_cuda("relu forward");
+}
+void relu_backward(const float* /*x*/, const float* /*dy*/, float* /*dx*/, std::size_t /*n*/) {
+  no_cuda("relu backward");
+}
+void gelu_forward(const float* /*x*/, float* /*y*/, std::size_t /*n*/) {
+  no_cuda("gelu forward");
+}
+void gelu_backward(const float* /*x*/, const float* /*dy*/, float* /*dx*/, std::size_t /*n*/) {
+  no_cuda("gelu backward");
+}
+void layer_norm_forward(const float* /*x*/, const float* /*gamma*/, const float* /*beta*/,
+                        std::int64_t /*rows*/, std::int64_t /*width*/, float /*eps*/, float* /*y*/,
+                        float* /*xhat*/, float* /*inv_std*/) {
+  no_cuda("layer norm forward");
+}
+void layer_norm_backward(const float* /*dy*/, const float* /*xhat*/, const float* /*inv_std*/,
+                         const float* /*gamma*/, std::int64_t /*rows*/, std::int64_t /*width*/,
+                         float* /*dx*/, float* /*dgamma*/, float* /*dbeta*/) {
+  no_cuda("layer norm backward");
+}
+double cross_entropy_forward(const float* /*logits*/, const int* /*labels*/, std::int64_t /*rows*/,
+                             std::int64_t /*classes*/, float* /*probabilities*/) {
+  no_cuda("cross-entropy forward");
+}
+void cross_entropy_backward(const float* /*probabilities*/, const int* /*labels*/,
+                            std::int64_t /*rows*/, std::int64_t /*classes*/, float /*factor*/,
+                            float* /*grad*/) {
+  no_cuda("cross-entropy backward");
 }
 
 void sgd_update(float* /*params*/, const float* /*grads*/, float* /*buffer*/, std::size_t /*n*/,

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -23,8 +24,16 @@ float SoftmaxCrossEntropy::forward(const Tensor& logits, std::span<const int> la
           fmt::format("label {} is {}, expected a class in [0, {})", i, labels[i], classes));
   }
 
-  probabilities_ = Tensor::uninitialized({batch, classes});  // (B, C)
+  // (B, C), where the logits live
+  probabilities_ =
+      Tensor::uninitialized({batch, classes}, MemoryCategory::kActivations, logits.device());
   labels_.assign(labels.begin(), labels.end());
+  if (logits.device() != Device::kHost) {
+    // The loss comes back to the host: reading it waits for the kernels before it.
+    const double total = cuda::cross_entropy_forward(logits.view().data(), labels_.data(), batch,
+                                                     classes, probabilities_.view().data());
+    return static_cast<float>(total / static_cast<double>(batch));
+  }
   double total_loss = 0.0;
   for (std::int64_t row = 0; row < batch; ++row) {
     const float* z = logits.data() + row * classes;
@@ -48,7 +57,14 @@ Tensor SoftmaxCrossEntropy::backward(float scale) {
   const std::int64_t classes = probabilities_.dim(1);
   const float factor = scale / static_cast<float>(batch);  // mean reduction, times scale
 
-  Tensor grad_logits = Tensor::uninitialized({batch, classes});  // (B, C)
+  // (B, C)
+  Tensor grad_logits = Tensor::uninitialized({batch, classes}, MemoryCategory::kActivations,
+                                             probabilities_.device());
+  if (probabilities_.device() != Device::kHost) {
+    cuda::cross_entropy_backward(probabilities_.view().data(), labels_.data(), batch, classes,
+                                 factor, grad_logits.view().data());
+    return grad_logits;
+  }
   for (std::int64_t row = 0; row < batch; ++row) {
     const float* p = probabilities_.data() + row * classes;
     float* dz = grad_logits.data() + row * classes;

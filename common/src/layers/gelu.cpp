@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -22,12 +23,18 @@ GELU::GELU(std::string name, std::int64_t features) : Layer(std::move(name)), fe
 
 Tensor GELU::forward(const Tensor& input) {
   require_input(input, features_);
-  Tensor output = Tensor::uninitialized(input.shape());  // (B, features)
-  const float* x = input.data();
-  float* y = output.data();
-  for (std::size_t i = 0; i < input.size(); ++i) {
-    const float u = kSqrtTwoOverPi * (x[i] + kCubic * x[i] * x[i] * x[i]);
-    y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
+  // (B, features), where the input lives
+  Tensor output =
+      Tensor::uninitialized(input.shape(), MemoryCategory::kActivations, input.device());
+  if (input.device() != Device::kHost) {
+    cuda::gelu_forward(input.view().data(), output.view().data(), input.size());
+  } else {
+    const float* x = input.data();
+    float* y = output.data();
+    for (std::size_t i = 0; i < input.size(); ++i) {
+      const float u = kSqrtTwoOverPi * (x[i] + kCubic * x[i] * x[i] * x[i]);
+      y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
+    }
   }
   saved_input_ = input.clone(MemoryCategory::kActivations);
   return output;
@@ -40,7 +47,16 @@ Tensor GELU::backward(const Tensor& grad_output) {
                     "allows one backward)",
                     name()));
   require_grad_output(grad_output, saved_input_.dim(0), features_);
-  Tensor grad_input = Tensor::uninitialized(grad_output.shape());  // (B, features)
+  require_same_device(grad_output, "the output gradient", saved_input_, "the saved input");
+  // (B, features)
+  Tensor grad_input = Tensor::uninitialized(grad_output.shape(), MemoryCategory::kActivations,
+                                            grad_output.device());
+  if (grad_output.device() != Device::kHost) {
+    cuda::gelu_backward(saved_input_.view().data(), grad_output.view().data(),
+                        grad_input.view().data(), grad_output.size());
+    saved_input_ = Tensor();
+    return grad_input;
+  }
   const float* x = saved_input_.data();
   const float* dy = grad_output.data();
   float* dx = grad_input.data();

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -21,12 +22,22 @@ Tensor LayerNorm::forward(const Tensor& input) {
   require_input(input, features_);
   require_value(weight_, {features_});
   require_value(bias_, {features_});
+  require_same_device(input, "the input", weight_.value, weight_.name);
+  require_same_device(bias_.value, bias_.name, weight_.value, weight_.name);
   const std::int64_t batch = input.dim(0);
   const std::int64_t width = features_;
+  const Device device = input.device();
+  constexpr MemoryCategory kActivations = MemoryCategory::kActivations;
 
-  Tensor output = Tensor::uninitialized({batch, width});      // (B, D)
-  saved_normalized_ = Tensor::uninitialized({batch, width});  // (B, D), xhat
-  saved_inv_std_ = Tensor::uninitialized({batch});            // (B)
+  Tensor output = Tensor::uninitialized({batch, width}, kActivations, device);      // (B, D)
+  saved_normalized_ = Tensor::uninitialized({batch, width}, kActivations, device);  // xhat
+  saved_inv_std_ = Tensor::uninitialized({batch}, kActivations, device);            // (B)
+  if (device != Device::kHost) {
+    cuda::layer_norm_forward(input.view().data(), weight_.value.view().data(),
+                             bias_.value.view().data(), batch, width, eps_, output.view().data(),
+                             saved_normalized_.view().data(), saved_inv_std_.view().data());
+    return output;
+  }
   const float* gamma = weight_.value.data();
   const float* beta = bias_.value.data();
   for (std::int64_t row = 0; row < batch; ++row) {
@@ -60,8 +71,22 @@ Tensor LayerNorm::backward(const Tensor& grad_output) {
   const std::int64_t width = features_;
   require_grad_output(grad_output, batch, width);
   require_value(weight_, {width});
+  require_same_device(grad_output, "the output gradient", weight_.value, weight_.name);
 
-  Tensor grad_input = Tensor::uninitialized({batch, width});         // (B, D)
+  // (B, D)
+  Tensor grad_input =
+      Tensor::uninitialized({batch, width}, MemoryCategory::kActivations, grad_output.device());
+  if (grad_output.device() != Device::kHost) {
+    // dgamma and dbeta go straight into the gradients: one addition per element, as below.
+    float* dgamma = weight_.frozen ? nullptr : grad_for_accumulation(weight_).view().data();
+    float* dbeta = bias_.frozen ? nullptr : grad_for_accumulation(bias_).view().data();
+    cuda::layer_norm_backward(grad_output.view().data(), saved_normalized_.view().data(),
+                              saved_inv_std_.view().data(), weight_.value.view().data(), batch,
+                              width, grad_input.view().data(), dgamma, dbeta);
+    saved_normalized_ = Tensor();
+    saved_inv_std_ = Tensor();
+    return grad_input;
+  }
   std::vector<float> dgamma(static_cast<std::size_t>(width), 0.0f);  // this batch's sums
   std::vector<float> dbeta(static_cast<std::size_t>(width), 0.0f);
   const float* gamma = weight_.value.data();

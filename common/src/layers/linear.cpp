@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 #include "dp/ops.h"
 
@@ -21,13 +22,20 @@ Tensor Linear::forward(const Tensor& input) {
   require_input(input, in_features_);
   require_value(weight_, {out_features_, in_features_});
   require_value(bias_, {out_features_});
+  require_same_device(input, "the input", weight_.value, weight_.name);
+  require_same_device(bias_.value, bias_.name, weight_.value, weight_.name);
   const std::int64_t batch = input.dim(0);
 
   // out: (B, out). Start every row at the bias, so one gemm with beta = 1 adds x W^T.
-  Tensor output = Tensor::uninitialized({batch, out_features_});
-  const float* bias = bias_.value.data();
-  for (std::int64_t row = 0; row < batch; ++row)
-    std::copy(bias, bias + out_features_, output.data() + row * out_features_);
+  Tensor output =
+      Tensor::uninitialized({batch, out_features_}, MemoryCategory::kActivations, input.device());
+  if (input.device() == Device::kHost) {
+    const float* bias = bias_.value.data();
+    for (std::int64_t row = 0; row < batch; ++row)
+      std::copy(bias, bias + out_features_, output.data() + row * out_features_);
+  } else {
+    cuda::broadcast_rows(bias_.value.view().data(), output.view().data(), batch, out_features_);
+  }
   // (B, out) += (B, in) (out, in)^T
   matmul_into(input, Transpose::kNo, weight_.value, Transpose::kYes, output, 1.0f, 1.0f);
 
@@ -44,13 +52,18 @@ Tensor Linear::backward(const Tensor& grad_output) {
   const std::int64_t batch = saved_input_.dim(0);
   require_grad_output(grad_output, batch, out_features_);
   require_value(weight_, {out_features_, in_features_});
+  require_same_device(grad_output, "the output gradient", weight_.value, weight_.name);
 
   if (!weight_.frozen) {
     // dW: (out, in) += (B, out)^T (B, in)
     matmul_into(grad_output, Transpose::kYes, saved_input_, Transpose::kNo,
                 grad_for_accumulation(weight_), 1.0f, 1.0f);
   }
-  if (!bias_.frozen) {
+  if (!bias_.frozen && grad_output.device() != Device::kHost) {
+    // The same sums, one thread per column (bitwise the loop below).
+    cuda::add_column_sums(grad_output.view().data(), batch, out_features_,
+                          grad_for_accumulation(bias_).view().data());
+  } else if (!bias_.frozen) {
     // db: (out) += sum over rows of dY. Sum the batch first, then add once, so the grad
     // receives exactly one addition per backward (as `grad += batch_grad` would).
     std::vector<float> row_sum(static_cast<std::size_t>(out_features_), 0.0f);

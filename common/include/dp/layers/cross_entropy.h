@@ -6,7 +6,9 @@
 //   dloss/dz_i = (softmax(z_i) - onehot(y_i)) / B
 //
 // logsumexp subtracts the row maximum first, so large logits do not overflow exp().
-// It is not a `Layer`: it ends the model, takes labels, and returns a number.
+// It is not a `Layer`: it ends the model, takes labels, and returns a number. The labels
+// stay on the host; for logits on a CUDA device the kernels copy them over, and the loss
+// comes back to the host (the read waits for the forward's kernels).
 //
 // Example:
 //

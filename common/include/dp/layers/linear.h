@@ -1,7 +1,8 @@
 // linear.h: the fully connected layer y = x W^T + b.
 //
 // The weight is stored (out, in), as in PyTorch, so a checkpoint's layout matches
-// `torch.nn.Linear`. Forward and backward are three matrix products through BLAS:
+// `torch.nn.Linear`. Forward and backward are three matrix products through BLAS (cuBLAS
+// when the tensors live on a CUDA device, dp/ops.h):
 //
 //   forward   y  = x W^T + b      (B, out) = (B, in) (in, out)
 //   backward  dW += dY^T x        (out, in) = (out, B) (B, in)
@@ -13,6 +14,9 @@
 //   dp::Linear fc("fc1", 64, 256);    // parameters "fc1.weight" (256, 64), "fc1.bias" (256)
 //   dp::Tensor y = fc.forward(x);      // x: (B, 64) -> y: (B, 256)
 //   dp::Tensor dx = fc.backward(dy);   // dy: (B, 256) -> dx: (B, 64)
+//
+// As every layer, it runs where its tensors live (dp/layer.h): the bias broadcast and the
+// bias gradient's column sums have kernels of their own, equal to the loops bit for bit.
 #pragma once
 
 #include <cstdint>

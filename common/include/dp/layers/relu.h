@@ -1,7 +1,8 @@
 // relu.h: the rectified linear unit, y = max(x, 0), elementwise.
 //
 // Its gradient is 1 where the input was positive and 0 elsewhere (0 at exactly 0, as in
-// PyTorch), so backward keeps the input of the last forward.
+// PyTorch), so backward keeps the input of the last forward. On a CUDA device a kernel
+// computes both directions, bitwise the host loops.
 //
 // Example:
 //

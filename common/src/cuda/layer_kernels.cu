@@ -1,0 +1,329 @@
+// The kernels of the layers (common/src/layers/*.cpp) on a CUDA device, for
+// cuda/device_ops.h. Each kernel follows the host loop it replaces; the host code stays
+// the definition, and the GPU tests compare every kernel with it.
+//
+// Which results equal the host's bit for bit, and which only within a tolerance:
+//   - bitwise: ReLU forward and backward, the bias broadcast, the column sums of a Linear's
+//     bias gradient and of LayerNorm's dgamma and dbeta (one thread per column adds the rows
+//     in the host's order, each operation rounded on its own with __fadd_rn/__fmul_rn, so
+//     nvcc cannot fuse them into a multiply-add), and cross-entropy's backward;
+//   - within a tolerance: GELU (the device's tanhf is not the host's std::tanh, a few ulps
+//     apart), LayerNorm's row statistics and cross-entropy's sum of exponentials (double
+//     sums added as a tree, not in index order; the double result then rounds to the same
+//     float but for the rare value at a rounding boundary), and the exponentials.
+//
+// Row-wise operations (LayerNorm, softmax) give one block to each row: its threads stride
+// over the row's columns and add their partial sums with block_sum. The widths of the labs'
+// models are a few hundred to a few thousand columns, so one block per row is enough work.
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/kernel_support.cuh"
+
+namespace dp::cuda {
+namespace {
+
+// sqrt(2 / pi) and the cubic coefficient of the tanh approximation, computed as gelu.cpp
+// computes them: sqrt(2) and 1/sqrt(pi) rounded to float, their product rounded to float
+// (std::numbers is not available to nvcc's C++17).
+constexpr float kSqrtTwoOverPi = 1.41421356237309504880f * 0.56418958354775628695f;
+constexpr float kCubic = 0.044715f;
+
+int grid_for(std::size_t n) {
+  return blocks_for(n, kMaxBlocks);
+}
+
+// --- Linear -------------------------------------------------------------------------------
+
+__global__ void broadcast_rows_kernel(const float* row, float* out, std::int64_t rows,
+                                      std::int64_t cols) {
+  const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = row[i % static_cast<std::size_t>(cols)];
+}
+
+/// Thread j adds column j over the rows in order, then adds the sum into sums[j]. Adjacent
+/// threads read adjacent columns, so each row is read in coalesced pieces.
+__global__ void add_column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols,
+                                       float* sums) {
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float sum = 0.0f;
+  for (std::int64_t r = 0; r < rows; ++r) sum = __fadd_rn(sum, x[r * cols + j]);
+  sums[j] = __fadd_rn(sums[j], sum);
+}
+
+// --- Activations --------------------------------------------------------------------------
+
+__global__ void relu_forward_kernel(const float* x, float* y, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
+__global__ void relu_backward_kernel(const float* x, const float* dy, float* dx, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+__global__ void gelu_forward_kernel(const float* x, float* y, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = x[i];
+    const float u = kSqrtTwoOverPi * (v + kCubic * v * v * v);
+    y[i] = 0.5f * v * (1.0f + tanhf(u));
+  }
+}
+
+__global__ void gelu_backward_kernel(const float* x, const float* dy, float* dx, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = x[i];
+    const float v2 = v * v;
+    const float t = tanhf(kSqrtTwoOverPi * (v + kCubic * v2 * v));
+    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * v2);
+    const float dy_dx = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du_dx;
+    dx[i] = dy[i] * dy_dx;
+  }
+}
+
+// --- LayerNorm: one block per row ---------------------------------------------------------
+
+__global__ void layer_norm_forward_kernel(const float* x, const float* gamma, const float* beta,
+                                          std::int64_t width, float eps, float* y, float* xhat,
+                                          float* inv_std) {
+  __shared__ double shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const float* x_row = x + row * width;
+  double sum = 0.0;
+  for (std::int64_t j = threadIdx.x; j < width; j += kThreads) sum += x_row[j];
+  shared[threadIdx.x] = sum;
+  const double mean = block_sum(shared) / static_cast<double>(width);
+  double squares = 0.0;
+  for (std::int64_t j = threadIdx.x; j < width; j += kThreads) {
+    const double centred = x_row[j] - mean;
+    squares += centred * centred;
+  }
+  shared[threadIdx.x] = squares;
+  const double variance = block_sum(shared) / static_cast<double>(width);  // biased
+  const float row_inv_std = static_cast<float>(1.0 / sqrt(variance + eps));
+  if (threadIdx.x == 0) inv_std[row] = row_inv_std;
+  for (std::int64_t j = threadIdx.x; j < width; j += kThreads) {
+    const float normalized = __fmul_rn(static_cast<float>(x_row[j] - mean), row_inv_std);
+    xhat[row * width + j] = normalized;
+    y[row * width + j] = __fadd_rn(__fmul_rn(gamma[j], normalized), beta[j]);
+  }
+}
+
+/// dx for one row per block: with g = dy * gamma, dx = inv_std (g - mean(g) - xhat mean(g xhat)).
+__global__ void layer_norm_backward_dx_kernel(const float* dy, const float* xhat,
+                                              const float* inv_std, const float* gamma,
+                                              std::int64_t width, float* dx) {
+  __shared__ double shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const float* dy_row = dy + row * width;
+  const float* xhat_row = xhat + row * width;
+  double sum_g = 0.0;
+  double sum_g_xhat = 0.0;
+  for (std::int64_t j = threadIdx.x; j < width; j += kThreads) {
+    const double g = static_cast<double>(dy_row[j]) * gamma[j];
+    sum_g += g;
+    sum_g_xhat += g * xhat_row[j];
+  }
+  shared[threadIdx.x] = sum_g;
+  const double mean_g = block_sum(shared) / static_cast<double>(width);
+  shared[threadIdx.x] = sum_g_xhat;
+  const double mean_g_xhat = block_sum(shared) / static_cast<double>(width);
+  const double row_inv_std = inv_std[row];
+  for (std::int64_t j = threadIdx.x; j < width; j += kThreads) {
+    const double g = static_cast<double>(dy_row[j]) * gamma[j];
+    dx[row * width + j] =
+        static_cast<float>(row_inv_std * (g - mean_g - xhat_row[j] * mean_g_xhat));
+  }
+}
+
+/// dgamma[j] += sum over rows of dy * xhat, dbeta[j] += sum over rows of dy: thread j adds
+/// column j in row order, as the host does (either output may be nullptr).
+__global__ void layer_norm_backward_params_kernel(const float* dy, const float* xhat,
+                                                  std::int64_t rows, std::int64_t width,
+                                                  float* dgamma, float* dbeta) {
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= width) return;
+  float sum_dy_xhat = 0.0f;
+  float sum_dy = 0.0f;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float d = dy[r * width + j];
+    sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d, xhat[r * width + j]));
+    sum_dy = __fadd_rn(sum_dy, d);
+  }
+  if (dgamma != nullptr) dgamma[j] = __fadd_rn(dgamma[j], sum_dy_xhat);
+  if (dbeta != nullptr) dbeta[j] = __fadd_rn(dbeta[j], sum_dy);
+}
+
+// --- Softmax cross-entropy: one block per row ---------------------------------------------
+
+__global__ void cross_entropy_forward_kernel(const float* logits, const int* labels,
+                                             std::int64_t classes, float* probabilities,
+                                             double* row_loss) {
+  __shared__ float shared_max[kThreads];
+  __shared__ double shared_sum[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const float* z = logits + row * classes;
+  float largest = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < classes; j += kThreads) largest = fmaxf(largest, z[j]);
+  shared_max[threadIdx.x] = largest;
+  const float max_logit = block_max(shared_max);  // taken out: exp of a large logit overflows
+  double sum_exp = 0.0;
+  for (std::int64_t j = threadIdx.x; j < classes; j += kThreads)
+    sum_exp += exp(static_cast<double>(z[j]) - max_logit);
+  shared_sum[threadIdx.x] = sum_exp;
+  const double log_sum_exp = max_logit + log(block_sum(shared_sum));
+  for (std::int64_t j = threadIdx.x; j < classes; j += kThreads)
+    probabilities[row * classes + j] =
+        static_cast<float>(exp(static_cast<double>(z[j]) - log_sum_exp));
+  if (threadIdx.x == 0) row_loss[row] = log_sum_exp - z[labels[row]];
+}
+
+__global__ void cross_entropy_backward_kernel(const float* probabilities, const int* labels,
+                                              std::int64_t rows, std::int64_t classes, float factor,
+                                              float* grad) {
+  const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(classes);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const std::size_t row = i / static_cast<std::size_t>(classes);
+    const std::int64_t j = static_cast<std::int64_t>(i % static_cast<std::size_t>(classes));
+    const float p = probabilities[i];
+    grad[i] = __fmul_rn(factor, j == labels[row] ? __fsub_rn(p, 1.0f) : p);
+  }
+}
+
+/// A device copy of host labels, from the stream-ordered pool and freed on the stream.
+class DeviceLabels {
+ public:
+  DeviceLabels(const int* labels, std::int64_t rows) {
+    const std::size_t bytes = static_cast<std::size_t>(rows) * sizeof(int);
+    check(cudaMallocAsync(reinterpret_cast<void**>(&labels_), bytes, compute()),
+          "cudaMallocAsync (labels)");
+    // From pageable memory the call returns once the labels are staged: the host may reuse
+    // them, and the kernels after it on the stream see them.
+    const cudaError_t status =
+        cudaMemcpyAsync(labels_, labels, bytes, cudaMemcpyHostToDevice, compute());
+    if (status != cudaSuccess) {
+      (void)cudaFreeAsync(labels_, compute());
+      check(status, "copying the labels to the device");
+    }
+  }
+  ~DeviceLabels() { (void)cudaFreeAsync(labels_, compute()); }
+  DeviceLabels(const DeviceLabels&) = delete;
+  DeviceLabels& operator=(const DeviceLabels&) = delete;
+
+  const int* get() const { return labels_; }
+
+ private:
+  int* labels_ = nullptr;
+};
+
+std::size_t elements(std::int64_t rows, std::int64_t cols) {
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
+}
+
+}  // namespace
+
+void broadcast_rows(const float* row, float* out, std::int64_t rows, std::int64_t cols) {
+  const std::size_t n = elements(rows, cols);
+  if (n == 0) return;
+  broadcast_rows_kernel<<<grid_for(n), kThreads, 0, compute()>>>(row, out, rows, cols);
+  check_launch("broadcast_rows");
+}
+
+void add_column_sums(const float* x, std::int64_t rows, std::int64_t cols, float* sums) {
+  if (cols == 0) return;
+  const int blocks = static_cast<int>((cols + kThreads - 1) / kThreads);
+  add_column_sums_kernel<<<blocks, kThreads, 0, compute()>>>(x, rows, cols, sums);
+  check_launch("add_column_sums");
+}
+
+void relu_forward(const float* x, float* y, std::size_t n) {
+  if (n == 0) return;
+  relu_forward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(x, y, n);
+  check_launch("relu forward");
+}
+
+void relu_backward(const float* x, const float* dy, float* dx, std::size_t n) {
+  if (n == 0) return;
+  relu_backward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(x, dy, dx, n);
+  check_launch("relu backward");
+}
+
+void gelu_forward(const float* x, float* y, std::size_t n) {
+  if (n == 0) return;
+  gelu_forward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(x, y, n);
+  check_launch("gelu forward");
+}
+
+void gelu_backward(const float* x, const float* dy, float* dx, std::size_t n) {
+  if (n == 0) return;
+  gelu_backward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(x, dy, dx, n);
+  check_launch("gelu backward");
+}
+
+void layer_norm_forward(const float* x, const float* gamma, const float* beta, std::int64_t rows,
+                        std::int64_t width, float eps, float* y, float* xhat, float* inv_std) {
+  if (rows == 0) return;
+  layer_norm_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, compute()>>>(
+      x, gamma, beta, width, eps, y, xhat, inv_std);
+  check_launch("layer norm forward");
+}
+
+void layer_norm_backward(const float* dy, const float* xhat, const float* inv_std,
+                         const float* gamma, std::int64_t rows, std::int64_t width, float* dx,
+                         float* dgamma, float* dbeta) {
+  if (rows == 0) return;
+  layer_norm_backward_dx_kernel<<<static_cast<unsigned>(rows), kThreads, 0, compute()>>>(
+      dy, xhat, inv_std, gamma, width, dx);
+  check_launch("layer norm backward (dx)");
+  if (dgamma == nullptr && dbeta == nullptr) return;
+  const int blocks = static_cast<int>((width + kThreads - 1) / kThreads);
+  layer_norm_backward_params_kernel<<<blocks, kThreads, 0, compute()>>>(dy, xhat, rows, width,
+                                                                        dgamma, dbeta);
+  check_launch("layer norm backward (dgamma, dbeta)");
+}
+
+double cross_entropy_forward(const float* logits, const int* labels, std::int64_t rows,
+                             std::int64_t classes, float* probabilities) {
+  if (rows == 0) return 0.0;
+  const DeviceLabels device_labels(labels, rows);
+  double* row_loss = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&row_loss),
+                        static_cast<std::size_t>(rows) * sizeof(double), compute()),
+        "cudaMallocAsync (row losses)");
+  cross_entropy_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, compute()>>>(
+      logits, device_labels.get(), classes, probabilities, row_loss);
+  cudaError_t status = cudaGetLastError();
+  std::vector<double> host_loss(static_cast<std::size_t>(rows));
+  if (status == cudaSuccess)
+    status = read_back(host_loss.data(), row_loss, host_loss.size() * sizeof(double));
+  (void)cudaFreeAsync(row_loss, compute());
+  check(status, "cross-entropy forward");
+  double total = 0.0;  // in row order, as the host loop adds them
+  for (const double loss : host_loss) total += loss;
+  return total;
+}
+
+void cross_entropy_backward(const float* probabilities, const int* labels, std::int64_t rows,
+                            std::int64_t classes, float factor, float* grad) {
+  const std::size_t n = elements(rows, classes);
+  if (n == 0) return;
+  const DeviceLabels device_labels(labels, rows);
+  cross_entropy_backward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(
+      probabilities, device_labels.get(), rows, classes, factor, grad);
+  check_launch("cross-entropy backward");
+}
+
+}  // namespace dp::cuda

@@ -1,0 +1,35 @@
+// gpu_test_support.h: what the GPU tests (dp_gpu_tests) share: seeded random inputs and
+// comparisons of a device tensor with its host counterpart.
+//
+// Example:
+//
+//   const dp::Tensor host = dp::Tensor::from(dp::testing::gpu::random_values(1000, 7));
+//   const dp::Tensor device = host.to(dp::Device::kCuda);
+//   EXPECT_TRUE(dp::testing::gpu::bitwise_equal(host, device));
+#pragma once
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "dp/tensor.h"
+
+namespace dp::testing::gpu {
+
+/// n floats drawn uniformly from [low, high) with a fixed seed.
+inline std::vector<float> random_values(std::size_t n, unsigned seed, float low = -1.0f,
+                                        float high = 1.0f) {
+  std::mt19937 generator(seed);
+  std::uniform_real_distribution<float> uniform(low, high);
+  std::vector<float> values(n);
+  for (float& value : values) value = uniform(generator);
+  return values;
+}
+
+/// True when the two tensors (one on the host, one on the device) hold the same bits.
+inline bool bitwise_equal(const Tensor& host, const Tensor& device) {
+  const Tensor copied = device.to(Device::kHost);
+  return host.size() == copied.size() && std::memcmp(host.data(), copied.data(), host.bytes()) == 0;
+}
+
+}  // namespace dp::testing::gpu
