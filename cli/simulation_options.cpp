@@ -35,7 +35,7 @@ void add_simulation_options(CLI::App& command, SimulationArguments& args) {
       ->capture_default_str()
       ->group("Simulated clock");
   command
-      .add_option("--device", args.device,
+      .add_option("--sim-device", args.device,
                   fmt::format("Simulated device: {}", fmt::join(DeviceModel::preset_names(), ", ")))
       ->capture_default_str()
       ->group("Simulated clock");

@@ -5,7 +5,8 @@
 //   --alpha 5 --bandwidth 25            a custom fabric: 5 us per message, 25 GB/s
 //   --net 100gbe --ranks-per-node 4     two levels: 4 ranks per node on NVLink
 //                                       (--intra-net), nodes on 100 GbE
-//   --device h100 --compute measured    the compute model
+//   --sim-device h100 --compute measured  the compute model (--sim-device, not --device:
+//                                         --device says where tensors live, host or cuda)
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -27,7 +28,8 @@ struct SimulationArguments {
   std::string compute = "roofline";      ///< roofline or measured
 };
 
-/// Adds --net, --alpha, --bandwidth, --ranks-per-node, --intra-net, --device and --compute.
+/// Adds --net, --alpha, --bandwidth, --ranks-per-node, --intra-net, --sim-device and
+/// --compute.
 void add_simulation_options(CLI::App& command, SimulationArguments& args);
 
 /// The simulation the arguments ask for: enabled when --net, --alpha or --bandwidth is

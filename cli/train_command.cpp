@@ -2,7 +2,9 @@
 // progress, checks that the replicas agree, and saves a checkpoint. With --net the local
 // backend simulates the interconnect and the clock: it then prints the simulated step time,
 // the exposed communication and the overlap fraction, and --trace writes every rank's ops
-// as a Chrome trace (open it in https://ui.perfetto.dev).
+// as a Chrome trace (open it in https://ui.perfetto.dev). With --device cuda the model, its
+// gradients and the optimizer state live on the GPU (one rank in this build: the
+// communicator does not take device buffers yet).
 //
 // Checkpoints hold the whole state of the run (parameters, optimizer state, step), so
 //
@@ -48,7 +50,18 @@ struct TrainArguments {
   std::string memory_budget;  // empty: none
   SimulationArguments simulation;
   std::string trace;
+  std::string device = "host";  // where the tensors live: host or cuda
 };
+
+/// The device `--device` names; throws `dp::Error` for another name.
+Device parse_device(const std::string& name) {
+  if (name == "host") return Device::kHost;
+  if (name == "cuda") return Device::kCuda;
+  throw Error(
+      fmt::format("unknown --device '{}': expected 'host' or 'cuda' (the simulated "
+                  "device of --net is --sim-device)",
+                  name));
+}
 
 /// True when every rank holds bitwise the same parameters as rank 0.
 bool replicas_identical(const Model& model, Communicator& comm) {
@@ -153,6 +166,7 @@ void run_train(const TrainArguments& args) {
   }
   if (world_size == 0) world_size = 1;
   launch_options.world_size = world_size;
+  check_train_device(args.options.device, world_size);
   if (!args.memory_budget.empty())
     launch_options.memory_budget_bytes = parse_byte_size(args.memory_budget, "--memory-budget");
   launch_options.simulation = simulation_options(args.simulation);
@@ -304,7 +318,14 @@ void add_train_command(CLI::App& app) {
       ->add_option("--trace", args->trace,
                    "Write every rank's ops on the simulated clock as a Chrome trace (JSON)")
       ->group("Simulated clock");
-  train->callback([args] { run_train(*args); });
+  train
+      ->add_option("--device", args->device,
+                   "Where the model and optimizer state live: host, or cuda (one rank)")
+      ->capture_default_str();
+  train->callback([args] {
+    args->options.device = parse_device(args->device);
+    run_train(*args);
+  });
 }
 
 }  // namespace dp::cli

@@ -8,11 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "dp/data.h"
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
+#include "dp/trainer.h"
 #include "test_support.h"
 
 namespace dp {
@@ -93,6 +96,42 @@ TEST(DeviceViews, WithoutCudaEveryOperationOnADeviceViewSaysHowToGetIt) {
   EXPECT_THROW((void)all_finite(device), Error);
   std::vector<float> host(4);
   EXPECT_THROW(copy(device, TensorView(host.data(), 4)), Error);
+}
+
+TEST(DeviceModel, WithoutAUsableDeviceAModelOnCudaIsAClearError) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present: see dp_gpu_tests";
+  const std::string built =
+      message_of<Error>([] { (void)Model::mlp("8-16-4", {.device = Device::kCuda}); });
+  EXPECT_TRUE(contains(built, "on a CUDA device")) << built;
+  Model model = Model::mlp("8-16-4");
+  EXPECT_THROW(model.to(Device::kCuda), Error);
+  // The model is not left half on a device: it still trains on the host.
+  EXPECT_EQ(model.device(), Device::kHost);
+  const Tensor x({2, 8});
+  const std::vector<int> labels = {0, 1};
+  EXPECT_NO_THROW((void)model.backward(model.forward(x), labels));
+}
+
+TEST(DeviceTraining, CudaWithSeveralRanksSaysDeviceCollectivesAreNotInThisBuild) {
+  const std::string message = message_of<Error>([] { check_train_device(Device::kCuda, 4); });
+  EXPECT_TRUE(contains(message,
+                       "training on a CUDA device with 4 ranks: device buffers in collectives "
+                       "are not in this build yet"))
+      << message;
+  EXPECT_NO_THROW(check_train_device(Device::kHost, 4));
+}
+
+TEST(DeviceTraining, WithoutAUsableDeviceTrainingOnCudaFailsBeforeAnyStep) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present: see dp_gpu_tests";
+  TrainOptions options;
+  options.steps = 3;
+  options.device = Device::kCuda;
+  const Dataset data = load_dataset("synthetic:256", 0);
+  const std::string message = message_of<Error>([&] { (void)train_single_process(options, data); });
+  EXPECT_TRUE(contains(
+      message, cuda_compiled() ? "this process sees no CUDA device" : "this build has no CUDA"))
+      << message;
+  EXPECT_TRUE(contains(message, "--device host")) << message;
 }
 
 }  // namespace

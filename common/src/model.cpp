@@ -4,6 +4,7 @@
 #include <charconv>
 #include <utility>
 
+#include "cuda/device_ops.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 
@@ -67,6 +68,7 @@ Model Model::mlp(std::string_view spec, const MlpOptions& options) {
       model.add(std::make_unique<GELU>("gelu" + suffix, out));
   }
   model.init_parameters(options.seed);
+  if (options.device != Device::kHost) model.to(options.device);
   return model;
 }
 
@@ -128,6 +130,18 @@ void Model::init_parameters(std::uint64_t seed) {
     CounterRng rng(seed, parameters_[i]->index);
     parameter_layers_[i]->initialize(*parameters_[i], rng);
   }
+}
+
+void Model::to(Device device) {
+  for (Parameter* parameter : parameters_) {
+    if (parameter->value.device() != device) parameter->value = parameter->value.to(device);
+    if (!parameter->grad.empty() && parameter->grad.device() != device)
+      parameter->grad = parameter->grad.to(device);
+  }
+}
+
+Device Model::device() const {
+  return parameters_.empty() ? Device::kHost : parameters_.front()->value.device();
 }
 
 void Model::freeze(std::string_view parameter_name) {
@@ -209,6 +223,13 @@ void Model::clear_hooks() {
 
 namespace {
 
+// Copies `count` floats between the host and a tensor's memory, wherever that lives. Not
+// dp::copy: reading or setting the whole state is not part of a step, so it is not charged
+// to the simulated clock.
+void copy_floats(const float* source, std::size_t count, float* destination) {
+  cuda::copy_bytes(destination, source, count * sizeof(float));
+}
+
 // Elements of parameter i in the flat index space.
 std::size_t flat_size(std::span<const Parameter* const> parameters, std::size_t i,
                       std::size_t total) {
@@ -228,7 +249,10 @@ std::vector<float> Model::flat_parameters() const {
           fmt::format("parameter {} holds {} elements, expected {} (was it released by "
                       "a hook?)",
                       parameter.name, parameter.value.size(), size));
-    std::copy_n(parameter.value.data(), size, flat.begin() + parameter.offset);
+    if (parameter.value.device() == Device::kHost)
+      std::copy_n(parameter.value.data(), size, flat.begin() + parameter.offset);
+    else
+      copy_floats(parameter.value.view().data(), size, flat.data() + parameter.offset);
   }
   return flat;
 }
@@ -241,7 +265,10 @@ std::vector<float> Model::flat_gradients() const {
     const std::size_t size = flat_size(const_parameters_, i, num_parameters_);
     DP_CHECK(parameter.grad.size() == size, "gradient of {} has {} elements, expected {}",
              parameter.name, parameter.grad.size(), size);
-    std::copy_n(parameter.grad.data(), size, flat.begin() + parameter.offset);
+    if (parameter.grad.device() == Device::kHost)
+      std::copy_n(parameter.grad.data(), size, flat.begin() + parameter.offset);
+    else
+      copy_floats(parameter.grad.view().data(), size, flat.data() + parameter.offset);
   }
   return flat;
 }
@@ -260,8 +287,11 @@ void Model::set_flat_parameters(std::span<const float> values) {
           fmt::format("parameter {} holds {} elements, expected {} (was it released by "
                       "a hook?)",
                       parameter.name, parameter.value.size(), size));
-    std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(parameter.offset), size,
-                parameter.value.data());
+    if (parameter.value.device() == Device::kHost)
+      std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(parameter.offset), size,
+                  parameter.value.data());
+    else
+      copy_floats(values.data() + parameter.offset, size, parameter.value.view().data());
   }
 }
 
@@ -286,6 +316,7 @@ float accuracy(const Tensor& logits, std::span<const int> labels) {
   if (static_cast<std::int64_t>(labels.size()) != batch)
     throw Error(fmt::format("accuracy got {} labels for a batch of {} rows", labels.size(), batch));
   if (batch == 0) return 0.0f;
+  if (logits.device() != Device::kHost) return accuracy(logits.to(Device::kHost), labels);
   std::int64_t correct = 0;
   for (std::int64_t row = 0; row < batch; ++row) {
     const float* z = logits.data() + row * classes;

@@ -197,13 +197,14 @@ std::vector<OptimizerState> AdamW::state() {
 }
 
 std::unique_ptr<Optimizer> make_optimizer(std::string_view name, std::size_t state_size, float lr,
-                                          float momentum, float weight_decay) {
+                                          float momentum, float weight_decay, Device device) {
   if (name == "sgd")
     return std::make_unique<Sgd>(
-        state_size, SgdOptions{.lr = lr, .momentum = momentum, .weight_decay = weight_decay});
+        state_size, SgdOptions{.lr = lr, .momentum = momentum, .weight_decay = weight_decay},
+        device);
   if (name == "adamw")
-    return std::make_unique<AdamW>(state_size,
-                                   AdamWOptions{.lr = lr, .weight_decay = weight_decay});
+    return std::make_unique<AdamW>(state_size, AdamWOptions{.lr = lr, .weight_decay = weight_decay},
+                                   device);
   throw Error(fmt::format("unknown optimizer \"{}\"; expected \"sgd\" or \"adamw\"", name));
 }
 

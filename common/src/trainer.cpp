@@ -8,11 +8,14 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <utility>
 
+#include "cuda/device_ops.h"
 #include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/rng.h"
+#include "dp/tensor_ops.h"
 
 namespace dp {
 namespace {
@@ -23,7 +26,10 @@ using WallClock = std::chrono::steady_clock;
 void check_gradients_finite(Model& model, int rank, int step, const char* when) {
   for (Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    const std::span<const float> grad = parameter->grad.span();
+    // On a device: one reduction, and a copy to the host only to name the culprit.
+    if (parameter->grad.device() != Device::kHost && all_finite(parameter->grad.view())) continue;
+    const Tensor host_grad = parameter->grad.to(Device::kHost);
+    const std::span<const float> grad = host_grad.span();
     for (std::size_t i = 0; i < grad.size(); ++i) {
       if (!std::isfinite(grad[i]))
         throw Error(fmt::format(
@@ -36,27 +42,41 @@ void check_gradients_finite(Model& model, int rank, int step, const char* when) 
 
 float largest_gradient(Model& model) {
   float largest = 0;
-  for (Parameter* parameter : model.parameters())
+  for (Parameter* parameter : model.parameters()) {
+    if (parameter->grad.device() != Device::kHost) {
+      // A maximum does not depend on the order: bitwise the host loop's result (NaN aside,
+      // which check_gradients_finite has excluded).
+      const ConstTensorView grad = std::as_const(parameter->grad).view();
+      largest = std::max(largest, cuda::max_abs(grad.data(), grad.size()));
+      continue;
+    }
     for (float g : parameter->grad.span()) largest = std::max(largest, std::abs(g));
+  }
   return largest;
 }
 
 std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const Model& model) {
   return make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
-                        options.weight_decay);
+                        options.weight_decay, options.device);
+}
+
+/// destination = the elements of host tensor `source`, wherever destination lives (not
+/// dp::copy: restoring a run is not part of a step, so the simulated clock is not charged).
+void copy_from_host(const Tensor& source, Tensor& destination) {
+  if (destination.device() == Device::kHost)
+    std::copy_n(source.data(), source.size(), destination.data());
+  else
+    cuda::copy_bytes(destination.view().data(), source.data(), source.bytes());
 }
 
 /// Restores the parameters and the optimizer of a run from `checkpoint` (checked against the
 /// options by `load_training_checkpoint`).
 void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& optimizer) {
   for (Parameter* parameter : model.parameters()) {
-    const Tensor& saved = checkpoint.tensors.at(parameter->name);
-    std::copy_n(saved.data(), saved.size(), parameter->value.data());
+    copy_from_host(checkpoint.tensors.at(parameter->name), parameter->value);
   }
-  for (const OptimizerState& state : optimizer.state()) {
-    const Tensor& saved = checkpoint.tensors.at("optimizer." + state.name);
-    std::copy_n(saved.data(), saved.size(), state.tensor->data());
-  }
+  for (const OptimizerState& state : optimizer.state())
+    copy_from_host(checkpoint.tensors.at("optimizer." + state.name), *state.tensor);
   optimizer.set_step_count(checkpoint.optimizer_steps);
 }
 
@@ -66,6 +86,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   const int world = comm != nullptr ? comm->size() : 1;
   const int rank = comm != nullptr ? comm->rank() : 0;
   check_train_options(options);
+  check_train_device(options.device, world);
   if (options.global_batch % world != 0)
     throw Error(fmt::format(
         "the global batch must be a positive multiple of the world size {} so that every "
@@ -85,14 +106,18 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   Optimizer& optimizer = *result.optimizer;
   const int first_step = checkpointing.resume_from != nullptr ? checkpointing.resume_from->step : 0;
   if (checkpointing.resume_from != nullptr) restore(*checkpointing.resume_from, model, optimizer);
-  if (comm != nullptr) {
+  // On a device there is one rank (check_train_device): nothing to broadcast or average, and
+  // the communicator, which takes host buffers, only sums the metrics.
+  const bool on_device = options.device != Device::kHost;
+  const bool replicated = comm != nullptr && !on_device;
+  if (replicated) {
     // As DDP does at construction: every replica starts from rank 0's weights.
     for (Parameter* parameter : model.parameters())
       comm->broadcast(parameter->value.span(), 0)->wait();
   }
   // With overlap, each gradient's all-reduce starts the moment backward has finished it.
   std::vector<std::unique_ptr<Work>> pending;
-  const bool overlap = comm != nullptr && options.overlap;
+  const bool overlap = replicated && options.overlap;
   if (overlap)
     model.on_gradient_ready([&](Parameter& parameter) {
       pending.push_back(comm->allreduce(parameter.grad.span(), ReduceOp::kAvg));
@@ -110,7 +135,8 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
                                             static_cast<std::size_t>(local_batch)));
 
     model.zero_grad();
-    const Tensor logits = model.forward(batch.inputs);  // (B/N, classes)
+    const Tensor device_inputs = on_device ? batch.inputs.to(options.device) : Tensor();
+    const Tensor logits = model.forward(on_device ? device_inputs : batch.inputs);  // (B/N, C)
     const float loss = model.backward(logits, batch.labels);
     // (With overlap the all-reduces are already writing the gradients: checked after.)
     if (!overlap) check_gradients_finite(model, rank, step + 1, "before averaging");
@@ -120,7 +146,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
         loss * static_cast<float>(local_batch),
         accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
     if (comm != nullptr) {
-      if (!overlap)
+      if (replicated && !overlap)
         for (Parameter* parameter : model.parameters())
           if (!parameter->frozen)
             pending.push_back(comm->allreduce(parameter->grad.span(), ReduceOp::kAvg));
@@ -215,6 +241,25 @@ std::int64_t integer_entry(const std::map<std::string, std::string>& metadata,
 
 }  // namespace
 
+void check_train_device(Device device, int world_size) {
+  if (device == Device::kHost) return;
+  // The rank count first: it is the same answer on every machine.
+  if (world_size > 1)
+    throw Error(fmt::format(
+        "training on a CUDA device with {} ranks: device buffers in collectives are not in "
+        "this build yet (the communicator takes host buffers only); train on 1 rank (-n 1) "
+        "or on the host (--device host)",
+        world_size));
+  if (!cuda_compiled())
+    throw Error(
+        "training on a CUDA device: this build has no CUDA (configure with a CUDA compiler "
+        "and DP_CUDA on), so train on the host (--device host)");
+  if (cuda_device_count() == 0)
+    throw Error(
+        "training on a CUDA device: this process sees no CUDA device (no GPU, no driver, or "
+        "CUDA_VISIBLE_DEVICES hides them), so train on the host (--device host)");
+}
+
 void check_train_options(const TrainOptions& options) {
   parse_mlp_spec(options.model);
   if (options.activation != "relu" && options.activation != "gelu")
@@ -297,11 +342,19 @@ std::vector<std::size_t> global_batch_indices(std::size_t dataset_size, std::int
 void save_training_checkpoint(const std::filesystem::path& path, const TrainOptions& options,
                               const Model& model, Optimizer& optimizer, int step,
                               std::size_t dataset_size, const TrainingCheckpointInfo& info) {
+  // A model on a device is saved from host copies (the file format is the same).
+  std::vector<Tensor> host_copies;
+  host_copies.reserve(model.parameters().size() + optimizer.state().size());
+  const auto on_host = [&host_copies](const Tensor& tensor) -> const Tensor* {
+    if (tensor.device() == Device::kHost) return &tensor;
+    host_copies.push_back(tensor.to(Device::kHost));
+    return &host_copies.back();
+  };
   std::vector<NamedTensor> tensors;
   for (const Parameter* parameter : model.parameters())
-    tensors.push_back({parameter->name, &parameter->value});
+    tensors.push_back({parameter->name, on_host(parameter->value)});
   for (const OptimizerState& state : optimizer.state())
-    tensors.push_back({"optimizer." + state.name, state.tensor});
+    tensors.push_back({"optimizer." + state.name, on_host(*state.tensor)});
   if (!info.allow_non_finite)
     for (const NamedTensor& named : tensors) check_finite(path, named.name, *named.tensor, step);
 
@@ -383,6 +436,7 @@ Model make_model(const TrainOptions& options) {
   mlp.activation = options.activation;
   mlp.layer_norm = options.layer_norm;
   mlp.seed = options.seed;
+  mlp.device = options.device;
   return Model::mlp(options.model, mlp);
 }
 

@@ -19,6 +19,12 @@
 // [offset, offset + size) in definition order, frozen parameters included. Optimizers and
 // ZeRO shards address parameters by these offsets.
 //
+// A model lives where its parameters live: `Model::to(Device::kCuda)` (or
+// `MlpOptions::device`) moves every value and gradient to the GPU, and then forward and
+// backward run there on inputs that live there too; the loss comes back to the host as a
+// float, and the hooks fire as on the host. A layer given tensors on two devices throws
+// `dp::Error` naming itself.
+//
 // Example:
 //
 //   dp::Model model = dp::Model::mlp("64-256-256-10", {.seed = 42});
@@ -27,6 +33,9 @@
 //   float loss = model.backward(logits, labels);      // fc3.bias ready, fc3.weight ready, ...
 //   optimizer.step(model);
 //   model.zero_grad();
+//
+//   dp::Model on_gpu = dp::Model::mlp("64-256-256-10", {.seed = 42, .device = dp::Device::kCuda});
+//   float gpu_loss = on_gpu.backward(on_gpu.forward(x.to(dp::Device::kCuda)), labels);
 #pragma once
 
 #include <cstddef>
@@ -53,6 +62,7 @@ struct MlpOptions {
   std::string activation = "relu";  ///< "relu" or "gelu", after every hidden Linear
   bool layer_norm = false;          ///< a LayerNorm lnK before the K-th activation
   std::uint64_t seed = 0;           ///< seed of `init_parameters`
+  Device device = Device::kHost;    ///< where the parameters live (drawn on the host, moved)
 };
 
 /// Parses an MLP spec such as "64-256-256-10" into its widths {64, 256, 256, 10}.
@@ -81,8 +91,9 @@ class Model {
   /// Builds an MLP from a spec "64-256-256-10": Linear fc1 (64 -> 256), activation, Linear
   /// fc2 (256 -> 256), activation, Linear fc3 (256 -> 10); with `layer_norm` a LayerNorm
   /// lnK comes before the K-th activation. Activations are named "reluK" or "geluK".
-  /// Parameters are drawn by `init_parameters(options.seed)`. Throws `dp::Error` on a bad
-  /// spec (quoting it and saying what is expected) or an unknown activation.
+  /// Parameters are drawn by `init_parameters(options.seed)` on the host, then moved to
+  /// `options.device`, so a model has the same values on every device. Throws `dp::Error`
+  /// on a bad spec (quoting it and saying what is expected) or an unknown activation.
   static Model mlp(std::string_view spec, const MlpOptions& options = {});
 
   /// Appends `layer` and registers its parameters after those already present. Throws
@@ -111,6 +122,14 @@ class Model {
   /// default), LayerNorm weight 1 and bias 0. The same seed gives bitwise identical values
   /// on every rank.
   void init_parameters(std::uint64_t seed);
+  /// Moves every parameter's value and gradient to `device` (a copy each; a gradient a hook
+  /// released stays released). Forward then expects its input on `device`. Throws
+  /// `dp::Error` for `Device::kCuda` in a build without CUDA or without a GPU.
+  void to(Device device);
+  /// Where the parameters live: the device of the first one (the host for a model without
+  /// parameters). Layers check that the rest agree when they run.
+  Device device() const;
+
   /// Freezes a parameter: no gradient, no gradient-ready hook, no optimizer update.
   /// Throws `dp::Error` if there is no such parameter.
   void freeze(std::string_view parameter_name);
@@ -144,13 +163,14 @@ class Model {
   /// Removes every hook.
   void clear_hooks();
 
-  /// All parameter values concatenated in definition order (`num_parameters()` elements).
-  /// Throws `dp::Error` if a hook released a value.
+  /// All parameter values concatenated in definition order (`num_parameters()` elements),
+  /// copied to the host wherever they live. Throws `dp::Error` if a hook released a value.
   std::vector<float> flat_parameters() const;
-  /// All gradients concatenated in definition order; a released gradient reads as zeros.
+  /// All gradients concatenated in definition order, copied to the host; a released
+  /// gradient reads as zeros.
   std::vector<float> flat_gradients() const;
-  /// The inverse of `flat_parameters`; throws `dp::Error` unless `values` has
-  /// `num_parameters()` elements.
+  /// The inverse of `flat_parameters` (copied to where the parameters live); throws
+  /// `dp::Error` unless `values` has `num_parameters()` elements.
   void set_flat_parameters(std::span<const float> values);
 
   /// Sum of the layers' forward costs on a batch of `batch` rows (the loss not included).
@@ -178,7 +198,8 @@ class Model {
 };
 
 /// Fraction of rows of `logits` (B, classes) whose argmax equals the label (the first
-/// maximum wins a tie). Throws `dp::Error` when the label count differs from B.
+/// maximum wins a tie); device logits are copied to the host first. Throws `dp::Error` when the
+/// label count differs from B.
 float accuracy(const Tensor& logits, std::span<const int> labels);
 
 }  // namespace dp

@@ -185,8 +185,10 @@ class AdamW final : public Optimizer {
 };
 
 /// Makes "sgd" (with `momentum`) or "adamw" (`momentum` unused: PyTorch's default betas)
-/// over `state_size` elements. Throws `dp::Error` listing the valid names otherwise.
+/// over `state_size` elements, its state on `device`. Throws `dp::Error` listing the valid
+/// names otherwise.
 std::unique_ptr<Optimizer> make_optimizer(std::string_view name, std::size_t state_size, float lr,
-                                          float momentum, float weight_decay);
+                                          float momentum, float weight_decay,
+                                          Device device = Device::kHost);
 
 }  // namespace dp

@@ -67,7 +67,16 @@ struct TrainOptions {
   /// backward, so that communication overlaps the rest of backward (the same all-reduces,
   /// so the same bits, in reverse parameter order); otherwise all after backward.
   bool overlap = false;
+  /// Where the model, its gradients and the optimizer state live. `Device::kCuda` trains on
+  /// the GPU, on one rank only in this build (see `check_train_device`).
+  Device device = Device::kHost;
 };
+
+/// Throws `dp::Error` unless training on `device` with `world_size` ranks is possible in
+/// this build and process: `Device::kCuda` needs a build with CUDA, a visible GPU, and one
+/// rank (the communicator does not take device buffers yet). The trainers call it first;
+/// commands call it before they load data.
+void check_train_device(Device device, int world_size);
 
 /// Throws `dp::Error` naming the first option of `options` that is out of range: a model
 /// spec that does not parse, an unknown activation or optimizer, a global batch below 1,
@@ -144,7 +153,8 @@ class GlobalBatches {
 std::vector<std::size_t> global_batch_indices(std::size_t dataset_size, std::int64_t global_batch,
                                               int step, std::uint64_t seed);
 
-/// Builds the model `options` describe, with the initial weights of `options.seed`.
+/// Builds the model `options` describe, with the initial weights of `options.seed`, on
+/// `options.device`.
 Model make_model(const TrainOptions& options);
 
 /// A training run's saved state, read back by `load_training_checkpoint`.

@@ -1,0 +1,371 @@
+// Matrix products, the layers' kernels and a model training on the device, against the host
+// implementation (the readable ground truth). Runs in dp_gpu_tests: skipped (exit code 77)
+// without a CUDA device.
+//
+// Tolerances, with u = 2^-24 the unit roundoff of float32:
+//   - gemm (cuBLAS, no TF32) and the Linear products: a float32 sum of k products lies within
+//     (k + 1) u sum|a b| of the exact value whatever the order, so device and host within
+//         |device - host| <= 2 (k + 2) u (|alpha| (|op(A)| |op(B)|)_ij + |beta| |C_ij|);
+//   - bitwise: ReLU forward and backward, a Linear's bias and bias gradient, LayerNorm's
+//     dbeta, cross-entropy's gradient given the same probabilities (one thread per element
+//     or column, the host's order, each operation rounded on its own);
+//   - GELU: tanhf on the device, std::tanh on the host (each within 2 ulps), and nvcc fuses
+//     multiply-adds: |device - host| <= 2^-19 (1 + |host|) for inputs in [-4, 4);
+//   - LayerNorm and cross-entropy: row statistics in double added as a tree instead of in
+//     index order, rounded to float: each output within 2^-19 of the largest |host| value
+//     of its tensor (a few ulps of it);
+//   - training: a few steps of the default model, parameters within
+//     dp::equivalence_tolerance (dp/trainer.h), the bound the labs use for float32 sums
+//     taken in another order, which is what cuBLAS does.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dp/data.h"
+#include "dp/error.h"
+#include "dp/model.h"
+#include "dp/ops.h"
+#include "dp/rng.h"
+#include "dp/tensor.h"
+#include "dp/trainer.h"
+#include "gpu_test_support.h"
+#include "test_support.h"
+
+namespace dp {
+namespace {
+
+using testing::message_of;
+using testing::gpu::bitwise_equal;
+using testing::gpu::random_values;
+
+constexpr double kUnitRoundoff = 0x1.0p-24;
+
+/// A host tensor of `shape` with values uniform in [low, high) (seeded).
+Tensor random_tensor(const std::vector<std::int64_t>& shape, unsigned seed, float low = -1.0f,
+                     float high = 1.0f) {
+  Tensor tensor =
+      Tensor::from(random_values(static_cast<std::size_t>(element_count(shape)), seed, low, high));
+  tensor.reshape(shape);
+  return tensor;
+}
+
+/// |x| element by element (a host tensor).
+Tensor absolute(const Tensor& x) {
+  Tensor result = x.clone();
+  for (float& value : result.span()) value = std::abs(value);
+  return result;
+}
+
+/// Expects |device[i] - host[i]| <= bound(i) for every element; reports the worst one.
+void expect_within(const Tensor& host, const Tensor& device,
+                   const std::function<double(std::size_t)>& bound, const std::string& what) {
+  ASSERT_EQ(device.device(), Device::kCuda) << what;
+  ASSERT_EQ(host.shape(), device.shape()) << what;
+  const Tensor copied = device.to(Device::kHost);
+  std::size_t failures = 0;
+  std::size_t worst = 0;
+  double worst_ratio = 0;
+  for (std::size_t i = 0; i < host.size(); ++i) {
+    const double difference = std::abs(static_cast<double>(copied[i]) - host[i]);
+    const double allowed = bound(i);
+    if (!(difference <= allowed)) ++failures;  // a NaN fails too
+    const double ratio = allowed > 0 ? difference / allowed : (difference > 0 ? INFINITY : 0);
+    if (ratio > worst_ratio || std::isnan(difference)) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  EXPECT_EQ(failures, 0u) << what << ": worst element " << worst << ": host " << host[worst]
+                          << ", device " << copied[worst] << ", allowed difference "
+                          << bound(worst);
+}
+
+/// Each element within `fraction` of the largest |host| value of the tensor.
+void expect_within_normwise(const Tensor& host, const Tensor& device, double fraction,
+                            const std::string& what) {
+  double largest = 0;
+  for (const float value : host.span()) largest = std::max(largest, double{std::abs(value)});
+  expect_within(
+      host, device, [&](std::size_t) { return fraction * largest; }, what);
+}
+
+/// The gemm bound of the file comment, given the host magnitudes |op(A)| |op(B)| (m, n).
+std::function<double(std::size_t)> product_bound(std::int64_t k, const Tensor& magnitude,
+                                                 double extra = 0) {
+  return [k, &magnitude, extra](std::size_t i) {
+    return 2.0 * static_cast<double>(k + 2) * kUnitRoundoff * (magnitude[i] + extra);
+  };
+}
+
+// --- Matrix products -----------------------------------------------------------------------
+
+TEST(GpuMatmul, EveryTransposeCombinationAgreesWithTheHostWithinTheFloat32Bound) {
+  constexpr std::int64_t m = 67;
+  constexpr std::int64_t n = 45;
+  constexpr std::int64_t k = 300;
+  for (const Transpose ta : {Transpose::kNo, Transpose::kYes}) {
+    for (const Transpose tb : {Transpose::kNo, Transpose::kYes}) {
+      const std::string what = fmt::format("op(A){} op(B){}", ta == Transpose::kYes ? "^T" : "",
+                                           tb == Transpose::kYes ? "^T" : "");
+      const Tensor a = random_tensor(
+          ta == Transpose::kYes ? std::vector<std::int64_t>{k, m} : std::vector<std::int64_t>{m, k},
+          1);
+      const Tensor b = random_tensor(
+          tb == Transpose::kYes ? std::vector<std::int64_t>{n, k} : std::vector<std::int64_t>{k, n},
+          2);
+      const Tensor c0 = random_tensor({m, n}, 3);
+      constexpr float alpha = 0.75f;
+      constexpr float beta = -1.5f;
+      Tensor c_host = c0.clone();
+      matmul_into(a, ta, b, tb, c_host, alpha, beta);
+      const Tensor a_device = a.to(Device::kCuda);
+      const Tensor b_device = b.to(Device::kCuda);
+      Tensor c_device = c0.to(Device::kCuda);
+      matmul_into(a_device, ta, b_device, tb, c_device, alpha, beta);
+
+      // |alpha| |op(A)| |op(B)| + |beta| |C|, on the host
+      Tensor magnitude = absolute(c0);
+      matmul_into(absolute(a), ta, absolute(b), tb, magnitude, std::abs(alpha), std::abs(beta));
+      expect_within(c_host, c_device, product_bound(k, magnitude), what);
+
+      // matmul allocates its result on the operands' device
+      const Tensor fresh = matmul(a_device, ta, b_device, tb);
+      EXPECT_EQ(fresh.device(), Device::kCuda) << what;
+      Tensor fresh_magnitude = matmul(absolute(a), ta, absolute(b), tb);
+      expect_within(matmul(a, ta, b, tb), fresh, product_bound(k, fresh_magnitude), what);
+    }
+  }
+}
+
+TEST(GpuMatmul, OperandsOnTwoDevicesAreRefusedWithBothNamed) {
+  const Tensor host({4, 4});
+  const Tensor device({4, 4}, MemoryCategory::kActivations, Device::kCuda);
+  Tensor out({4, 4}, MemoryCategory::kActivations, Device::kCuda);
+  const std::string message =
+      message_of<Error>([&] { matmul_into(host, Transpose::kNo, device, Transpose::kNo, out); });
+  EXPECT_NE(message.find("a on host, b on cuda"), std::string::npos) << message;
+}
+
+TEST(GpuMatmul, EachThreadHasItsOwnHandleAndStream) {
+  // Two threads (two ranks) multiply at once, each on its own handle and compute stream.
+  const Tensor a = random_tensor({128, 256}, 4);
+  const Tensor b = random_tensor({256, 96}, 5);
+  const Tensor expected = matmul(a, Transpose::kNo, b, Transpose::kNo);
+  const Tensor magnitude = matmul(absolute(a), Transpose::kNo, absolute(b), Transpose::kNo);
+  std::vector<Tensor> results(2);
+  std::vector<std::thread> threads;
+  for (std::size_t t = 0; t < results.size(); ++t)
+    threads.emplace_back([&, t] {
+      const Tensor a_device = a.to(Device::kCuda);
+      const Tensor b_device = b.to(Device::kCuda);
+      for (int repeat = 0; repeat < 20; ++repeat)
+        results[t] = matmul(a_device, Transpose::kNo, b_device, Transpose::kNo);
+      results[t] = results[t].to(Device::kHost);  // waits for this thread's stream
+    });
+  for (std::thread& thread : threads) thread.join();
+  for (const Tensor& result : results)
+    expect_within(expected, result.to(Device::kCuda), product_bound(256, magnitude),
+                  "matmul on a second thread");
+}
+
+// --- Layers ----------------------------------------------------------------------------------
+
+constexpr std::int64_t kBatch = 33;
+
+/// Copies a host layer's parameter values and gradients into the same layer on the device.
+void copy_parameters_to_device(Layer& host, Layer& device) {
+  const std::vector<Parameter*> from = host.parameters();
+  const std::vector<Parameter*> to = device.parameters();
+  ASSERT_EQ(from.size(), to.size());
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    to[i]->value = from[i]->value.to(Device::kCuda);
+    to[i]->grad = from[i]->grad.to(Device::kCuda);
+  }
+}
+
+/// Draws every parameter of `layer` (seeded) and gives its gradients nonzero values, so the
+/// test sees that backward adds into them.
+void randomize(Layer& layer, unsigned seed) {
+  for (Parameter* parameter : layer.parameters()) {
+    const Tensor values = random_tensor(parameter->value.shape(), seed++);
+    std::copy_n(values.data(), values.size(), parameter->value.data());
+    const Tensor grads = random_tensor(parameter->grad.shape(), seed++);
+    std::copy_n(grads.data(), grads.size(), parameter->grad.data());
+  }
+}
+
+TEST(GpuLayers, LinearForwardAndBackwardAgreeWithTheHost) {
+  constexpr std::int64_t in = 67;
+  constexpr std::int64_t out = 129;
+  Linear host("fc", in, out);
+  Linear device("fc", in, out);
+  randomize(host, 10);
+  copy_parameters_to_device(host, device);
+  const Tensor x = random_tensor({kBatch, in}, 20);
+  const Tensor dy = random_tensor({kBatch, out}, 21);
+
+  const Tensor y_host = host.forward(x);
+  const Tensor y_device = device.forward(x.to(Device::kCuda));
+  // out = b + x W^T: |x| |W|^T + |b|
+  Tensor y_magnitude = Tensor::uninitialized({kBatch, out});
+  for (std::int64_t r = 0; r < kBatch; ++r)
+    for (std::int64_t j = 0; j < out; ++j) y_magnitude.at(r, j) = std::abs(host.bias().value[j]);
+  matmul_into(absolute(x), Transpose::kNo, absolute(host.weight().value), Transpose::kYes,
+              y_magnitude, 1.0f, 1.0f);
+  expect_within(y_host, y_device, product_bound(in, y_magnitude), "linear forward");
+
+  const Tensor weight_grad_before = host.weight().grad.clone();
+  const Tensor dx_host = host.backward(dy);
+  const Tensor dx_device = device.backward(dy.to(Device::kCuda));
+  const Tensor dx_magnitude =
+      matmul(absolute(dy), Transpose::kNo, absolute(host.weight().value), Transpose::kNo);
+  expect_within(dx_host, dx_device, product_bound(out, dx_magnitude), "linear dx");
+  Tensor dw_magnitude = absolute(weight_grad_before);
+  matmul_into(absolute(dy), Transpose::kYes, absolute(x), Transpose::kNo, dw_magnitude, 1.0f, 1.0f);
+  expect_within(host.weight().grad, device.weight().grad, product_bound(kBatch, dw_magnitude),
+                "linear dW");
+  EXPECT_TRUE(bitwise_equal(host.bias().grad, device.bias().grad)) << "linear db";
+}
+
+TEST(GpuLayers, ReluForwardAndBackwardEqualTheHostBitwise) {
+  ReLU host("relu", 300);
+  ReLU device("relu", 300);
+  const Tensor x = random_tensor({kBatch, 300}, 30);
+  const Tensor dy = random_tensor({kBatch, 300}, 31);
+  EXPECT_TRUE(bitwise_equal(host.forward(x), device.forward(x.to(Device::kCuda))));
+  EXPECT_TRUE(bitwise_equal(host.backward(dy), device.backward(dy.to(Device::kCuda))));
+}
+
+TEST(GpuLayers, GeluForwardAndBackwardAgreeWithTheHostWithinAFewUlps) {
+  GELU host("gelu", 300);
+  GELU device("gelu", 300);
+  const Tensor x = random_tensor({kBatch, 300}, 40, -4.0f, 4.0f);
+  const Tensor dy = random_tensor({kBatch, 300}, 41);
+  const auto bound = [](const Tensor& reference) {
+    return [&reference](std::size_t i) { return 0x1.0p-19 * (1.0 + std::abs(reference[i])); };
+  };
+  const Tensor y_host = host.forward(x);
+  expect_within(y_host, device.forward(x.to(Device::kCuda)), bound(y_host), "gelu forward");
+  const Tensor dx_host = host.backward(dy);
+  expect_within(dx_host, device.backward(dy.to(Device::kCuda)), bound(dx_host), "gelu backward");
+}
+
+TEST(GpuLayers, LayerNormForwardAndBackwardAgreeWithTheHost) {
+  // 1000 columns: wider than a block, so each thread of a row's block strides.
+  constexpr std::int64_t width = 1000;
+  LayerNorm host("ln", width);
+  LayerNorm device("ln", width);
+  randomize(host, 50);
+  copy_parameters_to_device(host, device);
+  // An offset mean, as activations have: the statistics must take it out accurately.
+  const Tensor x = random_tensor({kBatch, width}, 60, 2.0f, 5.0f);
+  const Tensor dy = random_tensor({kBatch, width}, 61);
+  expect_within_normwise(host.forward(x), device.forward(x.to(Device::kCuda)), 0x1.0p-19,
+                         "layer norm forward");
+  expect_within_normwise(host.backward(dy), device.backward(dy.to(Device::kCuda)), 0x1.0p-19,
+                         "layer norm dx");
+  expect_within_normwise(host.weight().grad, device.weight().grad, 0x1.0p-19, "layer norm dgamma");
+  EXPECT_TRUE(bitwise_equal(host.bias().grad, device.bias().grad)) << "layer norm dbeta";
+}
+
+TEST(GpuLayers, CrossEntropyLossAndGradientAgreeWithTheHost) {
+  constexpr std::int64_t classes = 300;  // wider than a block
+  const Tensor logits = random_tensor({kBatch, classes}, 70, -8.0f, 8.0f);
+  std::vector<int> labels(kBatch);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int>((i * 37) % classes);
+  SoftmaxCrossEntropy host;
+  SoftmaxCrossEntropy device;
+  const float loss_host = host.forward(logits, labels);
+  const float loss_device = device.forward(logits.to(Device::kCuda), labels);
+  EXPECT_NEAR(loss_device, loss_host, 0x1.0p-19 * std::abs(loss_host));
+  constexpr float kScale = 0.5f;
+  expect_within_normwise(host.backward(kScale), device.backward(kScale), 0x1.0p-19,
+                         "cross-entropy gradient");
+}
+
+// --- A model on the device ------------------------------------------------------------------
+
+TEST(GpuModel, MovesToTheDeviceAndBackBitwiseAndFiresTheSameHooks) {
+  Model host = Model::mlp("64-96-10", {.layer_norm = true, .seed = 3});
+  Model device = Model::mlp("64-96-10", {.layer_norm = true, .seed = 3, .device = Device::kCuda});
+  EXPECT_EQ(device.device(), Device::kCuda);
+  EXPECT_EQ(host.flat_parameters(), device.flat_parameters());
+
+  std::vector<std::string> host_order;
+  std::vector<std::string> device_order;
+  host.on_gradient_ready([&](Parameter& p) { host_order.push_back(p.name); });
+  device.on_gradient_ready([&](Parameter& p) {
+    EXPECT_EQ(p.grad.device(), Device::kCuda) << p.name;
+    device_order.push_back(p.name);
+  });
+  const Tensor x = random_tensor({16, 64}, 80);
+  const std::vector<int> labels(16, 3);
+  const float loss_host = host.backward(host.forward(x), labels);
+  const float loss_device = device.backward(device.forward(x.to(Device::kCuda)), labels);
+  EXPECT_NEAR(loss_device, loss_host, 1e-5f * std::abs(loss_host));
+  EXPECT_EQ(device_order, host_order);
+
+  device.to(Device::kHost);
+  EXPECT_EQ(device.device(), Device::kHost);
+  EXPECT_EQ(device.parameter("fc1.weight").grad.device(), Device::kHost);
+}
+
+TEST(GpuModel, AnInputOnAnotherDeviceIsRefusedNamingTheLayer) {
+  Model model = Model::mlp("8-16-4", {.device = Device::kCuda});
+  const Tensor host_input({2, 8});
+  const std::string message = message_of<Error>([&] { (void)model.forward(host_input); });
+  EXPECT_NE(message.find("fc1: the input lives on host but fc1.weight lives on cuda"),
+            std::string::npos)
+      << message;
+  // One parameter left behind on the host: the layer that holds it says so.
+  Parameter& bias = model.parameter("fc2.bias");
+  bias.value = bias.value.to(Device::kHost);
+  const std::string mixed = message_of<Error>([&] {
+    (void)model.forward(Tensor({2, 8}).to(Device::kCuda));
+  });
+  EXPECT_NE(mixed.find("fc2: fc2.bias lives on host but fc2.weight lives on cuda"),
+            std::string::npos)
+      << mixed;
+}
+
+TEST(GpuTraining, AFewStepsOfTheDefaultModelMatchTheHostWithinTheEquivalenceTolerance) {
+  for (const char* name : {"sgd", "adamw"}) {
+    const std::string optimizer = name;
+    TrainOptions options;  // the default model, 64-256-256-10, on the synthetic data set
+    options.steps = 5;
+    options.optimizer = optimizer;
+    options.lr = optimizer == "sgd" ? 0.1f : 1e-3f;
+    options.log_every = 1;
+    const Dataset data = load_dataset(options.dataset, options.seed);
+    const TrainResult host = train_single_process(options, data);
+    options.device = Device::kCuda;
+    const TrainResult device = train_single_process(options, data);
+    EXPECT_EQ(device.model.device(), Device::kCuda);
+    EXPECT_EQ(device.optimizer->device(), Device::kCuda);
+
+    const std::vector<float> expected = host.model.flat_parameters();
+    const std::vector<float> actual = device.model.flat_parameters();
+    ASSERT_EQ(expected.size(), actual.size());
+    float largest = 0;
+    for (std::size_t i = 0; i < expected.size(); ++i)
+      largest = std::max(largest, std::abs(expected[i] - actual[i]));
+    const float tolerance =
+        equivalence_tolerance(options, std::max(host.max_abs_gradient, device.max_abs_gradient));
+    EXPECT_LE(largest, tolerance) << optimizer;
+    EXPECT_GT(largest, 0.0f) << optimizer
+                             << ": cuBLAS adds in another order; equal bits "
+                                "would mean the device did not run";
+    ASSERT_EQ(host.reports.size(), device.reports.size());
+    for (std::size_t i = 0; i < host.reports.size(); ++i)
+      EXPECT_NEAR(device.reports[i].loss, host.reports[i].loss, 1e-4f)
+          << optimizer << " step " << i + 1;
+  }
+}
+
+}  // namespace
+}  // namespace dp
