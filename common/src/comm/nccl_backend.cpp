@@ -209,6 +209,8 @@ class NcclCommunicator final : public Communicator {
   static void check_reducible(ConstBuffer data, std::string_view call);
   /// After a sum on the stream: the average comm.h promises, the sum divided by size().
   void divide_if_average(MutableBuffer result, ReduceOp op);
+  /// isend (op kSend) or irecv (kRecv): checks, counts and holds the message (see the top).
+  std::unique_ptr<Work> hold_message(CommOp op, MutableBuffer data, int peer, int tag);
   /// Records `record` in the log and the counters and returns its call.
   std::shared_ptr<NcclCall> begin(CallRecord record);
   /// Gates the communication stream on the compute stream, runs `enqueue` (NCCL calls on
@@ -309,8 +311,12 @@ NcclCommunicator::~NcclCommunicator() {
   changed_.notify_all();
   watchdog_.join();
   group_.leave(slot_);
-  // Nothing can be reported from here. ncclCommAbort freed an aborted communicator.
-  if (!aborted_) {
+  // Nothing can be reported from here. ncclCommAbort freed an aborted communicator. When
+  // another rank of the launch failed, a call of this rank may wait for it forever: abort
+  // rather than wait for the stream.
+  if (!aborted_ && group_.failed()) {
+    (void)ncclCommAbort(comm_);
+  } else if (!aborted_) {
     (void)cudaStreamSynchronize(stream_);
     (void)ncclCommDestroy(comm_);
   }
@@ -438,10 +444,13 @@ bool NcclCommunicator::test(NcclCall& call) {
   return true;
 }
 
-std::unique_ptr<Work> NcclCommunicator::isend(ConstBuffer data, int peer, int tag) {
-  check_buffer(data, "isend");
-  check_peer(peer, "isend");
-  auto call = begin({.op = CommOp::kSend,
+std::unique_ptr<Work> NcclCommunicator::hold_message(CommOp op, MutableBuffer data, int peer,
+                                                     int tag) {
+  const bool send = op == CommOp::kSend;
+  const std::string_view name = send ? "isend" : "irecv";
+  check_buffer(data, name);
+  check_peer(peer, name);
+  auto call = begin({.op = op,
                      .count = data.count,
                      .type = data.type,
                      .device = data.device,
@@ -449,26 +458,19 @@ std::unique_ptr<Work> NcclCommunicator::isend(ConstBuffer data, int peer, int ta
                      .tag = tag});
   {
     const std::lock_guard lock(mutex_);
-    // NCCL reads a send buffer only; the cast lets sends and receives share one queue.
-    held_.push_back({call, const_cast<void*>(data.data), data.count, data.type, peer, true});
+    held_.push_back({call, data.data, data.count, data.type, peer, send});
   }
   return std::make_unique<NcclWork>(*this, std::move(call));
 }
 
+std::unique_ptr<Work> NcclCommunicator::isend(ConstBuffer data, int peer, int tag) {
+  // NCCL only reads a send buffer; the cast lets sends and receives share one queue.
+  return hold_message(
+      CommOp::kSend, {const_cast<void*>(data.data), data.count, data.type, data.device}, peer, tag);
+}
+
 std::unique_ptr<Work> NcclCommunicator::irecv(MutableBuffer data, int peer, int tag) {
-  check_buffer(data, "irecv");
-  check_peer(peer, "irecv");
-  auto call = begin({.op = CommOp::kRecv,
-                     .count = data.count,
-                     .type = data.type,
-                     .device = data.device,
-                     .peer = peer,
-                     .tag = tag});
-  {
-    const std::lock_guard lock(mutex_);
-    held_.push_back({call, data.data, data.count, data.type, peer, false});
-  }
-  return std::make_unique<NcclWork>(*this, std::move(call));
+  return hold_message(CommOp::kRecv, data, peer, tag);
 }
 
 void NcclCommunicator::check_reducible(ConstBuffer data, std::string_view call) {

@@ -151,13 +151,6 @@ void comm_copy(void* destination, const void* source, std::size_t bytes, int dev
       "cudaMemcpyAsync (communication stream)");
 }
 
-void comm_fill_bytes(void* destination, unsigned char value, std::size_t bytes, int device) {
-  if (bytes == 0) return;
-  use_device(device);
-  check(cudaMemsetAsync(destination, value, bytes, thread_streams().get(device)),
-        "cudaMemsetAsync (communication stream)");
-}
-
 void synchronize_comm_stream() {
   thread_streams().synchronize();
 }

@@ -78,8 +78,6 @@ void comm_stream_wait(const ReadyEvent& event, int device);
 /// Copies `bytes` on the calling thread's communication stream of `device`; either side may
 /// be host or device memory. Asynchronous: see `synchronize_comm_stream`.
 void comm_copy(void* destination, const void* source, std::size_t bytes, int device);
-/// Sets `bytes` bytes at `destination` (device memory) to `value`, asynchronously.
-void comm_fill_bytes(void* destination, unsigned char value, std::size_t bytes, int device);
 
 /// The largest number of buffers one `comm_reduce` combines or writes (a kernel parameter
 /// block holds their addresses; dp::kMaxWorldSize is the same).

@@ -48,10 +48,6 @@ void comm_copy(void* /*destination*/, const void* /*source*/, std::size_t /*byte
                int /*device*/) {
   no_cuda("a copy");
 }
-void comm_fill_bytes(void* /*destination*/, unsigned char /*value*/, std::size_t /*bytes*/,
-                     int /*device*/) {
-  no_cuda("a fill");
-}
 void comm_reduce(const ReduceJob& /*job*/, int /*device*/) {
   no_cuda("a reduction");
 }
