@@ -33,8 +33,9 @@
 //   - a float sum over three or more ranks adds in NCCL's ring order, not in rank order, so
 //     it may differ from the local backend's in the last bits (two ranks: a + b == b + a);
 //     an average is that sum divided afterwards, on the communication stream;
-//   - Completion::kAdversarial stages buffers on the host (comm/adversarial.cpp), which this
-//     backend refuses: grade on nccl with the default completion.
+//   - under Completion::kAdversarial the decorator (comm/adversarial.cpp) stages device
+//     buffers on the device and copies them with the legacy default stream, which runs after
+//     the compute stream and so after the calls `wait()` ordered it behind.
 //
 // Hangs. A watchdog thread per rank polls the pending calls' events and
 // ncclCommGetAsyncError. A call pending longer than the hang timeout, or an asynchronous
