@@ -17,7 +17,9 @@
 #include <benchmark/benchmark.h>
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -295,6 +297,12 @@ void benchmark_collective(benchmark::State& state, RankGroup& group, const Colle
         group.run_timed([&](Communicator& comm, RankBuffers& buffers) { issue(c, comm, buffers); },
                         state.max_iterations);
     state.counters["cpu_cores"] = cpu.cores_busy();
+    // The median call as well as the mean: on a shared machine a few calls preempted by a
+    // neighbour raise the mean of a microsecond-long call, not its median.
+    std::vector<double> sorted = times;
+    std::nth_element(sorted.begin(),
+                     sorted.begin() + static_cast<std::ptrdiff_t>(sorted.size() / 2), sorted.end());
+    state.counters["median_us"] = sorted[sorted.size() / 2] * 1e6;
     double total_seconds = 0;
     std::size_t iteration = 0;
     for (auto _ : state) {

@@ -1,6 +1,9 @@
 // rank_pool.cpp: the persistent local ranks of the benchmarks (see rank_pool.h).
 #include "rank_pool.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -40,7 +43,23 @@ bool RankPool::healthy() const {
   return !failed_;
 }
 
+void RankPool::bind_to_core(int rank) const {
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;  // unbound: still correct
+  if (CPU_COUNT(&allowed) < world_size_) return;  // oversubscribed: let the scheduler share
+  int seen = -1;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed) || ++seen != rank) continue;
+    cpu_set_t own;
+    CPU_ZERO(&own);
+    CPU_SET(cpu, &own);
+    pthread_setaffinity_np(pthread_self(), sizeof(own), &own);  // a failure leaves it unbound
+    return;
+  }
+}
+
 void RankPool::serve(Communicator& comm) {
+  bind_to_core(comm.rank());
   std::uint64_t seen = 0;
   std::unique_lock lock(mutex_);
   if (++ranks_ready_ == world_size_) changed_.notify_all();

@@ -130,9 +130,16 @@ std::string check_seed(const std::string& text) {
   return "";
 }
 
-/// Processes under --backend mpi: -n, or 2 (the smallest job that communicates).
+/// True for the backends whose ranks are processes that mpirun starts (mpi, nccl).
+bool under_mpirun(const GradeArguments& args) {
+  return args.backend == "mpi" || args.backend == "nccl";
+}
+
+/// Processes under --backend mpi: -n, or 2 (the smallest job that communicates); under
+/// nccl one process per GPU: -n, or 1.
 int mpi_processes(const GradeArguments& args) {
-  return args.ranks == -1 ? 2 : args.ranks;
+  if (args.ranks != -1) return args.ranks;
+  return args.backend == "nccl" ? 1 : 2;
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
@@ -144,7 +151,7 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (!args.checks.empty())
     request.arguments.push_back(fmt::format("--gtest_filter={}", fmt::join(args.checks, ":")));
-  if (args.backend == "mpi") {
+  if (under_mpirun(args)) {
     request.processes = mpi_processes(args);
     const std::string mpirun = args.mpirun;
     request.launcher = [mpirun](const std::vector<std::string>& command, int processes,
@@ -163,14 +170,19 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
 }
 
 void grade(const GradeArguments& args) {
-  if (args.backend != "local" && args.backend != "mpi")
-    throw Error(fmt::format("unknown backend '{}': expected 'local' or 'mpi'", args.backend));
+  if (args.backend != "local" && !under_mpirun(args))
+    throw Error(
+        fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", args.backend));
+  if (args.backend == "nccl" && !nccl_built())
+    throw Error(
+        "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
+        "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
   if (args.backend == "local" && args.ranks != -1)
     throw Error(fmt::format(
-        "-n {} applies to --backend mpi only: on the local backend each check picks its own "
-        "world sizes",
+        "-n {} applies to --backend mpi and nccl only: on the local backend each check picks "
+        "its own world sizes",
         args.ranks));
-  if (args.backend == "mpi" && args.ranks != -1 && (args.ranks < 1 || args.ranks > kMaxWorldSize))
+  if (under_mpirun(args) && args.ranks != -1 && (args.ranks < 1 || args.ranks > kMaxWorldSize))
     throw Error(
         fmt::format("-n must be between 1 and {} processes, got {}", kMaxWorldSize, args.ranks));
   timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
@@ -239,8 +251,9 @@ void grade(const GradeArguments& args) {
   if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   if (!args.checks.empty())
     report.implementation += fmt::format(", only {} (--check)", fmt::join(args.checks, ", "));
-  report.backend =
-      args.backend == "mpi" ? fmt::format("mpi ({} processes)", mpi_processes(args)) : "local";
+  report.backend = under_mpirun(args)
+                       ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
+                       : "local";
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
@@ -266,7 +279,11 @@ void add_grade_command(CLI::App& app) {
       "grade", kReferenceBuild ? "Grade the reference solutions: the score table, check by check"
                                : "Grade your labs: the score table, check by check");
   grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)");
-  grade_app->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
+  grade_app
+      ->add_option("--backend", args->backend,
+                   "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "
+                   "tensors on the GPU)")
+      ->capture_default_str();
   grade_app->add_option("-n,--ranks", args->ranks,
                         "MPI processes for --backend mpi (default 2); local checks pick their own");
   grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here");

@@ -11,6 +11,8 @@
 // with --allow-run-as-root added when run as root (containers) and --mca mpi_yield_when_idle 1
 // when the ranks outnumber this machine's cores; mpirun.h builds it, the
 // same way for `dplab grade`. --hostfile passes a host file to mpirun for several machines.
+// --backend nccl starts the same mpirun with `--backend nccl`: one process per GPU, NCCL
+// bootstrapped through MPI.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -85,6 +87,7 @@ std::string shell_quoted(const std::string& argument) {
   return quoted + "'";
 }
 
+/// mpirun starting `ranks` processes of the command with `--backend <args.backend>`.
 std::vector<std::string> mpi_command_line(const RunArguments& args, int ranks) {
   MpirunOptions options;
   options.ranks = ranks;
@@ -94,7 +97,7 @@ std::vector<std::string> mpi_command_line(const RunArguments& args, int ranks) {
   std::vector<std::string> program = {this_executable()};
   program.insert(program.end(), args.command.begin(), args.command.end());
   program.push_back("--backend");
-  program.push_back("mpi");
+  program.push_back(args.backend);
   return mpirun_command(options, program);
 }
 
@@ -117,7 +120,7 @@ void run(const RunArguments& args) {
   const int ranks = ranks_of(args);
   const bool inner_ranks = inner_world_size(args.command).has_value();
   std::vector<std::string> argv;
-  if (args.backend == "mpi") {
+  if (args.backend == "mpi" || args.backend == "nccl") {
     argv = mpi_command_line(args, ranks);
   } else if (args.backend == "local") {
     // Local ranks are threads of one process: the command itself starts them.
@@ -129,7 +132,8 @@ void run(const RunArguments& args) {
       argv.push_back(std::to_string(ranks));
     }
   } else {
-    throw Error(fmt::format("unknown backend '{}': expected 'local' or 'mpi'", args.backend));
+    throw Error(
+        fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", args.backend));
   }
   if (args.dry_run) {
     std::vector<std::string> quoted;
@@ -150,7 +154,9 @@ void add_run_command(CLI::App& app) {
       ->add_option("-n,--ranks", args->ranks,
                    "Number of ranks (default: the command's own -n, else 1)")
       ->check(world_size_range());
-  run_app->add_option("--backend", args->backend, "mpi or local")->capture_default_str();
+  run_app
+      ->add_option("--backend", args->backend, "mpi, nccl (mpirun, one process per GPU) or local")
+      ->capture_default_str();
   run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines");
   run_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
   // One value per --mpirun-arg (repeat it for more), so that it never swallows the `--`.

@@ -46,9 +46,18 @@ SMALLER = {
         ["cmake", "--preset", "student", "-B", "{work}/student-build"],
         "configured only, in the scratch directory: the build under test has the same dplab "
         "and check programs (the student preset builds a subset of the ci preset's targets)"),
+    "build/default/bin/dplab bench-comm -n 8 --net ib-ndr": (
+        ["--max-bytes", "16M"],
+        "the sweep stops at 16 MiB instead of 256 MiB: each size's simulated time is the same "
+        "alone or in the sweep, and the larger sizes cost only real copies (25 s of 8 ranks)"),
+    "build/default/bin/dplab bench-comm -n 8 --op sendrecv --alpha 5 --bandwidth 25 --fit": (
+        ["--max-bytes", "16M"],
+        "the sweep stops at 16 MiB instead of 256 MiB: the fit still has 10 sizes, and the "
+        "larger sizes cost only real copies (38 s of 8 ranks)"),
     "tools/run-benchmarks build/default": (
-        ["--", "--benchmark_filter=size:4KiB/|train_step/single/batch:64/"],
-        "the full sweep takes many minutes; the script runs end to end on the smallest sizes"),
+        ["--rounds", "1", "--", "--benchmark_filter=size:4KiB/|train_step/single/batch:64/"],
+        "the full sweep takes many minutes; the script runs end to end, one round, on the "
+        "smallest sizes"),
 }
 
 

@@ -236,6 +236,41 @@ TEST(MpiBackend, TagsOutsideMpisRangeAreRejected) {
   });
 }
 
+// The mpi backend takes host buffers only (see mpi_backend.cpp): a buffer marked as device
+// memory fails at the call, on the rank that passed it, before MPI reads it (the pointer is
+// host memory here, so a read would not crash: the test would see it as a wrong result).
+TEST(MpiBackend, DeviceBuffersAreRefusedAtTheCallWithTheDevicesNamed) {
+  launch(on_mpi(2), [](Communicator& comm) {
+    std::vector<float> values(8, 1.0f);
+    const MutableBuffer device{values.data(), values.size(), DataType::kFloat32, Device::kCuda};
+    const MutableBuffer half{values.data(), 4, DataType::kFloat32, Device::kCuda};
+    const std::vector<std::function<void()>> calls = {
+        [&] { comm.allreduce(device, ReduceOp::kSum); },
+        [&] { comm.reduce_scatter(device, half, ReduceOp::kSum); },
+        [&] { comm.allgather(half, device); },
+        [&] { comm.broadcast(device, 0); },
+        [&] { comm.isend(device, 1 - comm.rank(), 0); },
+        [&] { comm.irecv(device, 1 - comm.rank(), 0); },
+    };
+    for (const auto& call : calls) {
+      try {
+        call();
+        ADD_FAILURE() << "expected a dp::Error for a device buffer on the mpi backend";
+      } catch (const CommError& error) {
+        ADD_FAILURE() << "expected a dp::Error at the call, got a CommError: " << error.what();
+      } catch (const Error& error) {
+        EXPECT_NE(std::string(error.what())
+                      .find("on the mpi backend: expected a buffer in host memory, got one in cuda "
+                            "memory"),
+                  std::string::npos)
+            << error.what();
+      }
+    }
+    EXPECT_EQ(values, std::vector<float>(8, 1.0f));
+    comm.barrier();  // nothing was issued: the ranks still agree
+  });
+}
+
 TEST(MpiBackend, AllGatherInPlaceAndReduceScatterAverageOfInt32) {
   const int p = mpi_world_size();
   launch(on_mpi(p), [&](Communicator& comm) {

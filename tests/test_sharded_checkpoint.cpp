@@ -439,6 +439,46 @@ TEST(ShardedCheckpointErrors, AFailedTargetCheckChangesNoTarget) {
   EXPECT_TRUE(bitwise_equal(exp_avg, exp_avg_before)) << "a wrong size changed 'exp_avg'";
 }
 
+TEST(ShardedCheckpointErrors, CompatibilityNamesWhatDiffers) {
+  // Another world size and another layout are compatible: that is re-sharding.
+  const dp::ShardedCheckpointPlan expected = plan_of("buckets", 3);
+  EXPECT_NO_THROW(dp::check_checkpoint_compatible(plan_of("flat", 2), expected));
+  dp::ShardedCheckpointPlan reordered = plan_of("flat", 2);
+  std::reverse(reordered.tensors.begin(), reordered.tensors.end());
+  EXPECT_NO_THROW(dp::check_checkpoint_compatible(reordered, expected))
+      << "the tensors are a set: the order they were saved in must not matter";
+
+  dp::ShardedCheckpointPlan swapped = plan_of("flat", 2);
+  std::swap(swapped.parameters[0].shape[0], swapped.parameters[0].shape[1]);
+  expect_error([&] { dp::check_checkpoint_compatible(swapped, expected); },
+               {"parameter 0 is " + swapped.parameters[0].name, "expected this model's"});
+  dp::ShardedCheckpointPlan fewer = plan_of("flat", 2);
+  fewer.parameters.pop_back();
+  expect_error([&] { dp::check_checkpoint_compatible(fewer, expected); },
+               {"parameter 3 is missing"});
+  dp::ShardedCheckpointPlan no_state = plan_of("flat", 2);
+  no_state.tensors = {"params"};
+  expect_error([&] { dp::check_checkpoint_compatible(no_state, expected); },
+               {"holds the tensors [params]", "exp_avg"});
+  dp::ShardedCheckpointPlan no_step = plan_of("flat", 2);
+  no_step.metadata.clear();
+  expect_error([&] { dp::check_checkpoint_compatible(no_step, expected); },
+               {"metadata has no \"step\""});
+}
+
+TEST(ShardedCheckpointErrors, ACountIsAWholeDecimalNumber) {
+  dp::ShardedCheckpointPlan saved = plan_of("flat", 2);
+  EXPECT_EQ(dp::checkpoint_count(saved, "step"), 7);
+  saved.metadata["step"] = "0";
+  EXPECT_EQ(dp::checkpoint_count(saved, "step"), 0);
+  for (const std::string bad : {"", "-1", "+3", "7 ", "0x10", "1e3", "99999999999999999999"}) {
+    saved.metadata["step"] = bad;
+    expect_error([&] { (void)dp::checkpoint_count(saved, "step"); },
+                 {"\"step\" is \"" + bad + "\"", "expected a count"});
+  }
+  expect_error([&] { (void)dp::checkpoint_count(saved, "epoch"); }, {"\"epoch\" is missing"});
+}
+
 TEST(ShardedCheckpointErrors, ACorruptOrForeignIndex) {
   const fs::path dir = test_directory();
   expect_error([&] { dp::load_checkpoint_index(dir); },

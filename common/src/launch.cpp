@@ -15,6 +15,7 @@ std::string_view to_string(Backend backend) {
   switch (backend) {
     case Backend::kLocal: return "local";
     case Backend::kMpi: return "mpi";
+    case Backend::kNccl: return "nccl";
   }
   return "unknown";
 }
@@ -22,11 +23,20 @@ std::string_view to_string(Backend backend) {
 Backend parse_backend(std::string_view name) {
   if (name == "local") return Backend::kLocal;
   if (name == "mpi") return Backend::kMpi;
-  throw Error(fmt::format("unknown backend '{}': expected 'local' or 'mpi'", name));
+  if (name == "nccl") return Backend::kNccl;
+  throw Error(fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", name));
 }
 
 bool mpi_built() {
 #ifdef DP_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool nccl_built() {
+#ifdef DP_HAVE_NCCL
   return true;
 #else
   return false;
@@ -88,6 +98,16 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
       throw Error(
           "the mpi backend was requested but this dplab was built without Open MPI "
           "(install it with tools/install-deps and configure again)");
+#endif
+    case Backend::kNccl:
+#ifdef DP_HAVE_NCCL
+      detail::run_nccl(options, run_rank);
+      return;
+#else
+      throw Error(
+          "the nccl backend was requested but this dplab was built without CUDA and NCCL "
+          "(configure with a CUDA compiler, DP_CUDA on and NCCL installed); use the local "
+          "backend, which runs several ranks on one GPU or on the host");
 #endif
   }
 }

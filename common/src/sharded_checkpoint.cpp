@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -273,6 +274,54 @@ std::size_t CheckpointParameter::size() const {
   std::size_t elements = 1;
   for (const std::int64_t extent : shape) elements *= static_cast<std::size_t>(extent);
   return elements;
+}
+
+void check_checkpoint_compatible(const ShardedCheckpointPlan& saved,
+                                 const ShardedCheckpointPlan& expected) {
+  const auto describe = [](const std::vector<CheckpointParameter>& parameters, std::size_t i,
+                           const char* absent) {
+    if (i >= parameters.size()) return std::string(absent);
+    return fmt::format("{} [{}]", parameters[i].name, fmt::join(parameters[i].shape, ", "));
+  };
+  // The first parameter that differs, by name and shape, in order.
+  const std::size_t count = std::max(saved.parameters.size(), expected.parameters.size());
+  for (std::size_t i = 0; i < count; ++i) {
+    if (i < saved.parameters.size() && i < expected.parameters.size() &&
+        saved.parameters[i] == expected.parameters[i])
+      continue;
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint's parameter {} is {}; expected this model's {}", i,
+        describe(saved.parameters, i, "missing"), describe(expected.parameters, i, "none")));
+  }
+  // The tensors as a set: the order they were saved in does not matter.
+  std::vector<std::string> seen = saved.tensors;
+  std::vector<std::string> wanted = expected.tensors;
+  std::sort(seen.begin(), seen.end());
+  std::sort(wanted.begin(), wanted.end());
+  if (seen != wanted)
+    throw Error(fmt::format(
+        "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
+        "and the inner optimizer's state)",
+        fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
+  for (const auto& [key, value] : expected.metadata)
+    if (!saved.metadata.contains(key))
+      throw Error(fmt::format("load_checkpoint: the checkpoint's metadata has no \"{}\"", key));
+}
+
+std::int64_t checkpoint_count(const ShardedCheckpointPlan& saved, const std::string& key) {
+  const auto entry = saved.metadata.find(key);
+  if (entry != saved.metadata.end()) {
+    const std::string& text = entry->second;
+    std::int64_t value = 0;
+    // from_chars accepts a leading '-' and nothing else that is not a digit.
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (!text.empty() && text[0] != '-' && error == std::errc() && end == text.data() + text.size())
+      return value;
+  }
+  throw Error(fmt::format(
+      "load_checkpoint: the checkpoint's \"{}\" is {}; expected a count (a whole number >= 0, "
+      "in decimal)",
+      key, entry == saved.metadata.end() ? "missing" : '"' + entry->second + '"'));
 }
 
 std::vector<CheckpointParameter> checkpoint_parameters(const Model& model) {

@@ -246,9 +246,10 @@ void check_train_device(Device device, int world_size) {
   // The rank count first: it is the same answer on every machine.
   if (world_size > 1)
     throw Error(fmt::format(
-        "training on a CUDA device with {} ranks: device buffers in collectives are not in "
-        "this build yet (the communicator takes host buffers only); train on 1 rank (-n 1) "
-        "or on the host (--device host)",
+        "training on a CUDA device with {} ranks: dplab train runs a device on 1 rank only in "
+        "this build (its multi-rank loop still exchanges host memory, although the local and "
+        "nccl communicators take device buffers); train on 1 rank (-n 1) or on the host "
+        "(--device host)",
         world_size));
   if (!cuda_compiled())
     throw Error(

@@ -106,7 +106,8 @@ std::uint64_t Draws::seed(std::string_view name) {
 
 std::vector<int> Draws::world_sizes(int largest) {
   std::vector<int> sizes;
-  if (check_backend() == Backend::kMpi) {
+  // Processes that mpirun started (mpi, or nccl under mpirun): the world is theirs.
+  if (check_backend() == Backend::kMpi || (check_backend() == Backend::kNccl && started_by_mpi())) {
     for (int world = 1; world <= std::min(largest, mpi_world_size()); ++world)
       sizes.push_back(world);
   } else {

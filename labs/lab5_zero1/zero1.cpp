@@ -3,7 +3,6 @@
 // zero1.cpp: lab 5, ZeRO-1. Your part: the partition rule, the members of
 // ZeroOneOptimizer::State and the bodies below.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>

@@ -3,7 +3,6 @@
 // zero2.cpp: lab 6, ZeRO-2. Your part: the bucket rule, the members of
 // ZeroTwoOptimizer::State and the bodies below.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>

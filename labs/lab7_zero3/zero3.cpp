@@ -3,7 +3,6 @@
 // zero3.cpp: lab 7, ZeRO-3. Your part: the unit rule, the members of
 // ZeroThreeOptimizer::State and the bodies below.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,6 @@
 // zero3.cpp: lab 7, ZeRO-3. Your part: the unit rule, the members of
 // ZeroThreeOptimizer::State and the bodies below.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -396,42 +395,6 @@ ShardedCheckpointPlan checkpoint_plan(const Model& model,
   return plan;
 }
 
-/// Throws unless the checkpoint `saved` holds what `expected` (this run's plan) needs: the
-/// same parameters, names and shapes in order, the same tensors (as a set) and a decimal
-/// "step". Throws before the caller changes anything.
-void check_compatible(const ShardedCheckpointPlan& saved, const ShardedCheckpointPlan& expected) {
-  const auto describe = [](const CheckpointParameter& p) {
-    return fmt::format("{} [{}]", p.name, fmt::join(p.shape, ", "));
-  };
-  // The first parameter that differs, by name and shape, in order.
-  for (std::size_t i = 0; i < std::max(saved.parameters.size(), expected.parameters.size()); ++i) {
-    if (i < saved.parameters.size() && i < expected.parameters.size() &&
-        saved.parameters[i] == expected.parameters[i])
-      continue;
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint's parameter {} is {}; expected this model's {}", i,
-        i < saved.parameters.size() ? describe(saved.parameters[i]) : "missing",
-        i < expected.parameters.size() ? describe(expected.parameters[i]) : "none"));
-  }
-  // The tensors as a set: the order they were saved in does not matter.
-  std::vector<std::string> seen = saved.tensors;
-  std::vector<std::string> wanted = expected.tensors;
-  std::sort(seen.begin(), seen.end());
-  std::sort(wanted.begin(), wanted.end());
-  if (seen != wanted)
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint holds the tensors [{}]; expected [{}] (the parameters "
-        "and the inner optimizer's state)",
-        fmt::join(saved.tensors, ", "), fmt::join(expected.tensors, ", ")));
-  const auto step = saved.metadata.find("step");
-  if (step == saved.metadata.end() || step->second.empty() || step->second.size() > 18 ||
-      !std::all_of(step->second.begin(), step->second.end(),
-                   [](char c) { return c >= '0' && c <= '9'; }))
-    throw Error(fmt::format(
-        "load_checkpoint: the checkpoint's \"step\" is {}; expected the step count in decimal",
-        step == saved.metadata.end() ? "missing" : '"' + step->second + '"'));
-}
-
 }  // namespace
 // END SOLUTION
 
@@ -458,7 +421,8 @@ void ZeroThreeOptimizer::load_checkpoint(const std::filesystem::path& directory)
   const ShardedCheckpointPlan plan =
       checkpoint_plan(s.model, s.shapes, s.units, s.comm.size(), *s.inner);
   const ShardedCheckpointPlan saved = load_checkpoint_index(directory);
-  check_compatible(saved, plan);
+  check_checkpoint_compatible(saved, plan);  // before changing anything
+  const std::int64_t step = checkpoint_count(saved, "step");
   // Straight into the tensors this rank holds: its shard for the current units and world
   // size, copied by parameter name and offset, the padding zero. No gather: the values stay
   // released until the next forward gathers them from these shards.
@@ -466,7 +430,7 @@ void ZeroThreeOptimizer::load_checkpoint(const std::filesystem::path& directory)
   for (const OptimizerState& state : s.inner->state())
     targets.push_back({state.name, state.tensor});
   load_checkpoint_shard(directory, plan.layouts[static_cast<std::size_t>(s.comm.rank())], targets);
-  s.inner->set_step_count(std::stoll(saved.metadata.at("step")));
+  s.inner->set_step_count(step);
   // END SOLUTION
 }
 

@@ -12,10 +12,16 @@
 // operations; a mismatch fails on every rank with an error naming the ranks and the
 // sizes, and a hang is reported with each rank's pending call (see `CommOptions`).
 //
+// A buffer lives on a device (`Device::kHost` unless it says otherwise), and each backend
+// states which devices it accepts: local takes host and CUDA buffers, mpi host buffers
+// only, nccl CUDA buffers only. A buffer a backend does not accept throws `dp::Error` at
+// the call, and ranks that pass one collective buffers on different devices fail as they
+// would with different sizes.
+//
 // Example (gradient averaging, lab 2):
 //
 //   void average(dp::Tensor& grad, dp::Communicator& comm) {
-//     comm.allreduce(grad.span(), dp::ReduceOp::kAvg)->wait();
+//     comm.allreduce(grad.view(), dp::ReduceOp::kAvg)->wait();   // host or device
 //   }
 //
 //   auto send = comm.isend(chunk, (comm.rank() + 1) % comm.size(), /*tag=*/0);
@@ -38,6 +44,16 @@ namespace dp {
 
 class Clock;
 
+/// Where a tensor's elements or a communication buffer live. Every operation on views checks
+/// the devices it is given, and every backend the devices of its buffers.
+enum class Device {
+  kHost,  ///< the process's own memory
+  kCuda,  ///< the calling thread's current CUDA device (only in a build with CUDA)
+};
+
+/// A short name, e.g. "host".
+std::string_view to_string(Device device);
+
 /// The element type of a communication buffer.
 enum class DataType { kFloat32, kInt32, kUInt8 };
 
@@ -46,16 +62,18 @@ std::size_t element_size(DataType type);
 /// A short name, e.g. "float32".
 std::string_view to_string(DataType type);
 
-/// A read-only view of a communication buffer: pointer, element count and type.
+/// A read-only view of a communication buffer: pointer, element count, type and device.
 struct ConstBuffer {
   const void* data = nullptr;          ///< first element
   std::size_t count = 0;               ///< number of elements
   DataType type = DataType::kFloat32;  ///< element type
+  Device device = Device::kHost;       ///< where the elements live
 
   ConstBuffer() = default;
-  /// Views raw memory.
-  ConstBuffer(const void* first, std::size_t elements, DataType element_type)
-      : data(first), count(elements), type(element_type) {}
+  /// Views raw memory on `where` (the host unless said otherwise).
+  ConstBuffer(const void* first, std::size_t elements, DataType element_type,
+              Device where = Device::kHost)
+      : data(first), count(elements), type(element_type), device(where) {}
   /// Views float32 elements.
   ConstBuffer(std::span<const float> values)  // NOLINT(google-explicit-constructor)
       : data(values.data()), count(values.size()), type(DataType::kFloat32) {}
@@ -72,16 +90,18 @@ struct ConstBuffer {
   std::size_t bytes() const { return count * element_size(type); }
 };
 
-/// A writable view of a communication buffer: pointer, element count and type.
+/// A writable view of a communication buffer: pointer, element count, type and device.
 struct MutableBuffer {
   void* data = nullptr;                ///< first element
   std::size_t count = 0;               ///< number of elements
   DataType type = DataType::kFloat32;  ///< element type
+  Device device = Device::kHost;       ///< where the elements live
 
   MutableBuffer() = default;
-  /// Views raw memory.
-  MutableBuffer(void* first, std::size_t elements, DataType element_type)
-      : data(first), count(elements), type(element_type) {}
+  /// Views raw memory on `where` (the host unless said otherwise).
+  MutableBuffer(void* first, std::size_t elements, DataType element_type,
+                Device where = Device::kHost)
+      : data(first), count(elements), type(element_type), device(where) {}
   /// Views float32 elements.
   MutableBuffer(std::span<float> values)  // NOLINT(google-explicit-constructor)
       : data(values.data()), count(values.size()), type(DataType::kFloat32) {}
@@ -91,7 +111,7 @@ struct MutableBuffer {
   /// Size in bytes.
   std::size_t bytes() const { return count * element_size(type); }
   /// The same memory, read-only.
-  operator ConstBuffer() const { return {data, count, type}; }  // NOLINT
+  operator ConstBuffer() const { return {data, count, type, device}; }  // NOLINT
 };
 
 /// How a collective combines the ranks' values.
@@ -219,7 +239,7 @@ class Communicator {
   virtual int rank() const = 0;
   /// Number of ranks.
   virtual int size() const = 0;
-  /// The backend's name: "local" or "mpi".
+  /// The backend's name: "local", "mpi" or "nccl".
   virtual std::string_view backend() const = 0;
 
   /// Sends `data` to `peer`; the buffer must stay unchanged until the work completes.

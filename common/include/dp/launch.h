@@ -26,11 +26,15 @@ namespace dp {
 enum class Backend {
   kLocal,  ///< ranks are threads of this process
   kMpi,    ///< ranks are Open MPI processes (start them with `dplab run` or mpirun)
+  /// One rank per GPU through NCCL, device buffers only: under mpirun one rank per process
+  /// (the unique id goes out by MPI), else one thread per GPU of this process. Needs a
+  /// build with CUDA and NCCL and a process that sees a GPU; otherwise `launch` throws.
+  kNccl,
 };
 
-/// "local" or "mpi".
+/// "local", "mpi" or "nccl".
 std::string_view to_string(Backend backend);
-/// Parses "local" or "mpi"; throws `dp::Error` naming the accepted values otherwise.
+/// Parses "local", "mpi" or "nccl"; throws `dp::Error` naming the accepted values otherwise.
 Backend parse_backend(std::string_view name);
 
 /// The largest world size `launch` accepts. A local rank is two threads of this process
@@ -66,6 +70,8 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
 
 /// True when dplab was built with Open MPI.
 bool mpi_built();
+/// True when dplab was built with CUDA and NCCL (the nccl backend exists).
+bool nccl_built();
 /// True when this process was started by mpirun or mpiexec.
 bool started_by_mpi();
 /// Under mpi, this process's rank in MPI_COMM_WORLD (0 when not started by MPI).

@@ -168,6 +168,20 @@ void save_checkpoint_shard(const std::filesystem::path& directory,
 /// (`validate_plan`); each shard file must exist. Throws `dp::Error` naming the file.
 ShardedCheckpointPlan load_checkpoint_index(const std::filesystem::path& directory);
 
+/// Throws `dp::Error` unless a checkpoint whose index is `saved` can be loaded into a run
+/// planned as `expected` (this run's model and optimizer): the same parameters, names and
+/// shapes, in the same order; the same shard tensors, compared as a set (the order they were
+/// saved in does not matter); and every metadata key of `expected`. The world sizes and
+/// layouts may differ: that is what re-sharding is for. The message names the first
+/// parameter, the tensors or the key that differ. A loader calls it before it changes
+/// anything, so that a foreign checkpoint leaves the run as it was.
+void check_checkpoint_compatible(const ShardedCheckpointPlan& saved,
+                                 const ShardedCheckpointPlan& expected);
+
+/// The metadata entry `key` of `saved` as a count: a whole number >= 0 in decimal, such as a
+/// ZeRO optimizer's "step". Throws `dp::Error` naming the key and what it holds otherwise.
+std::int64_t checkpoint_count(const ShardedCheckpointPlan& saved, const std::string& key);
+
 /// A shard tensor to fill when loading: `tensor` must already have the layout's shard size.
 struct ShardTarget {
   std::string name;          ///< a tensor of the checkpoint, e.g. "exp_avg"

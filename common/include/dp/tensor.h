@@ -49,15 +49,6 @@ void check_range(std::string_view function, std::size_t offset, std::size_t coun
                  std::size_t size);
 }  // namespace detail
 
-/// Where a tensor's elements live. Every operation on views checks the devices it is given.
-enum class Device {
-  kHost,  ///< the process's own memory
-  kCuda,  ///< the calling thread's current CUDA device (only in a build with CUDA)
-};
-
-/// A short name, e.g. "host".
-std::string_view to_string(Device device);
-
 /// True when this build has CUDA (configured with a CUDA compiler and DP_CUDA on).
 bool cuda_compiled();
 /// Number of CUDA devices this process sees: 0 in a build without CUDA, without a driver
@@ -95,16 +86,14 @@ class TensorView {
   TensorView slice(std::size_t offset, std::size_t count) const;
   /// The elements as a host span; throws `dp::Error` for a view of device memory.
   std::span<float> host_span() const;
-  /// The same elements as a communication buffer, for the communicator's calls. Throws
-  /// `dp::Error` for device memory: no backend takes device buffers yet.
+  /// The same elements as a communication buffer on the view's device, for the
+  /// communicator's calls (each backend says which devices it accepts, dp/comm.h).
   operator MutableBuffer() const {  // NOLINT(google-explicit-constructor)
-    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
-    return {data_, size_, DataType::kFloat32};
+    return {data_, size_, DataType::kFloat32, device_};
   }
-  /// The same elements as a read-only communication buffer (host memory only, as above).
+  /// The same elements as a read-only communication buffer on the view's device.
   operator ConstBuffer() const {  // NOLINT(google-explicit-constructor)
-    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
-    return {data_, size_, DataType::kFloat32};
+    return {data_, size_, DataType::kFloat32, device_};
   }
 
  private:
@@ -139,11 +128,10 @@ class ConstTensorView {
   ConstTensorView slice(std::size_t offset, std::size_t count) const;
   /// The elements as a host span; throws `dp::Error` for a view of device memory.
   std::span<const float> host_span() const;
-  /// The same elements as a read-only communication buffer. Throws `dp::Error` for device
-  /// memory: no backend takes device buffers yet.
+  /// The same elements as a read-only communication buffer on the view's device (each
+  /// backend says which devices it accepts, dp/comm.h).
   operator ConstBuffer() const {  // NOLINT(google-explicit-constructor)
-    if (device_ != Device::kHost) detail::throw_not_host("a communication buffer", device_);
-    return {data_, size_, DataType::kFloat32};
+    return {data_, size_, DataType::kFloat32, device_};
   }
 
  private:

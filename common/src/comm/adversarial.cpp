@@ -22,6 +22,12 @@
 // The backend underneath counts, validates and times the calls exactly as it would
 // without the decorator. Staging buffers come from malloc, not operator new, so that the
 // grader's count of the allocations made by lab code does not see them.
+//
+// Device buffers are staged on their device (the backend gets device buffers, as the caller
+// gave it), and copied, poisoned and compared with copies on the caller's compute stream
+// (cuda::copy_bytes), which run after the caller's kernels and, once the backend's Work
+// waited, after the call; comparisons copy both sides to the host first. It is slow, and only for
+// grading.
 #include "comm/adversarial.h"
 
 #include <algorithm>
@@ -32,6 +38,7 @@
 #include <string_view>
 #include <utility>
 
+#include "cuda/device_ops.h"
 #include "dp/error.h"
 #include "dp/rng.h"
 
@@ -42,25 +49,36 @@ namespace {
 /// call completes.
 constexpr unsigned char kGarbageByte = 0xFF;
 
-/// A malloc'd copy of some bytes (see the top of this file for why not operator new).
+/// A malloc'd copy of some bytes (see the top of this file for why not operator new), or
+/// device memory for a device buffer's copy.
 class Staging {
  public:
   Staging() = default;
-  explicit Staging(std::size_t bytes) : bytes_(bytes) {
+  explicit Staging(std::size_t bytes, Device device = Device::kHost)
+      : bytes_(bytes), device_(device) {
     if (bytes_ == 0) return;
-    data_ = static_cast<unsigned char*>(std::malloc(bytes_));
+    data_ = static_cast<unsigned char*>(device_ == Device::kHost ? std::malloc(bytes_)
+                                                                 : cuda::allocate(bytes_));
     if (data_ == nullptr) throw std::bad_alloc();
   }
   Staging(Staging&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+      : data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        device_(other.device_) {}
   Staging& operator=(Staging&& other) noexcept {
     std::swap(data_, other.data_);
     std::swap(bytes_, other.bytes_);
+    std::swap(device_, other.device_);
     return *this;
   }
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
-  ~Staging() { std::free(data_); }
+  ~Staging() {
+    if (device_ == Device::kHost)
+      std::free(data_);
+    else
+      cuda::deallocate(data_);
+  }
 
   unsigned char* data() const { return data_; }
   std::size_t bytes() const { return bytes_; }
@@ -68,12 +86,31 @@ class Staging {
  private:
   unsigned char* data_ = nullptr;
   std::size_t bytes_ = 0;
+  Device device_ = Device::kHost;
 };
 
+/// Copies `bytes` between two buffers on `device` (host: memcpy; CUDA: a synchronous copy).
+void copy_on(Device device, void* destination, const void* source, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (device == Device::kHost)
+    std::memcpy(destination, source, bytes);
+  else
+    cuda::copy_bytes(destination, source, bytes);
+}
+
 Staging copy_of(ConstBuffer buffer) {
-  Staging copy(buffer.bytes());
-  if (copy.bytes() > 0) std::memcpy(copy.data(), buffer.data, copy.bytes());
+  Staging copy(buffer.bytes(), buffer.device);
+  copy_on(buffer.device, copy.data(), buffer.data, copy.bytes());
   return copy;
+}
+
+/// The bytes of `buffer` readable on the host: `buffer.data` itself for host memory, else a
+/// host copy kept in `keep`.
+const unsigned char* readable_on_host(ConstBuffer buffer, Staging& keep) {
+  if (buffer.device == Device::kHost) return static_cast<const unsigned char*>(buffer.data);
+  keep = Staging(buffer.bytes());
+  if (keep.bytes() > 0) cuda::copy_bytes(keep.data(), buffer.data, keep.bytes());
+  return keep.data();
 }
 
 bool overlap(ConstBuffer a, ConstBuffer b) {
@@ -149,7 +186,14 @@ class AdversarialWork final : public Work {
  private:
   void check_input_unchanged() const {
     if (!pending_.check_input || pending_.input.bytes() == 0) return;
-    if (std::memcmp(pending_.input.data, pending_.input_copy.data(), pending_.input.bytes()) != 0)
+    Staging caller_bytes;
+    Staging copy_bytes;
+    const unsigned char* caller = readable_on_host(pending_.input, caller_bytes);
+    const unsigned char* copy =
+        readable_on_host({pending_.input_copy.data(), pending_.input.bytes(), DataType::kUInt8,
+                          pending_.input.device},
+                         copy_bytes);
+    if (std::memcmp(caller, copy, pending_.input.bytes()) != 0)
       throw Error(fmt::format(
           "rank {}: {} (its call #{}): its input buffer was changed before the call "
           "completed; expected it unchanged until wait() returns (a transport may read it at "
@@ -160,8 +204,9 @@ class AdversarialWork final : public Work {
   void check_output_untouched() const {
     // One pass over the buffer (64 MiB in lab 3's checks): the size is read once and the
     // search is a plain loop over bytes that the compiler vectorises.
-    const auto* begin = static_cast<const unsigned char*>(pending_.output.data);
-    const auto* end = begin + pending_.output.bytes();
+    Staging output_bytes;
+    const unsigned char* begin = readable_on_host(pending_.output, output_bytes);
+    const unsigned char* end = begin + pending_.output.bytes();
     const auto* written =
         std::find_if(begin, end, [](unsigned char byte) { return byte != kGarbageByte; });
     if (written != end) {
@@ -179,7 +224,7 @@ class AdversarialWork final : public Work {
     if (pending_.output.bytes() == 0) return;
     const unsigned char* result =
         pending_.output_in_input_copy ? pending_.input_copy.data() : pending_.output_staging.data();
-    std::memcpy(pending_.output.data, result, pending_.output.bytes());
+    copy_on(pending_.output.device, pending_.output.data, result, pending_.output.bytes());
   }
 
   std::unique_ptr<Work> inner_;
@@ -199,13 +244,13 @@ class AdversarialCommunicator final : public Communicator {
 
   std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
     Pending pending = with_input("isend", data, /*check=*/true);
-    const ConstBuffer copy{pending.input_copy.data(), data.count, data.type};
+    const ConstBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
     return finish(inner_.isend(copy, peer, tag), std::move(pending));
   }
 
   std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
     Pending pending = with_output("irecv", {}, data);
-    const MutableBuffer staging{pending.output_staging.data(), data.count, data.type};
+    const MutableBuffer staging{pending.output_staging.data(), data.count, data.type, data.device};
     return finish(inner_.irecv(staging, peer, tag), std::move(pending));
   }
 
@@ -214,21 +259,21 @@ class AdversarialCommunicator final : public Communicator {
     Pending pending = with_input("allreduce", data, /*check=*/false);
     pending.output = data;
     pending.output_in_input_copy = true;
-    const MutableBuffer copy{pending.input_copy.data(), data.count, data.type};
+    const MutableBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
     return finish(inner_.allreduce(copy, op), std::move(pending));
   }
 
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
     Pending pending = with_output("reduce_scatter", in, out);
-    const ConstBuffer copy{pending.input_copy.data(), in.count, in.type};
-    const MutableBuffer staging{pending.output_staging.data(), out.count, out.type};
+    const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
+    const MutableBuffer staging{pending.output_staging.data(), out.count, out.type, out.device};
     return finish(inner_.reduce_scatter(copy, staging, op), std::move(pending));
   }
 
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
     Pending pending = with_output("allgather", in, out);
-    const ConstBuffer copy{pending.input_copy.data(), in.count, in.type};
-    const MutableBuffer staging{pending.output_staging.data(), out.count, out.type};
+    const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
+    const MutableBuffer staging{pending.output_staging.data(), out.count, out.type, out.device};
     return finish(inner_.allgather(copy, staging), std::move(pending));
   }
 
@@ -236,11 +281,11 @@ class AdversarialCommunicator final : public Communicator {
     if (rank() == root) {
       // The root's buffer is only read: it must stay unchanged until the call completes.
       Pending pending = with_input("broadcast", data, /*check=*/true);
-      const MutableBuffer copy{pending.input_copy.data(), data.count, data.type};
+      const MutableBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
       return finish(inner_.broadcast(copy, root), std::move(pending));
     }
     Pending pending = with_output("broadcast", {}, data);
-    const MutableBuffer staging{pending.output_staging.data(), data.count, data.type};
+    const MutableBuffer staging{pending.output_staging.data(), data.count, data.type, data.device};
     return finish(inner_.broadcast(staging, root), std::move(pending));
   }
 
@@ -263,12 +308,19 @@ class AdversarialCommunicator final : public Communicator {
   Pending with_output(std::string_view call, ConstBuffer input, MutableBuffer output) {
     Pending pending = with_input(call, input, /*check=*/!overlap(input, output));
     pending.output = output;
-    pending.output_staging = Staging(output.bytes());
+    pending.output_staging = Staging(output.bytes(), output.device);
     return pending;
   }
 
   static void poison(MutableBuffer output) {
-    if (output.bytes() > 0) std::memset(output.data, kGarbageByte, output.bytes());
+    if (output.bytes() == 0) return;
+    if (output.device == Device::kHost) {
+      std::memset(output.data, kGarbageByte, output.bytes());
+      return;
+    }
+    Staging garbage(output.bytes());
+    std::memset(garbage.data(), kGarbageByte, garbage.bytes());
+    cuda::copy_bytes(output.data, garbage.data(), garbage.bytes());
   }
 
   /// Wraps the backend's Work of a call that was issued without error; only now is the

@@ -22,15 +22,19 @@ std::string CallRecord::describe() const {
 }
 
 std::string CallRecord::signature() const {
+  // Host buffers are the usual case and say nothing more; a device is named, so that ranks
+  // passing buffers on different devices show it in the mismatch report.
+  const std::string elements =
+      device == Device::kHost ? std::string(to_string(type))
+                              : fmt::format("{} in {} memory", to_string(type), to_string(device));
   switch (op) {
     case CommOp::kAllReduce:
     case CommOp::kReduceScatter:
-      return fmt::format("{}(count={} {}, op={})", to_string(op), count, to_string(type),
+      return fmt::format("{}(count={} {}, op={})", to_string(op), count, elements,
                          to_string(reduce));
-    case CommOp::kAllGather:
-      return fmt::format("{}(count={} {})", to_string(op), count, to_string(type));
+    case CommOp::kAllGather: return fmt::format("{}(count={} {})", to_string(op), count, elements);
     case CommOp::kBroadcast:
-      return fmt::format("broadcast(count={} {}, root={})", count, to_string(type), peer);
+      return fmt::format("broadcast(count={} {}, root={})", count, elements, peer);
     case CommOp::kBarrier: return "barrier()";
     case CommOp::kSend:
     case CommOp::kRecv: return fmt::format("{}(peer={}, tag={})", to_string(op), peer, tag);

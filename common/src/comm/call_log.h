@@ -22,6 +22,7 @@ struct CallRecord {
   CommOp op = CommOp::kBarrier;
   std::size_t count = 0;  ///< elements (the input's, for reduce_scatter)
   DataType type = DataType::kFloat32;
+  Device device = Device::kHost;     ///< where the buffers live (ranks must agree on it)
   ReduceOp reduce = ReduceOp::kSum;  ///< for reductions
   int peer = -1;                     ///< peer of send/recv, root of broadcast
   int tag = 0;                       ///< tag of send/recv

@@ -1,5 +1,6 @@
 #include "dp/comm.h"
 
+#include "comm/buffer_checks.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -97,4 +98,27 @@ CommCounters CommCounters::since(const CommCounters& earlier) const {
   return difference;
 }
 
+namespace detail {
+
+void require_device(Device seen, Device accepted, std::string_view backend, std::string_view call) {
+  if (seen == accepted) return;
+  const std::string_view advice =
+      accepted == Device::kHost
+          ? "copy the data to the host first (Tensor::to), or use the local or nccl backend"
+          : "keep the tensors on Device::kCuda with this backend, or use the local backend";
+  throw Error(
+      fmt::format("{} on the {} backend: expected a buffer in {} memory, got one in {} "
+                  "memory; {}",
+                  call, backend, to_string(accepted), to_string(seen), advice));
+}
+
+void require_same_device(ConstBuffer in, MutableBuffer out, std::string_view call) {
+  if (in.device == out.device) return;
+  throw Error(
+      fmt::format("{}: expected the input and the output on one device, got the input "
+                  "in {} memory and the output in {} memory",
+                  call, to_string(in.device), to_string(out.device)));
+}
+
+}  // namespace detail
 }  // namespace dp

@@ -41,6 +41,11 @@
 // a short grace for the ranks to return and otherwise prints the report and ends the
 // process: a hang never lasts much longer than the timeout.
 //
+// Device buffers (comm/local_device.h) take the same paths: the same thread moves the data,
+// with copies and a reduction kernel on its own CUDA stream instead of memcpy and a loop,
+// and drains that stream before it marks the call complete. A large collective on a
+// device is one piece (one kernel does it all; the GPU, not the cores, is what works).
+//
 // With `LaunchOptions::simulation` enabled, a `VirtualNetwork` (virtual_network.h) keeps
 // each call's virtual times beside the data movement: a call is complete for `wait()` once
 // its data has moved and its virtual completion time is known, and `wait()` then moves
@@ -72,7 +77,9 @@
 #include <vector>
 
 #include "comm/backends.h"
+#include "comm/buffer_checks.h"
 #include "comm/call_log.h"
+#include "comm/local_device.h"
 #include "comm/virtual_network.h"
 #include "dp/clock.h"
 #include "dp/error.h"
@@ -195,6 +202,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
   MutableBuffer output;  // where results go: recv data, collective output
   ReduceOp reduce = ReduceOp::kSum;
   int root = -1;
+  DeviceGate gate;  // device buffers: the caller's event, waited for before any data moves
   bool done = false;
   // Whether wait() spins before it sleeps: not for a collective above kSpinBytes (it
   // takes longer than any spin, and the communication threads that run it need the
@@ -283,6 +291,10 @@ void reduce_chunk(std::span<const MutableBuffer> destinations, std::size_t dst_o
                   std::span<const ConstBuffer> sources, std::size_t src_offset, std::size_t count,
                   ReduceOp op) {
   if (count == 0) return;
+  if (on_device(sources[0])) {
+    reduce_device_chunk(destinations, dst_offset, sources, src_offset, count, op);
+    return;
+  }
   switch (sources[0].type) {
     case DataType::kFloat32:
       reduce_typed<float>(destinations, dst_offset, sources, src_offset, count, op);
@@ -298,6 +310,10 @@ void reduce_chunk(std::span<const MutableBuffer> destinations, std::size_t dst_o
 void copy_elements(MutableBuffer dst, std::size_t dst_offset, ConstBuffer src,
                    std::size_t src_offset, std::size_t count) {
   if (count == 0) return;
+  if (on_device(dst) || on_device(src)) {
+    copy_device_elements(dst, dst_offset, src, src_offset, count);
+    return;
+  }
   const std::size_t size = element_size(dst.type);
   std::memcpy(static_cast<char*>(dst.data) + dst_offset * size,
               static_cast<const char*>(src.data) + src_offset * size, count * size);
@@ -728,8 +744,17 @@ std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Opera
       // Eager (see the top of this file): the receive copies from here later.
       operation->eager_copy.reset(static_cast<unsigned char*>(std::malloc(bytes)));
       if (!operation->eager_copy) throw std::bad_alloc();
-      std::memcpy(operation->eager_copy.get(), operation->input.data, bytes);
+      if (on_device(operation->input)) {
+        operation->gate.wait_for();
+        copy_device_elements({operation->eager_copy.get(), bytes, DataType::kUInt8}, 0,
+                             {operation->input.data, bytes, DataType::kUInt8, Device::kCuda}, 0,
+                             bytes);
+        finish_device_moves();
+      } else {
+        std::memcpy(operation->eager_copy.get(), operation->input.data, bytes);
+      }
       operation->input.data = operation->eager_copy.get();
+      operation->input.device = Device::kHost;
       complete(*operation, nullptr);
     }
     if (network_) settle();
@@ -769,7 +794,10 @@ void LocalWorld::transfer(const std::shared_ptr<Operation>& send,
   }
   ++transfers_in_flight_;
   lock.unlock();
+  send->gate.wait_for();
+  receive->gate.wait_for();
   copy_elements(receive->output, 0, send->input, 0, send->input.count);
+  finish_device_moves();
   lock.lock();
   --transfers_in_flight_;
   if (!send->done) complete(*send, nullptr);
@@ -965,8 +993,11 @@ void LocalWorld::run_full_slot(FastSlot& slot, std::uint64_t sequence) {
       sequence, std::span<const Operation* const>(taken.data(), static_cast<std::size_t>(p)));
   const std::size_t whole =
       first.op == CommOp::kReduceScatter ? first.input.bytes() : first.output.bytes();
+  const bool device = on_device(first.input) || on_device(first.output);
   if (!mismatch && whole <= kEagerBytes) {
+    for (const Operation* member : members) member->gate.wait_for();
     execute_eager(members);
+    if (device) finish_device_moves();
     finish_lock_free(members);
   } else {
     std::lock_guard lock(mutex_);
@@ -985,7 +1016,8 @@ void LocalWorld::run_full_slot(FastSlot& slot, std::uint64_t sequence) {
       shared->elements =
           first.op == CommOp::kReduceScatter ? first.input.count : first.output.count;
       shared->piece_elements =
-          std::max<std::size_t>(1, kPieceBytes / element_size(first.input.type));
+          device ? std::max<std::size_t>(1, shared->elements)
+                 : std::max<std::size_t>(1, kPieceBytes / element_size(first.input.type));
       shared->pieces = (shared->elements + shared->piece_elements - 1) / shared->piece_elements;
       for (Operation* member : members) {
         member->slot = shared;  // keeps the pieces alive while the call is
@@ -1082,7 +1114,9 @@ void LocalWorld::run_pieces(CollectiveSlot& slot) {
     if (slot.next_piece.load(std::memory_order_relaxed) >= slot.pieces) return;
     const std::size_t piece = slot.next_piece.fetch_add(1, std::memory_order_relaxed);
     if (piece >= slot.pieces) return;
+    for (const auto& member : slot.members) member->gate.wait_for();
     execute_piece(slot, piece);
+    finish_device_moves();
     // acq_rel: whoever finishes last sees every piece's writes and publishes them (with
     // the mutex, to every rank).
     if (slot.pieces_done.fetch_add(1, std::memory_order_acq_rel) + 1 == slot.pieces) {
@@ -1211,7 +1245,9 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
   auto run_unlocked = [&](auto&& move_data) {
     ++transfers_in_flight_;
     lock.unlock();
+    for (const auto& member : slot.members) member->gate.wait_for();
     move_data();
+    finish_device_moves();
     lock.lock();
     --transfers_in_flight_;
   };
@@ -1270,7 +1306,7 @@ void LocalWorld::execute_collective(int rank, CollectiveSlot& slot,
 /// `CallRecord::signature` shows, without formatting it).
 bool same_signature(const CallRecord& a, const CallRecord& b) {
   return a.op == b.op && a.count == b.count && a.type == b.type && a.reduce == b.reduce &&
-         a.peer == b.peer && a.tag == b.tag;
+         a.peer == b.peer && a.tag == b.tag && a.device == b.device;
 }
 
 std::optional<std::string> LocalWorld::find_mismatch(
@@ -1494,8 +1530,10 @@ std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int t
   check_peer(peer, size(), "isend");
   auto operation = make_operation(CommOp::kSend, rank_);
   operation->input = data;
+  operation->gate = DeviceGate::at_issue(data, {});
   operation->record.count = data.count;
   operation->record.type = data.type;
+  operation->record.device = data.device;
   operation->record.peer = peer;
   operation->record.tag = tag;
   return std::make_unique<LocalWork>(world_, world_.post_point_to_point(operation, peer, tag));
@@ -1505,8 +1543,10 @@ std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int
   check_peer(peer, size(), "irecv");
   auto operation = make_operation(CommOp::kRecv, rank_);
   operation->output = data;
+  operation->gate = DeviceGate::at_issue({}, data);
   operation->record.count = data.count;
   operation->record.type = data.type;
+  operation->record.device = data.device;
   operation->record.peer = peer;
   operation->record.tag = tag;
   return std::make_unique<LocalWork>(world_, world_.post_point_to_point(operation, peer, tag));
@@ -1517,9 +1557,11 @@ std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp 
   auto operation = make_operation(CommOp::kAllReduce, rank_);
   operation->input = data;
   operation->output = data;
+  operation->gate = DeviceGate::at_issue(data, data);
   operation->reduce = op;
   operation->record.count = data.count;
   operation->record.type = data.type;
+  operation->record.device = data.device;
   operation->record.reduce = op;
   return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
 }
@@ -1527,6 +1569,7 @@ std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp 
 std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableBuffer out,
                                                         ReduceOp op) {
   check_reducible(in, "reduce_scatter");
+  require_same_device(in, out, "reduce_scatter");
   if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size()))
     throw Error(fmt::format(
         "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} "
@@ -1536,14 +1579,17 @@ std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableB
   auto operation = make_operation(CommOp::kReduceScatter, rank_);
   operation->input = in;
   operation->output = out;
+  operation->gate = DeviceGate::at_issue(in, out);
   operation->reduce = op;
   operation->record.count = in.count;
   operation->record.type = in.type;
+  operation->record.device = in.device;
   operation->record.reduce = op;
   return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
 }
 
 std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
+  require_same_device(in, out, "allgather");
   if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size()))
     throw Error(fmt::format(
         "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
@@ -1552,8 +1598,10 @@ std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer
   auto operation = make_operation(CommOp::kAllGather, rank_);
   operation->input = in;
   operation->output = out;
+  operation->gate = DeviceGate::at_issue(in, out);
   operation->record.count = in.count;
   operation->record.type = in.type;
+  operation->record.device = in.device;
   return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
 }
 
@@ -1562,9 +1610,11 @@ std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root)
   auto operation = make_operation(CommOp::kBroadcast, rank_);
   operation->input = data;
   operation->output = data;
+  operation->gate = DeviceGate::at_issue(data, data);
   operation->root = root;
   operation->record.count = data.count;
   operation->record.type = data.type;
+  operation->record.device = data.device;
   operation->record.peer = root;
   return std::make_unique<LocalWork>(world_, world_.post_collective(operation));
 }

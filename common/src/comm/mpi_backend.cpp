@@ -14,6 +14,10 @@
 //   watchdog   answers status requests from a rank that diagnoses a hang, with this rank's
 //              call log as JSON.
 //
+// Buffers are host memory only. A CUDA-aware Open MPI could take device pointers, but
+// whether it is one is known only at run time and its collectives on device memory are slow
+// staging copies; GPUs talk through the nccl backend instead (out of scope here).
+//
 // Each launch makes its own communicators, so different kinds of traffic never match
 // each other's messages:
 //
@@ -78,7 +82,9 @@
 #include <vector>
 
 #include "comm/backends.h"
+#include "comm/buffer_checks.h"
 #include "comm/call_log.h"
+#include "comm/ring_counts.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/memory.h"
@@ -560,6 +566,7 @@ void check_reducible(ConstBuffer buffer, std::string_view call) {
 // --- Point-to-point ----------------------------------------------------------------------
 
 std::unique_ptr<Work> MpiCommunicator::isend(ConstBuffer data, int peer, int tag) {
+  require_device(data.device, Device::kHost, "mpi", "isend");
   check_peer(peer, "isend");
   check_tag(tag, "isend");
   CallRecord record{
@@ -568,6 +575,7 @@ std::unique_ptr<Work> MpiCommunicator::isend(ConstBuffer data, int peer, int tag
 }
 
 std::unique_ptr<Work> MpiCommunicator::irecv(MutableBuffer data, int peer, int tag) {
+  require_device(data.device, Device::kHost, "mpi", "irecv");
   check_peer(peer, "irecv");
   check_tag(tag, "irecv");
   CallRecord record{
@@ -674,6 +682,7 @@ void MpiCommunicator::wait(PointToPoint& call) {
 // --- Collectives -------------------------------------------------------------------------
 
 std::unique_ptr<Work> MpiCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
+  require_device(data.device, Device::kHost, "mpi", "allreduce");
   check_reducible(data, "allreduce");
   mpi_count(data.count, "allreduce");
   CallRecord record{.op = CommOp::kAllReduce, .count = data.count, .type = data.type, .reduce = op};
@@ -682,6 +691,8 @@ std::unique_ptr<Work> MpiCommunicator::allreduce(MutableBuffer data, ReduceOp op
 
 std::unique_ptr<Work> MpiCommunicator::reduce_scatter(ConstBuffer in, MutableBuffer out,
                                                       ReduceOp op) {
+  require_device(in.device, Device::kHost, "mpi", "reduce_scatter");
+  require_device(out.device, Device::kHost, "mpi", "reduce_scatter");
   check_reducible(in, "reduce_scatter");
   if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size_))
     throw Error(fmt::format(
@@ -695,6 +706,8 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter(ConstBuffer in, MutableBuf
 }
 
 std::unique_ptr<Work> MpiCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
+  require_device(in.device, Device::kHost, "mpi", "allgather");
+  require_device(out.device, Device::kHost, "mpi", "allgather");
   if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size_))
     throw Error(fmt::format(
         "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}", size_,
@@ -706,6 +719,7 @@ std::unique_ptr<Work> MpiCommunicator::allgather(ConstBuffer in, MutableBuffer o
 }
 
 std::unique_ptr<Work> MpiCommunicator::broadcast(MutableBuffer data, int root) {
+  require_device(data.device, Device::kHost, "mpi", "broadcast");
   check_peer(root, "broadcast root");
   mpi_count(data.count, "broadcast");
   CallRecord record{.op = CommOp::kBroadcast, .count = data.count, .type = data.type, .peer = root};
@@ -736,61 +750,8 @@ std::shared_ptr<Collective> MpiCommunicator::post(CallRecord record, ConstBuffer
 }
 
 void MpiCommunicator::count_collective(const Collective& call) {
-  // Caller holds mutex_. The formulas are those at the top of this file; a "message" is
-  // one chunk moved between two ranks, counted even when the chunk is empty.
-  const int p = size_;
-  const int me = rank_;
-  const std::size_t n = call.record.count;
-  const auto chunk = [&](int r) {
-    return n * static_cast<std::size_t>(r + 1) / static_cast<std::size_t>(p) -
-           n * static_cast<std::size_t>(r) / static_cast<std::size_t>(p);
-  };
-  std::vector<std::size_t> from_peer(static_cast<std::size_t>(p), 0);
-  std::vector<std::size_t> to_peer(static_cast<std::size_t>(p), 0);
-  std::uint64_t messages_sent = 0;
-  std::uint64_t messages_received = 0;
-  for (int peer = 0; peer < p; ++peer) {
-    if (peer == me) continue;
-    switch (call.record.op) {
-      case CommOp::kAllReduce:
-        // Reduce-scatter: my chunk from the peer, its chunk to it; all-gather: the reverse.
-        from_peer[peer] = to_peer[peer] = chunk(me) + chunk(peer);
-        messages_sent += 2;
-        messages_received += 2;
-        break;
-      case CommOp::kReduceScatter:
-        from_peer[peer] = to_peer[peer] = call.output.count;
-        ++messages_sent;
-        ++messages_received;
-        break;
-      case CommOp::kAllGather:
-        from_peer[peer] = to_peer[peer] = call.input.count;
-        ++messages_sent;
-        ++messages_received;
-        break;
-      case CommOp::kBroadcast:
-        if (me == call.record.peer) {
-          to_peer[peer] = n;
-          ++messages_sent;
-        } else if (peer == call.record.peer) {
-          from_peer[peer] = n;
-          ++messages_received;
-        }
-        break;
-      default: break;  // a barrier moves no data
-    }
-  }
-  const std::size_t element = element_size(call.record.type);
-  OpCounters& counted = counters_.of(call.record.op);
-  ++counted.calls;
-  counted.messages_sent += messages_sent;
-  counted.messages_received += messages_received;
-  for (int peer = 0; peer < p; ++peer) {
-    counted.bytes_sent += to_peer[peer] * element;
-    counted.bytes_received += from_peer[peer] * element;
-    counters_.bytes_sent_to[peer] += to_peer[peer] * element;
-    counters_.bytes_received_from[peer] += from_peer[peer] * element;
-  }
+  // Caller holds mutex_. The formulas are those at the top of this file.
+  count_ring_collective(counters_, call.record, rank_, size_);
 }
 
 void MpiCommunicator::wait(Collective& call) {
@@ -1158,6 +1119,23 @@ int mpi_rank_of_world() {
 
 int mpi_size_of_world() {
   return MpiProcess::get().size();
+}
+
+void mpi_broadcast_from_first(void* bytes, std::size_t size) {
+  const MpiProcess& process = MpiProcess::get();
+  check_mpi(MPI_Bcast(bytes, static_cast<int>(size), MPI_BYTE, 0, process.control()),
+            "MPI_Bcast (bootstrap)");
+}
+
+int mpi_sum_over_processes(int value) {
+  int sum = 0;
+  check_mpi(MPI_Allreduce(&value, &sum, 1, MPI_INT, MPI_SUM, MpiProcess::get().control()),
+            "MPI_Allreduce (agreement)");
+  return sum;
+}
+
+void mpi_end_job(const std::string& message) {
+  abort_job(message);
 }
 
 void run_mpi(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main) {

@@ -1,0 +1,56 @@
+// The functions of cuda/comm_device.h in a build without CUDA: no buffer can be on a device
+// (no tensor can be allocated there), so each one that would touch a device says so.
+#include <string_view>
+#include <utility>
+
+#include "cuda/comm_device.h"
+#include "dp/error.h"
+
+namespace dp::cuda {
+namespace {
+
+[[noreturn]] void no_cuda(std::string_view what) {
+  throw Error(fmt::format(
+      "{} of a communication buffer on a CUDA device: this build has no CUDA: configure with "
+      "a CUDA compiler and DP_CUDA on, or keep the buffers on Device::kHost",
+      what));
+}
+
+}  // namespace
+
+int device_of(const void* /*pointer*/) {
+  no_cuda("the device");
+}
+void* comm_stream(int /*device*/) {
+  no_cuda("a stream");
+}
+
+ReadyEvent ReadyEvent::record_on_compute_stream() {
+  no_cuda("an event");
+}
+ReadyEvent::~ReadyEvent() = default;
+ReadyEvent::ReadyEvent(ReadyEvent&& other) noexcept : event_(other.event_) {
+  other.event_ = nullptr;
+}
+ReadyEvent& ReadyEvent::operator=(ReadyEvent&& other) noexcept {
+  std::swap(event_, other.event_);
+  return *this;
+}
+
+void comm_stream_wait(const ReadyEvent& event, int /*device*/) {
+  if (event.handle() != nullptr) no_cuda("a wait");
+}
+void comm_copy(void* /*destination*/, const void* /*source*/, std::size_t /*bytes*/,
+               int /*device*/) {
+  no_cuda("a copy");
+}
+void comm_reduce(const ReduceJob& /*job*/, int /*device*/) {
+  no_cuda("a reduction");
+}
+void comm_divide_on(void* /*stream*/, void* /*data*/, std::size_t /*count*/, ReduceElement /*type*/,
+                    int /*divisor*/) {
+  no_cuda("a division");
+}
+void synchronize_comm_stream() {}
+
+}  // namespace dp::cuda
