@@ -32,6 +32,21 @@ ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer
   return training;
 }
 
+ShardedTraining sgd_with_momentum_on_the_same_model(Draws& draws, const ShardedTraining& first) {
+  ShardedTraining sgd = draw_sharded_training(draws, "sgd");
+  sgd.options.momentum = 0.9f;
+  sgd.options.model = first.options.model;
+  sgd.options.layer_norm = first.options.layer_norm;
+  sgd.hidden1 = first.hidden1;
+  sgd.hidden2 = first.hidden2;
+  draws.overrule("hidden1", fmt::format("hidden1={} (the AdamW model's)", sgd.hidden1));
+  draws.overrule("hidden2", fmt::format("hidden2={} (the AdamW model's)", sgd.hidden2));
+  draws.overrule("layer norm",
+                 fmt::format("layer norm={} (the AdamW model's)", sgd.options.layer_norm));
+  draws.overrule("momentum 0.9", "momentum=0.9 (set by the check)");
+  return sgd;
+}
+
 float clip_by_sharded_norm(std::vector<float>& g,
                            const std::vector<std::vector<std::size_t>>& real_by_rank,
                            float max_norm) {

@@ -52,6 +52,12 @@ struct ShardedTraining {
 /// per rank, in that order.
 ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer);
 
+/// The second phase of a check that ran AdamW on `first`: SGD with momentum 0.9, drawn
+/// afresh (samples, seed, steps, settings) but on `first`'s model (its hidden sizes, layer
+/// norm and spec), the draws overruled to say so. SGD's momentum buffer is optimizer state
+/// under another name than AdamW's, so a check that saves or shards state runs both.
+ShardedTraining sgd_with_momentum_on_the_same_model(Draws& draws, const ShardedTraining& first);
+
 /// The contract's clipping arithmetic of the sharded labs, applied to the averaged flat
 /// gradient `g`: rank r's partial squared norm is dp::dot's (double, in index order) over
 /// the elements `real_by_rank[r]` lists (flat indices of its shard's real elements, in
