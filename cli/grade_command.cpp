@@ -37,6 +37,7 @@
 #include "dp/error.h"
 #include "dp/launch.h"
 #include "dp/output_file.h"
+#include "dp/tensor.h"
 #include "mpirun.h"
 #include "option_checks.h"
 #include "report.h"
@@ -63,6 +64,7 @@ constexpr bool kReferenceBuild = false;
 struct GradeArguments {
   int lab = 0;  // 0: every lab
   std::string backend = "local";
+  std::string device = "host";  // where the checks put the lab code's tensors
   int ranks = -1;  // -1: not given (2 under mpi); local checks pick their own world sizes
   std::string json_file;
   std::string junit_file;
@@ -148,6 +150,7 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   request.program = bin / check_program_name(lab.number, args);
   request.backend = args.backend;
   request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
+  request.environment["DPLAB_TEST_DEVICE"] = args.device;
   request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (!args.checks.empty())
     request.arguments.push_back(fmt::format("--gtest_filter={}", fmt::join(args.checks, ":")));
@@ -177,6 +180,29 @@ void grade(const GradeArguments& args) {
     throw Error(
         "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
         "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
+  if (args.device != "host" && args.device != "cuda" && args.device != "emulated")
+    throw Error(fmt::format(
+        "unknown --device '{}': expected 'host', 'cuda' (the GPU) or 'emulated' (the CUDA "
+        "device emulated in host memory)",
+        args.device));
+  if (args.device != "host" && args.backend == "mpi")
+    throw Error(fmt::format(
+        "--device {} with --backend mpi: the mpi backend takes host buffers only; grade on a "
+        "device with --backend local (ranks as threads sharing the GPU) or nccl",
+        args.device));
+  if (args.device == "emulated" && args.backend == "nccl")
+    throw Error(
+        "--device emulated with --backend nccl: NCCL needs real GPUs; grade the emulated "
+        "device on --backend local");
+  if (args.device == "cuda" && (!cuda_compiled() || cuda_device_count() == 0))
+    throw Error(
+        fmt::format("--device cuda: {}; grade on the host (--device host), or on the CUDA device "
+                    "emulated in host memory (--device emulated)",
+                    cuda_compiled() ? "this process sees no CUDA device (no GPU, no driver, or "
+                                      "CUDA_VISIBLE_DEVICES hides them)"
+                                    : "this dplab was built without CUDA"));
+  if (args.backend == "nccl" && args.device != "cuda")
+    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
   if (args.backend == "local" && args.ranks != -1)
     throw Error(fmt::format(
         "-n {} applies to --backend mpi and nccl only: on the local backend each check picks "
@@ -254,6 +280,7 @@ void grade(const GradeArguments& args) {
   report.backend = under_mpirun(args)
                        ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
                        : "local";
+  if (args.device != "host") report.backend += fmt::format(", device {}", args.device);
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
@@ -283,6 +310,12 @@ void add_grade_command(CLI::App& app) {
       ->add_option("--backend", args->backend,
                    "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "
                    "tensors on the GPU)")
+      ->capture_default_str();
+  grade_app
+      ->add_option("--device", args->device,
+                   "Where the checks put your models and tensors: host, cuda (the GPU), or "
+                   "emulated (the CUDA device emulated in host memory: proves that your code "
+                   "never reads a device tensor's memory on the host)")
       ->capture_default_str();
   grade_app->add_option("-n,--ranks", args->ranks,
                         "MPI processes for --backend mpi (default 2); local checks pick their own");

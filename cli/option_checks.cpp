@@ -12,6 +12,7 @@
 
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/tensor.h"
 
 namespace dp::cli {
 namespace {
@@ -24,6 +25,19 @@ double as_number(const std::string& text) {
 }
 
 }  // namespace
+
+Device select_device(const std::string& name, std::string_view option) {
+  if (name == "host") return Device::kHost;
+  if (name == "cuda") return Device::kCuda;
+  if (name == "emulated") {
+    set_cuda_device_emulated(true);
+    return Device::kCuda;
+  }
+  throw Error(fmt::format(
+      "unknown {} '{}': expected 'host', 'cuda' (the GPU) or 'emulated' (the CUDA device "
+      "emulated in host memory; the simulated device of --net is --sim-device)",
+      option, name));
+}
 
 std::size_t parse_byte_size(const std::string& text, std::string_view option) {
   std::size_t value = 0;

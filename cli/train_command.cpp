@@ -3,8 +3,9 @@
 // backend simulates the interconnect and the clock: it then prints the simulated step time,
 // the exposed communication and the overlap fraction, and --trace writes every rank's ops
 // as a Chrome trace (open it in https://ui.perfetto.dev). With --device cuda the model, its
-// gradients and the optimizer state live on the GPU (one rank in this build: the
-// communicator does not take device buffers yet).
+// gradients and the optimizer state live on the GPU, and the ranks exchange device buffers
+// (local: threads sharing the GPU; nccl: one rank per GPU). --device emulated runs the same
+// code on the CUDA device emulated in host memory.
 //
 // Checkpoints hold the whole state of the run (parameters, optimizer state, step), so
 //
@@ -50,18 +51,8 @@ struct TrainArguments {
   std::string memory_budget;  // empty: none
   SimulationArguments simulation;
   std::string trace;
-  std::string device = "host";  // where the tensors live: host or cuda
+  std::string device = "host";  // where the tensors live: host, cuda or emulated
 };
-
-/// The device `--device` names; throws `dp::Error` for another name.
-Device parse_device(const std::string& name) {
-  if (name == "host") return Device::kHost;
-  if (name == "cuda") return Device::kCuda;
-  throw Error(
-      fmt::format("unknown --device '{}': expected 'host' or 'cuda' (the simulated "
-                  "device of --net is --sim-device)",
-                  name));
-}
 
 /// True when every rank holds bitwise the same parameters as rank 0.
 bool replicas_identical(const Model& model, Communicator& comm) {
@@ -166,7 +157,12 @@ void run_train(const TrainArguments& args) {
   }
   if (world_size == 0) world_size = 1;
   launch_options.world_size = world_size;
-  check_train_device(args.options.device, world_size);
+  check_train_device(args.options.device);
+  if (args.options.device != Device::kHost && launch_options.backend == Backend::kMpi)
+    throw Error(
+        "--device with --backend mpi: the mpi backend takes host buffers only; train on a "
+        "device with the local backend (ranks as threads sharing the GPU) or with --backend "
+        "nccl (one rank per GPU)");
   if (!args.memory_budget.empty())
     launch_options.memory_budget_bytes = parse_byte_size(args.memory_budget, "--memory-budget");
   launch_options.simulation = simulation_options(args.simulation);
@@ -320,10 +316,11 @@ void add_train_command(CLI::App& app) {
       ->group("Simulated clock");
   train
       ->add_option("--device", args->device,
-                   "Where the model and optimizer state live: host, or cuda (one rank)")
+                   "Where the model and optimizer state live: host, cuda, or emulated (the "
+                   "CUDA device emulated in host memory)")
       ->capture_default_str();
   train->callback([args] {
-    args->options.device = parse_device(args->device);
+    args->options.device = select_device(args->device);
     run_train(*args);
   });
 }

@@ -124,15 +124,6 @@ TEST(DeviceModel, WithoutAUsableDeviceAModelOnCudaIsAClearError) {
   EXPECT_NO_THROW((void)model.backward(model.forward(x), labels));
 }
 
-TEST(DeviceTraining, CudaWithSeveralRanksSaysTheTrainerRunsOneRank) {
-  const std::string message = message_of<Error>([] { check_train_device(Device::kCuda, 4); });
-  EXPECT_TRUE(contains(message,
-                       "training on a CUDA device with 4 ranks: dplab train runs a device on 1 "
-                       "rank only in this build"))
-      << message;
-  EXPECT_NO_THROW(check_train_device(Device::kHost, 4));
-}
-
 TEST(DeviceTraining, WithoutAUsableDeviceTrainingOnCudaFailsBeforeAnyStep) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present: see dp_gpu_tests";
   TrainOptions options;

@@ -167,7 +167,13 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
   out.write(&header_length, sizeof header_length);
   out.write(header_text);
   for (const NamedTensor& named : tensors) {
-    if (!named.tensor->empty()) out.write(named.tensor->data(), named.tensor->bytes());
+    if (named.tensor->empty()) continue;
+    if (named.tensor->device() == Device::kHost) {
+      out.write(named.tensor->data(), named.tensor->bytes());
+    } else {
+      const Tensor host_copy = named.tensor->to(Device::kHost);  // device memory: via the host
+      out.write(host_copy.data(), host_copy.bytes());
+    }
   }
   out.commit();
 }

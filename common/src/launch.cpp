@@ -8,6 +8,7 @@
 #include "dp/error.h"
 #include "dp/memory.h"
 #include "dp/ops.h"
+#include "dp/tensor.h"
 
 namespace dp {
 
@@ -100,6 +101,10 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
           "(install it with tools/install-deps and configure again)");
 #endif
     case Backend::kNccl:
+      if (cuda_device_emulated())
+        throw Error(
+            "the nccl backend with the emulated CUDA device: NCCL needs real GPUs; run the "
+            "emulated device on the local backend");
 #ifdef DP_HAVE_NCCL
       detail::run_nccl(options, run_rank);
       return;

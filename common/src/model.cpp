@@ -4,7 +4,7 @@
 #include <charconv>
 #include <utility>
 
-#include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 
@@ -223,11 +223,17 @@ void Model::clear_hooks() {
 
 namespace {
 
-// Copies `count` floats between the host and a tensor's memory, wherever that lives. Not
+// Copies `count` floats from host memory into a tensor's memory, wherever that lives. Not
 // dp::copy: reading or setting the whole state is not part of a step, so it is not charged
 // to the simulated clock.
-void copy_floats(const float* source, std::size_t count, float* destination) {
-  cuda::copy_bytes(destination, source, count * sizeof(float));
+void copy_from_host(const float* source, std::size_t count, Tensor& destination) {
+  detail::copy_memory(destination.view().data(), destination.device(), source, Device::kHost,
+                      count * sizeof(float));
+}
+// The same from a tensor's memory into host memory.
+void copy_to_host(const Tensor& source, std::size_t count, float* destination) {
+  detail::copy_memory(destination, Device::kHost, source.view().data(), source.device(),
+                      count * sizeof(float));
 }
 
 // Elements of parameter i in the flat index space.
@@ -249,10 +255,7 @@ std::vector<float> Model::flat_parameters() const {
           fmt::format("parameter {} holds {} elements, expected {} (was it released by "
                       "a hook?)",
                       parameter.name, parameter.value.size(), size));
-    if (parameter.value.device() == Device::kHost)
-      std::copy_n(parameter.value.data(), size, flat.begin() + parameter.offset);
-    else
-      copy_floats(parameter.value.view().data(), size, flat.data() + parameter.offset);
+    copy_to_host(parameter.value, size, flat.data() + parameter.offset);
   }
   return flat;
 }
@@ -265,10 +268,7 @@ std::vector<float> Model::flat_gradients() const {
     const std::size_t size = flat_size(const_parameters_, i, num_parameters_);
     DP_CHECK(parameter.grad.size() == size, "gradient of {} has {} elements, expected {}",
              parameter.name, parameter.grad.size(), size);
-    if (parameter.grad.device() == Device::kHost)
-      std::copy_n(parameter.grad.data(), size, flat.begin() + parameter.offset);
-    else
-      copy_floats(parameter.grad.view().data(), size, flat.data() + parameter.offset);
+    copy_to_host(parameter.grad, size, flat.data() + parameter.offset);
   }
   return flat;
 }
@@ -287,11 +287,7 @@ void Model::set_flat_parameters(std::span<const float> values) {
           fmt::format("parameter {} holds {} elements, expected {} (was it released by "
                       "a hook?)",
                       parameter.name, parameter.value.size(), size));
-    if (parameter.value.device() == Device::kHost)
-      std::copy_n(values.begin() + static_cast<std::ptrdiff_t>(parameter.offset), size,
-                  parameter.value.data());
-    else
-      copy_floats(values.data() + parameter.offset, size, parameter.value.view().data());
+    copy_from_host(values.data() + parameter.offset, size, parameter.value);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -93,14 +94,15 @@ void matmul_into(const Tensor& a, Transpose transpose_a, const Tensor& b, Transp
         "matmul: the operands must live on one device, got a on {}, b on {} and the output on "
         "{} (move them with Tensor::to)",
         to_string(a.device()), to_string(b.device()), to_string(c.device())));
-  if (c.device() != Device::kHost) {
-    // The views' raw pointers: Tensor::data() is for host memory only.
+  // The views' raw pointers: Tensor::data() is for host memory only, and the emulated
+  // device's tensors are host memory that only the library may touch (device_dispatch.h).
+  if (detail::on_gpu(c.device())) {
     cuda::gemm(transpose_a == Transpose::kYes, transpose_b == Transpose::kYes, m, n, k, alpha,
                a.view().data(), a.dim(1), b.view().data(), b.dim(1), beta, c.view().data(), n);
     return;
   }
-  gemm(transpose_a, transpose_b, m, n, k, alpha, a.data(), a.dim(1), b.data(), b.dim(1), beta,
-       c.data(), n);
+  gemm(transpose_a, transpose_b, m, n, k, alpha, a.view().data(), a.dim(1), b.view().data(),
+       b.dim(1), beta, c.view().data(), n);
 }
 
 Tensor matmul(const Tensor& a, Transpose transpose_a, const Tensor& b, Transpose transpose_b,

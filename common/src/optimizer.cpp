@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/model.h"
@@ -64,6 +65,14 @@ void Optimizer::update_on_device(std::size_t /*offset*/, float* /*params*/, cons
   throw Error(fmt::format("{} has no update for {} memory", name(), to_string(device_)));
 }
 
+void Optimizer::require_host_state() const {
+  if (device_ != Device::kHost)
+    throw Error(fmt::format(
+        "{} update on host spans: the optimizer's state lives in {} memory; expected views "
+        "on that device (update(offset, TensorView, ConstTensorView))",
+        name(), to_string(device_)));
+}
+
 void Optimizer::check_update(std::size_t offset, std::span<float> params,
                              std::span<const float> grads) const {
   check_update(offset, params.size(), grads.size());
@@ -98,14 +107,16 @@ Sgd::Sgd(std::size_t state_size, SgdOptions options, Device device)
 }
 
 void Sgd::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
+  require_host_state();
   check_update(offset, params, grads);
+  update_in_host_memory(offset, params.data(), grads.data(), params.size());
+}
+
+void Sgd::update_in_host_memory(std::size_t offset, float* p, const float* grad, std::size_t n) {
   const float lr = options_.lr;
   const float momentum = options_.momentum;
   const float weight_decay = options_.weight_decay;
-  float* buffer = momentum != 0.0f ? momentum_buffer_.data() + offset : nullptr;
-  float* p = params.data();
-  const float* grad = grads.data();
-  const std::size_t n = params.size();
+  float* buffer = momentum != 0.0f ? momentum_buffer_.view().data() + offset : nullptr;
   // One branch-free loop per case, so that each vectorizes; the arithmetic per element is
   // exactly that of the general formula.
   if (buffer == nullptr && weight_decay == 0.0f) {
@@ -122,6 +133,8 @@ void Sgd::update(std::size_t offset, std::span<float> params, std::span<const fl
 }
 
 void Sgd::update_on_device(std::size_t offset, float* params, const float* grads, std::size_t n) {
+  // The emulated device keeps its tensors in host memory: the host loop is its kernel.
+  if (!detail::on_gpu(device())) return update_in_host_memory(offset, params, grads, n);
   float* buffer = options_.momentum != 0.0f ? momentum_buffer_.view().data() + offset : nullptr;
   cuda::sgd_update(params, grads, buffer, n, options_.lr, options_.momentum, options_.weight_decay);
 }
@@ -164,6 +177,7 @@ AdamW::StepConstants AdamW::step_constants() const {
 }
 
 void AdamW::update_on_device(std::size_t offset, float* params, const float* grads, std::size_t n) {
+  if (!detail::on_gpu(device())) return update_in_host_memory(offset, params, grads, n);
   const StepConstants constants = step_constants();
   cuda::adamw_update(params, grads, exp_avg_.view().data() + offset,
                      exp_avg_sq_.view().data() + offset, n,
@@ -176,13 +190,19 @@ void AdamW::update_on_device(std::size_t offset, float* params, const float* gra
 }
 
 void AdamW::update(std::size_t offset, std::span<float> params, std::span<const float> grads) {
+  require_host_state();
   check_update(offset, params, grads);
+  update_in_host_memory(offset, params.data(), grads.data(), params.size());
+}
+
+void AdamW::update_in_host_memory(std::size_t offset, float* params, const float* grads,
+                                  std::size_t n) {
   const float beta1 = options_.beta1;
   const float beta2 = options_.beta2;
   const auto [step_size, sqrt_correction2, decay] = step_constants();
-  float* m = exp_avg_.data() + offset;
-  float* v = exp_avg_sq_.data() + offset;
-  for (std::size_t i = 0; i < params.size(); ++i) {
+  float* m = exp_avg_.view().data() + offset;
+  float* v = exp_avg_sq_.view().data() + offset;
+  for (std::size_t i = 0; i < n; ++i) {
     const float g = grads[i];
     params[i] *= decay;
     m[i] = beta1 * m[i] + (1.0f - beta1) * g;

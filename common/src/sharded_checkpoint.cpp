@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "data/file_io.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/output_file.h"
 #include "parsers.h"
@@ -641,12 +642,13 @@ void load_checkpoint_shard(const fs::path& directory, const ShardLayout& layout,
             std::min(saved.parameter_offset + saved.count, wanted.parameter_offset + wanted.count);
         if (first >= last) continue;
         const Checkpoint& shard = shard_of(rank);
-        for (const ShardTarget& target : targets)
-          std::memcpy(
-              target.tensor->data() + wanted.shard_offset + (first - wanted.parameter_offset),
-              shard.tensors.at(target.name).data() + saved.shard_offset +
-                  (first - saved.parameter_offset),
-              (last - first) * sizeof(float));
+        for (const ShardTarget& target : targets)  // the target may live on a device
+          detail::copy_memory(target.tensor->view().data() + wanted.shard_offset +
+                                  (first - wanted.parameter_offset),
+                              target.tensor->device(),
+                              shard.tensors.at(target.name).data() + saved.shard_offset +
+                                  (first - saved.parameter_offset),
+                              Device::kHost, (last - first) * sizeof(float));
       }
   }
 }

@@ -1,10 +1,12 @@
 #include "dp/tensor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -22,7 +24,7 @@ void detail::check_range(std::string_view function, std::size_t offset, std::siz
 std::string_view to_string(Device device) {
   switch (device) {
     case Device::kHost: return "host";
-    case Device::kCuda: return "cuda";
+    case Device::kCuda: return cuda_device_emulated() ? "cuda (emulated)" : "cuda";
   }
   return "unknown";
 }
@@ -33,6 +35,42 @@ bool cuda_compiled() {
 
 int cuda_device_count() {
   return cuda::device_count();
+}
+
+namespace {
+
+std::atomic<bool> emulating_cuda{false};
+// Device tensors alive in the process: the emulation may only change while there are none,
+// since their memory was allocated by (and must return to) the one that was on.
+std::atomic<std::int64_t> device_tensors_alive{0};
+
+}  // namespace
+
+void set_cuda_device_emulated(bool emulated) {
+  const std::int64_t alive = device_tensors_alive.load();
+  if (emulated != emulating_cuda.load() && alive != 0)
+    throw Error(fmt::format(
+        "set_cuda_device_emulated({}): {} device tensor(s) still exist; expected none (their "
+        "memory belongs to the {} device): switch before making any, or after releasing them",
+        emulated, alive, emulating_cuda.load() ? "emulated" : "real"));
+  emulating_cuda.store(emulated);
+}
+
+bool cuda_device_emulated() {
+  return emulating_cuda.load(std::memory_order_relaxed);
+}
+
+bool detail::on_gpu(Device device) {
+  return device != Device::kHost && !cuda_device_emulated();
+}
+
+void detail::copy_memory(void* destination, Device destination_device, const void* source,
+                         Device source_device, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (on_gpu(destination_device) || on_gpu(source_device))
+    cuda::copy_bytes(destination, source, bytes);
+  else
+    std::memcpy(destination, source, bytes);
 }
 
 void detail::throw_not_host(std::string_view accessor, Device device) {
@@ -103,10 +141,7 @@ Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, MemoryCategory cat
 
 Tensor Tensor::from(std::span<const float> values, MemoryCategory category, Device device) {
   Tensor tensor = uninitialized({static_cast<std::int64_t>(values.size())}, category, device);
-  if (device == Device::kHost)
-    std::copy(values.begin(), values.end(), tensor.data_);
-  else
-    cuda::copy_bytes(tensor.data_, values.data(), tensor.bytes());
+  detail::copy_memory(tensor.data_, device, values.data(), Device::kHost, tensor.bytes());
   return tensor;
 }
 
@@ -122,11 +157,12 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
   owner_->tracker().on_allocate(category_, bytes());
   try {
     // Device memory comes from CUDA's stream-ordered pool (cuda/runtime.cpp says why),
-    // host memory from the rank's caching allocator.
-    if (device_ == Device::kHost)
-      data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
-    else
+    // host memory (and the emulated device's) from the rank's caching allocator.
+    if (detail::on_gpu(device_))
       data_ = static_cast<float*>(cuda::allocate(bytes()));
+    else
+      data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+    if (device_ != Device::kHost) ++device_tensors_alive;
   } catch (...) {
     owner_->tracker().on_release(category_, bytes());
     owner_.reset();
@@ -140,10 +176,11 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
 void Tensor::release() {
   if (owner_ != nullptr) {
     owner_->tracker().on_release(category_, bytes());
-    if (device_ == Device::kHost)
-      owner_->allocator().deallocate(data_, bytes());
-    else
+    if (detail::on_gpu(device_))
       cuda::deallocate(data_);
+    else
+      owner_->allocator().deallocate(data_, bytes());
+    if (device_ != Device::kHost) --device_tensors_alive;
   }
   owner_.reset();
   data_ = nullptr;
@@ -186,21 +223,13 @@ Tensor Tensor::clone() const {
 
 Tensor Tensor::clone(MemoryCategory category) const {
   Tensor copy = uninitialized(shape_, category, device_);
-  if (size_ == 0) return copy;
-  if (device_ == Device::kHost)
-    std::memcpy(copy.data_, data_, bytes());
-  else
-    cuda::copy_bytes(copy.data_, data_, bytes());
+  detail::copy_memory(copy.data_, device_, data_, device_, bytes());
   return copy;
 }
 
 Tensor Tensor::to(Device device) const {
   Tensor copy = uninitialized(shape_, category_, device);
-  if (size_ == 0) return copy;
-  if (device_ == Device::kHost && device == Device::kHost)
-    std::memcpy(copy.data_, data_, bytes());
-  else
-    cuda::copy_bytes(copy.data_, data_, bytes());
+  detail::copy_memory(copy.data_, device, data_, device_, bytes());
   return copy;
 }
 
@@ -211,10 +240,10 @@ std::int64_t Tensor::dim(std::size_t d) const {
 }
 
 void Tensor::fill(float value) {
-  if (device_ == Device::kHost)
-    std::fill(data_, data_ + size_, value);
-  else
+  if (detail::on_gpu(device_))
     cuda::fill(data_, size_, value);
+  else
+    std::fill(data_, data_ + size_, value);
 }
 
 void Tensor::reshape(std::vector<std::int64_t> shape) {

@@ -1,16 +1,16 @@
 // The element-wise operations of dp/tensor_ops.h. Each checks its operands and dispatches
-// on their device: on the host it runs one plain loop (the readable ground truth), on a
-// CUDA device the kernel of cuda/kernels.cu, which gives the same results (bitwise for the
-// element-wise operations, within the bound stated there for dot and norm). Either way it
-// is one compute op on the rank's clock: n flops, and the bytes it reads and writes, on the
-// device's roofline.
+// on their device (detail::on_gpu): in host memory it runs one plain loop (the readable
+// ground truth), on a GPU the kernel of cuda/kernels.cu, which gives the same results
+// (bitwise for the element-wise operations, within the bound stated there for dot and
+// norm). Either way it is one compute op on the rank's clock: n flops, and the bytes it
+// reads and writes, on the device's roofline.
 #include "dp/tensor_ops.h"
 
 #include <cmath>
-#include <cstring>
 #include <string_view>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/clock.h"
 #include "dp/error.h"
 
@@ -48,7 +48,7 @@ OpCost pass_cost(std::size_t elements, int reads, int writes) {
 void fill(TensorView x, float value) {
   float* out = x.data();
   timed_compute("fill", "", pass_cost(x.size(), 0, 1), [&] {
-    if (x.device() != Device::kHost) return cuda::fill(out, x.size(), value);
+    if (detail::on_gpu(x.device())) return cuda::fill(out, x.size(), value);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = value;
   });
 }
@@ -57,20 +57,17 @@ void copy(ConstTensorView source, TensorView destination) {
   check_same_size("copy", source.size(), destination.size());
   // The one operation that crosses devices: host to device, device to host or within a
   // device. It returns when a host destination holds the elements.
-  const bool on_host = source.device() == Device::kHost && destination.device() == Device::kHost;
   timed_compute("copy", "", pass_cost(source.size(), 1, 1), [&] {
     if (source.size() == 0 || source.data() == destination.data()) return;
-    if (on_host)
-      std::memcpy(destination.data(), source.data(), source.bytes());
-    else
-      cuda::copy_bytes(destination.data(), source.data(), source.bytes());
+    detail::copy_memory(destination.data(), destination.device(), source.data(), source.device(),
+                        source.bytes());
   });
 }
 
 void scale(TensorView x, float factor) {
   float* out = x.data();
   timed_compute("scale", "", pass_cost(x.size(), 1, 1), [&] {
-    if (x.device() != Device::kHost) return cuda::scale(out, x.size(), factor);
+    if (detail::on_gpu(x.device())) return cuda::scale(out, x.size(), factor);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = factor * out[i];
   });
 }
@@ -78,7 +75,7 @@ void scale(TensorView x, float factor) {
 void divide(TensorView x, float divisor) {
   float* out = x.data();
   timed_compute("divide", "", pass_cost(x.size(), 1, 1), [&] {
-    if (x.device() != Device::kHost) return cuda::divide(out, x.size(), divisor);
+    if (detail::on_gpu(x.device())) return cuda::divide(out, x.size(), divisor);
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = out[i] / divisor;
   });
 }
@@ -89,7 +86,7 @@ void add(ConstTensorView x, TensorView y) {
   const float* in = x.data();
   float* out = y.data();
   timed_compute("add", "", pass_cost(x.size(), 2, 1), [&] {
-    if (device != Device::kHost) return cuda::add(in, out, x.size());
+    if (detail::on_gpu(device)) return cuda::add(in, out, x.size());
     for (std::size_t i = 0; i < x.size(); ++i) out[i] = out[i] + in[i];
   });
 }
@@ -100,7 +97,7 @@ void axpy(float alpha, ConstTensorView x, TensorView y) {
   const float* in = x.data();
   float* out = y.data();
   timed_compute("axpy", "", pass_cost(x.size(), 2, 1), [&] {
-    if (device != Device::kHost) return cuda::axpy(alpha, in, out, x.size());
+    if (detail::on_gpu(device)) return cuda::axpy(alpha, in, out, x.size());
     for (std::size_t i = 0; i < x.size(); ++i) {
       const float product = alpha * in[i];  // rounded on its own, as the comment promises
       out[i] = out[i] + product;
@@ -114,7 +111,7 @@ double dot(ConstTensorView x, ConstTensorView y) {
   const float* a = x.data();
   const float* b = y.data();
   return timed_compute("dot", "", pass_cost(x.size(), 2, 0), [&] {
-    if (device != Device::kHost) return cuda::dot(a, b, x.size());
+    if (detail::on_gpu(device)) return cuda::dot(a, b, x.size());
     double sum = 0;
     for (std::size_t i = 0; i < x.size(); ++i)
       sum += static_cast<double>(a[i]) * static_cast<double>(b[i]);
@@ -125,7 +122,7 @@ double dot(ConstTensorView x, ConstTensorView y) {
 double norm(ConstTensorView x) {
   const float* a = x.data();
   return timed_compute("norm", "", pass_cost(x.size(), 1, 0), [&] {
-    if (x.device() != Device::kHost) return std::sqrt(cuda::sum_of_squares(a, x.size()));
+    if (detail::on_gpu(x.device())) return std::sqrt(cuda::sum_of_squares(a, x.size()));
     double sum = 0;
     for (std::size_t i = 0; i < x.size(); ++i)
       sum += static_cast<double>(a[i]) * static_cast<double>(a[i]);
@@ -136,7 +133,7 @@ double norm(ConstTensorView x) {
 bool all_finite(ConstTensorView x) {
   const float* a = x.data();
   return timed_compute("all_finite", "", pass_cost(x.size(), 1, 0), [&] {
-    if (x.device() != Device::kHost) return cuda::all_finite(a, x.size());
+    if (detail::on_gpu(x.device())) return cuda::all_finite(a, x.size());
     for (std::size_t i = 0; i < x.size(); ++i)
       if (!std::isfinite(a[i])) return false;
     return true;

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
@@ -43,14 +44,15 @@ void check_gradients_finite(Model& model, int rank, int step, const char* when) 
 float largest_gradient(Model& model) {
   float largest = 0;
   for (Parameter* parameter : model.parameters()) {
-    if (parameter->grad.device() != Device::kHost) {
+    const ConstTensorView grad = std::as_const(parameter->grad).view();
+    if (detail::on_gpu(grad.device())) {
       // A maximum does not depend on the order: bitwise the host loop's result (NaN aside,
       // which check_gradients_finite has excluded).
-      const ConstTensorView grad = std::as_const(parameter->grad).view();
       largest = std::max(largest, cuda::max_abs(grad.data(), grad.size()));
       continue;
     }
-    for (float g : parameter->grad.span()) largest = std::max(largest, std::abs(g));
+    for (std::size_t i = 0; i < grad.size(); ++i)
+      largest = std::max(largest, std::abs(grad.data()[i]));
   }
   return largest;
 }
@@ -63,10 +65,8 @@ std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const
 /// destination = the elements of host tensor `source`, wherever destination lives (not
 /// dp::copy: restoring a run is not part of a step, so the simulated clock is not charged).
 void copy_from_host(const Tensor& source, Tensor& destination) {
-  if (destination.device() == Device::kHost)
-    std::copy_n(source.data(), source.size(), destination.data());
-  else
-    cuda::copy_bytes(destination.view().data(), source.data(), source.bytes());
+  detail::copy_memory(destination.view().data(), destination.device(), source.data(), Device::kHost,
+                      source.bytes());
 }
 
 /// Restores the parameters and the optimizer of a run from `checkpoint` (checked against the
@@ -86,7 +86,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   const int world = comm != nullptr ? comm->size() : 1;
   const int rank = comm != nullptr ? comm->rank() : 0;
   check_train_options(options);
-  check_train_device(options.device, world);
+  check_train_device(options.device);
   if (options.global_batch % world != 0)
     throw Error(fmt::format(
         "the global batch must be a positive multiple of the world size {} so that every "
@@ -106,21 +106,22 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   Optimizer& optimizer = *result.optimizer;
   const int first_step = checkpointing.resume_from != nullptr ? checkpointing.resume_from->step : 0;
   if (checkpointing.resume_from != nullptr) restore(*checkpointing.resume_from, model, optimizer);
-  // On a device there is one rank (check_train_device): nothing to broadcast or average, and
-  // the communicator, which takes host buffers, only sums the metrics.
+  // On a device the parameters and gradients are exchanged where they live (the local and
+  // nccl backends take device buffers; mpi refuses them at the first call, saying so); the
+  // two metrics are host floats.
   const bool on_device = options.device != Device::kHost;
-  const bool replicated = comm != nullptr && !on_device;
+  const bool replicated = comm != nullptr;
   if (replicated) {
     // As DDP does at construction: every replica starts from rank 0's weights.
     for (Parameter* parameter : model.parameters())
-      comm->broadcast(parameter->value.span(), 0)->wait();
+      comm->broadcast(parameter->value.view(), 0)->wait();
   }
   // With overlap, each gradient's all-reduce starts the moment backward has finished it.
   std::vector<std::unique_ptr<Work>> pending;
   const bool overlap = replicated && options.overlap;
   if (overlap)
     model.on_gradient_ready([&](Parameter& parameter) {
-      pending.push_back(comm->allreduce(parameter.grad.span(), ReduceOp::kAvg));
+      pending.push_back(comm->allreduce(parameter.grad.view(), ReduceOp::kAvg));
     });
   if (comm != nullptr) comm->clock().mark_step();
   double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
@@ -149,7 +150,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       if (replicated && !overlap)
         for (Parameter* parameter : model.parameters())
           if (!parameter->frozen)
-            pending.push_back(comm->allreduce(parameter->grad.span(), ReduceOp::kAvg));
+            pending.push_back(comm->allreduce(parameter->grad.view(), ReduceOp::kAvg));
       pending.push_back(comm->allreduce(std::span<float>(metrics), ReduceOp::kSum));
       for (auto& work : pending) work->wait();
       pending.clear();
@@ -241,16 +242,8 @@ std::int64_t integer_entry(const std::map<std::string, std::string>& metadata,
 
 }  // namespace
 
-void check_train_device(Device device, int world_size) {
-  if (device == Device::kHost) return;
-  // The rank count first: it is the same answer on every machine.
-  if (world_size > 1)
-    throw Error(fmt::format(
-        "training on a CUDA device with {} ranks: dplab train runs a device on 1 rank only in "
-        "this build (its multi-rank loop still exchanges host memory, although the local and "
-        "nccl communicators take device buffers); train on 1 rank (-n 1) or on the host "
-        "(--device host)",
-        world_size));
+void check_train_device(Device device) {
+  if (device == Device::kHost || cuda_device_emulated()) return;
   if (!cuda_compiled())
     throw Error(
         "training on a CUDA device: this build has no CUDA (configure with a CUDA compiler "

@@ -12,11 +12,11 @@
 # MODE full: exit code 0 and every check at full marks.
 # MODE zero: every graded check scored 0, and the check program neither crashed nor hung
 #            (the skeleton must fail by its checks, not by dying).
-# MODE lost: each test named in EXPECT (one per line, '#' comments, and an optional line
-#            "needs-ranks: K" that the CMake list reads) lost points; the variant's check
-#            program must exist and start. Only those checks run (`dplab grade --check`):
-#            the others cannot show what the bug must lose, and skipping them is most of
-#            the selftests' time.
+# MODE lost: each test named in EXPECT (one per line, '#' comments, and the optional lines
+#            "needs-ranks: K" and "device: emulated" that the CMake list reads) lost
+#            points; the variant's check program must exist and start. Only those checks
+#            run (`dplab grade --check`): the others cannot show what the bug must lose,
+#            and skipping them is most of the selftests' time.
 cmake_minimum_required(VERSION 3.25)
 
 foreach(variable DPLAB ARGS MODE LAB OUT)
@@ -37,7 +37,7 @@ if(MODE STREQUAL "lost" AND DEFINED EXPECT AND EXISTS "${EXPECT}")
   foreach(line IN LISTS expect_lines)
     string(REGEX REPLACE "#.*" "" line "${line}")
     string(STRIP "${line}" line)
-    if(NOT line STREQUAL "" AND NOT line MATCHES "^needs-ranks:")
+    if(NOT line STREQUAL "" AND NOT line MATCHES "^(needs-ranks|device):")
       list(APPEND expected_checks "${line}")
       list(APPEND arguments --check "${line}")
     endif()

@@ -49,6 +49,7 @@ DP_TAKE_RESULT_CHANNEL_AT_START();
 int main(int argc, char** argv) {
   const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
+  dp::grading::use_check_device();
   int rank = 0;
   if (dp::grading::check_backend() == dp::Backend::kMpi ||
       (dp::grading::check_backend() == dp::Backend::kNccl && dp::started_by_mpi())) {

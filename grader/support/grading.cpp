@@ -10,10 +10,12 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <typeinfo>
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/tensor.h"
 
 namespace dp::grading {
 namespace {
@@ -36,6 +38,28 @@ std::vector<std::string> measured_notes;
 Backend check_backend() {
   const char* name = std::getenv("DPLAB_TEST_BACKEND");
   return name == nullptr || *name == '\0' ? Backend::kLocal : parse_backend(name);
+}
+
+namespace {
+
+/// $DPLAB_TEST_DEVICE, "host" when unset.
+std::string check_device_name() {
+  const char* name = std::getenv("DPLAB_TEST_DEVICE");
+  const std::string device = name == nullptr || *name == '\0' ? "host" : name;
+  if (device != "host" && device != "cuda" && device != "emulated")
+    throw Error(
+        fmt::format("DPLAB_TEST_DEVICE is '{}': expected 'host', 'cuda' or 'emulated'", device));
+  return device;
+}
+
+}  // namespace
+
+Device check_device() {
+  return check_device_name() == "host" ? Device::kHost : Device::kCuda;
+}
+
+void use_check_device() {
+  set_cuda_device_emulated(check_device_name() == "emulated");
 }
 
 std::uint64_t grade_seed() {

@@ -49,6 +49,17 @@ namespace dp::grading {
 /// grade driver sets.
 Backend check_backend();
 
+/// The device the checks put the lab code's models and tensors on: $DPLAB_TEST_DEVICE,
+/// which `dplab grade --device` sets: "host" (also when unset), "cuda" or "emulated" (both
+/// `Device::kCuda`; see `use_check_device`). Checks build every model and tensor they hand
+/// to lab code on it, and read results back through host copies.
+Device check_device();
+
+/// Turns the emulated CUDA device on when $DPLAB_TEST_DEVICE is "emulated" (then a device
+/// tensor's host memory is off limits to lab code, as on a GPU; dp/tensor.h). The check
+/// program's main() calls it before any test; throws `dp::Error` for an unknown name.
+void use_check_device();
+
 /// The grading seed of this run: $DPLAB_GRADE_SEED, which `dplab grade` sets (and prints;
 /// `dplab grade --seed S` repeats a run). A check program started by hand without it uses
 /// seed 1. Every draw of every check derives from it, the same in every process of an mpi

@@ -48,7 +48,8 @@ class Clock;
 /// the devices it is given, and every backend the devices of its buffers.
 enum class Device {
   kHost,  ///< the process's own memory
-  kCuda,  ///< the calling thread's current CUDA device (only in a build with CUDA)
+  kCuda,  ///< the calling thread's current CUDA device (in a build with CUDA), or the emulated one
+          ///< in host memory (`dp::set_cuda_device_emulated`, dp/tensor.h)
 };
 
 /// A short name, e.g. "host".

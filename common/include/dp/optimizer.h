@@ -108,6 +108,9 @@ class Optimizer {
   /// default throws: an optimizer without a kernel runs on the host only.
   virtual void update_on_device(std::size_t offset, float* params, const float* grads,
                                 std::size_t n);
+  /// Throws `dp::Error` unless the state lives on the host: an update on host spans cannot
+  /// reach state in device memory.
+  void require_host_state() const;
 
  private:
   std::size_t state_size_;
@@ -137,11 +140,15 @@ class Sgd final : public Optimizer {
   const SgdOptions& options() const { return options_; }
 
  protected:
-  /// The kernel of cuda/kernels.cu, bitwise the host loop.
+  /// The kernel of cuda/kernels.cu, bitwise the host loop (the host loop itself on the
+  /// emulated device).
   void update_on_device(std::size_t offset, float* params, const float* grads,
                         std::size_t n) override;
 
  private:
+  /// The update of `n` elements in host memory at `offset` (checked already).
+  void update_in_host_memory(std::size_t offset, float* params, const float* grads, std::size_t n);
+
   SgdOptions options_;
   Tensor momentum_buffer_;  // (state_size), empty without momentum
 };
@@ -168,11 +175,14 @@ class AdamW final : public Optimizer {
   const AdamWOptions& options() const { return options_; }
 
  protected:
-  /// The kernel of cuda/kernels.cu, bitwise the host loop.
+  /// The kernel of cuda/kernels.cu, bitwise the host loop (the host loop itself on the
+  /// emulated device).
   void update_on_device(std::size_t offset, float* params, const float* grads,
                         std::size_t n) override;
 
  private:
+  /// The update of `n` elements in host memory at `offset` (checked already).
+  void update_in_host_memory(std::size_t offset, float* params, const float* grads, std::size_t n);
   /// The per-step constants of the update, shared by the host loop and the kernel.
   struct StepConstants {
     float step_size, sqrt_correction2, decay;

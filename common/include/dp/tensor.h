@@ -55,6 +55,20 @@ bool cuda_compiled();
 /// or without a GPU. The GPU tests skip when it is 0.
 int cuda_device_count();
 
+/// Turns the emulated CUDA device on or off for the whole process. While it is on,
+/// `Device::kCuda` tensors live in host memory and the library computes on them with its
+/// host code (so results are bitwise the host's), but everything a device tensor refuses
+/// on a GPU is refused the same way: the host accessors (`data()`, `span()`, `[]`, `at()`,
+/// `host_span()`) throw, the mpi backend refuses the buffers, and operations on a host and
+/// a device view throw. A machine without a GPU can thus run lab code "on a device" and
+/// prove that it only uses the operations of dp/tensor_ops.h and the communicator:
+/// `dplab grade --device emulated` grades the labs this way. Works in every build, with or
+/// without CUDA. Throws `dp::Error` while any device tensor exists (its memory would
+/// change meaning under it).
+void set_cuda_device_emulated(bool emulated);
+/// True while the emulated CUDA device is on (`set_cuda_device_emulated`).
+bool cuda_device_emulated();
+
 namespace detail {
 /// Throws `dp::Error`: `accessor` reads host memory and the tensor lives on `device`.
 [[noreturn]] void throw_not_host(std::string_view accessor, Device device);

@@ -68,15 +68,16 @@ struct TrainOptions {
   /// so the same bits, in reverse parameter order); otherwise all after backward.
   bool overlap = false;
   /// Where the model, its gradients and the optimizer state live. `Device::kCuda` trains on
-  /// the GPU, on one rank only in this build (see `check_train_device`).
+  /// the GPU (or the emulated device, dp::set_cuda_device_emulated); the ranks then
+  /// exchange device buffers, which the local and nccl backends take (see
+  /// `check_train_device`).
   Device device = Device::kHost;
 };
 
-/// Throws `dp::Error` unless training on `device` with `world_size` ranks is possible in
-/// this build and process: `Device::kCuda` needs a build with CUDA, a visible GPU, and one
-/// rank (the communicator does not take device buffers yet). The trainers call it first;
-/// commands call it before they load data.
-void check_train_device(Device device, int world_size);
+/// Throws `dp::Error` unless training on `device` is possible in this build and process:
+/// `Device::kCuda` needs a build with CUDA and a visible GPU, or the emulated device. The
+/// trainers call it first; commands call it before they load data.
+void check_train_device(Device device);
 
 /// Throws `dp::Error` naming the first option of `options` that is out of range: a model
 /// spec that does not parse, an unknown activation or optimizer, a global batch below 1,

@@ -3,9 +3,15 @@
 
 #include <array>
 
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp::detail {
+
+bool on_device(ConstBuffer buffer) {
+  return on_gpu(buffer.device);
+}
+
 namespace {
 
 /// The CUDA device `buffer` lives on (the ranks of a collective agree on the device kind:

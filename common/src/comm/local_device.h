@@ -25,10 +25,9 @@
 
 namespace dp::detail {
 
-/// True when `buffer` lives on a CUDA device.
-inline bool on_device(ConstBuffer buffer) {
-  return buffer.device == Device::kCuda;
-}
+/// True when `buffer` lives in GPU memory. A buffer on the emulated CUDA device
+/// (dp::set_cuda_device_emulated) is host memory and takes the host path.
+bool on_device(ConstBuffer buffer);
 
 /// What a call with device buffers carries from its issue to the thread that moves its data.
 struct DeviceGate {

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -28,7 +29,7 @@ float SoftmaxCrossEntropy::forward(const Tensor& logits, std::span<const int> la
   probabilities_ =
       Tensor::uninitialized({batch, classes}, MemoryCategory::kActivations, logits.device());
   labels_.assign(labels.begin(), labels.end());
-  if (logits.device() != Device::kHost) {
+  if (detail::on_gpu(logits.device())) {
     // The loss comes back to the host: reading it waits for the kernels before it.
     const double total = cuda::cross_entropy_forward(logits.view().data(), labels_.data(), batch,
                                                      classes, probabilities_.view().data());
@@ -36,8 +37,8 @@ float SoftmaxCrossEntropy::forward(const Tensor& logits, std::span<const int> la
   }
   double total_loss = 0.0;
   for (std::int64_t row = 0; row < batch; ++row) {
-    const float* z = logits.data() + row * classes;
-    float* p = probabilities_.data() + row * classes;
+    const float* z = logits.view().data() + row * classes;
+    float* p = probabilities_.view().data() + row * classes;
     // log-sum-exp with the maximum taken out: exp() of a large logit would overflow.
     const float max_logit = *std::max_element(z, z + classes);
     double sum_exp = 0.0;
@@ -60,14 +61,14 @@ Tensor SoftmaxCrossEntropy::backward(float scale) {
   // (B, C)
   Tensor grad_logits = Tensor::uninitialized({batch, classes}, MemoryCategory::kActivations,
                                              probabilities_.device());
-  if (probabilities_.device() != Device::kHost) {
+  if (detail::on_gpu(probabilities_.device())) {
     cuda::cross_entropy_backward(probabilities_.view().data(), labels_.data(), batch, classes,
                                  factor, grad_logits.view().data());
     return grad_logits;
   }
   for (std::int64_t row = 0; row < batch; ++row) {
-    const float* p = probabilities_.data() + row * classes;
-    float* dz = grad_logits.data() + row * classes;
+    const float* p = probabilities_.view().data() + row * classes;
+    float* dz = grad_logits.view().data() + row * classes;
     const int label = labels_[static_cast<std::size_t>(row)];
     for (std::int64_t j = 0; j < classes; ++j) dz[j] = factor * (j == label ? p[j] - 1.0f : p[j]);
   }

@@ -4,6 +4,7 @@
 #include <numbers>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -26,11 +27,11 @@ Tensor GELU::forward(const Tensor& input) {
   // (B, features), where the input lives
   Tensor output =
       Tensor::uninitialized(input.shape(), MemoryCategory::kActivations, input.device());
-  if (input.device() != Device::kHost) {
+  if (detail::on_gpu(input.device())) {
     cuda::gelu_forward(input.view().data(), output.view().data(), input.size());
   } else {
-    const float* x = input.data();
-    float* y = output.data();
+    const float* x = input.view().data();
+    float* y = output.view().data();
     for (std::size_t i = 0; i < input.size(); ++i) {
       const float u = kSqrtTwoOverPi * (x[i] + kCubic * x[i] * x[i] * x[i]);
       y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
@@ -51,15 +52,15 @@ Tensor GELU::backward(const Tensor& grad_output) {
   // (B, features)
   Tensor grad_input = Tensor::uninitialized(grad_output.shape(), MemoryCategory::kActivations,
                                             grad_output.device());
-  if (grad_output.device() != Device::kHost) {
+  if (detail::on_gpu(grad_output.device())) {
     cuda::gelu_backward(saved_input_.view().data(), grad_output.view().data(),
                         grad_input.view().data(), grad_output.size());
     saved_input_ = Tensor();
     return grad_input;
   }
-  const float* x = saved_input_.data();
-  const float* dy = grad_output.data();
-  float* dx = grad_input.data();
+  const float* x = saved_input_.view().data();
+  const float* dy = grad_output.view().data();
+  float* dx = grad_input.view().data();
   for (std::size_t i = 0; i < grad_output.size(); ++i) {
     const float x2 = x[i] * x[i];
     const float t = std::tanh(kSqrtTwoOverPi * (x[i] + kCubic * x2 * x[i]));

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -32,18 +33,18 @@ Tensor LayerNorm::forward(const Tensor& input) {
   Tensor output = Tensor::uninitialized({batch, width}, kActivations, device);      // (B, D)
   saved_normalized_ = Tensor::uninitialized({batch, width}, kActivations, device);  // xhat
   saved_inv_std_ = Tensor::uninitialized({batch}, kActivations, device);            // (B)
-  if (device != Device::kHost) {
+  if (detail::on_gpu(device)) {
     cuda::layer_norm_forward(input.view().data(), weight_.value.view().data(),
                              bias_.value.view().data(), batch, width, eps_, output.view().data(),
                              saved_normalized_.view().data(), saved_inv_std_.view().data());
     return output;
   }
-  const float* gamma = weight_.value.data();
-  const float* beta = bias_.value.data();
+  const float* gamma = weight_.value.view().data();
+  const float* beta = bias_.value.view().data();
   for (std::int64_t row = 0; row < batch; ++row) {
-    const float* x = input.data() + row * width;
-    float* xhat = saved_normalized_.data() + row * width;
-    float* y = output.data() + row * width;
+    const float* x = input.view().data() + row * width;
+    float* xhat = saved_normalized_.view().data() + row * width;
+    float* y = output.view().data() + row * width;
     // Row statistics in double: float sums of many similar values lose digits.
     double sum = 0.0;
     for (std::int64_t j = 0; j < width; ++j) sum += x[j];
@@ -52,7 +53,7 @@ Tensor LayerNorm::forward(const Tensor& input) {
     for (std::int64_t j = 0; j < width; ++j) squares += (x[j] - mean) * (x[j] - mean);
     const double variance = squares / static_cast<double>(width);  // biased, as PyTorch
     const float inv_std = static_cast<float>(1.0 / std::sqrt(variance + eps_));
-    saved_inv_std_[static_cast<std::size_t>(row)] = inv_std;
+    saved_inv_std_.view().data()[row] = inv_std;
     for (std::int64_t j = 0; j < width; ++j) {
       xhat[j] = static_cast<float>(x[j] - mean) * inv_std;
       y[j] = gamma[j] * xhat[j] + beta[j];
@@ -76,7 +77,7 @@ Tensor LayerNorm::backward(const Tensor& grad_output) {
   // (B, D)
   Tensor grad_input =
       Tensor::uninitialized({batch, width}, MemoryCategory::kActivations, grad_output.device());
-  if (grad_output.device() != Device::kHost) {
+  if (detail::on_gpu(grad_output.device())) {
     // dgamma and dbeta go straight into the gradients: one addition per element, as below.
     float* dgamma = weight_.frozen ? nullptr : grad_for_accumulation(weight_).view().data();
     float* dbeta = bias_.frozen ? nullptr : grad_for_accumulation(bias_).view().data();
@@ -89,11 +90,11 @@ Tensor LayerNorm::backward(const Tensor& grad_output) {
   }
   std::vector<float> dgamma(static_cast<std::size_t>(width), 0.0f);  // this batch's sums
   std::vector<float> dbeta(static_cast<std::size_t>(width), 0.0f);
-  const float* gamma = weight_.value.data();
+  const float* gamma = weight_.value.view().data();
   for (std::int64_t row = 0; row < batch; ++row) {
-    const float* dy = grad_output.data() + row * width;
-    const float* xhat = saved_normalized_.data() + row * width;
-    float* dx = grad_input.data() + row * width;
+    const float* dy = grad_output.view().data() + row * width;
+    const float* xhat = saved_normalized_.view().data() + row * width;
+    float* dx = grad_input.view().data() + row * width;
     // With g = dy * gamma: dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)).
     double sum_g = 0.0;
     double sum_g_xhat = 0.0;
@@ -106,18 +107,18 @@ Tensor LayerNorm::backward(const Tensor& grad_output) {
     }
     const double mean_g = sum_g / static_cast<double>(width);
     const double mean_g_xhat = sum_g_xhat / static_cast<double>(width);
-    const double inv_std = saved_inv_std_[static_cast<std::size_t>(row)];
+    const double inv_std = saved_inv_std_.view().data()[row];
     for (std::int64_t j = 0; j < width; ++j) {
       const double g = static_cast<double>(dy[j]) * gamma[j];
       dx[j] = static_cast<float>(inv_std * (g - mean_g - xhat[j] * mean_g_xhat));
     }
   }
   if (!weight_.frozen) {
-    float* grad = grad_for_accumulation(weight_).data();
+    float* grad = grad_for_accumulation(weight_).view().data();
     for (std::int64_t j = 0; j < width; ++j) grad[j] += dgamma[j];
   }
   if (!bias_.frozen) {
-    float* grad = grad_for_accumulation(bias_).data();
+    float* grad = grad_for_accumulation(bias_).view().data();
     for (std::int64_t j = 0; j < width; ++j) grad[j] += dbeta[j];
   }
   saved_normalized_ = Tensor();

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/ops.h"
 
@@ -29,10 +30,10 @@ Tensor Linear::forward(const Tensor& input) {
   // out: (B, out). Start every row at the bias, so one gemm with beta = 1 adds x W^T.
   Tensor output =
       Tensor::uninitialized({batch, out_features_}, MemoryCategory::kActivations, input.device());
-  if (input.device() == Device::kHost) {
-    const float* bias = bias_.value.data();
+  if (!detail::on_gpu(input.device())) {
+    const float* bias = bias_.value.view().data();
     for (std::int64_t row = 0; row < batch; ++row)
-      std::copy(bias, bias + out_features_, output.data() + row * out_features_);
+      std::copy(bias, bias + out_features_, output.view().data() + row * out_features_);
   } else {
     cuda::broadcast_rows(bias_.value.view().data(), output.view().data(), batch, out_features_);
   }
@@ -59,7 +60,7 @@ Tensor Linear::backward(const Tensor& grad_output) {
     matmul_into(grad_output, Transpose::kYes, saved_input_, Transpose::kNo,
                 grad_for_accumulation(weight_), 1.0f, 1.0f);
   }
-  if (!bias_.frozen && grad_output.device() != Device::kHost) {
+  if (!bias_.frozen && detail::on_gpu(grad_output.device())) {
     // The same sums, one thread per column (bitwise the loop below).
     cuda::add_column_sums(grad_output.view().data(), batch, out_features_,
                           grad_for_accumulation(bias_).view().data());
@@ -68,10 +69,10 @@ Tensor Linear::backward(const Tensor& grad_output) {
     // receives exactly one addition per backward (as `grad += batch_grad` would).
     std::vector<float> row_sum(static_cast<std::size_t>(out_features_), 0.0f);
     for (std::int64_t row = 0; row < batch; ++row) {
-      const float* dy_row = grad_output.data() + row * out_features_;
+      const float* dy_row = grad_output.view().data() + row * out_features_;
       for (std::int64_t j = 0; j < out_features_; ++j) row_sum[j] += dy_row[j];
     }
-    float* db = grad_for_accumulation(bias_).data();
+    float* db = grad_for_accumulation(bias_).view().data();
     for (std::int64_t j = 0; j < out_features_; ++j) db[j] += row_sum[j];
   }
   // dX: (B, in) = (B, out) (out, in)

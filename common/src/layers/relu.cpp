@@ -1,6 +1,7 @@
 #include "dp/layers/relu.h"
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -16,11 +17,11 @@ Tensor ReLU::forward(const Tensor& input) {
   // (B, features), where the input lives
   Tensor output =
       Tensor::uninitialized(input.shape(), MemoryCategory::kActivations, input.device());
-  if (input.device() != Device::kHost) {
+  if (detail::on_gpu(input.device())) {
     cuda::relu_forward(input.view().data(), output.view().data(), input.size());
   } else {
-    const float* x = input.data();
-    float* y = output.data();
+    const float* x = input.view().data();
+    float* y = output.view().data();
     for (std::size_t i = 0; i < input.size(); ++i) y[i] = x[i] > 0.0f ? x[i] : 0.0f;
   }
   saved_input_ = input.clone(MemoryCategory::kActivations);
@@ -38,15 +39,15 @@ Tensor ReLU::backward(const Tensor& grad_output) {
   // (B, features)
   Tensor grad_input = Tensor::uninitialized(grad_output.shape(), MemoryCategory::kActivations,
                                             grad_output.device());
-  if (grad_output.device() != Device::kHost) {
+  if (detail::on_gpu(grad_output.device())) {
     cuda::relu_backward(saved_input_.view().data(), grad_output.view().data(),
                         grad_input.view().data(), grad_output.size());
     saved_input_ = Tensor();
     return grad_input;
   }
-  const float* x = saved_input_.data();
-  const float* dy = grad_output.data();
-  float* dx = grad_input.data();
+  const float* x = saved_input_.view().data();
+  const float* dy = grad_output.view().data();
+  float* dx = grad_input.view().data();
   // Both loads come first, so the select needs no branch and the loop vectorizes; with the
   // load inside the condition it was a branch per element, mispredicted half the time
   // (a fifth of a training step of the default model).
