@@ -1,12 +1,14 @@
 // dplab bench-comm: lab 0's exercise. Sweeps message sizes over one communication op and
 // prints time, algbw and busbw the way NVIDIA's nccl-tests do (doc/PERFORMANCE.md), on
-// the simulated clock (--net) or the real one (local threads, or mpi processes):
+// the simulated clock (--net) or the real one (local threads, or mpi processes; with
+// --device cuda, buffers on the GPU, also on nccl):
 //
 //   dplab bench-comm -n 8 --net ib-ndr                 ring all-reduce on simulated NDR
 //   dplab bench-comm -n 8 --op sendrecv --alpha 5 --bandwidth 25
 //   dplab bench-comm -n 8 --op sendrecv --mystery 7 --csv > t.csv   a hidden network
 //   dplab bench-comm -n 4                              the local backend's real speed
 //   dplab run -n 4 --backend mpi -- bench-comm         Open MPI processes
+//   dplab bench-comm --backend nccl --device cuda      every GPU of this machine
 //
 // algbw = S / t with S the whole array; busbw = algbw x 2(n-1)/n for all-reduce,
 // x (n-1)/n for reduce-scatter and all-gather, x 1 for broadcast and sendrecv. Students fit
@@ -34,6 +36,7 @@
 #include "dp/error.h"
 #include "dp/launch.h"
 #include "dp/rng.h"
+#include "dp/tensor.h"
 #include "option_checks.h"
 #include "simulation_options.h"
 
@@ -48,8 +51,9 @@ constexpr bool kInstructorBuild = false;
 #endif
 
 struct BenchArguments {
-  int world_size = 0;  // 0: 8 on local, every process under mpi
+  int world_size = 0;  // 0: 8 on local, every process under mpi, every GPU on nccl
   std::string backend = "local";
+  std::string device = "host";  // where the buffers live: host, cuda or emulated
   std::string op = "allreduce";
   std::string min_bytes = "64";  // 64 B x 4^k: 4 KiB, 4 MiB, 16 MiB and 256 MiB are rows
   std::string max_bytes = "256M";
@@ -119,24 +123,20 @@ std::vector<std::size_t> sweep(const BenchArguments& args, int p) {
   return sizes;
 }
 
-/// One op of `bytes` on this rank's buffers.
-std::unique_ptr<Work> issue(const std::string& op, Communicator& comm, std::vector<float>& in,
-                            std::vector<float>& out, std::size_t elements,
-                            std::vector<std::unique_ptr<Work>>& extra) {
+/// One op of `elements` floats on this rank's buffers (tensors on the --device).
+std::unique_ptr<Work> issue(const std::string& op, Communicator& comm, Tensor& in, Tensor& out,
+                            std::size_t elements, std::vector<std::unique_ptr<Work>>& extra) {
   const int p = comm.size();
   const std::size_t shard = elements / static_cast<std::size_t>(p);
-  const std::span<float> whole(in.data(), elements);
+  const TensorView whole = in.view(0, elements);
   if (op == "allreduce") return comm.allreduce(whole, ReduceOp::kSum);
-  if (op == "reduce_scatter")
-    return comm.reduce_scatter(whole, std::span<float>(out.data(), shard), ReduceOp::kSum);
-  if (op == "allgather")
-    return comm.allgather(std::span<float>(in.data(), shard),
-                          std::span<float>(out.data(), elements));
+  if (op == "reduce_scatter") return comm.reduce_scatter(whole, out.view(0, shard), ReduceOp::kSum);
+  if (op == "allgather") return comm.allgather(in.view(0, shard), out.view(0, elements));
   if (op == "broadcast") return comm.broadcast(whole, 0);
   // sendrecv: every rank sends to the next and receives from the previous (a ring step).
   const int r = comm.rank();
   extra.push_back(comm.isend(whole, (r + 1) % p, 7));
-  return comm.irecv(std::span<float>(out.data(), elements), (r + p - 1) % p, 7);
+  return comm.irecv(out.view(0, elements), (r + p - 1) % p, 7);
 }
 
 struct Row {
@@ -210,6 +210,13 @@ void run_bench(const BenchArguments& args) {
   int warmup = args.warmup;
   LaunchOptions options;
   options.backend = parse_backend(args.backend);
+  const Device device = select_device(args.device);
+  if (device != Device::kHost && options.backend == Backend::kMpi)
+    throw Error(
+        "--device with --backend mpi: the mpi backend takes host buffers only; measure device "
+        "buffers on --backend local (ranks as threads sharing the GPU) or nccl");
+  if (device == Device::kHost && options.backend == Backend::kNccl)
+    throw Error("--backend nccl takes device buffers only: add --device cuda");
   options.simulation = simulation_options(args.simulation);
   const bool mystery = !args.mystery_seed.empty();
   if (mystery) {
@@ -239,6 +246,8 @@ void run_bench(const BenchArguments& args) {
           "--backend mpi: start the ranks with `dplab run -n N --backend mpi -- bench-comm`");
     if (world_size == 0) world_size = mpi_world_size();
   }
+  if (options.backend == Backend::kNccl && world_size == 0)  // a GPU exists: select_device
+    world_size = started_by_mpi() ? mpi_world_size() : cuda_device_count();
   if (world_size == 0) world_size = 8;
   options.world_size = world_size;
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
@@ -253,6 +262,7 @@ void run_bench(const BenchArguments& args) {
                         args.mystery_seed);
   else if (options.simulation.enabled)
     clock = "simulated clock: " + options.simulation.describe();
+  if (device != Device::kHost) clock += fmt::format(", buffers in {} memory", to_string(device));
   if (prints) {
     fmt::print(notes, "# dplab bench-comm: {} on {} ranks, {}\n", args.op, world_size, clock);
     if (options.simulation.enabled && !args.iterations_given)
@@ -269,9 +279,10 @@ void run_bench(const BenchArguments& args) {
   }
   std::vector<Row> rows;
   launch(options, [&](Communicator& comm) {
-    const std::size_t largest = sizes.back() / sizeof(float);
-    std::vector<float> in(largest, 1.0f);
-    std::vector<float> out(largest, 0.0f);
+    const auto largest = static_cast<std::int64_t>(sizes.back() / sizeof(float));
+    Tensor in({largest}, MemoryCategory::kCommunication, device);
+    Tensor out({largest}, MemoryCategory::kCommunication, device);
+    in.fill(1.0f);  // not dp::fill: setting up is not charged to the simulated clock
     for (std::size_t bytes : sizes) {
       const std::size_t elements = bytes / sizeof(float);
       double start = 0;
@@ -283,6 +294,9 @@ void run_bench(const BenchArguments& args) {
         std::vector<std::unique_ptr<Work>> extra;
         issue(args.op, comm, in, out, elements, extra)->wait();
         for (auto& work : extra) work->wait();
+        // On a GPU, nccl's wait() only orders the compute stream: the time must include the
+        // transfer itself.
+        synchronize_device();
       }
       // The slowest rank's time (float: microseconds to 7 digits are plenty here).
       std::vector<float> elapsed = {
@@ -319,7 +333,12 @@ void add_bench_comm_command(CLI::App& app) {
       ->add_option("-n,--world-size", args->world_size,
                    "Ranks (default: 8 on local, every process under mpi)")
       ->check(world_size_range());
-  bench->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
+  bench->add_option("--backend", args->backend, "local, mpi or nccl")->capture_default_str();
+  bench
+      ->add_option("--device", args->device,
+                   "Where the buffers live: host, cuda (the GPU), or emulated (the CUDA device "
+                   "emulated in host memory)")
+      ->capture_default_str();
   bench->add_option("--op", args->op, fmt::format("The op: {}", fmt::join(op_names(), ", ")))
       ->capture_default_str();
   bench->add_option("--min-bytes", args->min_bytes, "Smallest size (K, M, G suffixes)")

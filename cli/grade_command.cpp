@@ -3,6 +3,8 @@
 //   dplab grade                      # every lab, local backend
 //   dplab grade --lab 2              # one lab
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
+//   dplab grade --device emulated    # the lab code's tensors on the emulated CUDA device
+//   dplab grade --device cuda --backend nccl   # on this machine's GPUs (1 or 2 ranks)
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
 //   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
 //   dplab grade --sanitize thread    # the ThreadSanitizer builds (cmake -DDP_GRADE_TSAN=ON)
@@ -132,16 +134,16 @@ std::string check_seed(const std::string& text) {
   return "";
 }
 
-/// True for the backends whose ranks are processes that mpirun starts (mpi, nccl).
+/// True when the check programs run under mpirun: always on mpi; on nccl when -n gives the
+/// number of processes (one per GPU). Without -n, nccl runs each check program as one
+/// process whose threads drive its GPUs.
 bool under_mpirun(const GradeArguments& args) {
-  return args.backend == "mpi" || args.backend == "nccl";
+  return args.backend == "mpi" || (args.backend == "nccl" && args.ranks != -1);
 }
 
-/// Processes under --backend mpi: -n, or 2 (the smallest job that communicates); under
-/// nccl one process per GPU: -n, or 1.
+/// Processes under mpirun: -n, or 2 on mpi (the smallest job that communicates).
 int mpi_processes(const GradeArguments& args) {
-  if (args.ranks != -1) return args.ranks;
-  return args.backend == "nccl" ? 1 : 2;
+  return args.ranks != -1 ? args.ranks : 2;
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
@@ -173,18 +175,14 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
 }
 
 void grade(const GradeArguments& args) {
-  if (args.backend != "local" && !under_mpirun(args))
+  if (args.backend != "local" && args.backend != "mpi" && args.backend != "nccl")
     throw Error(
         fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", args.backend));
   if (args.backend == "nccl" && !nccl_built())
     throw Error(
         "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
         "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
-  if (args.device != "host" && args.device != "cuda" && args.device != "emulated")
-    throw Error(fmt::format(
-        "unknown --device '{}': expected 'host', 'cuda' (the GPU) or 'emulated' (the CUDA "
-        "device emulated in host memory)",
-        args.device));
+  select_device(args.device);  // a known name, and a GPU for "cuda"
   if (args.device != "host" && args.backend == "mpi")
     throw Error(fmt::format(
         "--device {} with --backend mpi: the mpi backend takes host buffers only; grade on a "
@@ -194,15 +192,15 @@ void grade(const GradeArguments& args) {
     throw Error(
         "--device emulated with --backend nccl: NCCL needs real GPUs; grade the emulated "
         "device on --backend local");
-  if (args.device == "cuda" && (!cuda_compiled() || cuda_device_count() == 0))
-    throw Error(
-        fmt::format("--device cuda: {}; grade on the host (--device host), or on the CUDA device "
-                    "emulated in host memory (--device emulated)",
-                    cuda_compiled() ? "this process sees no CUDA device (no GPU, no driver, or "
-                                      "CUDA_VISIBLE_DEVICES hides them)"
-                                    : "this dplab was built without CUDA"));
   if (args.backend == "nccl" && args.device != "cuda")
     throw Error("--backend nccl takes device buffers only: give --device cuda as well");
+  if (args.backend == "nccl" && args.ranks >= 3)
+    throw Error(fmt::format(
+        "--backend nccl -n {}: grading on nccl takes at most 2 processes: NCCL adds the floats "
+        "of 3 or more ranks in its ring's order, not in the rank order the checks compare bit "
+        "for bit; grade on the GPU with --backend local --device cuda (ranks as threads "
+        "sharing it), which adds in rank order",
+        args.ranks));
   if (args.backend == "local" && args.ranks != -1)
     throw Error(fmt::format(
         "-n {} applies to --backend mpi and nccl only: on the local backend each check picks "
@@ -318,7 +316,9 @@ void add_grade_command(CLI::App& app) {
                    "never reads a device tensor's memory on the host)")
       ->capture_default_str();
   grade_app->add_option("-n,--ranks", args->ranks,
-                        "MPI processes for --backend mpi (default 2); local checks pick their own");
+                        "Processes under mpirun: for --backend mpi (default 2), or nccl (one per "
+                        "GPU; without -n, one process drives the GPUs); local checks pick their "
+                        "own world sizes");
   grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here");
   grade_app->add_option("--junit", args->junit_file, "Also write JUnit XML here");
   grade_app

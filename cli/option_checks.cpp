@@ -28,7 +28,18 @@ double as_number(const std::string& text) {
 
 Device select_device(const std::string& name, std::string_view option) {
   if (name == "host") return Device::kHost;
-  if (name == "cuda") return Device::kCuda;
+  if (name == "cuda") {
+    if (!cuda_compiled() || cuda_device_count() == 0)
+      throw Error(fmt::format(
+          "{} cuda: {}; use the host ({} host), or the CUDA device emulated in host memory "
+          "({} emulated)",
+          option,
+          cuda_compiled() ? "this process sees no CUDA device (no GPU, no driver, or "
+                            "CUDA_VISIBLE_DEVICES hides them)"
+                          : "this dplab was built without CUDA",
+          option, option));
+    return Device::kCuda;
+  }
   if (name == "emulated") {
     set_cuda_device_emulated(true);
     return Device::kCuda;

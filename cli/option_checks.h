@@ -24,7 +24,8 @@ namespace dp::cli {
 /// The device that `--device` names: "host", "cuda" (the GPU), or "emulated": the CUDA
 /// device emulated in host memory (dp::set_cuda_device_emulated, which this turns on), for
 /// running device code on a machine without a GPU. Throws `dp::Error` naming `option` and
-/// the choices for another name.
+/// the choices for another name, and for "cuda" in a build without CUDA or a process that
+/// sees no GPU.
 Device select_device(const std::string& name, std::string_view option = "--device");
 
 /// `text`, the value of option `option`, as bytes: "8", "4K", "256M", "1G" (binary

@@ -15,7 +15,9 @@ this test inside itself; for each, the script checks that .ci/run does what the 
 build/student is read as --build too: the full build has the student build's programs.
 Any other command must end as its kind says: `dplab grade` of your code (the skeletons in a
 fresh checkout) with status 0 or 1 and the score table, a check program run by hand
-(grade_lab<N>) with status 0 or 1 and gtest's summary, every other command with status 0.
+(grade_lab<N>) with status 0 or 1 and gtest's summary, a GPU example (--device cuda,
+--backend nccl) on a machine without a GPU with status 1 and the error that says why,
+every other command with status 0.
 A step that matches none of the rules is an error: a new kind of example needs a rule.
 """
 import argparse
@@ -139,6 +141,9 @@ def run_step(step, args, log):
         with open(os.path.join(args.work, argv[argv.index("--hostfile") + 1]), "w") as f:
             f.write("localhost slots=64\n")
     student_grade = program == "dplab" and len(argv) > 1 and argv[1] == "grade"
+    # A GPU example where there is none must fail with the error that says so, not crash.
+    needs_gpu = ("cuda" in argv and "--device" in argv) or "nccl" in argv
+    gpu_here = os.path.exists("/dev/nvidia0")
     student_checks = re.match(r"^grade_lab\d+$", program) is not None
 
     start = time.monotonic()
@@ -150,7 +155,10 @@ def run_step(step, args, log):
     seconds = time.monotonic() - start
     output = result.stdout.decode(errors="replace")
     log.write(f"$ {' '.join(shlex.quote(a) for a in argv)}\n{output}\n")
-    if student_grade:
+    if needs_gpu and not gpu_here:
+        passed = result.returncode == 1 and re.search(
+            r"sees no CUDA device|sees none|without CUDA|built without", output)
+    elif student_grade:
         # Your code: 0 at full marks, 1 otherwise (the skeletons score 0), with the table.
         passed = result.returncode in (0, 1) and re.search(r"^total: \d", output, re.M)
     elif student_checks:

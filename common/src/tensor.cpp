@@ -60,6 +60,10 @@ bool cuda_device_emulated() {
   return emulating_cuda.load(std::memory_order_relaxed);
 }
 
+void synchronize_device() {
+  if (cuda_compiled() && !cuda_device_emulated() && cuda_device_count() > 0) cuda::synchronize();
+}
+
 bool detail::on_gpu(Device device) {
   return device != Device::kHost && !cuda_device_emulated();
 }

@@ -134,6 +134,12 @@ std::vector<int> Draws::world_sizes(int largest) {
   if (check_backend() == Backend::kMpi || (check_backend() == Backend::kNccl && started_by_mpi())) {
     for (int world = 1; world <= std::min(largest, mpi_world_size()); ++world)
       sizes.push_back(world);
+  } else if (check_backend() == Backend::kNccl) {
+    // Threads of this process driving its GPUs, one rank per GPU (NCCL refuses two ranks on
+    // one GPU), at most 2: NCCL adds the floats of 3 or more ranks in its ring's order, not
+    // in the rank order the checks compare bit for bit (a + b is b + a, so 2 ranks agree).
+    for (int world = 1; world <= std::min({largest, cuda_device_count(), 2}); ++world)
+      sizes.push_back(world);
   } else {
     sizes.push_back(1);
     std::vector<int> not_powers_of_two;

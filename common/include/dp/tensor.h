@@ -69,6 +69,12 @@ void set_cuda_device_emulated(bool emulated);
 /// True while the emulated CUDA device is on (`set_cuda_device_emulated`).
 bool cuda_device_emulated();
 
+/// Waits until the device work the calling thread has issued (kernels, copies, and the
+/// compute-stream side of communication: nccl's `Work::wait()` only orders the stream) has
+/// finished; nothing to wait for on the host or the emulated device. For timing on the
+/// wall clock, and before another thread reads this thread's device tensors.
+void synchronize_device();
+
 namespace detail {
 /// Throws `dp::Error`: `accessor` reads host memory and the tensor lives on `device`.
 [[noreturn]] void throw_not_host(std::string_view accessor, Device device);
