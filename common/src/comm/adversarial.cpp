@@ -39,6 +39,7 @@
 #include <utility>
 
 #include "cuda/device_ops.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/rng.h"
 
@@ -57,8 +58,8 @@ class Staging {
   explicit Staging(std::size_t bytes, Device device = Device::kHost)
       : bytes_(bytes), device_(device) {
     if (bytes_ == 0) return;
-    data_ = static_cast<unsigned char*>(device_ == Device::kHost ? std::malloc(bytes_)
-                                                                 : cuda::allocate(bytes_));
+    data_ = static_cast<unsigned char*>(!on_gpu(device_) ? std::malloc(bytes_)
+                                                         : cuda::allocate(bytes_));
     if (data_ == nullptr) throw std::bad_alloc();
   }
   Staging(Staging&& other) noexcept
@@ -74,7 +75,7 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
   ~Staging() {
-    if (device_ == Device::kHost)
+    if (!on_gpu(device_))
       std::free(data_);
     else
       cuda::deallocate(data_);
@@ -92,7 +93,7 @@ class Staging {
 /// Copies `bytes` between two buffers on `device` (host: memcpy; CUDA: a synchronous copy).
 void copy_on(Device device, void* destination, const void* source, std::size_t bytes) {
   if (bytes == 0) return;
-  if (device == Device::kHost)
+  if (!on_gpu(device))
     std::memcpy(destination, source, bytes);
   else
     cuda::copy_bytes(destination, source, bytes);
@@ -107,7 +108,7 @@ Staging copy_of(ConstBuffer buffer) {
 /// The bytes of `buffer` readable on the host: `buffer.data` itself for host memory, else a
 /// host copy kept in `keep`.
 const unsigned char* readable_on_host(ConstBuffer buffer, Staging& keep) {
-  if (buffer.device == Device::kHost) return static_cast<const unsigned char*>(buffer.data);
+  if (!on_gpu(buffer.device)) return static_cast<const unsigned char*>(buffer.data);
   keep = Staging(buffer.bytes());
   if (keep.bytes() > 0) cuda::copy_bytes(keep.data(), buffer.data, keep.bytes());
   return keep.data();
@@ -314,7 +315,7 @@ class AdversarialCommunicator final : public Communicator {
 
   static void poison(MutableBuffer output) {
     if (output.bytes() == 0) return;
-    if (output.device == Device::kHost) {
+    if (!on_gpu(output.device)) {
       std::memset(output.data, kGarbageByte, output.bytes());
       return;
     }
