@@ -36,8 +36,8 @@ namespace dp::grading {
 /// checks hand to lab code.
 Model check_model(const TrainOptions& options);
 
-/// `make_optimizer` with the settings of `options` over `elements`, its state on the check
-/// device (grading::optimizer_for's, where lab code's shards and models live).
+/// grading::optimizer_for(options, elements) with its state on the check device, where the
+/// lab code's models and shards live.
 std::unique_ptr<Optimizer> check_optimizer(const TrainOptions& options, std::size_t elements);
 
 /// One drawn training set-up of the sharded labs: the MLP 64-h1-h2-10 with GELU (LayerNorm
