@@ -120,7 +120,8 @@ std::string check_flat(const Model& model, const Partition& p, const Tensor& fla
   if (flat.size() != p.padded_elements)
     return fmt::format("flat_parameters() holds {} elements; expected N S = {}", flat.size(),
                        p.padded_elements);
-  const std::span<const float> values = flat.span();
+  const std::vector<float> host = grading::host_values(flat);
+  const std::span<const float> values = host;
   const std::string finding =
       grading::compare_flat(model, values.first(p.num_parameters), model.flat_parameters(), 0.0f,
                             "flat_parameters() element");
@@ -140,7 +141,7 @@ std::string check_shard(const Model& model, const Partition& p, int rank, const 
                        p.shard_elements);
   const std::vector<float> all = model.flat_parameters();
   const std::size_t begin = static_cast<std::size_t>(rank) * p.shard_elements;
-  const std::span<const float> values = shard.span();
+  const std::vector<float> values = grading::host_values(shard);
   for (std::size_t i = 0; i < p.shard_elements; ++i) {
     const float expected = begin + i < p.num_parameters ? all[begin + i] : 0.0f;
     if (std::memcmp(&values[i], &expected, sizeof(float)) != 0)
@@ -167,9 +168,10 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
   // stopped: a failure is recorded once, and the later steps are not judged.
   for (int step = 1; step <= options.steps; ++step) {
     const std::vector<float> before = model.flat_parameters();
-    const Batch batch = grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
     model.zero_grad();
-    model.backward(model.forward(batch.inputs), batch.labels);
+    model.backward(grading::forward(model, batch), batch.labels);
     const std::vector<float> local = model.flat_gradients();
     const std::optional<float> norm = zero.step();
     if (!verdict.passed()) continue;
@@ -327,7 +329,8 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                                    shard + 1),
                        [&] {
                          ZeroOneOptimizer zero(model, comm, [](std::size_t s) {
-                           return std::make_unique<Sgd>(s + 1, SgdOptions{});
+                           return std::make_unique<Sgd>(s + 1, SgdOptions{},
+                                                        grading::check_device());
                          });
                        });
           if (!verdict.passed()) return;
@@ -335,7 +338,7 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           const Optimizer* made = nullptr;
           ZeroOneOptimizer zero(model, comm, [&](std::size_t s) {
             asked.push_back(s);
-            auto optimizer = grading::optimizer_for(options, s);
+            auto optimizer = factory_for(options)(s);
             made = optimizer.get();
             return optimizer;
           });
@@ -346,9 +349,10 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           else if (&zero.inner() != made)
             verdict.fail("inner() is not the optimizer the factory made");
           const std::int64_t steps_before = made != nullptr ? made->step_count() : 0;
-          const Batch batch = grading::local_batch(*training.data, options, 0, comm.rank(), world);
+          const Batch batch = grading::on_check_device(
+              grading::local_batch(*training.data, options, 0, comm.rank(), world));
           model.zero_grad();
-          model.backward(model.forward(batch.inputs), batch.labels);
+          model.backward(grading::forward(model, batch), batch.labels);
           (void)zero.step();
           if (verdict.passed() && made->step_count() != steps_before + 1)
             verdict.fail(fmt::format(
@@ -390,16 +394,17 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
   run_on_ranks(
       padded_world,
       [&](Communicator& comm, Verdict& verdict) {
-        Model model = Model::mlp(spec, {.seed = 5});
+        Model model = Model::mlp(spec, {.seed = 5, .device = grading::check_device()});
         const std::int64_t features = model.parameters().front()->value.dim(1);
-        Tensor inputs({4, features}, MemoryCategory::kActivations);  // inputs: (4, features)
-        const std::span<float> values = inputs.span();
+        Tensor host_inputs({4, features}, MemoryCategory::kActivations);  // (4, features)
+        const std::span<float> values = host_inputs.span();
         for (std::size_t i = 0; i < values.size(); ++i)
           values[i] = static_cast<float>(i % 3) - 0.5f * static_cast<float>(comm.rank());
+        const Tensor inputs = host_inputs.to(model.device());
         const std::vector<int> labels = {0, 1, 1, 0};
         const Optimizer* made = nullptr;
         ZeroOneOptimizer zero(model, comm, [&](std::size_t s) {
-          auto optimizer = make_optimizer("adamw", s, 0.01f, 0.0f, 0.01f);
+          auto optimizer = make_optimizer("adamw", s, 0.01f, 0.0f, 0.01f, grading::check_device());
           made = optimizer.get();
           return optimizer;
         });
@@ -538,10 +543,10 @@ TEST(Lab5Memory, OptimizerStateIsOneShard) {
             const std::size_t after_constructor =
                 tracker.current(MemoryCategory::kOptimizerState) - base;
             for (int step = 0; step < 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step, comm.rank(), world));
               model.zero_grad();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               (void)zero.step();
             }
             const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
@@ -586,10 +591,10 @@ TEST(Lab5Memory, StepAllocatesNothing) {
           ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
           const MemoryTracker& tracker = this_rank_memory().tracker();
           for (int step = 1; step <= options.steps; ++step) {
-            const Batch batch =
-                grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
             model.zero_grad();
-            model.backward(model.forward(batch.inputs), batch.labels);
+            model.backward(grading::forward(model, batch), batch.labels);
             const std::size_t tensors = tracker.allocations_total();
             const grading::HeapUse heap = grading::heap_use_of_this_thread();
             (void)zero.step();
@@ -648,10 +653,10 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
             if (max_norm > 0) expected.push_back({CommOp::kAllReduce, 1, 1, ReduceOp::kSum});
             expected.push_back({CommOp::kAllGather, p.shard_elements, p.padded_elements});
             for (int step = 1; step <= 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               recorder.calls.clear();
               const CommCounters before = comm.counters();
               (void)zero.step();
@@ -726,7 +731,7 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
               const Dataset data = load_dataset("synthetic:64", 5);
               std::vector<std::size_t> rows(4);
               for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-              const Batch batch = gather_batch(data, rows);
+              const Batch batch = grading::on_check_device(gather_batch(data, rows));
               // Every category: a buffer charged to one the question does not name (say
               // activations) is still memory the rank holds.
               const MemoryTracker& tracker = this_rank_memory().tracker();
@@ -740,26 +745,31 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
               // not the optimizer's, and the same with or without it.
               std::size_t kept_by_the_model = 0;
               {
-                Model plain =
-                    Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+                Model plain = Model::mlp(spec, {.activation = "relu",
+                                                .layer_norm = layer_norm,
+                                                .seed = 3,
+                                                .device = grading::check_device()});
                 const std::size_t before = held();
-                plain.backward(plain.forward(batch.inputs), batch.labels);
+                plain.backward(grading::forward(plain, batch), batch.labels);
                 kept_by_the_model = held() - before;
               }
               const std::size_t base = held() + kept_by_the_model;
               std::size_t bytes = 0;
               std::size_t psi = 0;
               {
-                Model model =
-                    Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+                Model model = Model::mlp(spec, {.activation = "relu",
+                                                .layer_norm = layer_norm,
+                                                .seed = 3,
+                                                .device = grading::check_device()});
                 psi = model.num_parameters();
                 const float momentum = kind == "sgd momentum" ? 0.9f : 0.0f;
                 const bool adam = kind == "adamw";
                 ZeroOneOptimizer zero(model, comm, [&](std::size_t s) {
-                  return make_optimizer(adam ? "adamw" : "sgd", s, 0.01f, momentum, 0.0f);
+                  return make_optimizer(adam ? "adamw" : "sgd", s, 0.01f, momentum, 0.0f,
+                                        grading::check_device());
                 });
                 model.zero_grad();
-                model.backward(model.forward(batch.inputs), batch.labels);
+                model.backward(grading::forward(model, batch), batch.labels);
                 (void)zero.step();
                 bytes = held() - base;
               }
@@ -795,7 +805,7 @@ class ZeroOneSubject final : public grading::CheckpointSubject {
       : model_(model), zero_(model, comm, factory_for(options)) {}
   void train_step(const Batch& batch) override {
     model_.zero_grad();
-    model_.backward(model_.forward(batch.inputs), batch.labels);
+    model_.backward(grading::forward(model_, batch), batch.labels);
     (void)zero_.step();
   }
   void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }

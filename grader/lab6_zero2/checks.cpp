@@ -164,7 +164,7 @@ std::string check_shard(const Model& model, const std::vector<std::size_t>& indi
     return fmt::format("shard_parameters() holds {} elements; expected S = {}", shard.size(),
                        indices.size());
   const std::vector<float> all = model.flat_parameters();
-  const std::span<const float> values = shard.span();
+  const std::vector<float> values = grading::host_values(shard);
   for (std::size_t i = 0; i < indices.size(); ++i) {
     const float expected = indices[i] == kPadding ? 0.0f : all[indices[i]];
     if (std::memcmp(&values[i], &expected, sizeof(float)) != 0)
@@ -204,9 +204,10 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
   // stopped: a failure is recorded once, and the later steps are not judged.
   for (int step = 1; step <= options.steps; ++step) {
     const std::vector<float> before = model.flat_parameters();
-    const Batch batch = grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
     model.zero_grad();
-    model.backward(model.forward(batch.inputs), batch.labels);
+    model.backward(grading::forward(model, batch), batch.labels);
     const std::optional<float> norm = zero.step();
     if (!verdict.passed()) continue;
     const std::string finding =
@@ -239,7 +240,7 @@ TEST(Lab6Buckets, FollowTheRule) {
     TrainOptions o;
     o.model = fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
     o.layer_norm = draws.coin("layer norm");
-    const Model model = make_model(o);
+    const Model model = grading::check_model(o);
     const int world = static_cast<int>(draws.integer("N", 1, 16));
     const std::size_t psi = model.num_parameters();
     const std::array<std::size_t, 3> caps = {
@@ -271,7 +272,7 @@ TEST(Lab6Buckets, FollowTheRule) {
   {
     TrainOptions o;
     o.model = "64-16-10";
-    Model model = make_model(o);
+    Model model = grading::check_model(o);
     const auto expect_error = [&](const std::string& what, const auto& call) {
       try {
         call();
@@ -361,24 +362,26 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
             ZeroTwoOptimizer zero(
                 model, comm, [](std::size_t) { return std::unique_ptr<Optimizer>{}; }, cap);
           });
-          expect_error(
-              fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
-                          shard + 1),
-              [&] {
-                ZeroTwoOptimizer zero(
-                    model, comm,
-                    [](std::size_t s) { return std::make_unique<Sgd>(s + 1, SgdOptions{}); }, cap);
-              });
+          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
+                                   shard + 1),
+                       [&] {
+                         ZeroTwoOptimizer zero(
+                             model, comm,
+                             [](std::size_t s) {
+                               return std::make_unique<Sgd>(s + 1, SgdOptions{},
+                                                            grading::check_device());
+                             },
+                             cap);
+                       });
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
-          grading::RecordingOptimizer* made = nullptr;
+          grading::UpdateRecorder* made = nullptr;
           ZeroTwoOptimizer zero(
               fresh, comm,
               [&](std::size_t s) {
                 asked.push_back(s);
-                auto optimizer = std::make_unique<grading::RecordingOptimizer>(
-                    grading::optimizer_for(options, s), s);
+                auto optimizer = std::make_unique<grading::UpdateRecorder>(factory_for(options)(s));
                 made = optimizer.get();
                 return optimizer;
               },
@@ -392,9 +395,10 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (!verdict.passed()) return;
           expect_error("step() without a backward", [&] { (void)zero.step(); });
           const std::int64_t steps_before = made->step_count();
-          const Batch batch = grading::local_batch(*training.data, options, 0, comm.rank(), world);
+          const Batch batch = grading::on_check_device(
+              grading::local_batch(*training.data, options, 0, comm.rank(), world));
           fresh.zero_grad();
-          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          fresh.backward(grading::forward(fresh, batch), batch.labels);
           (void)zero.step();
           if (verdict.passed() && made->step_count() != steps_before + 1)
             verdict.fail(fmt::format(
@@ -413,9 +417,9 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // A second backward before step() would reduce-scatter over the first one's
           // shard: the contract asks for dp::Error from the hook. Every rank throws at its
           // first hook, before it launches anything, so the ranks stay in step.
-          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          fresh.backward(grading::forward(fresh, batch), batch.labels);
           expect_error("a second backward before step()",
-                       [&] { fresh.backward(fresh.forward(batch.inputs), batch.labels); });
+                       [&] { fresh.backward(grading::forward(fresh, batch), batch.labels); });
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
@@ -543,9 +547,9 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
           tracker.reset_peaks();
           {
-            const Batch batch =
-                grading::local_batch(*training.data, options, 0, comm.rank(), world);
-            twin.backward(twin.forward(batch.inputs), batch.labels);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, 0, comm.rank(), world));
+            twin.backward(grading::forward(twin, batch), batch.labels);
           }
           const std::size_t plain_activations =
               tracker.peak(MemoryCategory::kActivations) - activation_base;
@@ -581,10 +585,10 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           tracker.reset_peaks();
           std::size_t backward_peak = 0;
           for (int step = 1; step <= 2 && verdict.passed(); ++step) {
-            const Batch batch =
-                grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
             model.zero_grad();
-            model.backward(model.forward(batch.inputs), batch.labels);
+            model.backward(grading::forward(model, batch), batch.labels);
             backward_peak =
                 std::max(backward_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
             verdict.expect_empty(check_released(model),
@@ -679,8 +683,8 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                   "category)",
                   label, constructor.large_bytes, grading::kLargeAllocationBytes));
             for (int step = 1; step <= 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
               std::array<std::size_t, kNumMemoryCategories> before{};
               for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
@@ -689,13 +693,13 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                   tracker.allocations(MemoryCategory::kActivations);
               const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
               twin.zero_grad();
-              twin.backward(twin.forward(batch.inputs), batch.labels);
+              twin.backward(grading::forward(twin, batch), batch.labels);
               const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
               const std::size_t activations_before =
                   tracker.allocations(MemoryCategory::kActivations);
               const std::size_t plain_activations = activations_before - twin_activations_before;
               const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               const grading::HeapUse hooked =
                   grading::heap_use_of_this_thread().since(hooked_before);
               const std::size_t tensors = tracker.allocations_total();
@@ -830,8 +834,10 @@ std::uint64_t contract_bytes_sent(Communicator& comm, const std::vector<Bucket>&
   const CommCounters before = comm.counters();
   const auto n = static_cast<std::size_t>(comm.size());
   for (const Bucket& b : buckets) {
-    Tensor full({static_cast<std::int64_t>(n * b.chunk_elements)}, MemoryCategory::kOther);
-    Tensor chunk({static_cast<std::int64_t>(b.chunk_elements)}, MemoryCategory::kOther);
+    Tensor full({static_cast<std::int64_t>(n * b.chunk_elements)}, MemoryCategory::kOther,
+                grading::check_device());
+    Tensor chunk({static_cast<std::int64_t>(b.chunk_elements)}, MemoryCategory::kOther,
+                 grading::check_device());
     comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
     comm.allgather(std::as_const(chunk).view(), full.view())->wait();
   }
@@ -879,13 +885,13 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
                                   static_cast<std::size_t>(world) * b.chunk_elements});
             const std::string label = max_norm > 0 ? "with clipping, " : "";
             for (int step = 1; step <= 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
               log.reset(recorder);
               const CommCounters before = comm.counters();
               recorder.in_backward = true;
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               recorder.in_backward = false;
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);
@@ -901,7 +907,7 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
                                : ""));
                 continue;
               }
-              const float* shard = zero.shard_gradients().data();
+              const float* shard = zero.shard_gradients().view().data();  // compared, never read
               for (std::size_t k = 0; k < buckets.size() && verdict.passed(); ++k) {
                 const LaunchLog::Launch& launch = log.launches[k];
                 if (!launch.in_backward || launch.ready != complete_at[k])
@@ -998,8 +1004,10 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
             const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-            Model model =
-                Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+            Model model = Model::mlp(spec, {.activation = "relu",
+                                            .layer_norm = layer_norm,
+                                            .seed = 3,
+                                            .device = grading::check_device()});
             const std::size_t psi = model.num_parameters();
             const std::size_t predicted = predicted_gradient_peak_bytes(model, world, cap);
             std::size_t bytes = 0;
@@ -1007,12 +1015,15 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
               const Dataset data = load_dataset("synthetic:64", 5);
               std::vector<std::size_t> rows(4);
               for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-              const Batch batch = gather_batch(data, rows);
+              const Batch batch = grading::on_check_device(gather_batch(data, rows));
               ZeroTwoOptimizer zero(
                   model, comm,
-                  [](std::size_t s) { return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f); }, cap);
+                  [](std::size_t s) {
+                    return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
+                  },
+                  cap);
               tracker.reset_peaks();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               (void)zero.step();
               bytes = (tracker.peak(MemoryCategory::kGradients) - grad_base) +
                       (tracker.peak(MemoryCategory::kCommunication) - comm_base);
@@ -1046,7 +1057,7 @@ class ZeroTwoSubject final : public grading::CheckpointSubject {
       : model_(model), zero_(model, comm, factory_for(options), cap_bytes) {}
   void train_step(const Batch& batch) override {
     model_.zero_grad();
-    model_.backward(model_.forward(batch.inputs), batch.labels);
+    model_.backward(grading::forward(model_, batch), batch.labels);
     (void)zero_.step();
   }
   void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }

@@ -183,7 +183,7 @@ std::string check_shard(const Model& layout, const std::vector<std::size_t>& ind
   if (shard.size() != indices.size())
     return fmt::format("shard_parameters() holds {} elements; expected S = {}", shard.size(),
                        indices.size());
-  const std::span<const float> values = shard.span();
+  const std::vector<float> values = grading::host_values(shard);
   for (std::size_t i = 0; i < indices.size(); ++i) {
     const float expected = indices[i] == kPadding ? 0.0f : flat[indices[i]];
     if (std::memcmp(&values[i], &expected, sizeof(float)) == 0) continue;
@@ -230,8 +230,9 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
   // Every rank runs every step whatever it found, so that no rank waits for a peer that
   // stopped: a failure is recorded once, and the later steps are not judged.
   for (int step = 1; step <= options.steps; ++step) {
-    const Batch batch = grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
-    const float loss = model.backward(model.forward(batch.inputs), batch.labels);
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    const float loss = model.backward(grading::forward(model, batch), batch.labels);
     const std::optional<float> norm = zero.step();
     if (!verdict.passed()) continue;
     const float expected_loss =
@@ -284,7 +285,7 @@ TEST(Lab7Units, FollowTheRule) {
     TrainOptions o;
     o.model = fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
     o.layer_norm = draws.coin("layer norm");
-    Model model = make_model(o);
+    Model model = grading::check_model(o);
     const int world = static_cast<int>(draws.integer("N", 1, 16));
     const std::vector<Unit> expected = contract_units(model, world);
     std::vector<Unit> seen;
@@ -308,7 +309,7 @@ TEST(Lab7Units, FollowTheRule) {
   {
     TrainOptions o;
     o.model = "64-16-10";
-    Model model = make_model(o);
+    Model model = grading::check_model(o);
     const auto expect_error = [&](const std::string& what, const auto& call) {
       try {
         call();
@@ -403,7 +404,8 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                                    shard + 1),
                        [&] {
                          ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
-                           return std::make_unique<Sgd>(s + 1, SgdOptions{});
+                           return std::make_unique<Sgd>(s + 1, SgdOptions{},
+                                                        grading::check_device());
                          });
                        });
           {
@@ -417,11 +419,10 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
-          grading::RecordingOptimizer* made = nullptr;
+          grading::UpdateRecorder* made = nullptr;
           ZeroThreeOptimizer zero(fresh, comm, [&](std::size_t s) {
             asked.push_back(s);
-            auto optimizer = std::make_unique<grading::RecordingOptimizer>(
-                grading::optimizer_for(options, s), s);
+            auto optimizer = std::make_unique<grading::UpdateRecorder>(factory_for(options)(s));
             made = optimizer.get();
             return optimizer;
           });
@@ -434,8 +435,9 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (!verdict.passed()) return;
           expect_error("step() without a forward and backward", [&] { (void)zero.step(); });
           const std::int64_t steps_before = made->step_count();
-          const Batch batch = grading::local_batch(*training.data, options, 0, comm.rank(), world);
-          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          const Batch batch = grading::on_check_device(
+              grading::local_batch(*training.data, options, 0, comm.rank(), world));
+          fresh.backward(grading::forward(fresh, batch), batch.labels);
           (void)zero.step();
           if (verdict.passed() && made->step_count() != steps_before + 1)
             verdict.fail(fmt::format(
@@ -455,8 +457,8 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // A forward alone (evaluation) is allowed, also between steps: forward, forward,
           // backward, step.
           try {
-            (void)fresh.forward(batch.inputs);
-            fresh.backward(fresh.forward(batch.inputs), batch.labels);
+            (void)grading::forward(fresh, batch);
+            fresh.backward(grading::forward(fresh, batch), batch.labels);
             (void)zero.step();
           } catch (const NotImplemented&) {
             throw;
@@ -470,9 +472,9 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // A second backward before step() would reduce-scatter over the first one's shard:
           // the contract asks for dp::Error from the hook. Every rank runs the same calls and
           // throws at the same hook, so the ranks stay in step.
-          fresh.backward(fresh.forward(batch.inputs), batch.labels);
+          fresh.backward(grading::forward(fresh, batch), batch.labels);
           expect_error("a second backward before step()",
-                       [&] { fresh.backward(fresh.forward(batch.inputs), batch.labels); });
+                       [&] { fresh.backward(grading::forward(fresh, batch), batch.labels); });
           if (!verdict.passed()) return;
           // A backward that stops before unit 0 (the grader's hook throws there, on every
           // rank): every other unit was reduce-scattered, unit 0 was not, and step() must say
@@ -486,7 +488,7 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
               if (&layer == first_unit) throw StopBackward{};
             });
             try {
-              partial.backward(partial.forward(batch.inputs), batch.labels);
+              partial.backward(grading::forward(partial, batch), batch.labels);
             } catch (const StopBackward&) {
             }
             expect_error("step() after a backward that stopped before unit 0",
@@ -629,9 +631,9 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
           tracker.reset_peaks();
           {
-            const Batch batch =
-                grading::local_batch(*training.data, options, 0, comm.rank(), world);
-            twin.backward(twin.forward(batch.inputs), batch.labels);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, 0, comm.rank(), world));
+            twin.backward(grading::forward(twin, batch), batch.labels);
           }
           const std::size_t plain_activations =
               tracker.peak(MemoryCategory::kActivations) - activation_base;
@@ -712,9 +714,9 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           std::size_t backward_grad_peak = 0;
           watching = true;
           for (int step = 1; step <= 2 && verdict.passed(); ++step) {
-            const Batch batch =
-                grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
-            model.backward(model.forward(batch.inputs), batch.labels);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+            model.backward(grading::forward(model, batch), batch.labels);
             backward_grad_peak =
                 std::max(backward_grad_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
             verdict.expect_empty(check_released(model),
@@ -809,8 +811,8 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                   "none (every buffer is a Tensor, charged to its category)",
                   label, constructor.large_bytes, grading::kLargeAllocationBytes));
             for (int step = 1; step <= 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               std::array<std::size_t, kNumMemoryCategories> before{};
               for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
                 before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
@@ -818,7 +820,7 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                   tracker.allocations(MemoryCategory::kActivations);
               const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
               twin.zero_grad();
-              twin.backward(twin.forward(batch.inputs), batch.labels);
+              twin.backward(grading::forward(twin, batch), batch.labels);
               const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
               const std::size_t activations_before =
                   tracker.allocations(MemoryCategory::kActivations);
@@ -827,7 +829,7 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                   tracker.allocations(MemoryCategory::kGradients) -
                   before[static_cast<std::size_t>(MemoryCategory::kGradients)];
               const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               const grading::HeapUse hooked =
                   grading::heap_use_of_this_thread().since(hooked_before);
               const std::size_t tensors = tracker.allocations_total();
@@ -942,11 +944,13 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
         std::string ddp_error;
         try {
           const ScopedBudget scoped(budget);
-          Model model = make_model(options);
-          const auto optimizer = grading::optimizer_for(options, model.num_parameters());
-          Tensor flat({static_cast<std::int64_t>(psi)}, MemoryCategory::kCommunication);
-          const Batch batch = grading::local_batch(*data, options, 0, comm.rank(), world);
-          model.backward(model.forward(batch.inputs), batch.labels);
+          Model model = grading::check_model(options);
+          const auto optimizer = grading::check_optimizer(options, model.num_parameters());
+          Tensor flat({static_cast<std::int64_t>(psi)}, MemoryCategory::kCommunication,
+                      grading::check_device());
+          const Batch batch =
+              grading::on_check_device(grading::local_batch(*data, options, 0, comm.rank(), world));
+          model.backward(grading::forward(model, batch), batch.labels);
           grading::average_gradients_flat(model, comm, flat);
           optimizer->step(model);
         } catch (const OutOfMemory& error) {
@@ -972,14 +976,15 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
           MemoryTracker& tracker = this_rank_memory().tracker();
           const std::size_t base = tracker.current_total();
           tracker.reset_peaks();
-          Model model = make_model(options);
+          Model model = grading::check_model(options);
           std::vector<float> before = model.flat_parameters();
           ZeroThreeOptimizer zero(model, comm, factory_for(options));
           peak = tracker.peak_total() - base;
           tracker.reset_peaks();
           for (int step = 1; step <= options.steps; ++step) {
-            const Batch batch = grading::local_batch(*data, options, step - 1, comm.rank(), world);
-            model.backward(model.forward(batch.inputs), batch.labels);
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*data, options, step - 1, comm.rank(), world));
+            model.backward(grading::forward(model, batch), batch.labels);
             (void)zero.step();
             const std::vector<float>& flat =
                 exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
@@ -1147,15 +1152,18 @@ struct CallLog {
   /// "" when every parameter of unit `u` holds a value equal, bitwise, to `buffer`'s
   /// elements at its place in the unit (over the part of the unit `buffer` covers).
   std::string check_materialised(const Model& model, std::size_t u, MutableBuffer buffer) const {
-    const auto* gathered = static_cast<const float*>(buffer.data);
+    // Host copies: the buffer and the values live on the check device.
+    const std::vector<float> gathered = grading::host_values(
+        ConstTensorView(static_cast<const float*>(buffer.data), buffer.count, buffer.device));
     std::size_t offset = 0;
     for (const std::size_t p : (*units)[u].parameters) {
       const Parameter& parameter = *model.parameters()[p];
       if (parameter.value.empty()) return fmt::format("{} had no value", parameter.name);
-      const std::span<const float> value = parameter.value.span();
+      const std::vector<float> value = grading::host_values(parameter.value);
       const std::size_t covered =
           offset >= buffer.count ? 0 : std::min(value.size(), buffer.count - offset);
-      if (covered > 0 && std::memcmp(value.data(), gathered + offset, covered * sizeof(float)) != 0)
+      if (covered > 0 &&
+          std::memcmp(value.data(), gathered.data() + offset, covered * sizeof(float)) != 0)
         return fmt::format("{}'s value did not hold the gathered elements", parameter.name);
       offset += value.size();
     }
@@ -1177,8 +1185,10 @@ std::uint64_t contract_bytes_sent(Communicator& comm, const std::vector<Unit>& u
   const CommCounters before = comm.counters();
   const auto n = static_cast<std::size_t>(comm.size());
   for (const Unit& u : units) {
-    Tensor full({static_cast<std::int64_t>(n * u.chunk_elements)}, MemoryCategory::kOther);
-    Tensor chunk({static_cast<std::int64_t>(u.chunk_elements)}, MemoryCategory::kOther);
+    Tensor full({static_cast<std::int64_t>(n * u.chunk_elements)}, MemoryCategory::kOther,
+                grading::check_device());
+    Tensor chunk({static_cast<std::int64_t>(u.chunk_elements)}, MemoryCategory::kOther,
+                 grading::check_device());
     comm.allgather(std::as_const(chunk).view(), full.view())->wait();
     comm.allgather(std::as_const(chunk).view(), full.view())->wait();
     comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
@@ -1410,12 +1420,12 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
             ZeroThreeOptimizer zero(model, recorder, factory_for(options), max_norm);
             const std::string label = max_norm > 0 ? "with clipping, " : "";
             for (int step = 1; step <= 2; ++step) {
-              const Batch batch =
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               log.reset(recorder);
               const CommCounters before = comm.counters();
               log.begin(CallLog::kForward);
-              Tensor logits = model.forward(batch.inputs);
+              Tensor logits = grading::forward(model, batch);
               log.begin(CallLog::kBackward);
               recorder.in_backward = true;
               model.backward(logits, batch.labels);
@@ -1425,7 +1435,7 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
               const std::string finding =
-                  judge_step(log, units, world, zero.shard_gradients().data(), max_norm > 0);
+                  judge_step(log, units, world, zero.shard_gradients().view().data(), max_norm > 0);
               if (!finding.empty()) {
                 verdict.fail(fmt::format("{}step {}: {}", label, step, finding));
                 continue;
@@ -1556,12 +1566,13 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
   std::size_t gathers = 0;
   try {
     launch(launch_options, [&](Communicator& comm) {
-      Model model = make_model(options);
+      Model model = grading::check_model(options);
       GatherWaitTimer timer(comm);
       ZeroThreeOptimizer zero(model, timer, factory_for(options));
-      const Batch batch = grading::local_batch(data, options, 0, comm.rank(), world);
+      const Batch batch =
+          grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
       comm.clock().mark_step();
-      model.backward(model.forward(batch.inputs), batch.labels);
+      model.backward(grading::forward(model, batch), batch.labels);
       (void)zero.step();
       comm.clock().mark_step();
       if (comm.rank() != 0) return;
@@ -1620,8 +1631,10 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
             const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-            Model model =
-                Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+            Model model = Model::mlp(spec, {.activation = "relu",
+                                            .layer_norm = layer_norm,
+                                            .seed = 3,
+                                            .device = grading::check_device()});
             const std::size_t psi = model.num_parameters();
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
             std::size_t bytes = 0;
@@ -1629,12 +1642,12 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
               const Dataset data = load_dataset("synthetic:64", 5);
               std::vector<std::size_t> rows(4);
               for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-              const Batch batch = gather_batch(data, rows);
+              const Batch batch = grading::on_check_device(gather_batch(data, rows));
               ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
-                return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f);
+                return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
               });
               tracker.reset_peaks();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(grading::forward(model, batch), batch.labels);
               (void)zero.step();
               bytes = (tracker.peak(MemoryCategory::kParameters) - param_base) +
                       (tracker.peak(MemoryCategory::kCommunication) - comm_base);
@@ -1666,7 +1679,7 @@ class ZeroThreeSubject final : public grading::CheckpointSubject {
   ZeroThreeSubject(Model& model, Communicator& comm, const TrainOptions& options)
       : model_(model), zero_(model, comm, factory_for(options)) {}
   void train_step(const Batch& batch) override {
-    model_.backward(model_.forward(batch.inputs), batch.labels);
+    model_.backward(grading::forward(model_, batch), batch.labels);
     (void)zero_.step();
   }
   void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }

@@ -270,7 +270,7 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
     how.after_step = [&](int step, Optimizer& optimizer) {
       if (step != k - 1) return;
       for (const OptimizerState& state : optimizer.state())
-        expected.state[state.name].assign(state.tensor->span().begin(), state.tensor->span().end());
+        expected.state[state.name] = host_values(*state.tensor);
     };
     expected.resumed[world] =
         emulate_data_parallel(training.for_world(kSavedWorld), *training.data, kSavedWorld, how);
@@ -286,7 +286,8 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
     Model model = training.model();
     const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
     for (int step = 0; step < k; ++step)
-      subject->train_step(local_batch(*training.data, options, step, comm.rank(), kSavedWorld));
+      subject->train_step(
+          on_check_device(local_batch(*training.data, options, step, comm.rank(), kSavedWorld)));
     subject->save(directory);
     // Complete on return, on every rank: this rank's shard and rank 0's index are there.
     // Every rank's shard, not only this rank's: a save that returns before its peers wrote
@@ -363,14 +364,14 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                   "(AdamW's "
                   "bias correction divides by 1 - beta^t: a lost step count changes every update)",
                   what, subject->inner().step_count(), k));
-            verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+            verdict.expect_empty(compare_shard(host_values(subject->shard_parameters()),
                                                shard_of(layout, expected.offsets, at_save), layout,
                                                "shard_parameters()"),
                                  what);
             for (const OptimizerState& state : subject->inner().state()) {
               const auto saved = expected.state.find(state.name);
               if (saved == expected.state.end()) continue;  // read_back named the tensors
-              verdict.expect_empty(compare_shard(state.tensor->span(),
+              verdict.expect_empty(compare_shard(host_values(*state.tensor),
                                                  shard_of(layout, expected.offsets, saved->second),
                                                  layout, "the inner optimizer's " + state.name),
                                    what);
@@ -395,12 +396,13 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
             // Every rank runs every step whatever it found, so that no rank waits for a peer
             // that stopped; a failure is recorded once.
             for (int step = k; step < steps; ++step) {
-              subject->train_step(local_batch(*training.data, options, step, comm.rank(), world));
+              subject->train_step(
+                  on_check_device(local_batch(*training.data, options, step, comm.rank(), world)));
               if (!verdict.passed()) continue;
               const std::vector<float>& after =
                   exact.parameters_after_step[static_cast<std::size_t>(step)];
               const std::string when = fmt::format("{}, then step {}", what, step + 1);
-              verdict.expect_empty(compare_shard(subject->shard_parameters().span(),
+              verdict.expect_empty(compare_shard(host_values(subject->shard_parameters()),
                                                  shard_of(layout, expected.offsets, after), layout,
                                                  "shard_parameters()"),
                                    when + " (the emulation: k steps on 4 ranks, the rest on " +
@@ -463,14 +465,12 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
               const TrainOptions options = training.for_world(2);
               const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
               // One step first, so that the state is not all zeros and the step count 1.
-              subject->train_step(local_batch(*training.data, options, 0, comm.rank(), 2));
-              const auto copy_of = [](const Tensor& tensor) {
-                return std::vector<float>(tensor.span().begin(), tensor.span().end());
-              };
-              const std::vector<float> shard = copy_of(subject->shard_parameters());
+              subject->train_step(
+                  on_check_device(local_batch(*training.data, options, 0, comm.rank(), 2)));
+              const std::vector<float> shard = host_values(subject->shard_parameters());
               std::map<std::string, std::vector<float>> state;
               for (const OptimizerState& s : subject->inner().state())
-                state[s.name] = copy_of(*s.tensor);
+                state[s.name] = host_values(*s.tensor);
               const std::int64_t step_count = subject->inner().step_count();
               const std::vector<float> values =
                   lab.values_replicated ? model.flat_parameters() : std::vector<float>{};
@@ -500,11 +500,11 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                     std::memcmp(seen.data(), was.data(), was.size() * sizeof(float)) != 0)
                   verdict.fail(fmt::format("{}: {} changed", after, what));
               };
-              same(subject->shard_parameters().span(), shard, "shard_parameters()");
+              same(host_values(subject->shard_parameters()), shard, "shard_parameters()");
               for (const OptimizerState& s : subject->inner().state()) {
                 const auto was = state.find(s.name);
                 if (was != state.end())
-                  same(s.tensor->span(), was->second, "the inner optimizer's " + s.name);
+                  same(host_values(*s.tensor), was->second, "the inner optimizer's " + s.name);
               }
               if (subject->inner().step_count() != step_count)
                 verdict.fail(fmt::format("{}: the inner optimizer's step count is {}; it was {}",

@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "compare.h"
@@ -30,6 +31,14 @@
 #include "ground_truth.h"
 
 namespace dp::grading {
+
+/// `make_model(options)` on the check device (grading::check_device): the models the
+/// checks hand to lab code.
+Model check_model(const TrainOptions& options);
+
+/// grading::optimizer_for(options, elements) with its state on the check device, where the
+/// lab code's models and shards live.
+std::unique_ptr<Optimizer> check_optimizer(const TrainOptions& options, std::size_t elements);
 
 /// One drawn training set-up of the sharded labs: the MLP 64-h1-h2-10 with GELU (LayerNorm
 /// drawn), 3 to 5 steps, 2 to 6 rows of the global batch per rank, SGD or AdamW with drawn
@@ -43,8 +52,9 @@ struct ShardedTraining {
 
   /// The options on `world` ranks: the global batch is rows_per_rank x world.
   TrainOptions for_world(int world) const;
-  /// A fresh model of `options`, every rank's the same.
-  Model model() const { return make_model(options); }
+  /// A fresh model of `options` on the check device (grading::check_device), every rank's
+  /// the same.
+  Model model() const;
 };
 
 /// Draws a `ShardedTraining` with `optimizer` ("sgd" or "adamw"): h1 in [24, 72], h2 in
@@ -84,9 +94,54 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
                                   float max_norm);
 
 /// The factory a ZeRO optimizer calls once with its shard's size: the optimizer `options`
-/// names (grading::optimizer_for) over that many elements.
+/// names (with grading::optimizer_for's settings) over that many elements, its state on the
+/// check device, where the lab code's shards live.
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options);
+
+/// An optimizer that passes every update on to `inner`, on inner's device, and records the
+/// (offset, elements) of each: how labs 6 and 7 see that a step is one update over the whole
+/// shard. (grading::RecordingOptimizer also records the gradients, on the host only.)
+class UpdateRecorder final : public Optimizer {
+ public:
+  /// Steps `inner`; its state stays where it lives.
+  explicit UpdateRecorder(std::unique_ptr<Optimizer> inner);
+  std::string_view name() const override { return inner_->name(); }
+  void begin_step() override;
+  using Optimizer::update;  // the update on views
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  OpCost update_cost(std::size_t elements) const override { return inner_->update_cost(elements); }
+  std::vector<OptimizerState> state() override { return inner_->state(); }
+
+  /// The updates of the latest step: (offset, elements) of each call, in call order.
+  const std::vector<std::pair<std::size_t, std::size_t>>& last_updates() const {
+    return last_updates_;
+  }
+
+ protected:
+  /// A device update: recorded, then inner's update on the same device memory.
+  void update_on_device(std::size_t offset, float* params, const float* grads,
+                        std::size_t n) override;
+
+ private:
+  std::unique_ptr<Optimizer> inner_;
+  std::vector<std::pair<std::size_t, std::size_t>> last_updates_;
+};
+
+/// `batch` with its inputs moved to the check device (the host copy released, so that a
+/// rank holds the same activation bytes on either device); the labels stay on the host,
+/// where backward takes them.
+Batch on_check_device(Batch batch);
+
+/// `model.forward` of `batch`'s inputs, copied first to the check device when that is not
+/// the host (forward takes its input where the parameters live; the labels stay on the host).
+Tensor forward(Model& model, const Batch& batch);
+
+/// The elements of `tensor` on the host, a copy wherever it lives (charged to no
+/// MemoryTracker account): how the checks read what lab code leaves on the check device.
+std::vector<float> host_values(const Tensor& tensor);
+/// The same for a view, e.g. a communication buffer's elements.
+std::vector<float> host_values(ConstTensorView elements);
 
 /// The scale mistakes of the averaging on `world` ranks: no division by N, or two.
 std::vector<Suspect> division_suspects(int world);

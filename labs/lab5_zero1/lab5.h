@@ -79,7 +79,8 @@ Partition partition(std::size_t num_parameters, int world_size);
 
 /// Builds the inner optimizer of one rank over its shard: called once, by the constructor
 /// of `ZeroOneOptimizer`, with the shard's size S; the optimizer keeps state for S
-/// elements (an `Sgd` or `AdamW` of the runtime, or anything else that is an `Optimizer`).
+/// elements on the model's device (an `Sgd` or `AdamW` of the runtime, or anything else
+/// that is an `Optimizer`).
 using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
 
 /// ZeRO stage 1 over `Model`'s flat parameter index space (`Parameter::offset`).
@@ -119,7 +120,8 @@ class ZeroOneOptimizer {
   ///
   /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
   /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
-  /// whose `state_size()` is not S.
+  /// whose `state_size()` is not S or whose state lives on another device than the model's
+  /// (`Optimizer::device()`, `Model::device()`).
   ZeroOneOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
                    float max_norm = 0.0f);
   /// Waits for any call still running (a `Work` must not outlive its buffer).

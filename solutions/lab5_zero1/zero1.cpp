@@ -104,12 +104,19 @@ ZeroOneOptimizer::ZeroOneOptimizer(Model& model, Communicator& comm, OptimizerFa
         "ZeroOneOptimizer: the factory's optimizer keeps state for {} elements; expected the "
         "shard's {}",
         state->inner->state_size(), p.shard_elements));
+  // Every buffer lives where the model does, so the same code runs on the host or a GPU.
+  const Device device = model.device();
+  if (state->inner->device() != device)
+    throw Error(fmt::format(
+        "ZeroOneOptimizer: the factory's optimizer keeps its state in {} memory; expected the "
+        "model's, {} memory",
+        to_string(state->inner->device()), to_string(device)));
   const auto padded = static_cast<std::int64_t>(p.padded_elements);
   const auto shard = static_cast<std::int64_t>(p.shard_elements);
-  state->flat = Tensor({padded}, MemoryCategory::kCommunication);  // zero-filled
-  state->shard_grad = Tensor({shard}, MemoryCategory::kGradients);
-  state->shard_params = Tensor({shard}, MemoryCategory::kParameters);
-  if (max_norm > 0) state->norm_buffer = Tensor({1}, MemoryCategory::kCommunication);
+  state->flat = Tensor({padded}, MemoryCategory::kCommunication, device);  // zero-filled
+  state->shard_grad = Tensor({shard}, MemoryCategory::kGradients, device);
+  state->shard_params = Tensor({shard}, MemoryCategory::kParameters, device);
+  if (max_norm > 0) state->norm_buffer = Tensor({1}, MemoryCategory::kCommunication, device);
   // This rank's shard of the (identical) initial parameters; the padding stays zero.
   const std::size_t begin = p.shard_offset(comm.rank());
   for (const Parameter* parameter : model.parameters()) {
@@ -147,13 +154,16 @@ std::optional<float> ZeroOneOptimizer::step() {
     const ConstTensorView mine = std::as_const(s.shard_grad).view(0, real);
     fill(s.norm_buffer.view(), static_cast<float>(dot(mine, mine)));
     s.comm.allreduce(s.norm_buffer.view(), ReduceOp::kSum)->wait();
-    norm = std::sqrt(s.norm_buffer.span()[0]);
+    // The sum may live on a GPU: copy it into a host float (no allocation) to read it.
+    float sum = 0;
+    copy(std::as_const(s.norm_buffer).view(), TensorView(&sum, 1));
+    norm = std::sqrt(sum);
     const float coefficient = s.max_norm / (*norm + 1e-6f);
     if (coefficient < 1.0f) scale(s.shard_grad.view(), coefficient);
   }
 
   s.inner->begin_step();
-  s.inner->update(0, s.shard_params.span(), std::as_const(s.shard_grad).span());
+  s.inner->update(0, s.shard_params.view(), std::as_const(s.shard_grad).view());
 
   s.comm.allgather(std::as_const(s.shard_params).view(), s.flat.view())->wait();
   for (Parameter* parameter : s.model.parameters())

@@ -91,7 +91,8 @@ std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t
 std::size_t shard_elements(const std::vector<Bucket>& buckets);
 
 /// Builds the inner optimizer of one rank over its shard: called once, by the constructor
-/// of `ZeroTwoOptimizer`, with S; the optimizer keeps state for S elements.
+/// of `ZeroTwoOptimizer`, with S; the optimizer keeps state for S elements on the
+/// model's device.
 using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
 
 /// ZeRO stage 2 with buckets reduce-scattered during backward.
@@ -148,7 +149,8 @@ class ZeroTwoOptimizer {
   ///
   /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
   /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
-  /// whose `state_size()` is not S.
+  /// whose `state_size()` is not S or whose state lives on another device than the model's
+  /// (`Optimizer::device()`, `Model::device()`).
   ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
                    std::size_t bucket_cap_bytes, float max_norm = 0.0f);
   /// Waits for any call still running (a `Work` must not outlive its buffer).

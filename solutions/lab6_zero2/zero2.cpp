@@ -170,16 +170,23 @@ ZeroTwoOptimizer::ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFa
         "ZeroTwoOptimizer: the factory's optimizer keeps state for {} elements; expected the "
         "shard's {}",
         s.inner->state_size(), shard));
+  // Every buffer lives where the model does, so the same code runs on the host or a GPU.
+  const Device device = model.device();
+  if (s.inner->device() != device)
+    throw Error(fmt::format(
+        "ZeroTwoOptimizer: the factory's optimizer keeps its state in {} memory; expected the "
+        "model's, {} memory",
+        to_string(s.inner->device()), to_string(device)));
   const auto world = static_cast<std::size_t>(comm.size());
   std::size_t largest = 0;
   for (const Bucket& bucket : s.buckets) largest = std::max(largest, world * bucket.chunk_elements);
   const std::size_t buffers = std::min(kBucketBuffers, s.buckets.size());
   for (std::size_t i = 0; i < buffers; ++i)
     s.buffers.emplace_back(std::vector<std::int64_t>{static_cast<std::int64_t>(largest)},
-                           MemoryCategory::kCommunication);  // zero-filled: padding is zero
-  s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients);
-  s.shard_params = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters);
-  if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication);
+                           MemoryCategory::kCommunication, device);  // zero-filled: padding is zero
+  s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients, device);
+  s.shard_params = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters, device);
+  if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication, device);
 
   // Slots, and this rank's chunks of the initial parameters (padding stays zero).
   const std::span<Parameter* const> parameters = model.parameters();
@@ -242,13 +249,16 @@ std::optional<float> ZeroTwoOptimizer::step() {
     const ConstTensorView g = std::as_const(s.shard_grad).view();
     fill(s.norm_buffer.view(), static_cast<float>(dot(g, g)));
     s.comm.allreduce(s.norm_buffer.view(), ReduceOp::kSum)->wait();
-    norm = std::sqrt(s.norm_buffer.span()[0]);
+    // The sum may live on a GPU: copy it into a host float (no allocation) to read it.
+    float sum = 0;
+    copy(std::as_const(s.norm_buffer).view(), TensorView(&sum, 1));
+    norm = std::sqrt(sum);
     const float coefficient = s.max_norm / (*norm + 1e-6f);
     if (coefficient < 1.0f) scale(s.shard_grad.view(), coefficient);
   }
 
   s.inner->begin_step();
-  s.inner->update(0, s.shard_params.span(), std::as_const(s.shard_grad).span());
+  s.inner->update(0, s.shard_params.view(), std::as_const(s.shard_grad).view());
 
   const std::span<Parameter* const> parameters = s.model.parameters();
   for (std::size_t b = 0; b < s.buckets.size(); ++b) {

@@ -101,7 +101,8 @@ std::vector<Unit> plan_units(const Model& model, int world_size);
 std::size_t shard_elements(const std::vector<Unit>& units);
 
 /// Builds the inner optimizer of one rank over its shard: called once, by the constructor
-/// of `ZeroThreeOptimizer`, with S; the optimizer keeps state for S elements.
+/// of `ZeroThreeOptimizer`, with S; the optimizer keeps state for S elements on the
+/// model's device.
 using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
 
 /// ZeRO stage 3: parameters, gradients and optimizer state sharded; parameters gathered
@@ -181,7 +182,8 @@ class ZeroThreeOptimizer {
   ///
   /// Throws `dp::Error` when a parameter of `model` is frozen or already released, when
   /// `max_norm` is negative or not finite, when `make_inner` is empty, returns nullptr,
-  /// or returns an optimizer whose `state_size()` is not S.
+  /// or returns an optimizer whose `state_size()` is not S or whose state lives on another
+  /// device than the model's (`Optimizer::device()`, `Model::device()`).
   ZeroThreeOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
                      float max_norm = 0.0f);
   /// Waits for any call still running (a `Work` must not outlive its buffer).

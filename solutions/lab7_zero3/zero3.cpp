@@ -82,6 +82,9 @@ struct ZeroThreeOptimizer::State {
   Model& model;
   Communicator& comm;
   float max_norm = 0;
+  /// Where the model lives, and every buffer with it: model.device() cannot say once the
+  /// values are released.
+  Device device = Device::kHost;
   std::vector<Unit> units;
   std::unique_ptr<Optimizer> inner;
   /// Per parameter index: the shape its value is materialised with.
@@ -141,7 +144,7 @@ struct ZeroThreeOptimizer::State {
     std::size_t offset = 0;
     for (const std::size_t index : units[u].parameters) {
       Parameter& parameter = *parameters[index];
-      parameter.value = Tensor::uninitialized(shapes[index], MemoryCategory::kParameters);
+      parameter.value = Tensor::uninitialized(shapes[index], MemoryCategory::kParameters, device);
       copy(std::as_const(gather_buffer).view(offset, parameter.value.size()),
            parameter.value.view());
       offset += parameter.value.size();
@@ -253,16 +256,24 @@ ZeroThreeOptimizer::ZeroThreeOptimizer(Model& model, Communicator& comm,
         "ZeroThreeOptimizer: the factory's optimizer keeps state for {} elements; expected the "
         "shard's {}",
         s.inner->state_size(), shard));
+  // Every buffer lives where the model does, so the same code runs on the host or a GPU.
+  s.device = model.device();
+  if (s.inner->device() != s.device)
+    throw Error(fmt::format(
+        "ZeroThreeOptimizer: the factory's optimizer keeps its state in {} memory; expected "
+        "the model's, {} memory",
+        to_string(s.inner->device()), to_string(s.device)));
   const std::size_t world = s.world();
   std::size_t largest = 0;
   for (const Unit& unit : s.units) largest = std::max(largest, world * unit.chunk_elements);
   const std::vector<std::int64_t> shape{static_cast<std::int64_t>(largest)};
-  s.gather_buffer = Tensor(shape, MemoryCategory::kCommunication);
+  s.gather_buffer = Tensor(shape, MemoryCategory::kCommunication, s.device);
   for (std::size_t i = 0; i < std::min(kGradientBuffers, s.units.size()); ++i)
-    s.grad_buffers.emplace_back(shape, MemoryCategory::kCommunication);
-  s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients);
-  s.shard_params = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters);
-  if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication);
+    s.grad_buffers.emplace_back(shape, MemoryCategory::kCommunication, s.device);
+  s.shard_grad = Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kGradients, s.device);
+  s.shard_params =
+      Tensor({static_cast<std::int64_t>(shard)}, MemoryCategory::kParameters, s.device);
+  if (max_norm > 0) s.norm_buffer = Tensor({1}, MemoryCategory::kCommunication, s.device);
 
   // This rank's chunks of the initial parameters (padding stays zero), and the shapes.
   const std::span<Parameter* const> parameters = model.parameters();
@@ -330,13 +341,16 @@ std::optional<float> ZeroThreeOptimizer::step() {
     const ConstTensorView g = std::as_const(s.shard_grad).view();
     fill(s.norm_buffer.view(), static_cast<float>(dot(g, g)));
     s.comm.allreduce(s.norm_buffer.view(), ReduceOp::kSum)->wait();
-    norm = std::sqrt(s.norm_buffer.span()[0]);
+    // The sum may live on a GPU: copy it into a host float (no allocation) to read it.
+    float sum = 0;
+    copy(std::as_const(s.norm_buffer).view(), TensorView(&sum, 1));
+    norm = std::sqrt(sum);
     const float coefficient = s.max_norm / (*norm + 1e-6f);
     if (coefficient < 1.0f) scale(s.shard_grad.view(), coefficient);
   }
 
   s.inner->begin_step();
-  s.inner->update(0, s.shard_params.span(), std::as_const(s.shard_grad).span());
+  s.inner->update(0, s.shard_params.view(), std::as_const(s.shard_grad).view());
   // No all-gather: the next forward gathers each unit as it needs it.
   std::fill(s.launched.begin(), s.launched.end(), 0);
   return norm;
