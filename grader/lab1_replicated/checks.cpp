@@ -328,7 +328,8 @@ TEST(Lab1Broadcast, EveryRankHoldsRankZerosWeights) {
         [&](Communicator& comm, Verdict& verdict) {
           // Each rank starts from weights of its own; one parameter is frozen, and the
           // broadcast must copy it too.
-          Model model = Model::mlp(spec, {.seed = seed + static_cast<std::uint64_t>(comm.rank())});
+          Model model = Model::mlp(spec, {.seed = seed + static_cast<std::uint64_t>(comm.rank()),
+                                          .device = grading::check_device()});
           model.freeze(frozen);
           const CommCounters before = comm.counters();
           broadcast_initial_weights(model, comm);
@@ -393,8 +394,8 @@ struct Expected {
 };
 
 Expected train_alone(const ReplicatedCase& c, int world, int rank) {
-  Model model = Model::mlp(c.spec, {.seed = c.model_seed});
-  Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+  Model model = Model::mlp(c.spec, {.seed = c.model_seed, .device = grading::check_device()});
+  Sgd sgd(model.num_parameters(), {.lr = 0.1f}, model.device());
   Expected expected;
   DistributedSampler sampler(c.data->size(), world, rank, c.options.sampler);
   const auto batch = static_cast<std::size_t>(c.options.local_batch);
@@ -408,7 +409,7 @@ Expected train_alone(const ReplicatedCase& c, int world, int rank) {
       const Batch b = gather_batch(
           *c.data, std::span(shard).subspan(start, std::min(batch, shard.size() - start)));
       model.zero_grad();
-      const Tensor logits = model.forward(b.inputs);
+      const Tensor logits = model.forward(b.inputs.to(model.device()));
       expected.losses.push_back(model.backward(logits, b.labels));
       expected.epoch_of_step.push_back(epoch);
       sgd.step(model);
@@ -436,8 +437,9 @@ void for_replicated_runs(
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
-            Model model = Model::mlp(c.spec, {.seed = c.model_seed});
-            Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+            Model model =
+                Model::mlp(c.spec, {.seed = c.model_seed, .device = grading::check_device()});
+            Sgd sgd(model.num_parameters(), {.lr = 0.1f}, model.device());
             const CommCounters before = comm.counters();
             const std::vector<float> losses =
                 train_replicated(model, sgd, *c.data, comm, c.options);
@@ -532,8 +534,9 @@ TEST(Lab1Replicated, ReturnsTheLossOfEveryStepAndStopsAtMaxSteps) {
           no_steps.options.max_steps = 0;
           for (const ReplicatedCase* run :
                std::array<const ReplicatedCase*, 3>{&c, &stopped, &no_steps}) {
-            Model model = Model::mlp(run->spec, {.seed = run->model_seed});
-            Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+            Model model =
+                Model::mlp(run->spec, {.seed = run->model_seed, .device = grading::check_device()});
+            Sgd sgd(model.num_parameters(), {.lr = 0.1f}, model.device());
             const std::vector<float> losses =
                 train_replicated(model, sgd, *run->data, comm, run->options);
             const Expected expected = train_alone(*run, world, comm.rank());
@@ -568,8 +571,9 @@ TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          Model model = Model::mlp(c.spec, {.seed = c.model_seed});
-          Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+          Model model =
+              Model::mlp(c.spec, {.seed = c.model_seed, .device = grading::check_device()});
+          Sgd sgd(model.num_parameters(), {.lr = 0.1f}, model.device());
           const std::vector<float> losses = train_replicated(model, sgd, *c.data, comm, c.options);
           if (losses.size() != 1)
             verdict.fail(

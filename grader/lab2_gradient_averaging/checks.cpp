@@ -179,7 +179,8 @@ struct StepRecord {
 /// handout, run by the grader) and calls `after` after every step.
 void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
               const std::function<void(const StepRecord&)>& after) {
-  const TrainOptions options = setup.for_world(comm.size());
+  TrainOptions options = setup.for_world(comm.size());
+  options.device = grading::check_device();  // the model, and so the lab's buffers
   Model model = make_model(options);
   for (const std::string& name : setup.frozen) model.freeze(name);
   const std::unique_ptr<Optimizer> optimizer =
@@ -188,14 +189,14 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
   if (sync == Sync::kFlat) flat.emplace(model);
   // A buffer like the flat one, for the baseline of what one all-reduce allocates.
   Tensor scratch({static_cast<std::int64_t>(model.num_trainable_parameters())},
-                 MemoryCategory::kCommunication);
+                 MemoryCategory::kCommunication, model.device());
   const MemoryTracker& tracker = this_rank_memory().tracker();
   for (int step = 0; step < options.steps; ++step) {
     StepRecord record;
     record.step = step + 1;
     const Batch batch = grading::local_batch(*setup.data, options, step, comm.rank(), comm.size());
     model.zero_grad();
-    const Tensor logits = model.forward(batch.inputs);  // (B/N, classes)
+    const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (B/N, classes)
     model.backward(logits, batch.labels);
 
     if (sync == Sync::kFlat) {
@@ -216,8 +217,8 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
 
     record.gradients = model.flat_gradients();
     if (flat) {
-      const std::span<const float> buffer = flat->buffer().span();
-      record.flat_buffer.assign(buffer.begin(), buffer.end());
+      const Tensor buffer = flat->buffer().to(Device::kHost);  // read through a host copy
+      record.flat_buffer.assign(buffer.span().begin(), buffer.span().end());
     }
     record.before = model.flat_parameters();
     optimizer->step(model);
@@ -229,7 +230,8 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
 /// Trains on this rank with the student's accumulation_step.
 void run_accumulation(const DrawnSetup& setup, Communicator& comm,
                       const std::function<void(const StepRecord&)>& after) {
-  const TrainOptions options = setup.for_world(comm.size());
+  TrainOptions options = setup.for_world(comm.size());
+  options.device = grading::check_device();
   Model model = make_model(options);
   for (const std::string& name : setup.frozen) model.freeze(name);
   grading::RecordingOptimizer optimizer(grading::optimizer_for(options, model.num_parameters()),

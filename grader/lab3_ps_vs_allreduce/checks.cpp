@@ -155,9 +155,15 @@ std::vector<int> allreduce_world_sizes(Draws& draws) {
   return worlds;
 }
 
-/// A tensor holding `values`, charged as communication memory.
+/// A tensor holding `values` on the check device, charged as communication memory.
 Tensor tensor_of(std::span<const float> values) {
-  return Tensor::from(values, MemoryCategory::kCommunication);
+  return Tensor::from(values, MemoryCategory::kCommunication, grading::check_device());
+}
+
+/// The elements of `tensor`, read on the host through a copy (it may live on a device).
+std::vector<float> host_copy(const Tensor& tensor) {
+  const Tensor on_host = tensor.to(Device::kHost);
+  return {on_host.span().begin(), on_host.span().end()};
 }
 
 // --- comparisons ------------------------------------------------------------------------
@@ -335,7 +341,8 @@ NetworkModel draw_network(Draws& draws) {
 double time_allreduce(const std::function<void(TensorView, Communicator&)>& allreduce, int ranks,
                       std::size_t count, const NetworkModel& network, const Draws& draws) {
   return simulated_seconds(ranks, network, draws, [&](Communicator& comm) {
-    Tensor data({static_cast<std::int64_t>(count)}, MemoryCategory::kCommunication);
+    Tensor data({static_cast<std::int64_t>(count)}, MemoryCategory::kCommunication,
+                grading::check_device());
     fill(data.view(), static_cast<float>(comm.rank()));
     allreduce(data.view(), comm);
   });
@@ -443,15 +450,16 @@ TEST(Lab3Ring, BitwiseTheContractOrderOnEveryRank) {
           ring_allreduce(exact_sum.view(), comm);
           const std::vector<float> native = native_sum(values[mine], comm);
           const std::vector<float> native_exact = native_sum(exact[mine], comm);
-          const std::string across_ranks = differs_from_rank0(data.span(), comm);
+          const std::vector<float> result = host_copy(data);
+          const std::string across_ranks = differs_from_rank0(result, comm);
           if (!verdict.passed()) continue;
           const std::string context = fmt::format("n = {}", n);
-          verdict.expect_empty(ring_result_finding(data.span(), values, comm.rank()), context);
+          verdict.expect_empty(ring_result_finding(result, values, comm.rank()), context);
           verdict.expect_empty(
-              exact_sum_finding(exact_sum.span(), native_exact, exact, comm.rank()), context);
+              exact_sum_finding(host_copy(exact_sum), native_exact, exact, comm.rank()), context);
           verdict.expect_empty(across_ranks, context);
           for (std::size_t i = 0; i < n; ++i)
-            differing_from_native += same_bits(data[i], native[i]) ? 0 : 1;
+            differing_from_native += same_bits(result[i], native[i]) ? 0 : 1;
           elements += n;
         }
         if (verdict.passed())
@@ -502,7 +510,8 @@ TEST(Lab3Ring, SendsTwoNMinusOneOverNOfTheBuffer) {
         const int rank = comm.rank();
         // Largest first: the first failure reported is the most telling.
         for (auto n = sizes.rbegin(); n != sizes.rend(); ++n) {
-          Tensor data({static_cast<std::int64_t>(*n)}, MemoryCategory::kCommunication);
+          Tensor data({static_cast<std::int64_t>(*n)}, MemoryCategory::kCommunication,
+                      grading::check_device());
           fill(data.view(), 1.0f);
           const CommCounters before = comm.counters();
           ring_allreduce(data.view(), comm);
@@ -589,12 +598,13 @@ TEST(Lab3LatencyOptimal, TheSumOnEveryRankWithTheSameBits) {
           Tensor real_sum = tensor_of(real[mine]);
           latency_optimal_allreduce(real_sum.view(), comm);
           const std::vector<float> native_exact = native_sum(exact[mine], comm);
-          const std::string across_ranks = differs_from_rank0(real_sum.span(), comm);
+          const std::vector<float> real_result = host_copy(real_sum);
+          const std::string across_ranks = differs_from_rank0(real_result, comm);
           if (!verdict.passed()) continue;
           const std::string context = fmt::format("n = {}", n);
           verdict.expect_empty(
-              exact_sum_finding(exact_sum.span(), native_exact, exact, comm.rank()), context);
-          verdict.expect_empty(reordered_sum_finding(real_sum.span(), real, worst_ratio), context);
+              exact_sum_finding(host_copy(exact_sum), native_exact, exact, comm.rank()), context);
+          verdict.expect_empty(reordered_sum_finding(real_result, real, worst_ratio), context);
           verdict.expect_empty(across_ranks, context);
         }
         if (verdict.passed())
@@ -649,7 +659,8 @@ TEST(Lab3LatencyOptimal, MovesAtMostLgNPlusOneBuffersPerRank) {
           while ((1 << (rounds - 1)) < comm.size()) ++rounds;
           std::uint64_t most_buffers_times_100 = 0;
           for (std::size_t n : sizes) {
-            Tensor data({static_cast<std::int64_t>(n)}, MemoryCategory::kCommunication);
+            Tensor data({static_cast<std::int64_t>(n)}, MemoryCategory::kCommunication,
+                        grading::check_device());
             fill(data.view(), 1.0f);
             const CommCounters before = comm.counters();
             latency_optimal_allreduce(data.view(), comm);
@@ -741,11 +752,11 @@ TEST(Lab3Training, EachAllReduceTrainsLikeLab2) {
           double worst_ratio = 0;
           for (const bool use_ring : {true, false}) {
             const char* name = use_ring ? "ring_allreduce" : "latency_optimal_allreduce";
-            Model model = make_model(options);
+            Model model = grading::make_check_model(options);
             const auto optimizer = grading::optimizer_for(options, model.num_parameters());
             Tensor flat({static_cast<std::int64_t>(model.num_parameters())},
-                        MemoryCategory::kCommunication);
-            Model probe = make_model(options);
+                        MemoryCategory::kCommunication, model.device());
+            Model probe = grading::make_check_model(options);
             for (int step = 0; step < options.steps; ++step) {
               // Every rank's local gradient at these parameters, for the latency-optimal sum.
               std::vector<std::vector<float>> local;
@@ -755,14 +766,14 @@ TEST(Lab3Training, EachAllReduceTrainsLikeLab2) {
                   const Batch batch =
                       grading::local_batch(*training.data, options, step, rank, world);
                   probe.zero_grad();
-                  probe.backward(probe.forward(batch.inputs), batch.labels);
+                  probe.backward(probe.forward(batch.inputs.to(probe.device())), batch.labels);
                   local.push_back(probe.flat_gradients());
                 }
               }
               const Batch batch =
                   grading::local_batch(*training.data, options, step, comm.rank(), world);
               model.zero_grad();
-              model.backward(model.forward(batch.inputs), batch.labels);
+              model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
               average_with(use_ring ? ring_allreduce : latency_optimal_allreduce, model, flat,
                            comm);
               if (use_ring) {
@@ -846,7 +857,7 @@ std::vector<StalenessRecord> run_server(const Training& training, const Layout& 
                                         const std::function<void(const ServerStep&)>& after,
                                         const std::function<void(int step)>& before_step = {}) {
   const TrainOptions options = training.for_workers(layout.workers());
-  Model model = make_model(options);
+  Model model = grading::make_check_model(options);
   ParameterServer server(
       model, layout.options,
       [&](std::size_t elements) { return grading::optimizer_for(options, elements); }, comm);
@@ -856,7 +867,7 @@ std::vector<StalenessRecord> run_server(const Training& training, const Layout& 
       const Batch batch = grading::local_batch(
           *training.data, options, step, comm.rank() - layout.first_worker(), layout.workers());
       model.zero_grad();
-      model.backward(model.forward(batch.inputs), batch.labels);
+      model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
     }
     const CommCounters before = comm.counters();
     server.step(model, comm);
@@ -966,7 +977,7 @@ void check_server_exact(const Training& training, const std::vector<Layout>& lay
     const Trajectory exact =
         grading::emulate_data_parallel(options, *training.data, layout.workers(),
                                        grading::Emulation{.staleness = layout.options.staleness});
-    const Model shapes = make_model(options);
+    const Model shapes = grading::make_check_model(options);
     const std::vector<float> initial = shapes.flat_parameters();
     run_on_ranks(
         layout.ranks,
@@ -1051,7 +1062,7 @@ TEST(Lab3Server, PushesAndPullsMoveTheFormulaBytes) {
   for (const Layout& layout : draw_layouts(draws, 6, 2, 0, 0)) layouts.push_back(layout);
   for (const Layout& layout : layouts) {
     const std::size_t parameters =
-        make_model(training.for_workers(layout.workers())).num_parameters();
+        grading::make_check_model(training.for_workers(layout.workers())).num_parameters();
     run_on_ranks(
         layout.ranks,
         [&](Communicator& comm, Verdict& verdict) {
@@ -1110,7 +1121,7 @@ TEST(Lab3Server, RejectsImpossibleLayouts) {
   run_on_ranks(
       ranks,
       [&](Communicator& comm, Verdict& verdict) {
-        Model model = make_model(training.for_workers(ranks));
+        Model model = grading::make_check_model(training.for_workers(ranks));
         const OptimizerFactory sgd = [&](std::size_t elements) {
           return grading::optimizer_for(training.options, elements);
         };
@@ -1172,11 +1183,14 @@ TEST(Lab3Speed, RingBeatsOneServerByThePredictedRatio) {
   try {
     ring = time_allreduce(ring_allreduce, kRanks, count, network, draws);
     server = simulated_seconds(kRanks, network, draws, [&](Communicator& comm) {
-      Model model = Model::mlp(fmt::format("1-{}", m));
+      Model model = Model::mlp(fmt::format("1-{}", m), {.device = grading::check_device()});
       for (Parameter* parameter : model.parameters()) fill(parameter->grad.view(), 1.0f);
       ParameterServer ps(
           model, {.servers = 1},
-          [](std::size_t elements) { return make_optimizer("sgd", elements, 0.1f, 0, 0); }, comm);
+          [](std::size_t elements) {
+            return make_optimizer("sgd", elements, 0.1f, 0, 0, grading::check_device());
+          },
+          comm);
       ps.step(model, comm);
       ps.finish(model, comm);
     });
@@ -1275,10 +1289,13 @@ TEST(Lab3Stale, RunsAheadOfAStraggler) {
   const NetworkModel network = NetworkModel::preset("ib-ndr");
   const auto time_with = [&](int staleness) {
     return simulated_seconds(kRanks, network, draws, [&](Communicator& comm) {
-      Model model = Model::mlp("16-8");
+      Model model = Model::mlp("16-8", {.device = grading::check_device()});
       ParameterServer server(
           model, {.servers = 1, .staleness = staleness},
-          [](std::size_t elements) { return make_optimizer("sgd", elements, 0.01f, 0, 0); }, comm);
+          [](std::size_t elements) {
+            return make_optimizer("sgd", elements, 0.01f, 0, 0, grading::check_device());
+          },
+          comm);
       for (int step = 0; step < steps; ++step) {
         const bool straggles = step % kRanks == comm.rank();
         comm.clock().compute("forward and backward", compute * (straggles ? slow : 1.0));

@@ -204,7 +204,7 @@ struct Training {
     return concrete;
   }
   Model model() const {
-    Model built = make_model(options);
+    Model built = grading::make_check_model(options);
     for (const std::string& name : frozen) built.freeze(name);
     return built;
   }
@@ -223,7 +223,7 @@ Training draw_training(Draws& draws, const std::string& optimizer) {
   grading::draw_optimizer(draws, optimizer, o);
   training.rows_per_rank = draws.integer("rows per rank", 2, 6);
   if (draws.coin("a frozen parameter")) {
-    const Model probe = make_model(o);
+    const Model probe = grading::make_check_model(o);
     const auto& parameters = probe.parameters();
     training.frozen.push_back(
         parameters[static_cast<std::size_t>(draws.integer(
@@ -272,8 +272,10 @@ TEST(Lab4Buckets, FollowTheRule) {
     const std::string spec =
         fmt::format("{}-{}-{}-{}", draws.integer("in", 4, 64), draws.integer("h1", 4, 96),
                     draws.integer("h2", 4, 96), draws.integer("out", 2, 12));
-    Model model =
-        Model::mlp(spec, {.activation = "relu", .layer_norm = draws.coin("layer norm"), .seed = 1});
+    Model model = Model::mlp(spec, {.activation = "relu",
+                                    .layer_norm = draws.coin("layer norm"),
+                                    .seed = 1,
+                                    .device = grading::check_device()});
     if (draws.coin("freeze")) {
       const auto count = static_cast<std::int64_t>(model.parameters().size());
       model.freeze(
@@ -363,12 +365,12 @@ TEST(Lab4Buckets, FollowTheRule) {
 
 // --- training through BucketedDDP and PerParameterDDP ------------------------------------
 
-/// A copy of every bucket buffer of `ddp`.
+/// A host copy of every bucket buffer of `ddp`.
 std::vector<std::vector<float>> bucket_contents(const BucketedDDP& ddp) {
   std::vector<std::vector<float>> contents;
   for (std::size_t b = 0; b < ddp.buckets().size(); ++b) {
-    const std::span<const float> values = ddp.bucket_buffer(b).span();
-    contents.emplace_back(values.begin(), values.end());
+    const Tensor values = ddp.bucket_buffer(b).to(Device::kHost);  // it may live on a device
+    contents.emplace_back(values.span().begin(), values.span().end());
   }
   return contents;
 }
@@ -413,7 +415,7 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
         BucketedDDP::NoSync no_sync(*bucketed);
         for (int i = 0; i + 1 < micro_batches; ++i) {
           const Batch& batch = micro[static_cast<std::size_t>(i)];
-          model.backward(model.forward(batch.inputs), batch.labels, scale);
+          model.backward(model.forward(batch.inputs.to(model.device())), batch.labels, scale);
         }
         bucketed->finish_gradient_sync();  // a no-op while synchronisation is off
       }
@@ -435,7 +437,7 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
               step, b, micro_batches - 1));
     }
     const Batch& last = micro.back();
-    const Tensor logits = model.forward(last.inputs);
+    const Tensor logits = model.forward(last.inputs.to(model.device()));
     allreduces.calls.clear();
     allreduces.waits_in_backward = 0;
     recorder.in_backward = true;
@@ -546,7 +548,7 @@ struct StepLaunches {
   std::size_t calls_when_backward_returned = 0;
   std::size_t other_calls = 0;
   std::size_t waits_in_backward = 0;             ///< waits and tests of handles
-  std::vector<const void*> buffers_before_step;  ///< bucket_buffer(k).data() at the start
+  std::vector<const void*> buffers_before_step;  ///< bucket_buffer(k).view().data() at the start
 };
 
 /// Trains `steps` steps through BucketedDDP behind the recording communicator and hands
@@ -575,12 +577,17 @@ void record_launches(const Training& training, Communicator& comm,
         return fmt::format("launched before the gradient of {} was ready",
                            model.parameters()[index]->name);
     if (data.count != bucket.elements || data.type != DataType::kFloat32) return "";
-    const auto* values = static_cast<const float*>(data.data);
+    // Both read through host copies, outside the memory accounts: they may live on a device.
+    std::vector<float> values(data.count);
+    copy(ConstTensorView(static_cast<const float*>(data.data), data.count, data.device),
+         TensorView(values.data(), values.size()));
     std::size_t offset = 0;
     for (const std::size_t index : bucket.parameters) {
       const Parameter& parameter = *model.parameters()[index];
-      const std::span<const float> gradient = parameter.grad.span();
-      if (std::memcmp(values + offset, gradient.data(), gradient.size_bytes()) != 0)
+      std::vector<float> gradient(parameter.grad.size());
+      copy(parameter.grad.view(), TensorView(gradient.data(), gradient.size()));
+      if (std::memcmp(values.data() + offset, gradient.data(), gradient.size() * sizeof(float)) !=
+          0)
         return fmt::format(
             "its buffer did not hold the gradient of {} (elements {} to {}) when it was "
             "launched",
@@ -597,9 +604,9 @@ void record_launches(const Training& training, Communicator& comm,
     log.clear();
     StepLaunches launches;
     for (std::size_t k = 0; k < buckets.size(); ++k)
-      launches.buffers_before_step.push_back(ddp.bucket_buffer(k).data());
+      launches.buffers_before_step.push_back(ddp.bucket_buffer(k).view().data());
     model.zero_grad();
-    const Tensor logits = model.forward(batch.inputs);
+    const Tensor logits = model.forward(batch.inputs.to(model.device()));
     recorder.in_backward = true;
     model.backward(logits, batch.labels);
     recorder.in_backward = false;
@@ -634,7 +641,7 @@ TEST(Lab4Launch, InBucketOrderOnceEachBucketIsReady) {
                   return;
                 }
                 for (std::size_t k = 0; k < buckets.size(); ++k)
-                  if (ddp.bucket_buffer(k).data() != launches.buffers_before_step[k]) {
+                  if (ddp.bucket_buffer(k).view().data() != launches.buffers_before_step[k]) {
                     verdict.fail(fmt::format(
                         "step {}: bucket {}'s buffer moved during the step (it was made again); "
                         "the bucket buffers are made once, in the constructor",
@@ -765,7 +772,7 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
           const auto optimizer = grading::optimizer_for(options, model.num_parameters());
           const MemoryTracker& tracker = this_rank_memory().tracker();
           // For the baseline of what waiting for a call allocates on this thread.
-          Tensor scratch({1}, MemoryCategory::kCommunication);
+          Tensor scratch({1}, MemoryCategory::kCommunication, model.device());
           const std::size_t bytes_before = tracker.current(MemoryCategory::kCommunication);
           BucketedDDP ddp(model, comm, training.caps);
           const std::vector<Bucket> buckets = contract_buckets(model, training.caps);
@@ -781,7 +788,7 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
           if (!rule.empty()) verdict.fail(rule);
           std::vector<const float*> where;
           for (std::size_t b = 0; b < buckets.size() && verdict.passed(); ++b)
-            where.push_back(ddp.bucket_buffer(b).data());
+            where.push_back(ddp.bucket_buffer(b).view().data());
           // The same model without the lab's hooks: what forward and backward allocate by
           // themselves, which a step with BucketedDDP may allocate too and nothing more.
           Model plain = training.model();
@@ -801,7 +808,7 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
             const grading::HeapUse plain_start = grading::heap_use_of_this_thread();
             const std::size_t plain_tensors_start = tracker.allocations_total();
             plain.zero_grad();
-            plain.backward(plain.forward(batch.inputs), batch.labels);
+            plain.backward(plain.forward(batch.inputs.to(plain.device())), batch.labels);
             const grading::HeapUse plain_heap =
                 grading::heap_use_of_this_thread().since(plain_start);
             const std::size_t plain_tensors = tracker.allocations_total() - plain_tensors_start;
@@ -809,7 +816,7 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
             const grading::HeapUse heap_start = grading::heap_use_of_this_thread();
             const std::size_t tensors_start = tracker.allocations_total();
             model.zero_grad();
-            model.backward(model.forward(batch.inputs), batch.labels);
+            model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
             ddp.finish_gradient_sync();
             const grading::HeapUse heap = grading::heap_use_of_this_thread().since(heap_start);
             const std::size_t tensors = tracker.allocations_total() - tensors_start;
@@ -836,7 +843,7 @@ TEST(Lab4Memory, BucketBuffersAllocatedOnce) {
                   "made once, in the constructor, and are the only buffers)",
                   step, tensors, tensors - std::min(tensors, plain_tensors)));
             for (std::size_t b = 0; b < where.size() && verdict.passed(); ++b)
-              if (ddp.bucket_buffer(b).data() != where[b])
+              if (ddp.bucket_buffer(b).view().data() != where[b])
                 verdict.fail(fmt::format("step {}: bucket {}'s buffer moved", step, b));
             optimizer->step(model);
           }
@@ -909,7 +916,7 @@ LaunchOptions simulated_launch(const SpeedSetup& setup, const Draws& draws) {
 StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws) {
   StepSummary last;
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
-    Model model = make_model(setup.options);
+    Model model = grading::make_check_model(setup.options);
     const auto optimizer = grading::optimizer_for(setup.options, model.num_parameters());
     std::optional<BucketedDDP> bucketed;
     std::optional<PerParameterDDP> per_parameter;
@@ -918,13 +925,13 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
     if (strategy.kind == Strategy::kPerParameter) per_parameter.emplace(model, comm);
     if (strategy.kind == Strategy::kFlat)
       flat = Tensor({static_cast<std::int64_t>(model.num_parameters())},
-                    MemoryCategory::kCommunication);
+                    MemoryCategory::kCommunication, model.device());
     comm.clock().mark_step();
     for (int step = 0; step < setup.options.steps; ++step) {
       const Batch batch =
           grading::local_batch(*setup.data, setup.options, step, comm.rank(), setup.world);
       model.zero_grad();
-      model.backward(model.forward(batch.inputs), batch.labels);
+      model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
       if (bucketed) bucketed->finish_gradient_sync();
       if (per_parameter) per_parameter->finish_gradient_sync();
       if (strategy.kind == Strategy::kFlat) {
@@ -1020,11 +1027,11 @@ BackwardProfile profile_backward(const SpeedSetup& setup) {
   launch_options.simulation.network = setup.network;
   launch_options.simulation.device = setup.device;
   launch(launch_options, [&](Communicator& comm) {
-    Model model = make_model(setup.options);
+    Model model = grading::make_check_model(setup.options);
     ReadyLog log;
     log.attach(model, &comm.clock());
     const Batch batch = grading::local_batch(*setup.data, setup.options, 0, 0, setup.world);
-    const Tensor logits = model.forward(batch.inputs);
+    const Tensor logits = model.forward(batch.inputs.to(model.device()));
     const double start = comm.clock().now();
     model.backward(logits, batch.labels);
     profile.backward_seconds = comm.clock().now() - start;
@@ -1043,7 +1050,7 @@ std::vector<double> simulate_bucket_caps(const SpeedSetup& setup,
                                          const std::vector<std::size_t>& caps, const Draws& draws) {
   std::vector<StepSummary> steps;
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
-    Model model = make_model(setup.options);
+    Model model = grading::make_check_model(setup.options);
     const auto optimizer = grading::optimizer_for(setup.options, model.num_parameters());
     comm.clock().mark_step();
     for (const std::size_t cap : caps) {
@@ -1052,7 +1059,7 @@ std::vector<double> simulate_bucket_caps(const SpeedSetup& setup,
         const Batch batch =
             grading::local_batch(*setup.data, setup.options, step, comm.rank(), setup.world);
         model.zero_grad();
-        model.backward(model.forward(batch.inputs), batch.labels);
+        model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
         bucketed.finish_gradient_sync();
         optimizer->step(model);
         comm.clock().mark_step();

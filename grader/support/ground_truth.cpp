@@ -9,8 +9,10 @@
 namespace dp::grading {
 namespace {
 
+/// On the check device: the same arithmetic on the same device as the lab code it is
+/// compared with, so bitwise checks hold on a GPU too.
 Model model_with_frozen(const TrainOptions& options, std::span<const std::string> frozen) {
-  Model model = make_model(options);
+  Model model = make_check_model(options);
   for (const std::string& name : frozen) model.freeze(name);
   return model;
 }
@@ -25,8 +27,8 @@ float largest_magnitude(std::span<const float> values) {
 void set_gradients(Model& model, std::span<const float> flat) {
   for (Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    std::copy_n(flat.begin() + static_cast<std::ptrdiff_t>(parameter->offset),
-                parameter->grad.size(), parameter->grad.data());
+    copy(ConstTensorView(flat.data() + parameter->offset, parameter->grad.size()),
+         parameter->grad.view());  // host to wherever the model lives
   }
 }
 
@@ -45,7 +47,12 @@ void draw_optimizer(Draws& draws, const std::string& optimizer, TrainOptions& op
 
 std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters) {
   return make_optimizer(options.optimizer, num_parameters, options.lr, options.momentum,
-                        options.weight_decay);
+                        options.weight_decay, check_device());
+}
+
+Model make_check_model(TrainOptions options) {
+  options.device = check_device();
+  return make_model(options);
 }
 
 Trajectory single_process_trajectory(const TrainOptions& options, const Dataset& data,
@@ -56,7 +63,7 @@ Trajectory single_process_trajectory(const TrainOptions& options, const Dataset&
   for (int step = 0; step < options.steps; ++step) {
     const Batch batch = local_batch(data, options, step, /*rank=*/0, /*world_size=*/1);
     model.zero_grad();
-    const Tensor logits = model.forward(batch.inputs);  // (B, classes)
+    const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (B, classes)
     model.backward(logits, batch.labels);
     trajectory.gradients_of_step.push_back(model.flat_gradients());
     trajectory.max_abs_gradient = std::max(trajectory.max_abs_gradient,
@@ -116,7 +123,7 @@ Trajectory emulate_data_parallel(const TrainOptions& options, const Dataset& dat
       probe.zero_grad();
       float loss_sum = 0;
       for (const Batch& micro : micro_batches(data, step_options, step, rank, world, k)) {
-        const Tensor logits = probe.forward(micro.inputs);
+        const Tensor logits = probe.forward(micro.inputs.to(probe.device()));
         loss_sum += probe.backward(logits, micro.labels, loss_scale);
       }
       losses.push_back(loss_sum / static_cast<float>(k));
@@ -145,7 +152,7 @@ std::vector<float> global_batch_gradient(const TrainOptions& options, const Data
   model.set_flat_parameters(parameters);
   const Batch batch = local_batch(data, options, step, /*rank=*/0, /*world_size=*/1);
   model.zero_grad();
-  const Tensor logits = model.forward(batch.inputs);  // (B, classes)
+  const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (B, classes)
   model.backward(logits, batch.labels);
   return model.flat_gradients();
 }
@@ -182,7 +189,9 @@ std::vector<Batch> micro_batches(const Dataset& data, const TrainOptions& option
 }
 
 RecordingOptimizer::RecordingOptimizer(std::unique_ptr<Optimizer> inner, std::size_t num_parameters)
-    : Optimizer(inner->state_size()), inner_(std::move(inner)), last_gradients_(num_parameters) {}
+    : Optimizer(inner->state_size(), inner->device()),
+      inner_(std::move(inner)),
+      last_gradients_(num_parameters) {}
 
 void RecordingOptimizer::begin_step() {
   Optimizer::begin_step();
@@ -198,6 +207,15 @@ void RecordingOptimizer::update(std::size_t offset, std::span<float> params,
     std::copy(grads.begin(), grads.end(),
               last_gradients_.begin() + static_cast<std::ptrdiff_t>(offset));
   inner_->update(offset, params, grads);
+}
+
+void RecordingOptimizer::update_on_device(std::size_t offset, float* params, const float* grads,
+                                          std::size_t n) {
+  const ConstTensorView gradients(grads, n, device());
+  last_updates_.emplace_back(offset, n);
+  if (offset + n <= last_gradients_.size())  // a copy to the host, where the checks read it
+    copy(gradients, TensorView(last_gradients_.data() + offset, n));
+  inner_->update(offset, TensorView(params, n, device()), gradients);
 }
 
 }  // namespace dp::grading

@@ -14,6 +14,10 @@
 //                               A correct lab reproduces it bit for bit, so checks compare
 //                               bitwise: any lost precision, reordering or wrong scale fails.
 //
+// The references compute on the check device (grading::check_device), as the lab code
+// they are compared with does, and return host vectors: on a GPU the same arithmetic on
+// the same device gives the same bits, so the bitwise checks hold there too.
+//
 // Example:
 //
 //   const Trajectory exact = emulate_data_parallel(options, data, /*world_size=*/3);
@@ -121,13 +125,14 @@ std::vector<Batch> micro_batches(const Dataset& data, const TrainOptions& option
 /// Lab 2's flat gradient averaging, the grader's own copy, for the labs measured against
 /// it: copies every gradient into `flat` (model.num_parameters() elements) at its
 /// `Parameter::offset`, all-reduces `flat` with one call, divides by N and copies back.
-/// Frozen parameters ride along (their gradients are 0), as in lab 2's reference.
+/// Frozen parameters ride along (their gradients are 0), as in lab 2's reference. `flat`
+/// lives on the model's device.
 void average_gradients_flat(Model& model, Communicator& comm, Tensor& flat);
 
 /// An optimizer that records what it is given and passes it on: the gradients of every
 /// parameter it updates (in the model's flat index space) and how many steps it took. The
 /// checks hand it to lab code that steps the optimizer itself, to see the gradients the
-/// step really used.
+/// step really used. It lives on `inner`'s device and records device gradients too.
 class RecordingOptimizer final : public Optimizer {
  public:
   /// Records for a model of `num_parameters` elements and steps `inner`.
@@ -135,6 +140,7 @@ class RecordingOptimizer final : public Optimizer {
   std::string_view name() const override { return inner_->name(); }
   void begin_step() override;
   void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  using Optimizer::update;  // the update on views
   OpCost update_cost(std::size_t elements) const override { return inner_->update_cost(elements); }
   std::vector<OptimizerState> state() override { return inner_->state(); }
 
@@ -147,6 +153,11 @@ class RecordingOptimizer final : public Optimizer {
   /// Steps begun so far.
   std::int64_t steps() const { return step_count(); }
 
+ protected:
+  /// Records device gradients through a copy to the host, then updates with `inner`.
+  void update_on_device(std::size_t offset, float* params, const float* grads,
+                        std::size_t n) override;
+
  private:
   std::unique_ptr<Optimizer> inner_;
   std::vector<float> last_gradients_;
@@ -157,7 +168,12 @@ class RecordingOptimizer final : public Optimizer {
 /// and momentum 0 or 0.9; AdamW lr in [5e-4, 3e-3) and weight decay 0.01.
 void draw_optimizer(Draws& draws, const std::string& optimizer, TrainOptions& options);
 
-/// `make_optimizer` with the settings of `options`, for a model of `num_parameters`.
+/// `make_optimizer` with the settings of `options`, for a model of `num_parameters`, its
+/// state on the check device (grading::check_device), where the checks' models live.
 std::unique_ptr<Optimizer> optimizer_for(const TrainOptions& options, std::size_t num_parameters);
+
+/// `make_model(options)` with its parameters on the check device (grading::check_device):
+/// the models the checks hand to lab code.
+Model make_check_model(TrainOptions options);
 
 }  // namespace dp::grading

@@ -21,7 +21,7 @@ void average_gradients(Model& model, Communicator& comm) {
 
 FlatGradientAverager::FlatGradientAverager(const Model& model)
     : buffer_({static_cast<std::int64_t>(model.num_trainable_parameters())},
-              MemoryCategory::kCommunication) {}
+              MemoryCategory::kCommunication, model.device()) {}
 
 void FlatGradientAverager::average(Model& model, Communicator& comm) {
   if (buffer_.size() != model.num_trainable_parameters())

@@ -48,7 +48,8 @@ std::vector<float> train_replicated(Model& model, Optimizer& optimizer, const Da
       const std::size_t count = std::min(batch_size, shard.size() - start);
       const Batch batch = gather_batch(data, std::span(shard).subspan(start, count));
       model.zero_grad();
-      const Tensor logits = model.forward(batch.inputs);  // (count, classes)
+      // The batch is gathered in host memory: it goes to wherever the model lives.
+      const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (count, classes)
       losses.push_back(model.backward(logits, batch.labels));
       // No gradient exchange: each replica follows its own shard's gradient.
       optimizer.step(model);

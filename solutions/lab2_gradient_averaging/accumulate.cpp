@@ -20,7 +20,7 @@ float accumulation_step(Model& model, Optimizer& optimizer, std::span<const Batc
   model.zero_grad();
   float loss_sum = 0;
   for (const Batch& micro : micro_batches) {
-    const Tensor logits = model.forward(micro.inputs);  // (B/(N k), classes)
+    const Tensor logits = model.forward(micro.inputs.to(model.device()));  // (B/(N k), classes)
     // Scaled by 1/k, the k backward passes add up to the gradient of the mean loss over
     // all of this rank's samples. Nothing is communicated yet: that is no_sync().
     loss_sum += model.backward(logits, micro.labels, 1.0f / k);

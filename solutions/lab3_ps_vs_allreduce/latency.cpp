@@ -31,7 +31,8 @@ void latency_optimal_allreduce(TensorView data, Communicator& comm) {
     comm.irecv(data, rank - group, kUnfoldTag)->wait();
     return;
   }
-  Tensor incoming({static_cast<std::int64_t>(data.size())}, MemoryCategory::kCommunication);
+  Tensor incoming({static_cast<std::int64_t>(data.size())}, MemoryCategory::kCommunication,
+                  data.device());
   if (rank < extra) {
     comm.irecv(incoming.view(), rank + group, kFoldTag)->wait();
     add(incoming.view(), data);

@@ -43,7 +43,7 @@ void ring_allreduce(TensorView data, Communicator& comm) {
   };
   // Chunk 0 is the largest: room for any incoming partial sum.
   Tensor incoming({static_cast<std::int64_t>(chunk_of(data.size(), ranks, 0).count)},
-                  MemoryCategory::kCommunication);
+                  MemoryCategory::kCommunication, data.device());
 
   // Reduce-scatter. At step k rank r passes on chunk r-k, which holds the sum of ranks
   // r-k .. r, and adds its own values to chunk r-k-1 from r-1: chunk c starts at rank c

@@ -22,9 +22,10 @@ namespace {
 constexpr int kPushTag = 51;  // worker -> server: a gradient shard
 constexpr int kPullTag = 52;  // server -> worker: a shard's new version
 
-/// A zero-filled 1-D tensor of `count` floats, charged under `category`.
-Tensor buffer_of(std::size_t count, MemoryCategory category = MemoryCategory::kCommunication) {
-  return Tensor({static_cast<std::int64_t>(count)}, category);
+/// A zero-filled 1-D tensor of `count` floats on `device`, charged under `category`.
+Tensor buffer_of(std::size_t count, Device device,
+                 MemoryCategory category = MemoryCategory::kCommunication) {
+  return Tensor({static_cast<std::int64_t>(count)}, category, device);
 }
 
 /// Copies elements `range` of `model`'s flat parameter space into `destination`.
@@ -115,7 +116,8 @@ void ParameterServer::State::serve(int t, Model& model, Communicator& comm) {
   }
   divide(average.view(), static_cast<float>(workers));
   optimizer->begin_step();
-  optimizer->update(0, shard.span(), average.span());
+  // Views, not spans: the shard may live on a GPU, where the host cannot touch it.
+  optimizer->update(0, shard.view(), average.view());
 
   // Version t + 1 of the shard: to every other worker, into this rank's own pulled version
   // when it is a worker too, into the model when it only serves.
@@ -162,23 +164,24 @@ ParameterServer::ParameterServer(const Model& model, const ServerOptions& option
   s.first_worker = options.dedicated ? options.servers : 0;
   s.workers = ranks - s.first_worker;
   const std::size_t parameters = model.num_parameters();
+  const Device device = model.device();  // every buffer lives beside the parameters
   for (int server = 0; server < options.servers; ++server)
     s.shards.push_back(chunk_of(parameters, options.servers, server));
 
   if (s.works) {
-    s.gradients = buffer_of(parameters);
+    s.gradients = buffer_of(parameters, device);
     for (int slot = 0; slot <= options.staleness; ++slot)
-      s.versions.push_back(buffer_of(parameters));
+      s.versions.push_back(buffer_of(parameters, device));
     s.pulls.resize(s.versions.size());
   }
   if (s.serves) {
     const Range own = s.own_shard();
     s.optimizer = make_optimizer(own.count);
-    s.shard = buffer_of(own.count, MemoryCategory::kParameters);
+    s.shard = buffer_of(own.count, device, MemoryCategory::kParameters);
     copy_from_parameters(model, own, s.shard.view());
-    s.average = buffer_of(own.count);
+    s.average = buffer_of(own.count, device);
     for (int worker = 0; worker < s.workers; ++worker)
-      s.pushed.push_back(buffer_of(s.worker_rank(worker) == s.rank ? 0 : own.count));
+      s.pushed.push_back(buffer_of(s.worker_rank(worker) == s.rank ? 0 : own.count, device));
   }
   // END SOLUTION
 }

@@ -76,7 +76,7 @@ BucketedDDP::BucketedDDP(Model& model, Communicator& comm, const BucketOptions& 
   for (std::size_t b = 0; b < s.buckets.size(); ++b) {
     s.buffers.emplace_back(
         std::vector<std::int64_t>{static_cast<std::int64_t>(s.buckets[b].elements)},
-        MemoryCategory::kCommunication);
+        MemoryCategory::kCommunication, model.device());  // beside the gradients
     std::size_t offset = 0;
     for (const std::size_t index : s.buckets[b].parameters) {
       s.slot_of[index] = {b, offset};
