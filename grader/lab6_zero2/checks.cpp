@@ -240,7 +240,7 @@ TEST(Lab6Buckets, FollowTheRule) {
     TrainOptions o;
     o.model = fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
     o.layer_norm = draws.coin("layer norm");
-    const Model model = grading::check_model(o);
+    const Model model = grading::make_check_model(o);
     const int world = static_cast<int>(draws.integer("N", 1, 16));
     const std::size_t psi = model.num_parameters();
     const std::array<std::size_t, 3> caps = {
@@ -272,7 +272,7 @@ TEST(Lab6Buckets, FollowTheRule) {
   {
     TrainOptions o;
     o.model = "64-16-10";
-    Model model = grading::check_model(o);
+    Model model = grading::make_check_model(o);
     const auto expect_error = [&](const std::string& what, const auto& call) {
       try {
         call();

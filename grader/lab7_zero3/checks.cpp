@@ -285,7 +285,7 @@ TEST(Lab7Units, FollowTheRule) {
     TrainOptions o;
     o.model = fmt::format("64-{}-{}-10", draws.integer("h1", 8, 96), draws.integer("h2", 8, 64));
     o.layer_norm = draws.coin("layer norm");
-    Model model = grading::check_model(o);
+    Model model = grading::make_check_model(o);
     const int world = static_cast<int>(draws.integer("N", 1, 16));
     const std::vector<Unit> expected = contract_units(model, world);
     std::vector<Unit> seen;
@@ -309,7 +309,7 @@ TEST(Lab7Units, FollowTheRule) {
   {
     TrainOptions o;
     o.model = "64-16-10";
-    Model model = grading::check_model(o);
+    Model model = grading::make_check_model(o);
     const auto expect_error = [&](const std::string& what, const auto& call) {
       try {
         call();
@@ -944,8 +944,8 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
         std::string ddp_error;
         try {
           const ScopedBudget scoped(budget);
-          Model model = grading::check_model(options);
-          const auto optimizer = grading::check_optimizer(options, model.num_parameters());
+          Model model = grading::make_check_model(options);
+          const auto optimizer = grading::optimizer_for(options, model.num_parameters());
           Tensor flat({static_cast<std::int64_t>(psi)}, MemoryCategory::kCommunication,
                       grading::check_device());
           const Batch batch =
@@ -976,7 +976,7 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
           MemoryTracker& tracker = this_rank_memory().tracker();
           const std::size_t base = tracker.current_total();
           tracker.reset_peaks();
-          Model model = grading::check_model(options);
+          Model model = grading::make_check_model(options);
           std::vector<float> before = model.flat_parameters();
           ZeroThreeOptimizer zero(model, comm, factory_for(options));
           peak = tracker.peak_total() - base;
@@ -1566,7 +1566,7 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
   std::size_t gathers = 0;
   try {
     launch(launch_options, [&](Communicator& comm) {
-      Model model = grading::check_model(options);
+      Model model = grading::make_check_model(options);
       GatherWaitTimer timer(comm);
       ZeroThreeOptimizer zero(model, timer, factory_for(options));
       const Batch batch =

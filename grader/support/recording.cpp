@@ -6,6 +6,10 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
+
+#include "dp/tensor.h"
+#include "dp/tensor_ops.h"
 
 namespace dp::grading {
 namespace {
@@ -60,6 +64,15 @@ bool allreduces_a_buffer(const std::vector<RecordedCall>& calls) {
 std::optional<std::size_t> first_nonzero(ConstBuffer data, std::size_t from) {
   if (data.type != DataType::kFloat32) return std::nullopt;
   const auto* values = static_cast<const float*>(data.data);
+  // A GPU's memory is read through a copy on the host (the emulated device's is host
+  // memory, and a copy would be one more op on the rank's simulated clock).
+  std::vector<float> host_copy;
+  if (data.device != Device::kHost && !cuda_device_emulated()) {
+    host_copy.resize(data.count);
+    copy(ConstTensorView(values, data.count, data.device),
+         TensorView(host_copy.data(), host_copy.size()));
+    values = host_copy.data();
+  }
   for (std::size_t i = from; i < data.count; ++i)
     if (values[i] != 0.0f) return i;
   return std::nullopt;

@@ -18,19 +18,8 @@ TrainOptions ShardedTraining::for_world(int world) const {
   return concrete;
 }
 
-Model check_model(const TrainOptions& options) {
-  TrainOptions on_device = options;
-  on_device.device = check_device();
-  return make_model(on_device);
-}
-
-std::unique_ptr<Optimizer> check_optimizer(const TrainOptions& options, std::size_t elements) {
-  return make_optimizer(options.optimizer, elements, options.lr, options.momentum,
-                        options.weight_decay, check_device());
-}
-
 Model ShardedTraining::model() const {
-  return check_model(options);
+  return make_check_model(options);
 }
 
 ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer) {
@@ -101,7 +90,7 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
 
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options) {
-  return [options](std::size_t shard) { return check_optimizer(options, shard); };
+  return [options](std::size_t shard) { return optimizer_for(options, shard); };
 }
 
 UpdateRecorder::UpdateRecorder(std::unique_ptr<Optimizer> inner)

@@ -32,14 +32,6 @@
 
 namespace dp::grading {
 
-/// `make_model(options)` on the check device (grading::check_device): the models the
-/// checks hand to lab code.
-Model check_model(const TrainOptions& options);
-
-/// grading::optimizer_for(options, elements) with its state on the check device, where the
-/// lab code's models and shards live.
-std::unique_ptr<Optimizer> check_optimizer(const TrainOptions& options, std::size_t elements);
-
 /// One drawn training set-up of the sharded labs: the MLP 64-h1-h2-10 with GELU (LayerNorm
 /// drawn), 3 to 5 steps, 2 to 6 rows of the global batch per rank, SGD or AdamW with drawn
 /// settings, and its data set.
