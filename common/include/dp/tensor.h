@@ -92,7 +92,9 @@ class TensorView {
   TensorView(float* data, std::size_t size, Device device = Device::kHost)
       : data_(data), size_(size), device_(device) {}
 
-  /// The first element (device memory when the view is on a device).
+  /// The first element: on a device, a device address to hand to kernels and communicators,
+  /// never to dereference on the host (the emulated device cannot catch that: its memory is
+  /// the host's; a GPU crashes or reads garbage).
   float* data() const { return data_; }
   /// Number of elements.
   std::size_t size() const { return size_; }
@@ -134,7 +136,7 @@ class ConstTensorView {
   ConstTensorView(const TensorView& view)  // NOLINT(google-explicit-constructor)
       : data_(view.data()), size_(view.size()), device_(view.device()) {}
 
-  /// The first element (device memory when the view is on a device).
+  /// The first element: on a device, a device address, never to dereference on the host.
   const float* data() const { return data_; }
   /// Number of elements.
   std::size_t size() const { return size_; }
