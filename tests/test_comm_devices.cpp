@@ -17,11 +17,8 @@
 namespace dp {
 namespace {
 
+using testing::contains;
 using testing::message_of;
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 TEST(CommDevices, BuffersAreOnTheHostUnlessTheySayOtherwise) {
   std::vector<float> values(4, 1.0f);

@@ -21,11 +21,8 @@
 namespace dp {
 namespace {
 
+using testing::contains;
 using testing::message_of;
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 TEST(DeviceTensor, WithoutAUsableDeviceAskingForOneIsAClearErrorThatChargesNothing) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present: see dp_gpu_tests";

@@ -28,11 +28,8 @@
 namespace dp {
 namespace {
 
+using testing::contains;
 using testing::message_of;
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
-}
 
 /// Turns the emulation on for one test, and off after it (every device tensor of the test
 /// is gone by then).

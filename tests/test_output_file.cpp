@@ -22,6 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
+using dp::testing::contains;
 using dp::testing::message_of;
 using dp::testing::test_directory;
 
@@ -37,10 +38,6 @@ std::vector<std::string> listing(const fs::path& dir) {
     names.push_back(entry.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
-}
-
-bool contains(const std::string& text, const std::string& part) {
-  return text.find(part) != std::string::npos;
 }
 
 TEST(OutputFile, WritesANewFileAndReplacesAnOldOneKeepingItsPermissions) {

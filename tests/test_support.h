@@ -9,6 +9,11 @@
 
 namespace dp::testing {
 
+/// True when `text` contains `part` (for checking what an error message says).
+inline bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
 /// The message of the exception of type `E` that `action` throws; a test failure (and
 /// "") if it throws none.
 template <typename E>

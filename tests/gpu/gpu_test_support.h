@@ -8,6 +8,9 @@
 //   EXPECT_TRUE(dp::testing::gpu::bitwise_equal(host, device));
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -30,6 +33,17 @@ inline std::vector<float> random_values(std::size_t n, unsigned seed, float low 
 inline bool bitwise_equal(const Tensor& host, const Tensor& device) {
   const Tensor copied = device.to(Device::kHost);
   return host.size() == copied.size() && std::memcmp(host.data(), copied.data(), host.bytes()) == 0;
+}
+
+/// The main() of a GPU test program: runs its tests, or exits with 77 (ctest's
+/// SKIP_RETURN_CODE) saying that `what` are skipped when this process sees no CUDA device.
+inline int run_gpu_tests(int argc, char** argv, const char* what) {
+  ::testing::InitGoogleTest(&argc, argv);
+  if (cuda_device_count() == 0) {
+    std::fprintf(stderr, "no CUDA device: the %s are skipped (exit code 77)\n", what);
+    return 77;
+  }
+  return RUN_ALL_TESTS();
 }
 
 }  // namespace dp::testing::gpu

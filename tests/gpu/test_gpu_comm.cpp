@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -27,6 +26,7 @@
 #include "dp/rng.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
+#include "gpu_test_support.h"
 
 namespace dp {
 namespace {
@@ -268,10 +268,5 @@ TEST(GpuNcclComm, AMissingBarrierIsReportedAfterTheHangTimeout) {
 }  // namespace dp
 
 int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);
-  if (dp::cuda_device_count() == 0) {
-    std::fprintf(stderr, "no CUDA device: the GPU communicator tests are skipped (exit code 77)\n");
-    return 77;
-  }
-  return RUN_ALL_TESTS();
+  return dp::testing::gpu::run_gpu_tests(argc, argv, "GPU communicator tests");
 }

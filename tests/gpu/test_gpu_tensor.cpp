@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -212,10 +211,5 @@ TEST(GpuTensorOps, OperandsOnTwoDevicesAreRefused) {
 }  // namespace dp
 
 int main(int argc, char** argv) {
-  testing::InitGoogleTest(&argc, argv);
-  if (dp::cuda_device_count() == 0) {
-    std::fprintf(stderr, "no CUDA device: the GPU tests are skipped (exit code 77)\n");
-    return 77;
-  }
-  return RUN_ALL_TESTS();
+  return dp::testing::gpu::run_gpu_tests(argc, argv, "GPU tests");
 }
