@@ -6,7 +6,8 @@
 // or writes to files. Started by hand, it says which grading seed its checks draw from. On the
 // local backend it is otherwise GoogleTest's usual main. Under mpi (DPLAB_TEST_BACKEND=mpi, started
 // by `dplab grade --backend mpi`) every process runs every check, so that every process makes the
-// same sequence of dp::launch calls; each reports on its own rank's channel, the driver merges
+// same sequence of dp::launch calls; each reports on its own rank's channel (the FIFO of the
+// rank in Open MPI's environment, opened before main), the driver merges
 // them, and only rank 0 prints the usual progress: the other ranks print just their failures,
 // prefixed with their rank.
 #include <gtest/gtest.h>
@@ -47,7 +48,6 @@ class FailurePrinter : public ::testing::EmptyTestEventListener {
 DP_TAKE_RESULT_CHANNEL_AT_START();
 
 int main(int argc, char** argv) {
-  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
   dp::grading::use_check_device();
   int rank = 0;
@@ -60,9 +60,9 @@ int main(int argc, char** argv) {
       listeners.Append(new FailurePrinter(rank));
     }
   }
-  if (!channel.present() && rank == 0)
+  if (!dp::grading::started_by_the_driver() && rank == 0)
     std::printf("grading seed %llu (set DPLAB_GRADE_SEED to draw another configuration)\n",
                 static_cast<unsigned long long>(dp::grading::grade_seed()));
-  dp::grading::report_results_to_driver(channel, rank);
+  dp::grading::report_results_to_driver();
   return RUN_ALL_TESTS();
 }

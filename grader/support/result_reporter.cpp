@@ -12,6 +12,7 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "grading.h"
@@ -31,10 +32,12 @@ constexpr std::size_t kFailureBudget = 8 * 1024;
 constexpr std::size_t kNoteBudget = 1024;
 constexpr std::size_t kMaxNotes = 8;
 
-// What take_result_channel_at_start takes. Plain zero-initialised arrays: they are written
-// before any constructor of the program runs.
-char taken_directory[4096];
+// What take_result_channel_at_start takes: plain zero-initialised storage of this file,
+// written before any constructor of the program runs, and reachable from nowhere else.
+bool channel_found = false;
+int channel_fd = -1;
 char taken_token[channel::kMaxTokenBytes + 1];
+char open_error[4096 + 256];  // room for the FIFO's path and the reason
 
 /// The value of `name` in `envp` (the environment as the loader passes it), or nullptr.
 /// Before the program's constructors, getenv may not see the environment yet; `envp` is it.
@@ -163,51 +166,63 @@ class ChannelReporter : public ::testing::EmptyTestEventListener {
 
 void take_result_channel_at_start(int /*argc*/, char** /*argv*/, char** envp) {
   char** entry = nullptr;
-  char* directory = find_variable(envp, channel::kChannelVariable, &entry);
-  if (directory == nullptr || taken_directory[0] != '\0') return;
-  const std::size_t length = std::strlen(directory);
-  if (length + 32 < sizeof taken_directory) std::memcpy(taken_directory, directory, length + 1);
+  char* found = find_variable(envp, channel::kChannelVariable, &entry);
+  if (found == nullptr || channel_found) return;
+  char directory[4096];
+  const std::size_t length = std::strlen(found);
+  if (length + 32 >= sizeof directory) return;
+  std::memcpy(directory, found, length + 1);
   // Remove the variable: overwrite its bytes (what /proc/self/environ shows) and take its
   // entry out of the list (what getenv searches), as unsetenv would.
-  std::memset(directory, 0, length);
+  std::memset(found, 0, length);
   for (char** next = entry; *next != nullptr; ++next) *next = *(next + 1);
-  if (taken_directory[0] == '\0') return;
+  channel_found = true;
 
-  // "<directory>/rank<r>.token", as channel::token_path makes it, with C calls only.
-  char token_file[sizeof taken_directory + 32];
-  const int written = std::snprintf(token_file, sizeof token_file, "%s/rank%d.token",
-                                    taken_directory, rank_from_environment(envp));
-  if (written <= 0 || static_cast<std::size_t>(written) >= sizeof token_file) return;
-  const int fd = open(token_file, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;  // the driver's channel is not there: report nothing
-  const ssize_t got = read(fd, taken_token, channel::kMaxTokenBytes);
-  close(fd);
+  // "<directory>/rank<r>.token" and "<directory>/rank<r>", as channel::token_path and
+  // channel::fifo_path make them, with C calls only.
+  const int rank = rank_from_environment(envp);
+  char token_file[sizeof directory + 32];
+  char fifo[sizeof directory + 32];
+  const int token_length =
+      std::snprintf(token_file, sizeof token_file, "%s/rank%d.token", directory, rank);
+  const int fifo_length = std::snprintf(fifo, sizeof fifo, "%s/rank%d", directory, rank);
+  if (token_length <= 0 || fifo_length <= 0) return;
+  if (const int fd = open(token_file, O_RDONLY | O_CLOEXEC); fd >= 0) {
+    const ssize_t got = read(fd, taken_token, channel::kMaxTokenBytes);
+    close(fd);
+    taken_token[got > 0 ? got : 0] = '\0';
+  }
   unlink(token_file);  // read once: nobody else in this process can read it after this
-  taken_token[got > 0 ? got : 0] = '\0';
-}
-
-ResultChannel taken_result_channel() {
-  return {taken_directory, taken_token};
-}
-
-bool report_results_to_driver(const ResultChannel& result_channel, int rank) {
-  if (!result_channel.present()) return true;
-  const std::string fifo = channel::fifo_path(result_channel.directory, rank);
   // O_NONBLOCK makes the open fail (ENXIO) instead of waiting forever when no driver reads
-  // the FIFO; the writes that follow block as usual.
-  int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+  // the FIFO; the writes that follow block as usual. The descriptor is moved high, so that a
+  // lab that closed or reused the low ones could not cut the program off from the driver.
+  int fd = open(fifo, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
-    std::fprintf(stderr, "check program: cannot open the results channel %s: %s\n", fifo.c_str(),
-                 std::strerror(errno));
-    return false;
+    std::snprintf(open_error, sizeof open_error, "cannot open the results channel %s: %s", fifo,
+                  std::strerror(errno));
+    return;
   }
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   if (const int high = fcntl(fd, F_DUPFD_CLOEXEC, kLowestChannelFd); high >= 0) {
     close(fd);
     fd = high;
   }
+  channel_fd = fd;
+}
+
+bool started_by_the_driver() {
+  return channel_found;
+}
+
+bool report_results_to_driver() {
+  if (!channel_found) return true;
+  if (channel_fd < 0 || taken_token[0] == '\0') {
+    std::fprintf(stderr, "check program: %s\n",
+                 open_error[0] != '\0' ? open_error : "the results channel has no token");
+    return false;
+  }
   ::testing::UnitTest::GetInstance()->listeners().Append(
-      new ChannelReporter(fd, result_channel.token));
+      new ChannelReporter(std::exchange(channel_fd, -1), taken_token));
   return true;
 }
 

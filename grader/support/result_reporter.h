@@ -2,20 +2,22 @@
 // grader/driver/result_channel.h): it sends the grade driver one line per GoogleTest event,
 // and the driver scores those lines only.
 //
-// Student code runs in the check program. So that it cannot read the run's token, a check
+// Lab code runs in the check program, so the channel must be out of its reach. A check
 // program takes the channel before any of its code runs: `DP_TAKE_RESULT_CHANNEL_AT_START()`,
 // written once at file scope in the file that defines main(), puts
 // `take_result_channel_at_start` into the program's .preinit_array, which the loader runs
-// before every constructor (a lab's static objects included). It reads and deletes the
-// token file and removes the channel's variable; main() then connects once it knows its
-// rank:
+// before every constructor. It reads and deletes the token file, removes the channel's
+// variable and opens this process's FIFO, keeping the descriptor and the token in this
+// file's own storage: no function returns them. What authenticates a line to the driver is
+// that it arrived through that descriptor, and writing to a descriptor takes a call the lab
+// audit refuses lab code (grader/audit/base.rules: write, dup2, syscall, ...); the token
+// only tells the driver's lines from any other writer's. main() then starts reporting:
 //
 //   DP_TAKE_RESULT_CHANNEL_AT_START();
 //
 //   int main(int argc, char** argv) {
-//     const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
 //     ::testing::InitGoogleTest(&argc, argv);
-//     dp::grading::report_results_to_driver(channel, /*rank=*/0);
+//     dp::grading::report_results_to_driver();
 //     return RUN_ALL_TESTS();
 //   }
 //
@@ -23,35 +25,27 @@
 // behaves as any GoogleTest program.
 #pragma once
 
-#include <string>
-
 namespace dp::grading {
 
-/// Where to send results and the token that makes the driver accept them.
-struct ResultChannel {
-  std::string directory;  ///< the directory with one FIFO per rank ($DPLAB_RESULT_CHANNEL)
-  std::string token;      ///< starts every line (read from the rank's token file)
-
-  /// True when the driver passed a channel and its token was read.
-  bool present() const { return !directory.empty() && !token.empty(); }
-};
-
 /// Takes the channel the driver passed: the directory from $DPLAB_RESULT_CHANNEL, which it
-/// removes from the environment (and from /proc/self/environ), and the token from the file
-/// of this process's rank (from Open MPI's environment; 0 otherwise), which it deletes. It
-/// uses C library calls only, as it runs before the program's constructors. Later calls do
-/// nothing. The arguments are those the loader passes (argc, argv, envp), unused.
+/// removes from the environment (and from /proc/self/environ); the token from the file of
+/// this process's rank (from Open MPI's environment; 0 otherwise), which it deletes; and the
+/// rank's FIFO, opened for writing on a high descriptor closed on exec. It uses C library
+/// calls only, as it runs before the program's constructors. Later calls do nothing. The
+/// arguments are those the loader passes (argc, argv, envp), unused but for envp.
 void take_result_channel_at_start(int argc, char** argv, char** envp);
 
-/// What `take_result_channel_at_start` took (empty when it found no channel).
-ResultChannel taken_result_channel();
+/// True when `take_result_channel_at_start` found the driver's channel (the program was
+/// started by `dplab grade`), whether or not its FIFO could be opened.
+bool started_by_the_driver();
 
-/// Opens rank `rank`'s FIFO of `channel` and appends a GoogleTest listener that sends every
-/// test's start and end (result, failure messages, the `dp::grading::note_measured` notes,
-/// seconds) and the program's end, each line opening with the token. Does nothing and returns
-/// true when `channel` is not present; prints why and returns false when the FIFO cannot be
-/// opened (the driver then scores every check as not reported). Call it before RUN_ALL_TESTS.
-bool report_results_to_driver(const ResultChannel& channel, int rank);
+/// Appends a GoogleTest listener that sends every test's start and end (result, failure
+/// messages, the `dp::grading::note_measured` notes, seconds) and the program's end on the
+/// channel taken at start, each line opening with the token. Does nothing and returns true
+/// when the program was not started by the driver; prints why and returns false when the
+/// channel could not be opened (the driver then scores every check as not reported). Call it
+/// once, before RUN_ALL_TESTS.
+bool report_results_to_driver();
 
 }  // namespace dp::grading
 

@@ -1,6 +1,7 @@
 // fake_checks: a stand-in for a lab's check program, for the grade driver's tests. It
 // reports on the driver's results channel with the same code as a real check program
-// (grader/support/result_reporter.h), and misbehaves on request.
+// (grader/support/result_reporter.h), and misbehaves on request (fake_thief.cpp plays a lab
+// that got hold of the channel and its token).
 //
 // FAKE_CHECKS_MODE picks the behaviour: unset or "normal" runs the tests below (some pass,
 // one fails with a message, one is skipped, one notes what it measured, two are
@@ -28,11 +29,20 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <string_view>
 #include <thread>
 
 #include "grading.h"
 #include "result_channel.h"
 #include "result_reporter.h"
+
+/// What a lab that got past the check program's defences would know: the channel's
+/// directory and the token (fake_thief.cpp copies them before the reporter takes them).
+extern char stolen_directory[4096];
+extern char stolen_token[dp::grader::channel::kMaxTokenBytes + 1];
+/// The rank this fake reports as: $FAKE_CHECKS_RANK, else $OMPI_COMM_WORLD_RANK, else 0, read
+/// from `envp` (fake_thief.cpp, which needs it before getenv works).
+int fake_rank_in(char** envp);
 
 namespace {
 
@@ -42,10 +52,7 @@ std::string mode() {
 }
 
 int rank() {
-  // Under mpirun, Open MPI's own variable: this fake does not start MPI.
-  for (const char* name : {"FAKE_CHECKS_RANK", "OMPI_COMM_WORLD_RANK"})
-    if (const char* value = std::getenv(name)) return std::atoi(value);
-  return 0;
+  return fake_rank_in(environ);
 }
 
 TEST(FakeChecks, Passes) {
@@ -84,9 +91,8 @@ TEST(FakeChecks, SeesNoChannelVariables) {
                                  std::istreambuf_iterator<char>());
   EXPECT_EQ(environ_text.find("dplab-results-"), std::string::npos)
       << "the channel's directory is still readable in /proc/self/environ";
-  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
-  if (channel.present()) {
-    std::ifstream token_file(dp::grader::channel::token_path(channel.directory, rank()));
+  if (stolen_directory[0] != '\0') {
+    std::ifstream token_file(dp::grader::channel::token_path(stolen_directory, rank()));
     EXPECT_FALSE(token_file.good()) << "the token file is still there";
   }
 }
@@ -176,9 +182,9 @@ int forge_a_pass() {
   return 0;
 }
 
-/// Writes lines the driver must ignore to rank 0's FIFO.
-void send_lines_without_token(const dp::grading::ResultChannel& channel) {
-  const std::string fifo = dp::grader::channel::fifo_path(channel.directory, rank());
+/// Writes lines the driver must ignore to this rank's FIFO.
+void send_lines_without_token() {
+  const std::string fifo = dp::grader::channel::fifo_path(stolen_directory, rank());
   const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
   if (fd < 0) return;
   const std::string lines =
@@ -186,8 +192,22 @@ void send_lines_without_token(const dp::grading::ResultChannel& channel) {
       "0123456789abcdef0123456789abcdef {\"event\": \"end\", \"test\": "
       "\"FakeChecks.FailsWithFeedback\", \"result\": \"passed\"}\n"
       "[       OK ] FakeChecks.FailsWithFeedback (0 ms)\n" +
-      channel.token + " this is not an event\n";
+      std::string(stolen_token) + " this is not an event\n";
   if (write(fd, lines.data(), lines.size()) != static_cast<ssize_t>(lines.size()))
+    std::perror("fake_checks: write");
+  close(fd);
+}
+
+/// What a lab that got hold of the token would send: a pass for a check that fails, before
+/// the check program's own reporter sends anything.
+void send_a_forged_pass_with_the_token() {
+  const std::string fifo = dp::grader::channel::fifo_path(stolen_directory, rank());
+  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd < 0) return;
+  const std::string line = std::string(stolen_token) +
+                           " {\"event\": \"end\", \"test\": \"FakeChecks.FailsWithFeedback\", "
+                           "\"result\": \"passed\", \"failure\": \"\", \"seconds\": 0}\n";
+  if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
     std::perror("fake_checks: write");
   close(fd);
 }
@@ -196,30 +216,15 @@ void send_lines_without_token(const dp::grading::ResultChannel& channel) {
 
 DP_TAKE_RESULT_CHANNEL_AT_START();
 
-/// What a lab that got hold of the token would send: a pass for a check that fails, before
-/// the check program's own reporter sends anything.
-void send_a_forged_pass_with_the_token(const dp::grading::ResultChannel& channel) {
-  const std::string fifo = dp::grader::channel::fifo_path(channel.directory, rank());
-  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
-  if (fd < 0) return;
-  const std::string line = channel.token +
-                           " {\"event\": \"end\", \"test\": \"FakeChecks.FailsWithFeedback\", "
-                           "\"result\": \"passed\", \"failure\": \"\", \"seconds\": 0}\n";
-  if (write(fd, line.data(), line.size()) != static_cast<ssize_t>(line.size()))
-    std::perror("fake_checks: write");
-  close(fd);
-}
-
 int main(int argc, char** argv) {
-  const dp::grading::ResultChannel channel = dp::grading::taken_result_channel();
   ::testing::InitGoogleTest(&argc, argv);
   const std::string how = mode();
   std::printf("fake_checks: mode %s\n", how.c_str());
   std::fflush(stdout);
   if (how == "no_report") return 3;
   if (how == "forged") return forge_a_pass();
-  if (how == "untokened") send_lines_without_token(channel);
-  if (how == "forged_with_token") send_a_forged_pass_with_the_token(channel);
-  dp::grading::report_results_to_driver(channel, rank());
+  if (how == "untokened") send_lines_without_token();
+  if (how == "forged_with_token") send_a_forged_pass_with_the_token();
+  dp::grading::report_results_to_driver();
   return RUN_ALL_TESTS();
 }
