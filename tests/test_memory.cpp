@@ -12,14 +12,27 @@
 #include "dp/tensor.h"
 
 namespace dp {
+
+/// The tracker's accounting entry points are private (only tensors charge it); its tests
+/// reach them through this fixture, which memory.h names a friend.
+class MemoryTrackerTest : public ::testing::Test {
+ protected:
+  static void allocate(MemoryTracker& tracker, MemoryCategory category, std::size_t bytes) {
+    tracker.on_allocate(category, bytes);
+  }
+  static void release(MemoryTracker& tracker, MemoryCategory category, std::size_t bytes) {
+    tracker.on_release(category, bytes);
+  }
+};
+
 namespace {
 
-TEST(MemoryTracker, CurrentAndPeakPerCategory) {
+TEST_F(MemoryTrackerTest, CurrentAndPeakPerCategory) {
   MemoryTracker tracker;
-  tracker.on_allocate(MemoryCategory::kParameters, 100);
-  tracker.on_allocate(MemoryCategory::kGradients, 50);
-  tracker.on_release(MemoryCategory::kParameters, 100);
-  tracker.on_allocate(MemoryCategory::kParameters, 30);
+  allocate(tracker, MemoryCategory::kParameters, 100);
+  allocate(tracker, MemoryCategory::kGradients, 50);
+  release(tracker, MemoryCategory::kParameters, 100);
+  allocate(tracker, MemoryCategory::kParameters, 30);
   EXPECT_EQ(tracker.current(MemoryCategory::kParameters), 30u);
   EXPECT_EQ(tracker.peak(MemoryCategory::kParameters), 100u);
   EXPECT_EQ(tracker.current_total(), 80u);
@@ -27,15 +40,15 @@ TEST(MemoryTracker, CurrentAndPeakPerCategory) {
   tracker.reset_peaks();
   EXPECT_EQ(tracker.peak(MemoryCategory::kParameters), 30u);
   EXPECT_EQ(tracker.peak_total(), 80u);
-  EXPECT_THROW(tracker.on_release(MemoryCategory::kGradients, 51), InvariantError);
+  EXPECT_THROW(release(tracker, MemoryCategory::kGradients, 51), InvariantError);
 }
 
-TEST(MemoryTracker, CountsAllocationsPerCategoryAndNeverForgetsThem) {
+TEST_F(MemoryTrackerTest, CountsAllocationsPerCategoryAndNeverForgetsThem) {
   MemoryTracker tracker;
-  tracker.on_allocate(MemoryCategory::kCommunication, 64);
-  tracker.on_release(MemoryCategory::kCommunication, 64);
-  tracker.on_allocate(MemoryCategory::kCommunication, 64);
-  tracker.on_allocate(MemoryCategory::kGradients, 8);
+  allocate(tracker, MemoryCategory::kCommunication, 64);
+  release(tracker, MemoryCategory::kCommunication, 64);
+  allocate(tracker, MemoryCategory::kCommunication, 64);
+  allocate(tracker, MemoryCategory::kGradients, 8);
   // A buffer freed and made again counts twice: reuse means no allocation at all.
   EXPECT_EQ(tracker.allocations(MemoryCategory::kCommunication), 2u);
   EXPECT_EQ(tracker.allocations(MemoryCategory::kGradients), 1u);
@@ -107,14 +120,14 @@ TEST(RankMemory, EveryLocalRankHasItsOwnAccounts) {
   EXPECT_EQ(seen, (std::vector<std::size_t>{4000, 8000, 12000}));
 }
 
-TEST(MemoryBudget, AnAllocationPastItThrowsAndChargesNothing) {
+TEST_F(MemoryTrackerTest, ABudgetRefusesAnAllocationPastItAndChargesNothing) {
   MemoryTracker tracker;
   tracker.set_budget(1000);
-  tracker.on_allocate(MemoryCategory::kParameters, 600);
-  tracker.on_allocate(MemoryCategory::kGradients, 400);  // exactly the budget: fine
-  tracker.on_release(MemoryCategory::kGradients, 400);
+  allocate(tracker, MemoryCategory::kParameters, 600);
+  allocate(tracker, MemoryCategory::kGradients, 400);  // exactly the budget: fine
+  release(tracker, MemoryCategory::kGradients, 400);
   try {
-    tracker.on_allocate(MemoryCategory::kOptimizerState, 401);
+    allocate(tracker, MemoryCategory::kOptimizerState, 401);
     FAIL() << "an allocation past the budget was accepted";
   } catch (const OutOfMemory& error) {
     const std::string message = error.what();
@@ -128,7 +141,7 @@ TEST(MemoryBudget, AnAllocationPastItThrowsAndChargesNothing) {
   EXPECT_EQ(tracker.allocations(MemoryCategory::kOptimizerState), 0u);
   EXPECT_THROW(tracker.set_budget(599), Error);  // less than what is live
   tracker.set_budget(std::nullopt);
-  tracker.on_allocate(MemoryCategory::kOptimizerState, 1 << 20);
+  allocate(tracker, MemoryCategory::kOptimizerState, 1 << 20);
 }
 
 TEST(MemoryBudget, LaunchGivesEveryRankTheBudgetAndTheErrorNamesTheRank) {

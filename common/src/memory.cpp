@@ -152,7 +152,11 @@ void* CachingAllocator::allocate(std::size_t bytes) {
       return block;
     }
   }
-  void* block = std::aligned_alloc(kAlignment, size);
+  void* block = nullptr;
+  {
+    const detail::UncountedHeapAllocations tensor_memory;  // the tracker accounts for it
+    block = std::aligned_alloc(kAlignment, size);
+  }
   if (block == nullptr) throw std::bad_alloc();
   return block;
 }
@@ -172,6 +176,7 @@ std::size_t CachingAllocator::cached_bytes() const {
 
 void CachingAllocator::release_cached() {
   std::lock_guard lock(mutex_);
+  const detail::UncountedHeapAllocations tensor_memory;
   for (auto& [size, blocks] : free_blocks_)
     for (void* block : blocks) std::free(block);
   free_blocks_.clear();
@@ -211,5 +216,35 @@ void configure_process_allocator() {
   // mapped, so their large temporaries would be faulted in again on every call.
   mallopt(M_ARENA_MAX, 1);
 }
+
+namespace detail {
+namespace {
+// A plain integer: no constructor, so it can be read from inside malloc on any thread.
+thread_local int uncounted_depth = 0;
+
+/// Keeps the compiler from moving memory accesses across this point. The compiler knows
+/// that malloc reads no memory of the program, so without it an increment before a malloc
+/// and the decrement after it could be merged into nothing, and the interposed malloc that
+/// reads `uncounted_depth` would see 0.
+void compiler_barrier() {
+  asm volatile("" ::: "memory");
+}
+}  // namespace
+
+UncountedHeapAllocations::UncountedHeapAllocations() {
+  ++uncounted_depth;
+  compiler_barrier();
+}
+
+UncountedHeapAllocations::~UncountedHeapAllocations() {
+  compiler_barrier();
+  --uncounted_depth;
+}
+
+bool heap_allocations_uncounted() {
+  return uncounted_depth > 0;
+}
+
+}  // namespace detail
 
 }  // namespace dp

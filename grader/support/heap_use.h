@@ -1,8 +1,9 @@
-// heap_use.h: how much memory the calling thread has taken from operator new.
+// heap_use.h: how much memory the calling thread has taken from the heap.
 //
-// Check programs replace the global operator new (heap_use.cpp, linked into every check
-// program through its main()) with one that counts, per thread, the allocations and bytes
-// it hands out. A check reads the count before and after a piece of lab code that must
+// Check programs replace the global operator new and the C library's malloc family
+// (heap_use.cpp, linked into every check program through its main()) with ones that count,
+// per thread, the allocations and bytes they hand out; the runtime leaves its own blocks out
+// of the count (dp::detail::UncountedHeapAllocations). A check reads the count before and after a piece of lab code that must
 // reuse its buffers, on that code's own thread, and subtracts: a fresh std::vector or any
 // other heap buffer shows up, whoever else allocates on other threads meanwhile. Tensors
 // come from the rank's caching allocator instead, which `MemoryTracker::allocations`
@@ -25,9 +26,9 @@ namespace dp::grading {
 /// arrives first; large allocations do not, so checks can demand none at all.
 inline constexpr std::uint64_t kLargeAllocationBytes = 1024;
 
-/// Allocations and bytes operator new handed out on one thread.
+/// Allocations and bytes operator new and the malloc family handed out on one thread.
 struct HeapUse {
-  std::uint64_t allocations = 0;  ///< calls of operator new (every form)
+  std::uint64_t allocations = 0;  ///< calls of operator new (every form) and of malloc & co.
   std::uint64_t bytes = 0;        ///< bytes requested
   std::uint64_t large_bytes =
       0;  ///< bytes requested by allocations of kLargeAllocationBytes or more
@@ -39,8 +40,8 @@ struct HeapUse {
   }
 };
 
-/// What operator new has handed out on the calling thread since the thread started; zeros
-/// in a program without the counting operator new.
+/// What operator new and the malloc family have handed out on the calling thread since the
+/// thread started; zeros in a program without the counting functions.
 HeapUse heap_use_of_this_thread();
 
 }  // namespace dp::grading

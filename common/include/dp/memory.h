@@ -56,15 +56,14 @@ class OutOfMemory : public Error {
   using Error::Error;
 };
 
+class Tensor;
+
 /// Current and peak bytes per category for one rank. Thread-safe.
+///
+/// Only tensors charge it (as they are allocated and freed): its accounting entry points are
+/// private, so that the graded lab code it measures cannot charge or release bytes by hand.
 class MemoryTracker {
  public:
-  /// Records that `bytes` were allocated under `category`. Throws `OutOfMemory`, and
-  /// records nothing, when that would take `current_total()` past the budget.
-  void on_allocate(MemoryCategory category, std::size_t bytes);
-  /// Records that `bytes` under `category` were released.
-  void on_release(MemoryCategory category, std::size_t bytes);
-
   /// Bytes currently live under `category`.
   std::size_t current(MemoryCategory category) const;
   /// Highest value `current(category)` reached since construction or `reset_peaks()`.
@@ -88,6 +87,15 @@ class MemoryTracker {
   std::optional<std::size_t> budget() const;
 
  private:
+  friend class Tensor;             // charges its memory as it allocates and frees it
+  friend class MemoryTrackerTest;  // the runtime's unit tests (tests/test_memory.cpp)
+
+  /// Records that `bytes` were allocated under `category`. Throws `OutOfMemory`, and
+  /// records nothing, when that would take `current_total()` past the budget.
+  void on_allocate(MemoryCategory category, std::size_t bytes);
+  /// Records that `bytes` under `category` were released.
+  void on_release(MemoryCategory category, std::size_t bytes);
+
   mutable std::mutex mutex_;
   std::optional<std::size_t> budget_;
   std::array<std::size_t, kNumMemoryCategories> current_{};
@@ -164,5 +172,26 @@ class ScopedRankMemory {
 /// re-faulted on each use (an MPI_Allreduce of 64 MiB drops from 3.4 to 0.17 GB/s when
 /// its temporaries come from fresh mmap memory). Idempotent; `dp::launch` calls it.
 void configure_process_allocator();
+
+namespace detail {
+
+/// While one exists on a thread, the check programs' count of heap allocations
+/// (grader/support/heap_use.h, which counts operator new and the malloc family per thread)
+/// leaves that thread's malloc family out: the runtime opens one around the blocks it takes
+/// for itself (tensor memory, which the `MemoryTracker` accounts for; copies of messages in
+/// flight; what MPI allocates inside a call), so that the count is what lab code took. Not
+/// for lab code: the lab audit refuses it.
+class UncountedHeapAllocations {
+ public:
+  UncountedHeapAllocations();
+  ~UncountedHeapAllocations();
+  UncountedHeapAllocations(const UncountedHeapAllocations&) = delete;
+  UncountedHeapAllocations& operator=(const UncountedHeapAllocations&) = delete;
+};
+
+/// True while an `UncountedHeapAllocations` exists on the calling thread.
+bool heap_allocations_uncounted();
+
+}  // namespace detail
 
 }  // namespace dp
