@@ -1,14 +1,19 @@
 // dplab grade: runs each lab's checks in its own process and prints the score table.
 //
-//   dplab grade                      # every lab, local backend
+//   dplab grade                      # every lab, local backend, host and emulated device
 //   dplab grade --lab 2              # one lab
 //   dplab grade --backend mpi -n 4   # the check programs under mpirun, 4 processes
-//   dplab grade --device emulated    # the lab code's tensors on the emulated CUDA device
+//   dplab grade --device host        # only with the lab code's tensors in host memory
+//   dplab grade --device emulated    # only on the emulated CUDA device
 //   dplab grade --device cuda --backend nccl   # on this machine's GPUs (1 or 2 ranks)
 //   dplab grade --json results.json --junit grades.xml   # Gradescope and CI reports
 //   dplab grade --seed 1234          # repeat a run: the checks draw from the same seed
 //   dplab grade --sanitize thread    # the ThreadSanitizer builds (cmake -DDP_GRADE_TSAN=ON)
 //   dplab grade --lab 3 --check Lab3Ring.EqualsTheEmulation   # one check (others score 0)
+//
+// Before a lab's check program starts, the lab audit (grader/audit/lab_audit.h) checks the
+// lab's sources and compiled objects: code that uses anything the rules do not allow (files,
+// processes, the grader's internals, ...) scores 0 without any of it running.
 //
 // Every run has a grading seed, printed at the top of the score table: the checks draw
 // their world sizes, batch sizes, ... from it, so a hard-coded answer fails, and --seed
@@ -30,6 +35,7 @@
 #include <filesystem>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -40,6 +46,7 @@
 #include "dp/launch.h"
 #include "dp/output_file.h"
 #include "dp/tensor.h"
+#include "lab_audit.h"
 #include "mpirun.h"
 #include "option_checks.h"
 #include "report.h"
@@ -66,7 +73,9 @@ constexpr bool kReferenceBuild = false;
 struct GradeArguments {
   int lab = 0;  // 0: every lab
   std::string backend = "local";
-  std::string device = "host";  // where the checks put the lab code's tensors
+  // Where the checks put the lab code's tensors; "" (the default): on the local backend both
+  // "host" and "emulated", one run each, a check passing only when it passes in both.
+  std::string device;
   int ranks = -1;  // -1: not given (2 under mpi); local checks pick their own world sizes
   std::string json_file;
   std::string junit_file;
@@ -147,12 +156,13 @@ int mpi_processes(const GradeArguments& args) {
 }
 
 grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
-                                const std::filesystem::path& bin, std::uint64_t seed) {
+                                const std::filesystem::path& bin, std::uint64_t seed,
+                                const std::string& device) {
   grader::RunRequest request;
   request.program = bin / check_program_name(lab.number, args);
   request.backend = args.backend;
   request.environment[grader::channel::kSeedVariable] = std::to_string(seed);
-  request.environment["DPLAB_TEST_DEVICE"] = args.device;
+  request.environment["DPLAB_TEST_DEVICE"] = device;
   request.time_limit = timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
   if (!args.checks.empty())
     request.arguments.push_back(fmt::format("--gtest_filter={}", fmt::join(args.checks, ":")));
@@ -174,6 +184,53 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
   return request;
 }
 
+/// The lab audit of the code `program` was built from (grader/audit/lab_audit.h), done
+/// before any of it runs: nothing when the audit passes (or the program is missing, which
+/// the runner reports), else a run that never started, saying what was refused.
+std::optional<grader::RunResult> refused_by_audit(const std::filesystem::path& program,
+                                                  const LabEntry& lab,
+                                                  const std::filesystem::path& grader_directory) {
+  if (!std::filesystem::exists(program)) return std::nullopt;
+  grader::RunResult refused;
+  refused.program = program.string();
+  try {
+    const std::filesystem::path manifest = grader::audit::LabCode::manifest_of(program);
+    if (!std::filesystem::exists(manifest))
+      throw Error(
+          fmt::format("{} has no lab manifest {} beside it (rebuild it: cmake --build "
+                      "<build dir>)",
+                      program.filename().string(), manifest.string()));
+    const grader::audit::AuditReport report =
+        grader::audit::audit_lab_code(grader::audit::LabCode::load(manifest),
+                                      lab.rubric.parent_path(), grader_directory / "audit");
+    if (report.passed()) return std::nullopt;
+    refused.status = grader::RunStatus::kRefused;
+    refused.start_error = report.summary();
+  } catch (const Error& error) {
+    refused.status = grader::RunStatus::kFailedToStart;
+    refused.start_error =
+        fmt::format("the lab audit could not be done, so the lab was not run: {}", error.what());
+  }
+  return refused;
+}
+
+/// The devices each lab is graded on: --device, or by default the host and the emulated
+/// CUDA device on the local backend (the second run shows that lab code never reads a device
+/// tensor's memory on the host, which a GPU would not survive), the host under mpi (which
+/// takes host buffers only).
+std::vector<std::string> devices_to_grade(const GradeArguments& args) {
+  if (!args.device.empty()) return {args.device};
+  if (args.backend == "local") return {"host", "emulated"};
+  return {"host"};
+}
+
+/// How a device is named where a check's feedback says which run failed.
+std::string device_run_name(const std::string& device) {
+  if (device == "host") return "on the host";
+  if (device == "emulated") return "on the emulated CUDA device (your tensors on a device)";
+  return "on the device " + device;
+}
+
 void grade(const GradeArguments& args) {
   if (args.backend != "local" && args.backend != "mpi" && args.backend != "nccl")
     throw Error(
@@ -182,8 +239,8 @@ void grade(const GradeArguments& args) {
     throw Error(
         "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
         "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
-  select_device(args.device);  // a known name, and a GPU for "cuda"
-  if (args.device != "host" && args.backend == "mpi")
+  if (!args.device.empty()) select_device(args.device);  // a known name, and a GPU for "cuda"
+  if (!args.device.empty() && args.device != "host" && args.backend == "mpi")
     throw Error(fmt::format(
         "--device {} with --backend mpi: the mpi backend takes host buffers only; grade on a "
         "device with --backend local (ranks as threads sharing the GPU) or nccl",
@@ -192,6 +249,8 @@ void grade(const GradeArguments& args) {
     throw Error(
         "--device emulated with --backend nccl: NCCL needs real GPUs; grade the emulated "
         "device on --backend local");
+  if (args.backend == "nccl" && args.device.empty())
+    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
   if (args.backend == "nccl" && args.device != "cuda")
     throw Error("--backend nccl takes device buffers only: give --device cuda as well");
   if (args.backend == "nccl" && args.ranks >= 3)
@@ -278,12 +337,26 @@ void grade(const GradeArguments& args) {
   report.backend = under_mpirun(args)
                        ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
                        : "local";
-  if (args.device != "host") report.backend += fmt::format(", device {}", args.device);
+  const std::vector<std::string> devices = devices_to_grade(args);
+  if (devices.size() > 1)
+    report.devices = "on the host and on the emulated CUDA device";
+  else if (devices.front() != "host")
+    report.devices = fmt::format("device {}", devices.front());
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
-    const grader::RunResult run = grader::run_check_program(make_request(args, labs[i], bin, seed));
-    report.labs.push_back(grader::score_lab(rubrics[i], run));
+    const std::filesystem::path program = bin / check_program_name(labs[i].number, args);
+    if (const std::optional<grader::RunResult> refused = refused_by_audit(program, labs[i], dir)) {
+      report.labs.push_back(grader::score_lab(rubrics[i], *refused));
+      continue;
+    }
+    std::vector<std::pair<std::string, grader::LabResult>> runs;
+    for (const std::string& device : devices) {
+      const grader::RunResult run =
+          grader::run_check_program(make_request(args, labs[i], bin, seed, device));
+      runs.emplace_back(device_run_name(device), grader::score_lab(rubrics[i], run));
+    }
+    report.labs.push_back(grader::combine_runs(runs));
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -309,12 +382,12 @@ void add_grade_command(CLI::App& app) {
                    "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "
                    "tensors on the GPU)")
       ->capture_default_str();
-  grade_app
-      ->add_option("--device", args->device,
-                   "Where the checks put your models and tensors: host, cuda (the GPU), or "
-                   "emulated (the CUDA device emulated in host memory: proves that your code "
-                   "never reads a device tensor's memory on the host)")
-      ->capture_default_str();
+  grade_app->add_option("--device", args->device,
+                        "Where the checks put your models and tensors: host, cuda (the GPU), or "
+                        "emulated (the CUDA device emulated in host memory: proves that your code "
+                        "never reads a device tensor's memory on the host). Default: on the local "
+                        "backend, a run on the host and one on the emulated device (a check passes "
+                        "when it passes in both); under mpi, the host");
   grade_app->add_option("-n,--ranks", args->ranks,
                         "Processes under mpirun: for --backend mpi (default 2), or nccl (one per "
                         "GPU; without -n, one process drives the GPUs); local checks pick their "

@@ -118,13 +118,23 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
     lab.problem = run.summary();
     lab.output_tail = run.output_tail;
   }
-  const bool never_ran =
-      run.status == RunStatus::kMissing || run.status == RunStatus::kFailedToStart;
+  const bool never_ran = run.status == RunStatus::kMissing ||
+                         run.status == RunStatus::kFailedToStart ||
+                         run.status == RunStatus::kRefused;
   lab.sanitizer_report = run.sanitizer_report;
   for (const RubricCheck& check : rubric.checks) {
     CheckResult result;
     result.check = check;
-    if (never_ran) {
+    if (run.status == RunStatus::kRefused) {
+      // The lab's report lists every finding; each check says why it did not run.
+      const std::vector<std::string> lines = split_lines(lab.problem);
+      std::string first = lines.size() > 1 ? lines[1] : "";
+      first.erase(0, first.find_first_not_of(' '));
+      result.feedback = fmt::format(
+          "not run: the lab audit refused the lab's code, so none of it ran (the lab's report "
+          "lists what){}",
+          first.empty() ? "" : ":\n" + first);
+    } else if (never_ran) {
       result.feedback = "not run: " + lab.problem;
     } else if (const auto it = run.tests.find(check.test); it == run.tests.end()) {
       // Only what arrived on the driver's channel counts: no result, no points.
@@ -170,6 +180,42 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   return lab;
 }
 
+LabResult combine_runs(const std::vector<std::pair<std::string, LabResult>>& runs) {
+  if (runs.empty()) throw Error("combine_runs: no run to combine");
+  if (runs.size() == 1) return runs.front().second;
+  LabResult lab = runs.front().second;
+  lab.problem.clear();
+  lab.notices.clear();
+  lab.seconds = 0;
+  for (const auto& [name, run] : runs) {
+    if (!run.problem.empty()) {
+      lab.problem += fmt::format("{}{}: {}", lab.problem.empty() ? "" : "; ", name, run.problem);
+      if (lab.output_tail.empty()) lab.output_tail = run.output_tail;
+    }
+    for (const std::string& notice : run.notices)
+      lab.notices.push_back(fmt::format("{}: {}", name, notice));
+    if (lab.sanitizer_report.empty()) lab.sanitizer_report = run.sanitizer_report;
+    lab.seconds += run.seconds;
+  }
+  for (std::size_t i = 0; i < lab.checks.size(); ++i) {
+    CheckResult& check = lab.checks[i];
+    std::vector<std::string> failures;
+    check.passed = true;
+    check.reported = true;
+    check.seconds = 0;
+    for (const auto& [name, run] : runs) {
+      const CheckResult& in_run = run.checks.at(i);
+      check.passed = check.passed && in_run.passed;
+      check.reported = check.reported && in_run.reported;
+      check.seconds += in_run.seconds;
+      if (!in_run.passed) failures.push_back(fmt::format("{}: {}", name, in_run.feedback));
+    }
+    check.feedback = fmt::format("{}", fmt::join(failures, "\n"));
+    check.earned = check.passed ? check.check.points : 0;
+  }
+  return lab;
+}
+
 std::string seed_line(std::uint64_t seed) {
   return fmt::format("grading seed {0} (repeat this run with --seed {0})", seed);
 }
@@ -177,7 +223,8 @@ std::string seed_line(std::uint64_t seed) {
 std::string format_table(const GradeReport& report, int feedback_lines) {
   std::string out;
   if (report.seed) out += seed_line(*report.seed) + "\n";
-  out += fmt::format("dplab grade: {}, {} backend\n", report.implementation, report.backend);
+  out += fmt::format("dplab grade: {}, {} backend{}\n", report.implementation, report.backend,
+                     report.devices.empty() ? "" : ", " + report.devices);
   for (const LabResult& lab : report.labs) {
     out += fmt::format("\nlab {}: {}\n", lab.rubric.lab, lab.rubric.title);
     if (!lab.problem.empty()) {

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "rubric.h"
@@ -54,8 +55,11 @@ struct LabResult {
 
 /// Every lab graded in one `dplab grade`.
 struct GradeReport {
-  std::string implementation;         ///< whose code, e.g. "your code (labs/)"
-  std::string backend = "local";      ///< the backend the checks ran on
+  std::string implementation;     ///< whose code, e.g. "your code (labs/)"
+  std::string backend = "local";  ///< the backend the checks ran on
+  /// Where the lab code's tensors were, when not only on the host ("on the host and on the
+  /// emulated CUDA device", "on the device cuda"); "" for the host alone.
+  std::string devices;
   std::optional<std::uint64_t> seed;  ///< the grading seed the checks drew from, if known
   std::vector<LabResult> labs;        ///< in lab order
   double seconds = 0;                 ///< wall time of the whole grading
@@ -67,6 +71,13 @@ struct GradeReport {
 
 /// Scores `run` against `rubric`. A ThreadSanitizer report in the run fails every check.
 LabResult score_lab(const Rubric& rubric, const RunResult& run);
+
+/// One lab graded in several runs of its check program, e.g. {"on the host", ...} and
+/// {"on the emulated CUDA device ...", ...}: a check earns its points only when it passed in
+/// every run; a failed check's feedback says in which run it failed ("on the emulated CUDA
+/// device ...: <feedback>"); the notes are the first run's, the problems and notices every
+/// run's, each named, and the time is the runs' sum. One run comes back as it is.
+LabResult combine_runs(const std::vector<std::pair<std::string, LabResult>>& runs);
 
 /// The line that names the seed: "grading seed S (repeat this run with --seed S)".
 std::string seed_line(std::uint64_t seed);

@@ -405,6 +405,7 @@ std::string RunResult::summary() const {
     case RunStatus::kFinished: return "";
     case RunStatus::kMissing: return start_error;
     case RunStatus::kFailedToStart: return start_error;
+    case RunStatus::kRefused: return start_error;
     case RunStatus::kCrashed:
       return fmt::format("check program crashed (signal {})", signal_name(signal));
     case RunStatus::kTimedOut:

@@ -96,6 +96,7 @@ enum class RunStatus {
   kFinished,       ///< every process said that its tests had run
   kMissing,        ///< the check program does not exist (not built)
   kFailedToStart,  ///< it could not be started (e.g. mpirun is not installed)
+  kRefused,        ///< the lab audit refused the lab's code, so it was not started
   kCrashed,        ///< killed by a signal
   kTimedOut,       ///< still running at the time limit: it was killed
   kIncomplete,     ///< it exited before every process said that its tests had run
@@ -109,7 +110,8 @@ struct RunResult {
   double seconds = 0;                         ///< wall time of the run
   double time_limit_seconds = 0;              ///< the limit it ran under
   std::string program;                        ///< the check program, for messages
-  std::string start_error;                    ///< why it did not start (kMissing, kFailedToStart)
+  /// Why it did not start (kMissing, kFailedToStart), or what the lab audit refused (kRefused).
+  std::string start_error;
   /// Its stdout and stderr: at most `kOutputCapBytes`, the middle left out with a note.
   std::string output;
   std::string output_tail;                   ///< the last lines of `output`

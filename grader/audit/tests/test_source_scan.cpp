@@ -1,0 +1,89 @@
+// Tests of the audit's reading of a lab's sources.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "source_scan.h"
+
+namespace dp::grader::audit {
+namespace {
+
+IncludePolicy lab1_policy() {
+  return {"lab1.h", {"dp/tensor.h", "dp/comm.h"}};
+}
+
+/// "line:what" of every finding, for compact expectations.
+std::vector<std::string> found(std::string_view text) {
+  std::vector<std::string> result;
+  for (const SourceFinding& finding : scan_lab_source("x.cpp", text, lab1_policy()))
+    result.push_back(std::to_string(finding.line) + ":" + finding.what);
+  return result;
+}
+
+using Found = std::vector<std::string>;
+
+TEST(SourceScan, CleanLabCodePasses) {
+  EXPECT_EQ(found("// sampler.cpp: lab 1's sampler.\n"
+                  "#include \"lab1.h\"\n"
+                  "#include <fmt/format.h>\n"
+                  "#include <vector>\n"
+                  "#include \"dp/tensor.h\"\n"
+                  "namespace dp::lab1 {\n"
+                  "[[nodiscard]] int f(int x) { return static_cast<int>(1'000 * x + 0x1F) % _1; }\n"
+                  "const char* kText = R\"(a \"quoted\" asm word)\";\n"
+                  "char quote = '\\'';  // union, reinterpret_cast in a comment\n"
+                  "/* #pragma once, __builtin_trap() */\n"
+                  "}\n"),
+            Found{});
+}
+
+TEST(SourceScan, FindsTheWaysOutOfTheLanguage) {
+  EXPECT_EQ(found("int a = reinterpret_cast<long>(&a);\n"), Found{"1:reinterpret_cast"});
+  EXPECT_EQ(found("void f() { asm(\"syscall\"); }\n"), Found{"1:asm"});
+  EXPECT_EQ(found("void f() { __asm__ volatile(\"nop\"); }\n"), Found{"1:__asm__"});
+  EXPECT_EQ(found("__attribute__((constructor)) void f() {}\n"), Found{"1:__attribute__"});
+  EXPECT_EQ(found("[[gnu::constructor]] void f() {}\n"), Found{"1:[[gnu::...]]"});
+  EXPECT_EQ(found("<:<:gnu::constructor:>:> void f() {}\n"), Found{"1:[[gnu::...]]"});
+  EXPECT_EQ(found("union U { float f; int i; };\n"), Found{"1:union"});
+  EXPECT_EQ(found("thread_local int n;\n"), Found{"1:thread_local"});
+  EXPECT_EQ(found("extern \"C\" int write(int, const void*, unsigned long);\n"), Found{"1:extern"});
+  EXPECT_EQ(found("std::uintptr_t p = 0;\n"), Found{"1:uintptr_t"});
+  EXPECT_EQ(found("auto s = __gnu_cxx::x;\n"), Found{"1:__gnu_cxx"});
+  EXPECT_EQ(found("int _fileno = 3;\n"), Found{"1:_fileno"});
+  EXPECT_EQ(found("int x = __builtin_frame_address(0);\n"), Found{"1:__builtin_frame_address"});
+}
+
+TEST(SourceScan, FindsPreprocessorTricks) {
+  EXPECT_EQ(found("#define CAT(a, b) a##b\n"), Found{"1:##"});
+  EXPECT_EQ(found("#pragma GCC optimize(\"O0\")\n"), Found{"1:#pragma"});
+  EXPECT_EQ(found("%:pragma once\n"), Found{"1:#pragma"});
+  EXPECT_EQ(found("_Pragma(\"x\")\n"), Found{"1:_Pragma"});
+  // Phase 2 joins the lines before the tokens are read, so a split word is found whole.
+  EXPECT_EQ(found("int a;\nauto b = reinterpret_\\\ncast<long>(&a);\n"),
+            Found{"2:reinterpret_cast"});
+  EXPECT_EQ(found("int \\u0061sm;\n"), Found{"1:\\u"});
+}
+
+TEST(SourceScan, IncludesOnlyTheStandardLibraryTheRuntimeTheContractAndFmt) {
+  EXPECT_EQ(found("#include <unistd.h>\n"), Found{"1:#include <unistd.h>"});
+  EXPECT_EQ(found("#include <thread>\n#include <fstream>\n"),
+            Found({"1:#include <thread>", "2:#include <fstream>"}));
+  EXPECT_EQ(found("#include \"grading.h\"\n"), Found{"1:#include \"grading.h\""});
+  EXPECT_EQ(found("#include \"../../grader/support/grading.h\"\n"),
+            Found{"1:#include \"../../grader/support/grading.h\""});
+  EXPECT_EQ(found("#include <gtest/gtest.h>\n"), Found{"1:#include <gtest/gtest.h>"});
+  EXPECT_EQ(found("#include \"lab2.h\"\n"), Found{"1:#include \"lab2.h\""});
+  EXPECT_EQ(found("#define HEADER <unistd.h>\n#include HEADER\n"), Found{"2:#include"});
+  EXPECT_EQ(found("#include_next <vector>\n"), Found{"1:#include_next"});
+  EXPECT_EQ(found("#include <cmath>\n#include \"dp/comm.h\"\n#include <fmt/format.h>\n"), Found{});
+}
+
+TEST(SourceScan, FindsPathsIntoTheProcessAndTheGradersVariables) {
+  EXPECT_EQ(found("const char* p = \"/proc/self/maps\";\n"), Found{"1:\".../proc...\""});
+  EXPECT_EQ(found("auto v = u8\"DPLAB_GRADE_SEED\";\n"), Found{"1:\"...DPLAB_...\""});
+  EXPECT_EQ(found("auto v = R\"x(/dev/null)x\";\n"), Found{"1:\".../dev/...\""});
+}
+
+}  // namespace
+}  // namespace dp::grader::audit
