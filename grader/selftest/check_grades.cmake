@@ -17,6 +17,9 @@
 #            points; the variant's check program must exist and start. Only those checks
 #            run (`dplab grade --check`): the others cannot show what the bug must lose,
 #            and skipping them is most of the selftests' time.
+# MODE refused: a planted cheat: every graded check scored 0 because the lab audit refused
+#            the lab's code (nothing of it ran), and the output names each thing the
+#            EXPECT file's "cheat: TEXT" lines give.
 cmake_minimum_required(VERSION 3.25)
 
 foreach(variable DPLAB ARGS MODE LAB OUT)
@@ -50,6 +53,23 @@ macro(fail_seed)
   string(CONCAT failure_text ${ARGV})
   message("${table}${errors}")
   message(FATAL_ERROR "grading seed ${seed}: ${failure_text}")
+endmacro()
+
+# expect_every_check_zero(what): every graded check of ${results} scored 0, and dplab grade
+# exited with a failure; `what` names the code graded ("the untouched skeleton").
+macro(expect_every_check_zero what)
+  math(EXPR last "${test_count} - 1")
+  foreach(i RANGE ${last})
+    string(JSON name GET "${results}" tests ${i} name)
+    string(JSON score GET "${results}" tests ${i} score)
+    if(NOT score EQUAL 0)
+      fail_seed("${what} earned ${score} points on '${name}': a check that passes without the "
+                "lab's work checks nothing")
+    endif()
+  endforeach()
+  if(exit_code EQUAL 0)
+    fail_seed("dplab grade exited 0 for ${what}, which scored 0")
+  endif()
 endmacro()
 
 # check_one_seed(seed): one `dplab grade --seed seed` and the assertions of MODE.
@@ -89,18 +109,7 @@ function(check_one_seed seed)
                             "fail check by check, not crash or hang")
       endif()
     endforeach()
-    math(EXPR last "${test_count} - 1")
-    foreach(i RANGE ${last})
-      string(JSON name GET "${results}" tests ${i} name)
-      string(JSON score GET "${results}" tests ${i} score)
-      if(NOT score EQUAL 0)
-        fail_seed("the untouched skeleton earned ${score} points on '${name}': a check "
-                            "that passes without the student's code checks nothing")
-      endif()
-    endforeach()
-    if(exit_code EQUAL 0)
-      fail_seed("dplab grade exited 0 for a skeleton that scored 0")
-    endif()
+    expect_every_check_zero("the untouched skeleton")
   elseif(MODE STREQUAL "lost")
     foreach(problem "not found \\(build it" "cannot start")
       if(output MATCHES "${problem}")
@@ -137,8 +146,27 @@ function(check_one_seed seed)
     if(exit_code EQUAL 0)
       fail_seed("dplab grade exited 0 although checks lost points")
     endif()
+  elseif(MODE STREQUAL "refused")
+    if(NOT DEFINED EXPECT OR NOT EXISTS "${EXPECT}")
+      fail_seed("MODE refused needs -DEXPECT=<file.expect>")
+    endif()
+    if(NOT output MATCHES "the lab audit refused")
+      fail_seed("the planted cheat was not refused by the lab audit: its code ran")
+    endif()
+    file(STRINGS ${EXPECT} cheat_lines REGEX "^cheat:")
+    if(NOT cheat_lines)
+      fail_seed("${EXPECT} has no 'cheat: TEXT' line naming what the audit must refuse")
+    endif()
+    foreach(line IN LISTS cheat_lines)
+      string(REGEX REPLACE "^cheat: *" "" named "${line}")
+      string(FIND "${output}" "${named}" at)
+      if(at EQUAL -1)
+        fail_seed("the audit's report does not name '${named}' (${EXPECT} says it must)")
+      endif()
+    endforeach()
+    expect_every_check_zero("the planted cheat")
   else()
-    fail_seed("unknown MODE '${MODE}': expected full, zero or lost")
+    fail_seed("unknown MODE '${MODE}': expected full, zero, lost or refused")
   endif()
 endfunction()
 
