@@ -85,9 +85,11 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
     memory->tracker().set_budget(options.memory_budget_bytes);
     ScopedRankMemory bind(std::move(memory));
     if (options.comm.completion != Completion::kAdversarial) return rank_main(comm);
-    const std::unique_ptr<Communicator> adversarial =
+    const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
         detail::make_adversarial(comm, options.comm.completion_seed);
     rank_main(*adversarial);
+    // A Work destroyed unwaited as the function returned may have found a touched buffer.
+    adversarial->throw_report_of_destroyed_work();
   };
   switch (options.backend) {
     case Backend::kLocal: detail::run_local(options, run_rank); return;

@@ -205,10 +205,10 @@ std::string exact_sum_finding(std::span<const float> seen, std::span<const float
         "values whose sums are exact in any order (multiples of 2^-10): element {} is {:.9g}, "
         "the native all-reduce's sum is {:.9g}{}",
         i, seen[i], native[i],
-        std::isnan(seen[i]) ? " (NaN: a receive not waited for)"
-        : same_bits(seen[i], exact[static_cast<std::size_t>(rank)][i])
+        same_bits(seen[i], exact[static_cast<std::size_t>(rank)][i])
             ? " (this rank's own value: its sum never reached it)"
-            : " (a rank's values missing or added twice?)");
+            : " (a rank's values missing or added twice, or a receive read before its wait(), "
+              "which holds other numbers until then?)");
   }
   return "";
 }
@@ -224,10 +224,6 @@ std::string diagnose_ring_element(std::size_t i, float seen, float expected,
       "element {} (in chunk {} = elements [{}, {}) of lab3.h's rule for n = {}, N = {}): seen "
       "{:.9g}, expected {:.9g}, the sum in ring order from rank {}",
       i, c, range.offset, range.offset + range.count, n, ranks, seen, expected, c);
-  if (std::isnan(seen))
-    return what +
-           "; NaN is what the adversarial mode leaves in a buffer whose receive was not waited "
-           "for: a missing wait()";
   if (same_bits(seen, values[static_cast<std::size_t>(rank)][i]))
     return what +
            "; it is this rank's own value: the element was never reduced or never "
@@ -260,7 +256,11 @@ std::string diagnose_ring_element(std::size_t i, float seen, float expected,
     return what +
            "; it is the rank-order sum x_0 + x_1 + ... (the native all-reduce's order), not the "
            "ring order of lab3.h";
-  return what;
+  // Until its wait() a receive's buffer holds the adversarial mode's poison (numbers in
+  // +-[1, 2)), and a sum that read it is none of the above.
+  return what +
+         "; not a sum of the ranks' values that a mistake in the ring's order gives: was a "
+         "received chunk read before its wait()? (Until then its buffer holds other numbers.)";
 }
 
 // The tolerance of the latency-optimal all-reduce: its order of additions is the student's,

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -167,6 +168,50 @@ TEST(GpuLocalComm, AdversarialCompletionWorksOnDeviceBuffers) {
   expect_bitwise_equal(host, device, "adversarial, 3 ranks");
 }
 
+/// Runs an all-reduce on device buffers in the adversarial mode on `options` (its backend,
+/// its ranks) and checks both sides of the poison: a kernel that divides the buffer before
+/// the wait is reported by the wait, naming the call and the rank; one that divides it after
+/// the wait is not, and gives the average.
+void expect_arithmetic_in_flight_reported(LaunchOptions options) {
+  options.comm.completion = Completion::kAdversarial;
+  options.comm.completion_seed = 5;
+  std::vector<std::string> messages(static_cast<std::size_t>(options.world_size));
+  launch(options, [&](Communicator& comm) {
+    Tensor early =
+        Tensor::from(std::vector<float>(4096, 3.0f), MemoryCategory::kGradients, Device::kCuda);
+    auto work = comm.allreduce(early.view(), ReduceOp::kSum);
+    const float poison = early.to(Device::kHost).span()[0];  // a read: allowed
+    EXPECT_TRUE(std::isfinite(poison) && std::abs(poison) >= 1.0f && std::abs(poison) < 2.0f)
+        << poison;
+    divide(early.view(), 2.0f);  // a kernel on the compute stream, the call in flight
+    try {
+      work->wait();
+    } catch (const Error& error) {
+      messages[static_cast<std::size_t>(comm.rank())] = error.what();
+    }
+
+    Tensor honest =
+        Tensor::from(std::vector<float>(4096, 3.0f), MemoryCategory::kGradients, Device::kCuda);
+    comm.allreduce(honest.view(), ReduceOp::kSum)->wait();
+    divide(honest.view(), static_cast<float>(comm.size()));
+    const Tensor average = honest.to(Device::kHost);
+    EXPECT_TRUE(std::all_of(average.span().begin(), average.span().end(),
+                            [](float x) { return x == 3.0f; }));
+  });
+  for (int rank = 0; rank < options.world_size; ++rank) {
+    const std::string expected = fmt::format(
+        "rank {}: allreduce (its call #1: 4096 float32 in place): element 0 of its buffer "
+        "changed before its wait()",
+        rank);
+    const std::string& message = messages[static_cast<std::size_t>(rank)];
+    EXPECT_NE(message.find(expected), std::string::npos) << message << "\nexpected: " << expected;
+  }
+}
+
+TEST(GpuLocalComm, AdversarialCompletionReportsAKernelOnAnInFlightBuffer) {
+  expect_arithmetic_in_flight_reported({.world_size = 3});
+}
+
 // The buffer is written by a kernel on the compute stream and handed to the all-reduce at
 // once, with no synchronisation in between: the call must wait for the kernel (the event
 // gate). Many rounds, so that a missing gate would show.
@@ -216,6 +261,11 @@ TEST(GpuNcclComm, EveryCallOnEveryGpuMatchesTheHostPath) {
     expect_bitwise_equal(host, nccl, what);
     expect_same_counters(host, nccl, what);
   }
+}
+
+TEST(GpuNcclComm, AdversarialCompletionReportsAKernelOnAnInFlightBuffer) {
+  expect_arithmetic_in_flight_reported(
+      {.world_size = std::min(cuda_device_count(), 4), .backend = Backend::kNccl});
 }
 
 TEST(GpuNcclComm, HostBuffersAreRefusedWithAClearMessage) {

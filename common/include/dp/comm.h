@@ -207,11 +207,13 @@ enum class Completion {
   /// runs them (on the local and mpi backends, the order they were issued in).
   kEager,
   /// Only when the call's own `Work` is waited on (or its `test()` returns true), in
-  /// whatever order the caller waits. Until then an output buffer holds garbage (all bits
-  /// set: NaN for float32), and an input buffer changed before the wait is reported by
-  /// `wait()`. `test()` answers false at random (seeded) before it looks. A missing or
-  /// misplaced `wait()` therefore fails every time instead of once in a while, on every
-  /// backend: the grader runs every check this way.
+  /// whatever order the caller waits. Until then an output buffer holds a poison: finite
+  /// numbers that differ between calls, ranks and elements (for float32 in +-[1, 2)).
+  /// `wait()` reports an output that no longer holds exactly its poison (written, or
+  /// computed on: a divide, a scale, an add) and an input changed before the call
+  /// completed, naming the call and the rank. `test()` answers false at random (seeded)
+  /// before it looks. A missing or misplaced `wait()` therefore fails every time instead of
+  /// once in a while, on every backend: the grader runs every check this way.
   kAdversarial,
 };
 

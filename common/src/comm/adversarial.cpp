@@ -6,18 +6,36 @@
 // calls in issue order) it usually gets the right bits. This decorator removes that luck:
 //
 //   * every call runs on private copies: inputs are copied at issue, outputs land in a
-//     staging buffer, and the caller's output buffer is filled with all-ones bytes (NaN
-//     for float32) until the call's own Work is waited on;
+//     staging buffer, and the caller's output buffer holds the call's poison (below) until
+//     the call's own Work is waited on;
 //   * wait() (or a test() that returns true, or the Work's destructor) copies the result
 //     into the caller's buffer, so results arrive in the order the caller waits, not the
 //     order it issued;
-//   * wait() reports an input buffer the caller changed before the call completed, which
-//     real transports forbid (they may read it at any moment until then), and an output
-//     buffer the caller wrote meanwhile (it no longer holds only the garbage bytes), which
-//     they forbid too (they may write the result at any moment); for an all-reduce in
-//     place, the buffer is both;
+//   * before it does, wait() reports an input buffer the caller changed before the call
+//     completed, which real transports forbid (they may read it at any moment until then),
+//     and an output buffer that no longer holds exactly its poison: the caller wrote it or
+//     computed on it, which they forbid too (they may write the result at any moment); for
+//     an all-reduce in place, the buffer is both, and the poison check covers it. A Work
+//     destroyed unwaited checks too, and since a destructor cannot throw, the rank's next
+//     call (or launch(), when the rank's function returns) throws its report;
 //   * test() answers false at random (seeded by the launch and the rank) before it asks the
 //     backend, so code that polls once and moves on sees calls that have not finished.
+//
+// The poison. It used to be all bits set, a NaN for float32. That caught a write, but not
+// arithmetic: NaN / N, NaN * s and NaN + y are the same NaN, so dividing the buffer of an
+// in-flight all-reduce left every bit as it was, the check saw nothing, and the wait then
+// overwrote the buffer with the result: the divide vanished without a word. Code that
+// divided once more after the wait scored full marks, though on a real transport the first
+// divide lands on the input or on the result, as the timing has it. Now element i of a
+// call's output holds a number hashed from (seed, rank, the call's number on the rank, i),
+// which differs between calls, ranks and elements, and is shaped so that no arithmetic
+// keeps it:
+//   float32  +-[1, 2) with a random mantissa: finite and ordinary, and x / N, x * s (s not
+//            1), x + y (y not tiny against x) or another call's poison copied in change it;
+//   int32    a random odd number: x / N, x * s (s not 1) and x + y (y not 0) change it;
+//   uint8    a random odd byte, likewise.
+// A read alone changes nothing and is not reported: it sees the poison, numbers the checks
+// find wrong. Dividing by 1 or adding 0 changes nothing either, and no check could see it.
 //
 // The backend underneath counts, validates and times the calls exactly as it would
 // without the decorator. Staging buffers come from malloc inside a
@@ -25,17 +43,22 @@
 // by lab code does not see them.
 //
 // Device buffers are staged on their device (the backend gets device buffers, as the caller
-// gave it), and copied, poisoned and compared with copies on the caller's compute stream
+// gave it), and copied and compared with copies on the caller's compute stream
 // (cuda::copy_bytes), which run after the caller's kernels and, once the backend's Work
-// waited, after the call; comparisons copy both sides to the host first. It is slow, and only for
-// grading.
+// waited, after the call: the poison is drawn on the host and copied in, and comparisons
+// copy the device's bytes to the host first. It is slow, and only for grading.
 #include "comm/adversarial.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -47,10 +70,6 @@
 
 namespace dp::detail {
 namespace {
-
-/// All bits set: a quiet NaN for float32, -1 for int32; what an output holds until its
-/// call completes.
-constexpr unsigned char kGarbageByte = 0xFF;
 
 /// A malloc'd copy of some bytes (see the top of this file for why not operator new), or
 /// device memory for a device buffer's copy.
@@ -117,24 +136,165 @@ const unsigned char* readable_on_host(ConstBuffer buffer, Staging& keep) {
   return keep.data();
 }
 
-bool overlap(ConstBuffer a, ConstBuffer b) {
+/// The bytes [first, last) of `a` that `b` covers, as offsets into `a` (first == last if
+/// they do not overlap).
+struct ByteRange {
+  std::size_t first = 0;
+  std::size_t last = 0;
+};
+ByteRange overlap(ConstBuffer a, ConstBuffer b) {
   const auto* a_begin = static_cast<const unsigned char*>(a.data);
   const auto* b_begin = static_cast<const unsigned char*>(b.data);
-  return a.bytes() > 0 && b.bytes() > 0 && a_begin < b_begin + b.bytes() &&
-         b_begin < a_begin + a.bytes();
+  if (a.bytes() == 0 || b.bytes() == 0 || a_begin >= b_begin + b.bytes() ||
+      b_begin >= a_begin + a.bytes())
+    return {};
+  const auto* first = std::max(a_begin, b_begin);
+  const auto* last = std::min(a_begin + a.bytes(), b_begin + b.bytes());
+  return {static_cast<std::size_t>(first - a_begin), static_cast<std::size_t>(last - a_begin)};
 }
+
+/// The first byte in [first, last) where `a` and `b` differ, or `last` (memcmp answers the
+/// common case, no difference, fast).
+std::size_t first_different_byte(const unsigned char* a, const unsigned char* b, std::size_t first,
+                                 std::size_t last) {
+  if (first == last || std::memcmp(a + first, b + first, last - first) == 0) return last;
+  return static_cast<std::size_t>(std::mismatch(a + first, a + last, b + first).first - a);
+}
+
+/// The bits of element `i` of `bytes` (one byte for uint8, else four).
+std::uint32_t element_bits(DataType type, const unsigned char* bytes, std::size_t i) {
+  if (type == DataType::kUInt8) return bytes[i];
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, bytes + 4 * i, 4);
+  return bits;
+}
+
+/// An element's value as the caller's code sees it, for messages.
+std::string element_text(DataType type, std::uint32_t bits) {
+  switch (type) {
+    case DataType::kFloat32: return fmt::format("{}", std::bit_cast<float>(bits));
+    case DataType::kInt32: return fmt::format("{}", std::bit_cast<std::int32_t>(bits));
+    case DataType::kUInt8: break;
+  }
+  return fmt::format("{}", bits);
+}
+
+/// A 32-bit hash: the finaliser of MurmurHash3 (Austin Appleby, public domain). A bijection
+/// whose every output bit depends on every input bit: consecutive inputs give unrelated
+/// outputs, and distinct inputs distinct ones.
+constexpr std::uint32_t mix(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85EB'CA6BU;
+  x ^= x >> 13;
+  x *= 0xC2B2'AE35U;
+  x ^= x >> 16;
+  return x;
+}
+
+/// What a call's output holds from its issue until its wait (see the top of this file for
+/// why): element i is mix(key + i) with some bits fixed by the element type, and a key that
+/// Philox draws for (seed, rank, the call's number on the rank). It differs between calls,
+/// ranks and elements, and costs a few vectorised instructions per element, where a Philox
+/// draw per element would cost tens: filling and checking a buffer take about as long as
+/// copying it.
+class Poison {
+ public:
+  Poison(std::uint64_t seed, int rank, std::uint64_t call, DataType type)
+      : key_(CounterRng(seed,
+                        // Streams of their own: high bit set (the test() coin's are small),
+                        // then the rank (below 2^8) and the call (below 2^40).
+                        (std::uint64_t{1} << 63) | (static_cast<std::uint64_t>(rank) << 40) | call)
+                 .next_u32()),
+        one_byte_(type == DataType::kUInt8) {
+    switch (type) {
+      case DataType::kFloat32:
+        // Sign and mantissa random, the exponent of 1: +-[1, 2), never 0, NaN or infinite.
+        keep_ = 0x807F'FFFFU;
+        set_ = 0x3F80'0000U;
+        break;
+      case DataType::kInt32:  // odd
+        keep_ = 0xFFFF'FFFFU;
+        set_ = 1;
+        break;
+      case DataType::kUInt8:  // odd
+        keep_ = 0xFFU;
+        set_ = 1;
+        break;
+    }
+  }
+
+  /// The bits of element `i` (a byte's worth for uint8).
+  std::uint32_t element(std::size_t i) const {
+    return (mix(key_ + static_cast<std::uint32_t>(i)) & keep_) | set_;
+  }
+
+  /// Fills `count` elements of host memory with the poison.
+  void fill(unsigned char* bytes, std::size_t count) const {
+    if (one_byte_)
+      fill_with<std::uint8_t>(bytes, count);
+    else
+      fill_with<std::uint32_t>(bytes, count);
+  }
+
+  /// The index of the first of `count` elements of host memory that is not the poison, or
+  /// `count` if all are.
+  std::size_t first_difference(const unsigned char* bytes, std::size_t count) const {
+    return one_byte_ ? first_difference_of<std::uint8_t>(bytes, count)
+                     : first_difference_of<std::uint32_t>(bytes, count);
+  }
+
+ private:
+  template <typename Word>
+  void fill_with(unsigned char* bytes, std::size_t count) const {
+    // A local copy: the stores below cannot change it, so the loop vectorises.
+    const Poison poison = *this;
+    for (std::size_t i = 0; i < count; ++i) {
+      const auto word = static_cast<Word>(poison.element(i));
+      std::memcpy(bytes + sizeof(Word) * i, &word, sizeof(Word));
+    }
+  }
+
+  template <typename Word>
+  std::size_t first_difference_of(const unsigned char* bytes, std::size_t count) const {
+    const auto seen = [bytes](std::size_t i) {
+      Word word = 0;
+      std::memcpy(&word, bytes + sizeof(Word) * i, sizeof(Word));
+      return std::uint32_t{word};
+    };
+    // Blocks without an early exit inside, which the compiler vectorises; a block with a
+    // difference is searched again to find it.
+    constexpr std::size_t kBlock = 4096;
+    for (std::size_t begin = 0; begin < count; begin += kBlock) {
+      const std::size_t end = std::min(count, begin + kBlock);
+      std::uint32_t differences = 0;
+      for (std::size_t i = begin; i < end; ++i) differences |= seen(i) ^ element(i);
+      if (differences == 0) continue;
+      for (std::size_t i = begin; i < end; ++i)
+        if (seen(i) != element(i)) return i;
+    }
+    return count;
+  }
+
+  std::uint32_t key_;
+  bool one_byte_;
+  std::uint32_t keep_ = 0;  // the random bits of the element kept
+  std::uint32_t set_ = 0;   // the bits then set
+};
 
 /// What one call keeps until it is delivered.
 struct Pending {
-  std::string_view call;     // "allreduce", for messages
-  std::uint64_t number = 0;  // the call's position among this rank's calls
-  int rank = 0;              // the rank that made it
-  ConstBuffer input;         // the caller's input (checked at wait), or empty
-  Staging input_copy;        // what the backend reads
-  MutableBuffer output;      // the caller's output, or empty
-  Staging output_staging;    // what the backend writes (may be input_copy's memory)
+  std::string call;              // "allreduce (its call #3: 128 float32 in place)", for messages
+  std::string_view kind;         // "allreduce"
+  std::uint64_t number = 0;      // the call's position among this rank's calls
+  int rank = 0;                  // the rank that made it
+  ConstBuffer input;             // the caller's input (checked at wait), or empty
+  Staging input_copy;            // what the backend reads
+  MutableBuffer output;          // the caller's output, or empty
+  Staging output_staging;        // what the backend writes (may be input_copy's memory)
+  std::optional<Poison> poison;  // what `output` holds until the call is delivered
   bool output_in_input_copy = false;
-  bool check_input = false;  // compare `input` with `input_copy` at wait()
+  bool check_input = false;   // compare `input` with `input_copy` at wait()
+  ByteRange input_in_output;  // the bytes of `input` that `output` covers: not compared
 };
 
 /// A random yes/no per test() call, the same in every run with the same seed and rank.
@@ -148,10 +308,28 @@ class Coin {
   CounterRng rng_;
 };
 
+/// A dp::Error raised on `rank`: its message reads "rank R: <message>" wherever it is caught
+/// (launch() would add the same when it rethrows it).
+Error error_of_rank(int rank, const std::string& message) {
+  Error error(message);
+  error.set_rank(rank);
+  return error;
+}
+
+/// The first report a Work's destructor found (it cannot throw it), until the communicator
+/// throws it.
+struct DeferredReport {
+  std::string message;
+};
+
 class AdversarialWork final : public Work {
  public:
-  AdversarialWork(std::unique_ptr<Work> inner, Pending pending, std::shared_ptr<Coin> coin)
-      : inner_(std::move(inner)), pending_(std::move(pending)), coin_(std::move(coin)) {}
+  AdversarialWork(std::unique_ptr<Work> inner, Pending pending, std::shared_ptr<Coin> coin,
+                  std::shared_ptr<DeferredReport> deferred)
+      : inner_(std::move(inner)),
+        pending_(std::move(pending)),
+        coin_(std::move(coin)),
+        deferred_(std::move(deferred)) {}
 
   ~AdversarialWork() override {
     // Destroying a Work waits for its call (comm.h), and the result is delivered then. While
@@ -160,6 +338,14 @@ class AdversarialWork final : public Work {
     if (!delivered_ && std::uncaught_exceptions() == 0) {
       try {
         inner_->wait();
+        // The caller never waited: a buffer it touched meanwhile is reported by the
+        // communicator instead (a destructor cannot throw).
+        if (std::optional<std::string> report = find_touched_buffer();
+            report && !reported_ && deferred_->message.empty())
+          deferred_->message =
+              *report +
+              " (found when its Work was destroyed without wait(), and reported at "
+              "the rank's next call or when its function returned)";
         deliver();
       } catch (const std::exception&) {
         // The backend reports the error through the call that waits or through the abort.
@@ -174,8 +360,10 @@ class AdversarialWork final : public Work {
   void wait() override {
     if (delivered_) return;
     inner_->wait();
-    check_input_unchanged();
-    check_output_untouched();
+    if (std::optional<std::string> report = find_touched_buffer()) {
+      reported_ = true;
+      throw error_of_rank(pending_.rank, *report);
+    }
     deliver();
   }
 
@@ -188,8 +376,14 @@ class AdversarialWork final : public Work {
   }
 
  private:
-  void check_input_unchanged() const {
-    if (!pending_.check_input || pending_.input.bytes() == 0) return;
+  /// What the caller did to a buffer of the call before its wait, or nothing.
+  std::optional<std::string> find_touched_buffer() const {
+    if (std::optional<std::string> report = find_changed_input()) return report;
+    return find_touched_output();
+  }
+
+  std::optional<std::string> find_changed_input() const {
+    if (!pending_.check_input || pending_.input.bytes() == 0) return std::nullopt;
     Staging caller_bytes;
     Staging copy_bytes;
     const unsigned char* caller = readable_on_host(pending_.input, caller_bytes);
@@ -197,30 +391,37 @@ class AdversarialWork final : public Work {
         readable_on_host({pending_.input_copy.data(), pending_.input.bytes(), DataType::kUInt8,
                           pending_.input.device},
                          copy_bytes);
-    if (std::memcmp(caller, copy, pending_.input.bytes()) != 0)
-      throw Error(fmt::format(
-          "rank {}: {} (its call #{}): its input buffer was changed before the call "
-          "completed; expected it unchanged until wait() returns (a transport may read it at "
-          "any moment until then)",
-          pending_.rank, pending_.call, pending_.number));
+    // The bytes that are also the output hold its poison: the output's check covers them.
+    const ByteRange skip = pending_.input_in_output;
+    const std::size_t bytes = pending_.input.bytes();
+    std::size_t byte = first_different_byte(caller, copy, 0, skip.first);
+    if (byte == skip.first) byte = first_different_byte(caller, copy, skip.last, bytes);
+    if (byte == bytes) return std::nullopt;
+    const DataType type = pending_.input.type;
+    const std::size_t i = byte / element_size(type);
+    return fmt::format(
+        "{}: element {} of its input buffer changed before the call completed: it "
+        "held {}, now {}; expected it unchanged until wait() returns (a transport may read it "
+        "at any moment until then)",
+        pending_.call, i, element_text(type, element_bits(type, copy, i)),
+        element_text(type, element_bits(type, caller, i)));
   }
 
-  void check_output_untouched() const {
-    // One pass over the buffer (64 MiB in lab 3's checks): the size is read once and the
-    // search is a plain loop over bytes that the compiler vectorises.
+  std::optional<std::string> find_touched_output() const {
+    if (!pending_.poison || pending_.output.bytes() == 0) return std::nullopt;
     Staging output_bytes;
-    const unsigned char* begin = readable_on_host(pending_.output, output_bytes);
-    const unsigned char* end = begin + pending_.output.bytes();
-    const auto* written =
-        std::find_if(begin, end, [](unsigned char byte) { return byte != kGarbageByte; });
-    if (written != end) {
-      const auto i = static_cast<std::size_t>(written - begin);
-      throw Error(
-          fmt::format("rank {}: {} (its call #{}): its output buffer was written before the call "
-                      "completed (byte {} of {}); expected it untouched until wait() returns (a "
-                      "transport may write the result at any moment until then)",
-                      pending_.rank, pending_.call, pending_.number, i, pending_.output.bytes()));
-    }
+    const unsigned char* seen = readable_on_host(pending_.output, output_bytes);
+    const std::size_t count = pending_.output.count;
+    const std::size_t i = pending_.poison->first_difference(seen, count);
+    if (i == count) return std::nullopt;
+    const DataType type = pending_.output.type;
+    return fmt::format(
+        "{}: element {} of its {} changed before its wait(): it held the poison {}, "
+        "now {}. The buffer of an in-flight {} was written or computed on before its wait(): "
+        "a transport may write the result at any moment until then",
+        pending_.call, i, pending_.output_in_input_copy ? "buffer" : "output buffer",
+        element_text(type, pending_.poison->element(i)),
+        element_text(type, element_bits(type, seen, i)), pending_.kind);
   }
 
   void deliver() {
@@ -234,33 +435,43 @@ class AdversarialWork final : public Work {
   std::unique_ptr<Work> inner_;
   Pending pending_;
   std::shared_ptr<Coin> coin_;
+  std::shared_ptr<DeferredReport> deferred_;
   bool delivered_ = false;
+  bool reported_ = false;  // wait() threw the report already
 };
 
-class AdversarialCommunicator final : public Communicator {
+class Decorator final : public AdversarialCommunicator {
  public:
-  AdversarialCommunicator(Communicator& inner, std::uint64_t seed)
-      : inner_(inner), coin_(std::make_shared<Coin>(seed, inner.rank())) {}
+  Decorator(Communicator& inner, std::uint64_t seed)
+      : inner_(inner),
+        seed_(seed),
+        coin_(std::make_shared<Coin>(seed, inner.rank())),
+        deferred_(std::make_shared<DeferredReport>()) {}
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   std::string_view backend() const override { return inner_.backend(); }
 
   std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
-    Pending pending = with_input("isend", data, /*check=*/true);
+    Pending pending =
+        with_input("isend", fmt::format("{} to rank {}, tag {}", sizes(data), peer, tag), data,
+                   /*check=*/true);
     const ConstBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
     return finish(inner_.isend(copy, peer, tag), std::move(pending));
   }
 
   std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
-    Pending pending = with_output("irecv", {}, data);
+    Pending pending = with_output(
+        "irecv", fmt::format("{} from rank {}, tag {}", sizes(data), peer, tag), {}, data);
     const MutableBuffer staging{pending.output_staging.data(), data.count, data.type, data.device};
     return finish(inner_.irecv(staging, peer, tag), std::move(pending));
   }
 
   std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
-    // In place: the backend reduces a copy of the input, which becomes the result.
-    Pending pending = with_input("allreduce", data, /*check=*/false);
+    // In place: the backend reduces a copy of the input, which becomes the result. The
+    // buffer holds the poison meanwhile, whose check covers it as input too.
+    Pending pending =
+        with_input("allreduce", fmt::format("{} in place", sizes(data)), data, /*check=*/false);
     pending.output = data;
     pending.output_in_input_copy = true;
     const MutableBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
@@ -268,40 +479,58 @@ class AdversarialCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    Pending pending = with_output("reduce_scatter", in, out);
+    Pending pending =
+        with_output("reduce_scatter", fmt::format("{} in, {} out", sizes(in), out.count), in, out);
     const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
     const MutableBuffer staging{pending.output_staging.data(), out.count, out.type, out.device};
     return finish(inner_.reduce_scatter(copy, staging, op), std::move(pending));
   }
 
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    Pending pending = with_output("allgather", in, out);
+    Pending pending =
+        with_output("allgather", fmt::format("{} in, {} out", sizes(in), out.count), in, out);
     const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
     const MutableBuffer staging{pending.output_staging.data(), out.count, out.type, out.device};
     return finish(inner_.allgather(copy, staging), std::move(pending));
   }
 
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    const std::string what = fmt::format("{} from rank {}", sizes(data), root);
     if (rank() == root) {
       // The root's buffer is only read: it must stay unchanged until the call completes.
-      Pending pending = with_input("broadcast", data, /*check=*/true);
+      Pending pending = with_input("broadcast", what, data, /*check=*/true);
       const MutableBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
       return finish(inner_.broadcast(copy, root), std::move(pending));
     }
-    Pending pending = with_output("broadcast", {}, data);
+    Pending pending = with_output("broadcast", what, {}, data);
     const MutableBuffer staging{pending.output_staging.data(), data.count, data.type, data.device};
     return finish(inner_.broadcast(staging, root), std::move(pending));
   }
 
-  void barrier() override { inner_.barrier(); }
+  void barrier() override {
+    throw_report_of_destroyed_work();
+    inner_.barrier();
+  }
   CommCounters counters() const override { return inner_.counters(); }
   Clock& clock() override { return inner_.clock(); }
 
+  void throw_report_of_destroyed_work() override {
+    if (deferred_->message.empty()) return;
+    throw error_of_rank(rank(), std::exchange(deferred_->message, {}));
+  }
+
  private:
-  Pending with_input(std::string_view call, ConstBuffer input, bool check) {
+  /// "128 float32", for messages.
+  static std::string sizes(ConstBuffer buffer) {
+    return fmt::format("{} {}", buffer.count, to_string(buffer.type));
+  }
+
+  Pending with_input(std::string_view kind, std::string_view what, ConstBuffer input, bool check) {
+    throw_report_of_destroyed_work();
     Pending pending;
-    pending.call = call;
+    pending.kind = kind;
     pending.number = ++calls_;
+    pending.call = fmt::format("{} (its call #{}: {})", kind, pending.number, what);
     pending.rank = inner_.rank();
     pending.input = input;
     pending.input_copy = copy_of(input);
@@ -309,40 +538,51 @@ class AdversarialCommunicator final : public Communicator {
     return pending;
   }
 
-  Pending with_output(std::string_view call, ConstBuffer input, MutableBuffer output) {
-    Pending pending = with_input(call, input, /*check=*/!overlap(input, output));
+  Pending with_output(std::string_view kind, std::string_view what, ConstBuffer input,
+                      MutableBuffer output) {
+    Pending pending = with_input(kind, what, input, /*check=*/true);
+    // An input inside the output (an all-gather or reduce-scatter in place) holds the
+    // poison there: only its other bytes must stay as they were.
+    pending.input_in_output = overlap(input, output);
     pending.output = output;
     pending.output_staging = Staging(output.bytes(), output.device);
     return pending;
   }
 
-  static void poison(MutableBuffer output) {
+  /// Fills the caller's output with the call's poison (drawn on the host, then copied to a
+  /// device buffer).
+  void poison(Pending& pending) {
+    const MutableBuffer output = pending.output;
     if (output.bytes() == 0) return;
+    pending.poison.emplace(seed_, pending.rank, pending.number, output.type);
     if (!on_gpu(output.device)) {
-      std::memset(output.data, kGarbageByte, output.bytes());
+      pending.poison->fill(static_cast<unsigned char*>(output.data), output.count);
       return;
     }
-    Staging garbage(output.bytes());
-    std::memset(garbage.data(), kGarbageByte, garbage.bytes());
-    cuda::copy_bytes(output.data, garbage.data(), garbage.bytes());
+    Staging host(output.bytes());
+    pending.poison->fill(host.data(), output.count);
+    cuda::copy_bytes(output.data, host.data(), host.bytes());
   }
 
-  /// Wraps the backend's Work of a call that was issued without error; only now is the
-  /// caller's output filled with garbage (a call that throws at issue leaves it alone).
+  /// Wraps the backend's Work of a call that was issued without error; only now does the
+  /// caller's output get its poison (a call that throws at issue leaves it alone).
   std::unique_ptr<Work> finish(std::unique_ptr<Work> inner, Pending pending) {
-    poison(pending.output);
-    return std::make_unique<AdversarialWork>(std::move(inner), std::move(pending), coin_);
+    poison(pending);
+    return std::make_unique<AdversarialWork>(std::move(inner), std::move(pending), coin_,
+                                             deferred_);
   }
 
   Communicator& inner_;
+  std::uint64_t seed_;
   std::shared_ptr<Coin> coin_;
+  std::shared_ptr<DeferredReport> deferred_;
   std::uint64_t calls_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_adversarial(Communicator& inner, std::uint64_t seed) {
-  return std::make_unique<AdversarialCommunicator>(inner, seed);
+std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed) {
+  return std::make_unique<Decorator>(inner, seed);
 }
 
 }  // namespace dp::detail

@@ -8,9 +8,20 @@
 
 namespace dp::detail {
 
+/// A communicator whose calls deliver their results to the caller's buffers only when the
+/// call's own `Work` is waited on (see `Completion::kAdversarial` and adversarial.cpp).
+class AdversarialCommunicator : public Communicator {
+ public:
+  /// Throws `dp::Error` with the first report that a `Work`'s destructor found but could not
+  /// throw (a buffer touched while its call was in flight, the `Work` destroyed without
+  /// `wait()`), if there is one. The rank's next call throws it too; launch() calls this
+  /// when the rank's function returns, so that a report found last is not lost.
+  virtual void throw_report_of_destroyed_work() = 0;
+};
+
 /// Wraps `inner` so that every call's results reach the caller's buffers only when the
-/// call's own `Work` is waited on (see `Completion::kAdversarial`). `inner` must outlive
-/// the returned communicator.
-std::unique_ptr<Communicator> make_adversarial(Communicator& inner, std::uint64_t seed);
+/// call's own `Work` is waited on. `inner` must outlive the returned communicator; `seed`
+/// draws the poison of the outputs and the answers of `test()`.
+std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed);
 
 }  // namespace dp::detail
