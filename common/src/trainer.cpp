@@ -123,7 +123,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     model.on_gradient_ready([&](Parameter& parameter) {
       pending.push_back(comm->allreduce(parameter.grad.view(), ReduceOp::kAvg));
     });
-  if (comm != nullptr) comm->clock().mark_step();
+  if (comm != nullptr) detail::charging_clock(*comm).mark_step();
   double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
 
   const std::int64_t local_batch = options.global_batch / world;
@@ -158,7 +158,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     }
     result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
     optimizer.step(model);
-    if (comm != nullptr) comm->clock().mark_step();
+    if (comm != nullptr) detail::charging_clock(*comm).mark_step();
 
     const int done = step + 1;
     if (checkpointing.every > 0 && done % checkpointing.every == 0 && done < options.steps &&

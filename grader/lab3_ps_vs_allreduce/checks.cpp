@@ -1298,7 +1298,8 @@ TEST(Lab3Stale, RunsAheadOfAStraggler) {
           comm);
       for (int step = 0; step < steps; ++step) {
         const bool straggles = step % kRanks == comm.rank();
-        comm.clock().compute("forward and backward", compute * (straggles ? slow : 1.0));
+        detail::charging_clock(comm).compute("forward and backward",
+                                             compute * (straggles ? slow : 1.0));
         for (Parameter* parameter : model.parameters()) fill(parameter->grad.view(), 0.5f);
         server.step(model, comm);
       }

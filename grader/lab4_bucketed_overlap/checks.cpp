@@ -926,7 +926,7 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
     if (strategy.kind == Strategy::kFlat)
       flat = Tensor({static_cast<std::int64_t>(model.num_parameters())},
                     MemoryCategory::kCommunication, model.device());
-    comm.clock().mark_step();
+    detail::charging_clock(comm).mark_step();
     for (int step = 0; step < setup.options.steps; ++step) {
       const Batch batch =
           grading::local_batch(*setup.data, setup.options, step, comm.rank(), setup.world);
@@ -938,7 +938,7 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
         grading::average_gradients_flat(model, comm, flat);
       }
       optimizer->step(model);
-      comm.clock().mark_step();
+      detail::charging_clock(comm).mark_step();
     }
     if (comm.rank() == 0) last = summarize_steps(comm.clock().trace()).back();
   });
@@ -1052,7 +1052,7 @@ std::vector<double> simulate_bucket_caps(const SpeedSetup& setup,
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
     Model model = grading::make_check_model(setup.options);
     const auto optimizer = grading::optimizer_for(setup.options, model.num_parameters());
-    comm.clock().mark_step();
+    detail::charging_clock(comm).mark_step();
     for (const std::size_t cap : caps) {
       BucketedDDP bucketed(model, comm, {cap, cap});
       for (int step = 0; step < setup.options.steps; ++step) {
@@ -1062,7 +1062,7 @@ std::vector<double> simulate_bucket_caps(const SpeedSetup& setup,
         model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
         bucketed.finish_gradient_sync();
         optimizer->step(model);
-        comm.clock().mark_step();
+        detail::charging_clock(comm).mark_step();
       }
       model.clear_hooks();
     }

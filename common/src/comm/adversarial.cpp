@@ -64,6 +64,7 @@
 
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
+#include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/memory.h"
 #include "dp/rng.h"
@@ -440,10 +441,45 @@ class AdversarialWork final : public Work {
   bool reported_ = false;  // wait() threw the report already
 };
 
+/// The clock lab code sees in a graded run: it reads the rank's clock and charges nothing.
+/// The runtime charges compute as the code runs (the layers and the optimizer through
+/// `this_thread_clock()`), and the checks mark steps through `charging_clock`; were lab code
+/// able to charge the clock, it could add compute while a call is in flight and make its
+/// communication look hidden.
+class ReadingClock final : public Clock {
+ public:
+  explicit ReadingClock(Clock& inner) : inner_(inner) {}
+
+  bool simulated() const override { return inner_.simulated(); }
+  double now() const override { return inner_.now(); }
+  double link_free() const override { return inner_.link_free(); }
+  ComputeStart start_compute() const override { return inner_.start_compute(); }
+  void finish_compute(const ComputeStart&, std::string_view name, std::string_view,
+                      const OpCost&) override {
+    refuse(fmt::format("finish_compute(\"{}\")", name));
+  }
+  void compute(std::string_view name, double) override {
+    refuse(fmt::format("compute(\"{}\")", name));
+  }
+  void mark_step() override { refuse("mark_step()"); }
+  RankTrace trace() const override { return inner_.trace(); }
+
+ private:
+  [[noreturn]] static void refuse(const std::string& call) {
+    throw Error(fmt::format(
+        "comm.clock().{}: in a graded run the clock only reads; the runtime charges compute as "
+        "your code runs and the checks mark the steps, so lab code charges nothing",
+        call));
+  }
+
+  Clock& inner_;
+};
+
 class Decorator final : public AdversarialCommunicator {
  public:
   Decorator(Communicator& inner, std::uint64_t seed)
       : inner_(inner),
+        reading_clock_(inner.clock()),
         seed_(seed),
         coin_(std::make_shared<Coin>(seed, inner.rank())),
         deferred_(std::make_shared<DeferredReport>()) {}
@@ -512,7 +548,8 @@ class Decorator final : public AdversarialCommunicator {
     inner_.barrier();
   }
   CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
+  Clock& clock() override { return reading_clock_; }
+  Clock& charging_clock() override { return inner_.clock(); }
 
   void throw_report_of_destroyed_work() override {
     if (deferred_->message.empty()) return;
@@ -573,6 +610,7 @@ class Decorator final : public AdversarialCommunicator {
   }
 
   Communicator& inner_;
+  ReadingClock reading_clock_;
   std::uint64_t seed_;
   std::shared_ptr<Coin> coin_;
   std::shared_ptr<DeferredReport> deferred_;
@@ -583,6 +621,12 @@ class Decorator final : public AdversarialCommunicator {
 
 std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed) {
   return std::make_unique<Decorator>(inner, seed);
+}
+
+Clock& charging_clock(Communicator& comm) {
+  if (auto* adversarial = dynamic_cast<AdversarialCommunicator*>(&comm))
+    return adversarial->charging_clock();
+  return comm.clock();
 }
 
 }  // namespace dp::detail

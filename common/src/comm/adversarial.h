@@ -17,6 +17,8 @@ class AdversarialCommunicator : public Communicator {
   /// `wait()`), if there is one. The rank's next call throws it too; launch() calls this
   /// when the rank's function returns, so that a report found last is not lost.
   virtual void throw_report_of_destroyed_work() = 0;
+  /// The rank's own clock, which charges and marks steps (`clock()` only reads).
+  virtual Clock& charging_clock() = 0;
 };
 
 /// Wraps `inner` so that every call's results reach the caller's buffers only when the
