@@ -988,15 +988,102 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
 
 // --- Lab6Design ----------------------------------------------------------------------------
 
+/// A plausible wrong answer to the design question, and what it predicts.
+struct WrongFormula {
+  std::string what;
+  std::size_t bytes = 0;
+};
+
+/// The design question's answer by the contract's memory rule, 4 S + 4 L + min(2, B) x
+/// 4 max_k(N C_k) (L: the largest layer's parameters), and the plausible wrong formulas,
+/// for `model` on `world` ranks with a cap of `cap` bytes.
+std::pair<std::size_t, std::vector<WrongFormula>> design_formulas(Model& model, int world,
+                                                                  std::size_t cap) {
+  const std::vector<Bucket> buckets = contract_buckets(model, world, cap);
+  const auto n = static_cast<std::size_t>(world);
+  const std::size_t shard = 4 * contract_shard(buckets);
+  const std::size_t layer = 4 * largest_layer(model);
+  const std::size_t buffers = contract_buffer_bytes(buckets, world);
+  std::size_t largest_bucket = 0;  // E, not N C
+  std::size_t every_bucket = 0;    // sum of N C_k
+  std::size_t largest_parameter = 0;
+  for (const Bucket& bucket : buckets) {
+    largest_bucket = std::max(largest_bucket, bucket.elements);
+    every_bucket += n * bucket.chunk_elements;
+  }
+  for (const Parameter* parameter : model.parameters())
+    largest_parameter = std::max(largest_parameter, parameter->value.size());
+  const std::size_t psi = model.num_parameters();
+  const std::size_t count = std::min(kBucketBuffers, buckets.size());
+  return {shard + layer + buffers,
+          {
+              {"two bucket buffers whatever the number of buckets (one bucket needs one)",
+               shard + layer + 4 * kBucketBuffers * (buffers / (4 * count))},
+              {"one buffer per bucket", shard + layer + 4 * every_bucket},
+              {"lab 5's shard, ceil(Psi / N), instead of the sum of the buckets' chunks",
+               4 * ((psi + n - 1) / n) + layer + buffers},
+              {"bucket buffers of max_k E_k elements, without the padding to N C_k",
+               shard + layer + 4 * count * largest_bucket},
+              {"one bucket's gradients held in backward instead of one layer's",
+               shard + 4 * largest_bucket + buffers},
+              {"the largest parameter held in backward instead of the largest layer",
+               shard + 4 * largest_parameter + buffers},
+          }};
+}
+
 TEST(Lab6Design, PredictsGradientPeakBytes) {
   Draws draws("Lab6Design.PredictsGradientPeakBytes");
   const std::vector<int> worlds = draws.world_sizes(8);
+  // Which wrong formulas some layout below tells from the right one (the draws make sure
+  // every one is, where more than one rank is drawn: a grader bug otherwise).
+  Model smallest = Model::mlp("64-8-8-10", {});
+  std::vector<bool> separated(design_formulas(smallest, 1, 0).second.size(), false);
   for (int m = 0; m < 2; ++m) {
-    const std::int64_t h1 = draws.integer("h1", 8, 96);
-    const std::int64_t h2 = draws.integer("h2", 8, 64);
-    const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
+    std::int64_t h1 = draws.integer("h1", 8, 96);
+    std::int64_t h2 = draws.integer("h2", 8, 64);
     const bool layer_norm = draws.coin("layer norm");
-    const std::size_t cap = 4 * static_cast<std::size_t>(draws.integer("cap elements", 0, h1 * h2));
+    const auto layout = [&] {
+      return Model::mlp(fmt::format("64-{}-{}-10", h1, h2),
+                        {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+    };
+    // The first model has several buckets (a cap below h1 x h2 elements: three or more),
+    // the second one bucket (a cap above its size), where two buffers are one too many and
+    // a bucket's gradients are not a layer's.
+    std::size_t cap = 0;
+    const auto separates = [&](std::vector<bool>& seen) {
+      Model model = layout();
+      for (int world : worlds) {
+        const auto [right, wrong] = design_formulas(model, world, cap);
+        for (std::size_t f = 0; f < wrong.size(); ++f)
+          if (wrong[f].bytes != right) seen[f] = true;
+      }
+    };
+    if (m == 0) {
+      const std::int64_t cap_elements = draws.integer("cap elements", 0, h1 * h2);
+      cap = 4 * static_cast<std::size_t>(cap_elements);
+      // Padding where lab 5's shard and the unpadded buffers part from the rule: the next
+      // widths in order, h2 first, until some drawn N shows both (as drawn on most seeds).
+      const std::int64_t drawn1 = h1;
+      const std::int64_t drawn2 = h2;
+      const auto shows_padding = [&] {
+        std::vector<bool> seen(separated.size(), false);
+        separates(seen);
+        return seen[2] && seen[3];
+      };
+      for (int tries = 0; worlds.back() > 1 && !shows_padding() && tries < 89 * 57; ++tries) {
+        h2 = h2 < 64 ? h2 + 1 : 8;
+        if (h2 == drawn2) h1 = h1 < 96 ? h1 + 1 : 8;
+      }
+      if (h1 != drawn1)
+        draws.overrule("h1", fmt::format("h1={} (drawn {}; set by the check)", h1, drawn1));
+      if (h2 != drawn2)
+        draws.overrule("h2", fmt::format("h2={} (drawn {}; set by the check)", h2, drawn2));
+    } else {
+      cap = 4 * (layout().num_parameters() +
+                 static_cast<std::size_t>(draws.integer("cap above the model", 0, 1000)));
+    }
+    separates(separated);
+    const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
     for (int world : worlds) {
       run_on_ranks(
           world,
@@ -1009,6 +1096,8 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
                                             .seed = 3,
                                             .device = grading::check_device()});
             const std::size_t psi = model.num_parameters();
+            const std::size_t buckets = contract_buckets(model, world, cap).size();
+            const std::vector<WrongFormula> wrong = design_formulas(model, world, cap).second;
             const std::size_t predicted = predicted_gradient_peak_bytes(model, world, cap);
             std::size_t bytes = 0;
             {
@@ -1029,22 +1118,41 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
                       (tracker.peak(MemoryCategory::kCommunication) - comm_base);
             }
             if (!verdict.passed()) return;
+            std::string wrong_one;
+            for (const WrongFormula& formula : wrong)
+              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes)
+                wrong_one = fmt::format("; that is the prediction of {}", formula.what);
             if (predicted != bytes)
               verdict.fail(fmt::format(
-                  "{}{} on N = {}, cap {} bytes: predicted {} bytes; the MemoryTracker's peaks "
-                  "of gradients and communication add to {} ({:+} bytes)",
-                  spec, layer_norm ? " with LayerNorm" : "", world, cap, predicted, bytes,
-                  static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes)));
+                  "{}{} on N = {}, cap {} bytes ({} bucket{}): predicted {} bytes; the "
+                  "MemoryTracker's peaks of gradients and communication add to {} ({:+} "
+                  "bytes){}",
+                  spec, layer_norm ? " with LayerNorm" : "", world, cap, buckets,
+                  buckets == 1 ? "" : "s", predicted, bytes,
+                  static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes),
+                  wrong_one));
             else
               verdict.note(fmt::format(
-                  "Psi = {} on N = {}: gradient peak {} bytes per rank ({:.2f} bytes per "
-                  "parameter) against lab 4's 8 Psi = {}, predicted exactly",
-                  psi, world, bytes, static_cast<double>(bytes) / static_cast<double>(psi),
-                  8 * psi));
+                  "Psi = {} on N = {}, {} bucket{}: gradient peak {} bytes per rank ({:.2f} "
+                  "bytes per parameter) against lab 4's 8 Psi = {}, predicted exactly",
+                  psi, world, buckets, buckets == 1 ? "" : "s", bytes,
+                  static_cast<double>(bytes) / static_cast<double>(psi), 8 * psi));
           },
           draws);
     }
   }
+  if (worlds.back() > 1) {
+    const std::vector<WrongFormula> wrong = design_formulas(smallest, 1, 0).second;
+    for (std::size_t f = 0; f < wrong.size(); ++f)
+      if (!separated[f])
+        ADD_FAILURE() << fmt::format(
+            "grader bug: no drawn layout tells the memory rule from {}\n({})", wrong[f].what,
+            draws.describe());
+  }
+  grading::note_measured(fmt::format(
+      "the layouts (several buckets, one bucket) and world sizes tell the memory rule from {} "
+      "plausible wrong formulas",
+      separated.size()));
 }
 
 // --- Lab6Checkpoint ----------------------------------------------------------------------------
