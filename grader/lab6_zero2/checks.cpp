@@ -44,6 +44,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab6.h"
+#include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
 
@@ -582,6 +583,7 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
                 after_constructor, shard,
                 after_constructor >= 4 * psi ? " (the model's whole gradient is still there)"
                                              : ""));
+          const grading::CategoryBytes constructed = grading::current_bytes(tracker);
           tracker.reset_peaks();
           std::size_t backward_peak = 0;
           for (int step = 1; step <= 2 && verdict.passed(); ++step) {
@@ -595,12 +597,24 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
                                  fmt::format("step {}, right after backward", step));
             (void)zero.step();
           }
+          // Between steps every category but the activations (what the model's loss keeps)
+          // holds what it held after the constructor: the contract's "at all times".
+          grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+          kept[MemoryCategory::kActivations] = 0;
+          const std::string changed = grading::category_differences(kept, {});
           const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
           const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
           const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
           const std::size_t activations =
               tracker.peak(MemoryCategory::kActivations) - model_activation_base;
           if (!verdict.passed()) return;
+          if (!changed.empty()) {
+            verdict.fail(fmt::format(
+                "after two steps, against just after the constructor: {}; expected every "
+                "category as it was (the shards and buffers stay, every gradient is released)",
+                changed));
+            return;
+          }
           if (activations > plain_activations) {
             verdict.fail(fmt::format(
                 "{} activation bytes at the peak of the steps, {} for the same forward and "

@@ -50,6 +50,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab7.h"
+#include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
 
@@ -710,6 +711,7 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
                 "gradient bytes after the constructor {}; expected the shard's 4 S = {}",
                 grads_after, shard));
           verdict.expect_empty(check_released(model), "after the constructor");
+          const grading::CategoryBytes constructed = grading::current_bytes(tracker);
           tracker.reset_peaks();
           std::size_t backward_grad_peak = 0;
           watching = true;
@@ -725,6 +727,17 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           }
           watching = false;
           if (!hook_finding.empty()) verdict.fail(hook_finding);
+          // Between steps every category but the activations (what the model's loss keeps)
+          // holds what it held after the constructor: the contract's "at all times".
+          grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+          kept[MemoryCategory::kActivations] = 0;
+          const std::string changed = grading::category_differences(kept, {});
+          if (verdict.passed() && !changed.empty())
+            verdict.fail(fmt::format(
+                "after two steps, against just after the constructor: {}; expected every "
+                "category as it was (the shards and buffers stay, every value and gradient is "
+                "released)",
+                changed));
           const std::size_t param_peak = tracker.peak(MemoryCategory::kParameters) - param_base;
           const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
           const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
