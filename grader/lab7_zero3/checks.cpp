@@ -1757,7 +1757,10 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
           draws);
     }
   }
-  if (worlds.back() > 1) {
+  // With N = 1 and 2 only (mpi with 2 processes) an even largest unit never pads, whatever
+  // the widths; the local backend always draws N of 3, 5 or 6, and there every formula must
+  // be told apart.
+  if (std::any_of(worlds.begin(), worlds.end(), [](int n) { return n >= 3; })) {
     const std::vector<WrongFormula> wrong = design_formulas(smallest, 1).second;
     for (std::size_t f = 0; f < wrong.size(); ++f)
       if (!separated[f])
