@@ -1019,12 +1019,8 @@ std::pair<std::size_t, std::vector<WrongFormula>> design_formulas(Model& model, 
   const std::size_t layer = 4 * largest_layer(model);
   const std::size_t buffers = contract_buffer_bytes(buckets, world);
   std::size_t largest_bucket = 0;  // E, not N C
-  std::size_t every_bucket = 0;    // sum of N C_k
   std::size_t largest_parameter = 0;
-  for (const Bucket& bucket : buckets) {
-    largest_bucket = std::max(largest_bucket, bucket.elements);
-    every_bucket += n * bucket.chunk_elements;
-  }
+  for (const Bucket& bucket : buckets) largest_bucket = std::max(largest_bucket, bucket.elements);
   for (const Parameter* parameter : model.parameters())
     largest_parameter = std::max(largest_parameter, parameter->value.size());
   const std::size_t psi = model.num_parameters();
@@ -1033,7 +1029,7 @@ std::pair<std::size_t, std::vector<WrongFormula>> design_formulas(Model& model, 
           {
               {"two bucket buffers whatever the number of buckets (one bucket needs one)",
                shard + layer + 4 * kBucketBuffers * (buffers / (4 * count))},
-              {"one buffer per bucket", shard + layer + 4 * every_bucket},
+              {"one buffer per bucket", shard + layer + buckets.size() * (buffers / count)},
               {"lab 5's shard, ceil(Psi / N), instead of the sum of the buckets' chunks",
                4 * ((psi + n - 1) / n) + layer + buffers},
               {"bucket buffers of max_k E_k elements, without the padding to N C_k",
@@ -1060,9 +1056,9 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
       return Model::mlp(fmt::format("64-{}-{}-10", h1, h2),
                         {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
     };
-    // The first model has several buckets (a cap below h1 x h2 elements: three or more),
-    // the second one bucket (a cap above its size), where two buffers are one too many and
-    // a bucket's gradients are not a layer's.
+    // The first model has three buckets or more (a cap below h1 x h2 elements), where one
+    // buffer per bucket is one too many, the second one bucket (a cap above its size), where
+    // two buffers are one too many and a bucket's gradients are not a layer's.
     std::size_t cap = 0;
     const auto separates = [&](std::vector<bool>& seen) {
       Model model = layout();
@@ -1075,16 +1071,17 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
     if (m == 0) {
       const std::int64_t cap_elements = draws.integer("cap elements", 0, h1 * h2);
       cap = 4 * static_cast<std::size_t>(cap_elements);
-      // Padding where lab 5's shard and the unpadded buffers part from the rule: the next
-      // widths in order, h2 first, until some drawn N shows both (as drawn on most seeds).
+      // Three buckets or more, and padding where lab 5's shard and the unpadded buffers part
+      // from the rule: the next widths in order, h2 first, until some drawn N shows all
+      // three (as drawn on most seeds).
       const std::int64_t drawn1 = h1;
       const std::int64_t drawn2 = h2;
-      const auto shows_padding = [&] {
+      const auto shows_all = [&] {
         std::vector<bool> seen(separated.size(), false);
         separates(seen);
-        return seen[2] && seen[3];
+        return seen[1] && seen[2] && seen[3];
       };
-      for (int tries = 0; worlds.back() > 1 && !shows_padding() && tries < 89 * 57; ++tries) {
+      for (int tries = 0; worlds.back() > 1 && !shows_all() && tries < 89 * 57; ++tries) {
         h2 = h2 < 64 ? h2 + 1 : 8;
         if (h2 == drawn2) h1 = h1 < 96 ? h1 + 1 : 8;
       }
