@@ -567,22 +567,28 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
               contract_buffer_bytes(buckets, world) + (max_norm > 0 ? sizeof(float) : 0);
           const std::size_t other_base = tracker.current(MemoryCategory::kOther);
           tracker.reset_peaks();
-          const std::size_t params_base = tracker.current(MemoryCategory::kParameters);
+          const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
           ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
-          const std::size_t after_constructor =
-              tracker.current(MemoryCategory::kGradients) - grad_base;
-          const std::size_t params_added =
-              tracker.current(MemoryCategory::kParameters) - params_base;
-          if (params_added != shard)
+          // Every category, what the constructor changed: the shards of the parameters and
+          // of the gradient added, the model's gradients (4 Psi) released, the buffers, the
+          // inner optimizer's state, nothing else.
+          grading::CategoryBytes expected_change;
+          expected_change[MemoryCategory::kParameters] = static_cast<std::int64_t>(shard);
+          expected_change[MemoryCategory::kGradients] =
+              static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
+          expected_change[MemoryCategory::kCommunication] = static_cast<std::int64_t>(buffers);
+          expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
+          const std::string constructor_differs = grading::category_differences(
+              grading::current_bytes(tracker) - before_constructor, expected_change);
+          if (!constructor_differs.empty())
             verdict.fail(fmt::format(
-                "the constructor added {} bytes of parameters; expected the shard's 4 S = {}",
-                params_added, shard));
-          if (after_constructor != shard)
-            verdict.fail(fmt::format(
-                "gradient bytes after the constructor {}; expected the shard's 4 S = {}{}",
-                after_constructor, shard,
-                after_constructor >= 4 * psi ? " (the model's whole gradient is still there)"
-                                             : ""));
+                "what the constructor changed: {}; the contract: + 4 S = {} of parameters (the "
+                "shard), 4 S - 4 Psi = {} of gradients (the shard in, every Parameter::grad "
+                "released), + {} of communication (min(2, B) = {} bucket buffer(s) of 4 "
+                "max_k(N C_k){}), the inner optimizer's state, nothing else",
+                constructor_differs, shard, expected_change[MemoryCategory::kGradients], buffers,
+                std::min(kBucketBuffers, buckets.size()),
+                max_norm > 0 ? " and the norm's float" : ""));
           const grading::CategoryBytes constructed = grading::current_bytes(tracker);
           tracker.reset_peaks();
           std::size_t backward_peak = 0;

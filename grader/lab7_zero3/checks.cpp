@@ -697,19 +697,29 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           model.on_pre_backward(pre("backward"));
           model.on_post_backward(post("backward"));
           tracker.reset_peaks();
+          const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
           ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
-          const std::size_t params_after =
-              tracker.current(MemoryCategory::kParameters) - param_base;
-          const std::size_t grads_after = tracker.current(MemoryCategory::kGradients) - grad_base;
-          if (params_after != shard)
+          // Every category, what the constructor changed: the shards of the parameters and of
+          // the gradient in, the model's values and gradients (4 Psi each) released, the
+          // buffers, the inner optimizer's state, nothing else.
+          grading::CategoryBytes expected_change;
+          const std::int64_t shard_in_model_out =
+              static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
+          expected_change[MemoryCategory::kParameters] = shard_in_model_out;
+          expected_change[MemoryCategory::kGradients] = shard_in_model_out;
+          expected_change[MemoryCategory::kCommunication] = static_cast<std::int64_t>(buffers);
+          expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
+          const std::string constructor_differs = grading::category_differences(
+              grading::current_bytes(tracker) - before_constructor, expected_change);
+          if (!constructor_differs.empty())
             verdict.fail(fmt::format(
-                "parameter bytes after the constructor {}; expected the shard's 4 S = {}{}",
-                params_after, shard,
-                params_after >= 4 * psi ? " (the model's values were not released)" : ""));
-          if (grads_after != shard)
-            verdict.fail(fmt::format(
-                "gradient bytes after the constructor {}; expected the shard's 4 S = {}",
-                grads_after, shard));
+                "what the constructor changed: {}; the contract: 4 S - 4 Psi = {} of parameters "
+                "and of gradients (the shards in, every value and gradient released), + {} of "
+                "communication (one gather buffer and min(2, U) = {} gradient buffer(s) of 4 "
+                "max_u(N C_u){}), the inner optimizer's state, nothing else",
+                constructor_differs, shard_in_model_out, buffers,
+                std::min(kGradientBuffers, units.size()),
+                max_norm > 0 ? " and the norm's float" : ""));
           verdict.expect_empty(check_released(model), "after the constructor");
           const grading::CategoryBytes constructed = grading::current_bytes(tracker);
           tracker.reset_peaks();

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "dp/memory.h"
+#include "dp/optimizer.h"
 
 namespace dp::grading {
 
@@ -94,6 +95,15 @@ inline std::string category_differences(const CategoryBytes& seen, const Categor
         fmt::format(" (a buffer of {} bytes charged to {} instead of {}?)",
                     seen[over[0]] - expected[over[0]], to_string(over[0]), to_string(under[0]));
   return sentence;
+}
+
+/// The bytes of `optimizer`'s state tensors (`Optimizer::state`): what it holds under
+/// `MemoryCategory::kOptimizerState`, read from the optimizer the grader's factory made.
+inline std::int64_t state_bytes(Optimizer& optimizer) {
+  std::int64_t bytes = 0;
+  for (const OptimizerState& state : optimizer.state())
+    bytes += static_cast<std::int64_t>(4 * state.tensor->size());
+  return bytes;
 }
 
 /// The categories with bytes, e.g. "parameters 4096, communication 8192" ("nothing" when
