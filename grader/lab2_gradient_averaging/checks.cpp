@@ -29,6 +29,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab2.h"
+#include "memory_check.h"
 
 namespace dp::lab2 {
 namespace {
@@ -173,6 +174,8 @@ struct StepRecord {
   float loss = 0;                      // accumulation: the returned loss
   std::int64_t optimizer_steps = 0;    // accumulation: optimizer steps during the call
   std::vector<float> flat_buffer;      // flat: FlatGradientAverager::buffer() after average()
+  grading::CategoryBytes constructed;  // flat: what its constructor added, per category
+  grading::CategoryBytes kept;         // flat: what average() left allocated, per category
 };
 
 /// Trains on this rank with the student's per-parameter or flat averaging (the loop of the
@@ -185,15 +188,21 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
   for (const std::string& name : setup.frozen) model.freeze(name);
   const std::unique_ptr<Optimizer> optimizer =
       grading::optimizer_for(options, model.num_parameters());
+  const MemoryTracker& tracker = this_rank_memory().tracker();
   std::optional<FlatGradientAverager> flat;
-  if (sync == Sync::kFlat) flat.emplace(model);
+  grading::CategoryBytes constructed;
+  if (sync == Sync::kFlat) {
+    const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
+    flat.emplace(model);
+    constructed = grading::current_bytes(tracker) - before_constructor;
+  }
   // A buffer like the flat one, for the baseline of what one all-reduce allocates.
   Tensor scratch({static_cast<std::int64_t>(model.num_trainable_parameters())},
                  MemoryCategory::kCommunication, model.device());
-  const MemoryTracker& tracker = this_rank_memory().tracker();
   for (int step = 0; step < options.steps; ++step) {
     StepRecord record;
     record.step = step + 1;
+    record.constructed = constructed;
     const Batch batch = grading::local_batch(*setup.data, options, step, comm.rank(), comm.size());
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (B/N, classes)
@@ -206,6 +215,7 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
     }
     const CommCounters before = comm.counters();
     const std::size_t tensors_before = tracker.allocations_total();
+    const grading::CategoryBytes held_before = grading::current_bytes(tracker);
     const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
     if (sync == Sync::kFlat)
       flat->average(model, comm);
@@ -213,6 +223,7 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
       average_gradients(model, comm);
     record.heap_bytes = grading::heap_use_of_this_thread().since(heap_before).bytes;
     record.tensor_allocations = tracker.allocations_total() - tensors_before;
+    record.kept = grading::current_bytes(tracker) - held_before;
     record.during_sync = comm.counters().since(before);
 
     record.gradients = model.flat_gradients();
@@ -525,8 +536,28 @@ TEST(Lab2Flat, ReusesItsBufferAndAllocatesNothing) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
+          // The contract's memory: the constructor allocates the flat buffer, one float per
+          // trainable element, as communication memory, and nothing else.
+          grading::CategoryBytes buffer;
+          buffer[MemoryCategory::kCommunication] =
+              static_cast<std::int64_t>(4 * layout.num_trainable_parameters());
           run_sync(setup, Sync::kFlat, comm, [&](const StepRecord& record) {
             if (!verdict.passed()) return;
+            if (record.step == 1) {
+              const std::string differs = grading::category_differences(record.constructed, buffer);
+              if (!differs.empty())
+                verdict.fail(fmt::format(
+                    "the FlatGradientAverager constructor added {}; expected the flat buffer of "
+                    "{} trainable elements as communication memory ({} bytes) and nothing else",
+                    differs, layout.num_trainable_parameters(),
+                    buffer[MemoryCategory::kCommunication]));
+            }
+            const std::string kept = grading::category_differences(record.kept, {});
+            if (!kept.empty())
+              verdict.fail(fmt::format(
+                  "step {}: FlatGradientAverager::average changed the rank's memory: {}; "
+                  "expected no change (the buffer made at construction carries the averages)",
+                  record.step, kept));
             if (record.tensor_allocations != 0)
               verdict.fail(
                   fmt::format("step {}: FlatGradientAverager::average made {} tensor(s); "
@@ -551,9 +582,11 @@ TEST(Lab2Flat, ReusesItsBufferAndAllocatesNothing) {
                   record.step, record.heap_bytes, record.heap_baseline, kSlackBytes));
           });
           if (verdict.passed())
-            verdict.note(
-                "the buffer made at construction carried the averages at every step; no "
-                "tensor and no heap buffer allocated by average()");
+            verdict.note(fmt::format(
+                "the constructor allocated {} bytes of communication memory (4 bytes "
+                "per trainable element) and nothing else; that buffer carried the averages at "
+                "every step; no tensor and no heap buffer allocated by average()",
+                buffer[MemoryCategory::kCommunication]));
         },
         draws);
   }
@@ -696,12 +729,63 @@ TEST(Lab2Accumulation, ReturnsTheMeanLossOfTheMicroBatches) {
 
 // --- the design question ------------------------------------------------------------------
 
+/// A plausible wrong answer to the design question, and what it predicts.
+struct WrongFormula {
+  std::string what;
+  double seconds = 0;
+};
+
+/// The plausible wrong formulas for P parameters on `world` ranks with latency `alpha`; the
+/// right one is 2 (N-1) (P-1) alpha.
+std::vector<WrongFormula> wrong_formulas(std::size_t parameters, int world, double alpha) {
+  const double p = static_cast<double>(parameters);
+  const double n = static_cast<double>(world);
+  const double tree = 2.0 * std::ceil(std::log2(n));
+  return {
+      {"P calls saved instead of P - 1 (the flat call pays its latencies too)",
+       2.0 * (n - 1) * p * alpha},
+      {"one round trip, 2 alpha, per all-reduce instead of a ring's 2 (N-1) latencies",
+       2.0 * (p - 1) * alpha},
+      {"2 N latencies per all-reduce instead of 2 (N-1)", 2.0 * n * (p - 1) * alpha},
+      {"a tree's 2 ceil(log2 N) latencies per all-reduce instead of a ring's 2 (N-1)",
+       tree * (p - 1) * alpha},
+      {"N - 1 latencies per all-reduce (the reduce-scatter half only)", (n - 1) * (p - 1) * alpha},
+  };
+}
+
+/// ": the prediction is that of <formula>" when `predicted` is one of the wrong formulas
+/// (within the check's tolerance) where the right answer is not, else "".
+std::string which_wrong_formula(double predicted, double expected, std::size_t parameters,
+                                int world, double alpha) {
+  const auto near = [](double a, double b) {
+    return std::abs(a - b) <= 1e-6 * std::abs(b) + 1e-12;
+  };
+  for (const WrongFormula& wrong : wrong_formulas(parameters, world, alpha))
+    if (near(predicted, wrong.seconds) && !near(expected, wrong.seconds))
+      return fmt::format("; that is the prediction of {}", wrong.what);
+  return "";
+}
+
 TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
   Draws draws("Lab2Design.PredictsWhatTheFlatBufferSaves");
+  // The first four networks are set where plausible formulas part, on every seed (the
+  // rubric lists them): N = 1, where nothing is sent and nothing saved (one latency per
+  // call saved, or 2 per call, is not 0); N = 2, where N and N - 1 latencies differ;
+  // N in {5, 6, 7}, where a ring's 2 (N-1) latencies per all-reduce are neither 2 (one
+  // round trip) nor 2 ceil(log2 N) (a tree's); a single parameter on N >= 2, where the
+  // flat buffer saves nothing (P - 1 calls saved, not P). Then two networks drawn whole.
   constexpr int kNetworks = 6;
+  std::vector<bool> separated(wrong_formulas(1, 1, 1.0).size(), false);
   for (int trial = 0; trial < kNetworks; ++trial) {
-    const int world = static_cast<int>(draws.integer("world", 1, 8));
-    std::vector<std::size_t> bytes(static_cast<std::size_t>(draws.integer("parameters", 1, 12)));
+    const int world = trial == 0   ? 1
+                      : trial == 1 ? 2
+                      : trial == 2 ? draws.pick("world (ring, not tree)", std::vector<int>{5, 6, 7})
+                      : trial == 3 ? static_cast<int>(draws.integer("world (one parameter)", 2, 8))
+                                   : static_cast<int>(draws.integer("world", 1, 8));
+    std::vector<std::size_t> bytes(
+        trial == 3  ? 1
+        : trial < 3 ? static_cast<std::size_t>(draws.integer("parameters", 2, 12))
+                    : static_cast<std::size_t>(draws.integer("parameters", 1, 12)));
     for (std::size_t& size : bytes)
       size = 4 * static_cast<std::size_t>(draws.integer("elements", 1, 1 << 18));
     LinkModel link;
@@ -747,15 +831,32 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
           "world size {}, {} parameters of {} to {} bytes, alpha {:.3g} us, {:.3g} GB/s: you "
           "predict "
           "the flat buffer saves {:.6g} us; the simulated clock measures {:.6g} us "
-          "(one all-reduce per parameter minus one flat all-reduce)\n({})",
+          "(one all-reduce per parameter minus one flat all-reduce){}\n({})",
           world, bytes.size(), *std::min_element(bytes.begin(), bytes.end()),
           *std::max_element(bytes.begin(), bytes.end()), link.alpha_seconds * 1e6,
-          link.bytes_per_second / 1e9, predicted * 1e6, measured * 1e6, draws.describe());
+          link.bytes_per_second / 1e9, predicted * 1e6, measured * 1e6,
+          which_wrong_formula(predicted, measured, bytes.size(), world, link.alpha_seconds),
+          draws.describe());
     grading::note_measured(fmt::format(
         "world size {}, {} parameters, alpha {:.3g} us: predicted "
         "{:.4g} us saved, measured {:.4g} us",
         world, bytes.size(), link.alpha_seconds * 1e6, predicted * 1e6, measured * 1e6));
+    const std::vector<WrongFormula> wrong = wrong_formulas(bytes.size(), world, link.alpha_seconds);
+    for (std::size_t f = 0; f < wrong.size(); ++f)
+      if (std::abs(wrong[f].seconds - measured) > 1e-6 * std::abs(measured) + 1e-12)
+        separated[f] = true;
   }
+  // The networks above are chosen so that every wrong formula misses at least one of them.
+  const auto missed = std::count(separated.begin(), separated.end(), false);
+  if (missed != 0)
+    FAIL() << fmt::format(
+        "grader bug: {} plausible wrong formula(s) "
+        "matched every simulated network\n({})",
+        missed, draws.describe());
+  grading::note_measured(fmt::format(
+      "the simulated networks tell the ring's 2 (N-1) (P-1) alpha from {} plausible wrong "
+      "formulas",
+      separated.size()));
 
   // Networks too large to simulate here (thousands of ranks): the answer must come from the
   // cost model, not from running the simulation. The grader evaluates the simulated
@@ -793,9 +894,11 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
     if (!(std::abs(predicted - expected) <= 1e-6 * std::abs(expected)))
       FAIL() << fmt::format(
           "world size {}, {} parameters, alpha {:.3g} us, {:.3g} GB/s: you predict the flat buffer "
-          "saves {:.6g} ms; the simulated network's cost model gives {:.6g} ms\n({})",
+          "saves {:.6g} ms; the simulated network's cost model gives {:.6g} ms{}\n({})",
           world, bytes.size(), link.alpha_seconds * 1e6, link.bytes_per_second / 1e9,
-          predicted * 1e3, expected * 1e3, draws.describe());
+          predicted * 1e3, expected * 1e3,
+          which_wrong_formula(predicted, expected, bytes.size(), world, link.alpha_seconds),
+          draws.describe());
   }
 }
 

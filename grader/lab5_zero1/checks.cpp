@@ -25,6 +25,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -42,6 +43,7 @@
 #include "ground_truth.h"
 #include "heap_use.h"
 #include "lab5.h"
+#include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
 
@@ -520,8 +522,23 @@ TEST(Lab5Clipping, GlobalNormOverRealElements) {
 
 // --- Lab5Memory --------------------------------------------------------------------------------
 
-TEST(Lab5Memory, OptimizerStateIsOneShard) {
-  Draws draws("Lab5Memory.OptimizerStateIsOneShard");
+/// The memory the contract lets ZeroOneOptimizer keep on one rank, category by category:
+/// the inner optimizer's state for S elements (`floats` per element), the padded flat
+/// buffer of N S floats and with clipping the norm's float (communication), the shards of
+/// the averaged gradient and of the parameters (S each).
+grading::CategoryBytes contract_bytes(const Partition& p, std::size_t floats, bool clipping) {
+  grading::CategoryBytes bytes;
+  const auto shard = static_cast<std::int64_t>(4 * p.shard_elements);
+  bytes[MemoryCategory::kOptimizerState] = static_cast<std::int64_t>(floats) * shard;
+  bytes[MemoryCategory::kCommunication] =
+      static_cast<std::int64_t>(4 * p.padded_elements) + (clipping ? 4 : 0);
+  bytes[MemoryCategory::kGradients] = shard;
+  bytes[MemoryCategory::kParameters] = shard;
+  return bytes;
+}
+
+TEST(Lab5Memory, EveryCategoryAsTheContractStates) {
+  Draws draws("Lab5Memory.EveryCategoryAsTheContractStates");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training = draw_training(draws, "adamw", worlds);
   for (int world : worlds) {
@@ -529,48 +546,86 @@ TEST(Lab5Memory, OptimizerStateIsOneShard) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const Partition p = contract_partition(psi_of(training), world);
-          for (const auto& [kind, floats] :
-               std::vector<std::pair<std::string, std::size_t>>{{"adamw", 2}, {"sgd", 1}}) {
+          // AdamW without clipping, SGD with momentum with it (the norm's float).
+          for (const auto& [kind, floats, max_norm] :
+               std::vector<std::tuple<std::string, std::size_t, float>>{{"adamw", 2, 0.0f},
+                                                                        {"sgd", 1, 1.0f}}) {
             TrainOptions options = training.for_world(world);
             options.optimizer = kind;
             if (kind == "sgd") options.momentum = 0.9f;
+            const std::string name = kind == "adamw" ? "AdamW" : "SGD with momentum, clipping";
             Model model = training.model();
             MemoryTracker& tracker = this_rank_memory().tracker();
-            const std::size_t base = tracker.current(MemoryCategory::kOptimizerState);
+            const grading::CategoryBytes expected = contract_bytes(p, floats, max_norm > 0);
+            // From the model on: what the constructor adds, and what it held at its peak.
+            const grading::CategoryBytes base = grading::current_bytes(tracker);
             tracker.reset_peaks();
-            const std::size_t expected = 4 * floats * p.shard_elements;
-            ZeroOneOptimizer zero(model, comm, factory_for(options));
-            const std::size_t after_constructor =
-                tracker.current(MemoryCategory::kOptimizerState) - base;
-            for (int step = 0; step < 2; ++step) {
+            ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
+            const grading::CategoryBytes constructed = grading::current_bytes(tracker) - base;
+            const grading::CategoryBytes constructor_peak = grading::peak_bytes(tracker) - base;
+            // Each step: what step() leaves and what it holds at its peak, from just before it
+            // (forward and backward are the model's, outside the optimizer).
+            std::string in_step;
+            for (int step = 1; step <= 2; ++step) {
               const Batch batch = grading::on_check_device(
-                  grading::local_batch(*training.data, options, step, comm.rank(), world));
+                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
               model.backward(grading::forward(model, batch), batch.labels);
+              const grading::CategoryBytes before = grading::current_bytes(tracker);
+              tracker.reset_peaks();
               (void)zero.step();
+              const std::string left =
+                  grading::category_differences(grading::current_bytes(tracker) - before, {});
+              const std::string peak =
+                  grading::category_differences(grading::peak_bytes(tracker) - before, {});
+              if (in_step.empty() && !left.empty())
+                in_step =
+                    fmt::format("step {} left more or less held than before it: {}", step, left);
+              else if (in_step.empty() && !peak.empty())
+                in_step =
+                    fmt::format("step {} held more than before it at its peak: {}", step, peak);
             }
-            const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
-            const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
             if (!verdict.passed()) continue;
-            const std::string name = kind == "adamw" ? "AdamW" : "SGD with momentum";
-            if (after_constructor != expected || current != expected || peak != expected)
+            const std::string after = grading::category_differences(constructed, expected);
+            const std::string at_peak = grading::category_differences(constructor_peak, expected);
+            const std::string where =
+                fmt::format("{} on N = {} (Psi = {}, S = {}, N S = {}): ", name, world,
+                            p.num_parameters, p.shard_elements, p.padded_elements);
+            const std::int64_t state = constructor_peak[MemoryCategory::kOptimizerState];
+            if (!after.empty())
               verdict.fail(fmt::format(
-                  "{} on N = {} (Psi = {}, S = {}): optimizer-state bytes {} after the "
-                  "constructor, {} after two steps, peak {}; expected {} x 4 x S = {} every "
-                  "time{}",
-                  name, world, p.num_parameters, p.shard_elements, after_constructor, current, peak,
-                  floats, expected,
-                  peak >= 4 * floats * p.num_parameters
-                      ? fmt::format(" (the peak is that of {} elements: an optimizer over the "
-                                    "whole model or the padded space existed)",
-                                    peak / (4 * floats))
+                  "{}after the constructor {}; the contract: optimizer state {} x 4 x S, one "
+                  "flat buffer of 4 N S bytes{} as communication, 4 S of gradients (the shard "
+                  "of the averaged gradient), 4 S of parameters (the shard), nothing else{}",
+                  where, after, floats, max_norm > 0 ? " and the norm's float" : "",
+                  state >= static_cast<std::int64_t>(4 * floats * p.num_parameters)
+                      ? fmt::format(" (optimizer state for {} elements existed: an optimizer "
+                                    "over the whole model or the padded space)",
+                                    state / static_cast<std::int64_t>(4 * floats))
                       : ""));
+            else if (!at_peak.empty())
+              verdict.fail(fmt::format(
+                  "{}at the peak of the constructor {}; expected the same as after it: no "
+                  "buffer, even a moment's, beyond the contract's{}",
+                  where, at_peak,
+                  state >= static_cast<std::int64_t>(4 * floats * p.num_parameters)
+                      ? fmt::format(" (optimizer state for {} elements existed: an optimizer "
+                                    "over the whole model or the padded space)",
+                                    state / static_cast<std::int64_t>(4 * floats))
+                      : ""));
+            else if (!in_step.empty())
+              verdict.fail(
+                  fmt::format("{}{}; expected no change (every buffer is the "
+                              "constructor's)",
+                              where, in_step));
             else if (kind == "adamw")
               verdict.note(fmt::format(
-                  "AdamW state per rank (current and peak) = 8 x S = {} bytes on N = {}, "
-                  "against 8 Psi = {} unsharded ({:.2f}x less); SGD's momentum 4 x S",
-                  expected, world, 8 * p.num_parameters,
-                  static_cast<double>(8 * p.num_parameters) / static_cast<double>(expected)));
+                  "AdamW: {} bytes per rank besides the model ({}), current and at the peak; "
+                  "the state 8 S = {} against 8 Psi = {} unsharded ({:.2f}x less)",
+                  constructed.total(), grading::describe_bytes(constructed),
+                  expected[MemoryCategory::kOptimizerState], 8 * p.num_parameters,
+                  static_cast<double>(8 * p.num_parameters) /
+                      static_cast<double>(expected[MemoryCategory::kOptimizerState])));
           }
         },
         draws);
@@ -714,10 +769,41 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
 
 // --- Lab5Design --------------------------------------------------------------------------------
 
+/// A plausible wrong answer to the design question, and what it predicts.
+struct WrongFormula {
+  std::string what;
+  std::size_t bytes = 0;
+};
+
+/// The plausible wrong formulas for Psi elements on N ranks with k floats of state per
+/// element; the contract's memory rule gives 8 Psi + 4 N S + 8 S + 4 k S.
+std::vector<WrongFormula> wrong_formulas(std::size_t psi, int world, std::size_t k) {
+  const auto n = static_cast<std::size_t>(world);
+  const std::size_t s = (psi + n - 1) / n;
+  // Every buffer counted, with a shard of `shard` elements and a flat buffer of `flat`.
+  const auto counted = [&](std::size_t shard, std::size_t flat) {
+    return 8 * psi + 4 * flat + 8 * shard + 4 * k * shard;
+  };
+  return {
+      {"the paper's 8 Psi + 4 k Psi / N, without this implementation's buffers",
+       8 * psi + 4 * k * psi / n},
+      {"no flat buffer", 8 * psi + 8 * s + 4 * k * s},
+      {"a flat buffer of Psi elements, not the padded N S", counted(s, psi)},
+      {"S = floor(Psi / N), rounded down", counted(psi / n, n * (psi / n))},
+      {"S = (Psi + N) / N, one too many when N divides Psi",
+       counted((psi + n) / n, n * ((psi + n) / n))},
+      {"two flat buffers (one for each collective)", counted(s, 2 * n * s)},
+      {"no shard buffers (gradient and parameters)", 8 * psi + 4 * n * s + 4 * k * s},
+  };
+}
+
 TEST(Lab5Design, PredictsStateBytesPerRank) {
   Draws draws("Lab5Design.PredictsStateBytesPerRank");
   const std::vector<int> worlds = draws.world_sizes(8);
   std::vector<std::string> measured;
+  // Which wrong formulas some model, world size and optimizer below tells from the right
+  // one (the draws make sure every one is: a grader bug otherwise).
+  std::vector<bool> separated(wrong_formulas(1, 1, 0).size(), false);
   // Whether some drawn N > 1 leaves a remainder of Psi: padding to N S, then charged.
   bool padding_shown = false;
   for (int m = 0; m < 2; ++m) {
@@ -748,6 +834,16 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
         draws.overrule("h2", fmt::format("h2={} (drawn {}; set by the check)", h2, drawn2));
     }
     padding_shown = padding_shown || pads(psi_of());
+    for (int world : worlds)
+      for (std::size_t k = 0; k <= 2; ++k) {
+        const std::size_t psi = psi_of();
+        const auto n = static_cast<std::size_t>(world);
+        const std::size_t s = (psi + n - 1) / n;
+        const std::size_t right = 8 * psi + 4 * n * s + 8 * s + 4 * k * s;
+        const std::vector<WrongFormula> wrong = wrong_formulas(psi, world, k);
+        for (std::size_t f = 0; f < wrong.size(); ++f)
+          if (wrong[f].bytes != right) separated[f] = true;
+      }
     const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
     for (int world : worlds) {
       run_on_ranks(
@@ -801,15 +897,21 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
                 bytes = held() - base;
               }
               const std::size_t predicted = predicted_state_bytes_per_rank(psi, world, floats);
+              std::string wrong_one;
+              const std::vector<WrongFormula> wrong = wrong_formulas(psi, world, floats);
+              for (const WrongFormula& formula : wrong)
+                if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes)
+                  wrong_one = fmt::format("; that is the prediction of {}", formula.what);
               if (!verdict.passed()) continue;
               if (predicted != bytes)
                 verdict.fail(fmt::format(
                     "{} on N = {}, Psi = {}: predicted {} bytes; the MemoryTracker holds {} "
-                    "over all its categories ({:+} bytes: {:+.3g} bytes per element of Psi)",
+                    "over all its categories ({:+} bytes: {:+.3g} bytes per element of Psi){}",
                     kind, world, psi, predicted, bytes,
                     static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes),
                     (static_cast<double>(predicted) - static_cast<double>(bytes)) /
-                        static_cast<double>(psi)));
+                        static_cast<double>(psi),
+                    wrong_one));
               else if (kind == "adamw")
                 verdict.note(fmt::format(
                     "AdamW, Psi = {} on N = {}: {} bytes per rank ({:.2f} bytes per parameter) "
@@ -821,6 +923,16 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
           draws);
     }
   }
+  // (On one rank alone nothing pads: only then may a formula of the padding go unseen.)
+  const std::vector<WrongFormula> wrong = wrong_formulas(1, 1, 0);
+  for (std::size_t f = 0; f < wrong.size(); ++f)
+    if (!separated[f] && worlds.back() > 1)
+      ADD_FAILURE() << fmt::format(
+          "grader bug: no drawn model and world size tells the memory rule from {}\n({})",
+          wrong[f].what, draws.describe());
+  grading::note_measured(fmt::format(
+      "the drawn models and world sizes tell the memory rule from {} plausible wrong formulas",
+      wrong.size()));
 }
 
 // --- Lab5Checkpoint ----------------------------------------------------------------------------

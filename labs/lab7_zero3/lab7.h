@@ -275,7 +275,8 @@ class ZeroThreeOptimizer {
 /// (README.md derives both).
 ///
 /// The grader draws models and world sizes (rubric.json lists the ranges), runs one
-/// forward, backward and step on each rank, and expects your prediction exactly.
+/// forward, backward and step on each rank, and expects your prediction exactly. On every
+/// seed one model's units pad on some drawn N, and one model is a single unit.
 std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size);
 
 }  // namespace dp::lab7

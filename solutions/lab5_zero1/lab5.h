@@ -94,10 +94,20 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// parameter's value. Every rank then holds the same parameters: bitwise lab 2's.
 ///
 /// Invariants, each checked:
-///   * Sharded state. The inner optimizer's state is the only optimizer state: the bytes
-///     under `MemoryCategory::kOptimizerState` are exactly those of one optimizer over S
-///     elements (AdamW: 2 x 4 x S), at their peak too: no optimizer over the whole model or
-///     the padded space is ever made, not even for a moment.
+///   * Memory, from the `MemoryTracker` (bytes, float32), each category checked exactly,
+///     after the constructor, at its peak and around every step, beyond what the model
+///     itself holds (its parameters and gradients, 4 Psi each, and what its forward and
+///     backward make):
+///       - `kOptimizerState`: the inner optimizer's state only, for S elements (AdamW:
+///         2 x 4 x S), at its peak too: no optimizer over the whole model or the padded
+///         space is ever made, not even for a moment.
+///       - `kCommunication`: one padded flat buffer of N S floats, 4 N S bytes, which the
+///         reduce-scatter reads and the all-gather writes (`flat_parameters()`: one buffer
+///         serves both), and with clipping one float for the norm. Nothing else.
+///       - `kGradients`: the shard of the averaged gradient, 4 S.
+///       - `kParameters`: the shard of the parameters (`shard_parameters()`), 4 S.
+///       - `kActivations` and `kOther`: nothing.
+///     `step()` changes none of them, not even for a moment.
 ///   * Communication. A step calls, on the communicator and in this order: one
 ///     `reduce_scatter` (`ReduceOp::kSum`) of the N S padded flat gradients into S
 ///     elements; with clipping one `allreduce` (`ReduceOp::kSum`) of one float; one
@@ -205,12 +215,15 @@ class ZeroOneOptimizer {
 /// Count what the tracker holds, over all its categories, on one rank once the model, its
 /// gradients and your optimizer exist and
 /// one step has run: the model's own parameters and gradients (4 bytes per element each),
-/// the inner optimizer's state, and every buffer your implementation keeps. Compare it with
-/// DDP's 16 Psi for AdamW (README.md derives both).
+/// the inner optimizer's state, and every buffer your implementation keeps (the memory
+/// rule of `ZeroOneOptimizer` above). Compare it with DDP's 16 Psi for AdamW (README.md
+/// derives both).
 ///
 /// The grader draws models and world sizes (rubric.json lists the ranges), runs your
 /// optimizer for one step on each rank and expects your prediction exactly, for each
-/// optimizer: a formula that forgets the padding or one of your buffers fails.
+/// optimizer. The draws always include world sizes that leave a remainder of Psi and one
+/// that divides it (N = 1), so a formula that forgets the padding, rounds S down or up by
+/// one, or forgets one of your buffers fails on every seed.
 std::size_t predicted_state_bytes_per_rank(std::size_t num_parameters, int world_size,
                                            std::size_t state_floats_per_element);
 

@@ -237,7 +237,8 @@ class ZeroTwoOptimizer {
 /// which holds 4 Psi of gradients and 4 Psi of buckets (README.md derives both).
 ///
 /// The grader draws models, world sizes and caps (rubric.json lists the ranges), runs one
-/// backward and one step on each rank, and expects your prediction exactly.
+/// backward and one step on each rank, and expects your prediction exactly. On every seed
+/// one layout has several buckets that pad on some drawn N and one has a single bucket.
 std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
                                           std::size_t bucket_cap_bytes);
 
