@@ -1,7 +1,9 @@
-// Lab 1's graded checks: the sampler's shards, the broadcast of the initial weights, and
-// training without synchronisation (which must make the replicas diverge). Every check
-// draws its configurations from the run's grading seed; rubric.json gives the points and
-// the ranges drawn, and labs/lab1_replicated/README.md what each check grades.
+// Lab 1's graded checks: the sampler's shards, its shuffle (a uniform random permutation,
+// tested statistically), the broadcast of the initial weights, and training without
+// synchronisation (which must make the replicas diverge). Every check draws its
+// configurations from the run's grading seed; rubric.json gives the points, the ranges drawn
+// and the false-failure bound of the shuffle's test, and labs/lab1_replicated/README.md what
+// each check grades.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
