@@ -1,18 +1,23 @@
-// Lab 1's graded checks: the sampler's shards, the broadcast of the initial weights, and
-// training without synchronisation (which must make the replicas diverge). Every check
-// draws its configurations from the run's grading seed; rubric.json gives the points and
-// the ranges drawn, and labs/lab1_replicated/README.md what each check grades.
+// Lab 1's graded checks: the sampler's shards, its shuffle (a uniform random permutation,
+// tested statistically), the broadcast of the initial weights, and training without
+// synchronisation (which must make the replicas diverge). Every check draws its
+// configurations from the run's grading seed; rubric.json gives the points, the ranges drawn
+// and the false-failure bound of the shuffle's test, and labs/lab1_replicated/README.md what
+// each check grades.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "compare.h"
@@ -20,6 +25,7 @@
 #include "dp/error.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
+#include "dp/rng.h"
 #include "grading.h"
 #include "lab1.h"
 
@@ -32,6 +38,14 @@ using grading::Verdict;
 
 /// Configurations each sampler check tries.
 constexpr int kSamplerConfigurations = 40;
+
+/// The checks insist that two shuffled orders differ only for data sets of at least this
+/// many samples, where two random orders coincide with probability 1/n! < 5e-19, so that a
+/// correct shuffle fails by chance less than once in 10^9 grades (rubric.json).
+constexpr std::size_t kDistinctOrdersFrom = 20;
+
+/// Consecutive epochs whose left-out samples must not all be the same with drop_last.
+constexpr std::uint64_t kDropLastEpochs = 12;
 
 /// One sampler configuration: data set size, ranks, options and epoch.
 struct SamplerCase {
@@ -209,11 +223,14 @@ TEST(Lab1Sampler, DropLastLeavesOutTheTailOfTheEpochOrder) {
           return fmt::format("the shards hold {} indices in all; expected {} (floor(n/N) per rank)",
                              list.size(), total);
         problem = check_epoch_order(list, total, c);
-        if (!problem.empty() || !c.options.shuffle || total == c.n || c.n < 10) return problem;
+        if (!problem.empty() || !c.options.shuffle || total == c.n || c.n < kDistinctOrdersFrom)
+          return problem;
         // Shuffled, the samples left out must change with the epoch: cutting the tail before
-        // shuffling would leave out the same samples every epoch.
+        // shuffling would leave out the same samples every epoch. A random order leaves out
+        // the same r = n - total samples as another epoch with probability 1/C(n, r) <= 1/20,
+        // so 12 epochs all alike happen by chance with probability below 20^-11 = 5e-15.
         std::set<std::vector<std::size_t>> left_out_sets;
-        for (std::uint64_t epoch = c.epoch; epoch < c.epoch + 8; ++epoch) {
+        for (std::uint64_t epoch = c.epoch; epoch < c.epoch + kDropLastEpochs; ++epoch) {
           SamplerCase other = c;
           other.epoch = epoch;
           std::vector<char> kept(c.n, 0);
@@ -229,7 +246,7 @@ TEST(Lab1Sampler, DropLastLeavesOutTheTailOfTheEpochOrder) {
           return fmt::format(
               "epochs {} to {} all leave out the same samples; expected the tail of each epoch's "
               "shuffled order, which changes from epoch to epoch",
-              c.epoch, c.epoch + 7);
+              c.epoch, c.epoch + kDropLastEpochs - 1);
         return "";
       });
 }
@@ -242,9 +259,10 @@ TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
         if (shards_of(c) != shards)
           return "two samplers with equal seed and epoch gave different shards; expected the order "
                  "to depend on (seed, epoch) alone";
-        // Two random orders of n >= 10 samples coincide with probability 1/n! < 3e-7: only then
-        // may the check insist that they differ.
-        if (c.n < 10) return "";
+        // Two random orders of n >= 20 samples coincide with probability 1/n! < 5e-19: only
+        // then may the check insist that they differ (4 comparisons in each of 40
+        // configurations: below 1e-16 per grade).
+        if (c.n < kDistinctOrdersFrom) return "";
         SamplerCase next_epoch = c;
         ++next_epoch.epoch;
         if (shards_of(next_epoch) == shards)
@@ -275,33 +293,277 @@ TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
         return "";
       },
       /*always_shuffle=*/true);
+}
 
-  // Random, not just different: a family of at most 2n orders (rotations, i * a mod n, ...)
-  // must repeat within 2n + 1 epochs; n! random orders (n >= 13) do so with probability
-  // below 1e-7 (the birthday bound: (2n + 1)^2 / 2 / n!).
-  Draws draws("Lab1Sampler.ShuffleDependsOnSeedAndEpochOnly/random");
-  for (int trial = 0; trial < 4; ++trial) {
-    SamplerCase c;
-    c.n = static_cast<std::size_t>(draws.integer("n", 13, 30));
-    c.replicas = static_cast<int>(draws.integer("ranks", 1, 4));
-    c.options.shuffle = true;
-    c.options.seed = draws.seed("sampler seed");
-    std::set<std::vector<std::vector<std::size_t>>> orders;
-    for (std::uint64_t epoch = 0; epoch < 2 * c.n + 1; ++epoch) {
-      c.epoch = epoch;
-      try {
-        if (!orders.insert(shards_of(c)).second)
+// --- the shuffle's randomness ---------------------------------------------------------------
+//
+// A shuffle must be a uniform random permutation: every one of the n! orders equally likely.
+// Orders that merely differ from epoch to epoch are not enough: a rotation by a number drawn
+// from (seed, epoch), a reversal, Fisher-Yates with below(i) (Sattolo's algorithm: one long
+// cycle, never a sample left in place), a handful of random swaps, a riffle, an involution or
+// a shuffle seeded from a few values of the seed all pass the checks above.
+//
+// The test. For two data sets, one of even and one of odd size n in [20, 31], it takes the
+// order of each of 40 drawn seeds at 200 consecutive epochs (one rank, so the order is the
+// shard): M = 16,000 permutations. Under the null hypothesis (a correct shuffle, whose orders
+// for distinct (seed, epoch) are independent and uniform) it knows exactly how often each of
+// six events happens, and it fails when a count leaves the interval that a uniform shuffle
+// leaves with probability below 5e-11 on each side:
+//
+//   event                         P(event) for a uniform permutation of n
+//   no fixed point                d(n)   = sum_{j=0..n} (-1)^j / j!          (about 1/e)
+//   exactly one fixed point       d(n-1)                                     (about 1/e)
+//   no 2-cycle                    sum_{j=0..n/2} (-1)^j / (2^j j!)           (about e^-1/2)
+//   no v followed by v + 1        sum_{j=0..n-1} (-1)^j (n-j) / (n j!)        (about 1/e)
+//   no v followed by v - 1        the same (reverse the order)
+//   a cycle longer than n/2       sum_{k=n/2+1..n} 1/k                        (about ln 2)
+//
+// (Inclusion-exclusion: j given points are all fixed with probability (n-j)!/n!, and there
+// are C(n, j) sets of them; j disjoint 2-cycles can be chosen n!/(2^j j! (n-2j)!) ways, each
+// present with probability (n-2j)!/n!; j of the n-1 successions v, v+1 glue the values into
+// n-j blocks, (n-j)! orders of C(n-1, j) sets; a k-cycle with k > n/2 is unique if present,
+// and present with probability 1/k. Exactly one fixed point: n choices times the
+// derangements of the other n-1.)
+//
+// The bound. A count X of an event over M independent permutations whose probabilities
+// average p obeys Chernoff's bound P(X >= M q) <= exp(-M KL(q || p)) for q > p, and the same
+// below p (KL: the Kullback-Leibler divergence of Bernoulli distributions; it holds for
+// unequal probabilities too, since log(1 - p + p e^t) is concave in p). The interval
+// [M q_low, M q_high] solves M KL(q || p) = ln(1 / 5e-11), so each of the 12 tails is below
+// 5e-11. Any two of the 8,000 permutations of one size coincide with probability below
+// C(8000, 2) / 20! < 1.4e-11 (the check fails on a repeat: a shuffle with few possible orders
+// repeats). A correct shuffle therefore fails this check with probability below
+// 12 x 5e-11 + 2 x 1.4e-11 < 6.3e-10 per grade. With M = 16,000 the intervals are about
+// +-0.026 wide around p = 0.37: a shuffle that moves an event's frequency by 3 points fails.
+
+/// What the six events of the uniformity test read off one permutation.
+struct PermutationShape {
+  std::size_t fixed_points = 0;
+  bool has_two_cycle = false;
+  bool has_rising_succession = false;   // some v is followed by v + 1
+  bool has_falling_succession = false;  // some v is followed by v - 1
+  std::size_t longest_cycle = 0;
+};
+
+/// The shape of `order`, a permutation of 0..n-1 (position i holds order[i]).
+PermutationShape shape_of(const std::vector<std::size_t>& order) {
+  PermutationShape shape;
+  const std::size_t n = order.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    shape.fixed_points += order[i] == i ? 1 : 0;
+    if (order[i] != i && order[order[i]] == i) shape.has_two_cycle = true;
+    if (i + 1 < n && order[i + 1] == order[i] + 1) shape.has_rising_succession = true;
+    if (i + 1 < n && order[i + 1] + 1 == order[i]) shape.has_falling_succession = true;
+  }
+  std::vector<char> visited(n, 0);
+  for (std::size_t start = 0; start < n; ++start) {
+    std::size_t length = 0;
+    for (std::size_t i = start; visited[i] == 0; i = order[i]) {
+      visited[i] = 1;
+      ++length;
+    }
+    shape.longest_cycle = std::max(shape.longest_cycle, length);
+  }
+  return shape;
+}
+
+/// One event of the test, its probability for a uniform permutation of n (the derivations
+/// are above), and what a shuffle that shows it too often or too rarely likely does.
+struct PermutationEvent {
+  const char* name;
+  bool (*holds)(const PermutationShape& shape, std::size_t n);
+  double (*probability)(std::size_t n);
+  const char* too_often;
+  const char* too_rarely;
+};
+
+/// sum_{j=0..last} term(j) / j!, added from the smallest term up.
+template <typename Term>
+double exponential_series(std::size_t last, Term term) {
+  std::vector<double> terms;
+  double factorial = 1;
+  for (std::size_t j = 0; j <= last; ++j) {
+    if (j > 0) factorial *= static_cast<double>(j);
+    terms.push_back(term(j) / factorial);
+  }
+  double sum = 0;
+  for (std::size_t j = terms.size(); j-- > 0;) sum += terms[j];
+  return sum;
+}
+
+double no_fixed_point_probability(std::size_t n) {
+  return exponential_series(n, [](std::size_t j) { return j % 2 == 0 ? 1.0 : -1.0; });
+}
+
+const std::array<PermutationEvent, 6> kPermutationEvents = {{
+    {"no fixed point", [](const PermutationShape& s, std::size_t) { return s.fixed_points == 0; },
+     no_fixed_point_probability,
+     "a shuffle that never leaves a sample in place (Fisher-Yates with below(i) instead of "
+     "below(i + 1), or a rotation)",
+     "a shuffle that leaves many samples in place (a few random swaps)"},
+    {"exactly one fixed point",
+     [](const PermutationShape& s, std::size_t) { return s.fixed_points == 1; },
+     [](std::size_t n) { return no_fixed_point_probability(n - 1); },
+     "a shuffle with a fixed point by construction (a reversal of an odd number of samples)",
+     "a shuffle whose fixed points come all or none (a rotation, the identity now and then)"},
+    {"no 2-cycle", [](const PermutationShape& s, std::size_t) { return !s.has_two_cycle; },
+     [](std::size_t n) {
+       return exponential_series(n / 2, [](std::size_t j) {
+         return (j % 2 == 0 ? 1.0 : -1.0) / std::pow(2.0, static_cast<double>(j));
+       });
+     },
+     "a shuffle that avoids swapping two samples with each other",
+     "a shuffle made of swapped pairs (a reversal, a product of disjoint swaps)"},
+    {"no v followed by v + 1",
+     [](const PermutationShape& s, std::size_t) { return !s.has_rising_succession; },
+     [](std::size_t n) {
+       return exponential_series(n - 1, [n](std::size_t j) {
+         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
+       });
+     },
+     "a shuffle that breaks up every run of consecutive samples",
+     "a shuffle that keeps runs of the unshuffled order (a rotation, a riffle, a few swaps)"},
+    {"no v followed by v - 1",
+     [](const PermutationShape& s, std::size_t) { return !s.has_falling_succession; },
+     [](std::size_t n) {
+       return exponential_series(n - 1, [n](std::size_t j) {
+         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
+       });
+     },
+     "a shuffle that breaks up every reversed run",
+     "a shuffle that keeps runs of the reversed order (a reversal)"},
+    {"a cycle longer than n/2",
+     [](const PermutationShape& s, std::size_t n) { return 2 * s.longest_cycle > n; },
+     [](std::size_t n) {
+       double sum = 0;
+       for (std::size_t k = n; k > n / 2; --k) sum += 1.0 / static_cast<double>(k);
+       return sum;
+     },
+     "a shuffle that makes one long cycle (Fisher-Yates with below(i), a rotation)",
+     "a shuffle of short cycles (swapped pairs, a few swaps)"},
+}};
+
+/// The probability of each tail of each event's count that a uniform shuffle reaches.
+constexpr double kTailProbability = 5e-11;
+
+/// KL(q || p) of two Bernoulli distributions.
+double bernoulli_divergence(double q, double p) {
+  double divergence = 0;
+  if (q > 0) divergence += q * std::log(q / p);
+  if (q < 1) divergence += (1 - q) * std::log((1 - q) / (1 - p));
+  return divergence;
+}
+
+/// The interval of frequencies [q_low, q_high] around p that M independent trials of mean
+/// probability p leave, on each side, with probability below `tail` (Chernoff: M KL(q || p) =
+/// ln(1 / tail) at both ends, found by bisection).
+std::pair<double, double> chernoff_interval(double p, double trials, double tail) {
+  const double limit = std::log(1 / tail);
+  const auto solve = [&](double inside, double outside) {
+    for (int i = 0; i < 200; ++i) {
+      const double middle = (inside + outside) / 2;
+      (trials * bernoulli_divergence(middle, p) > limit ? outside : inside) = middle;
+    }
+    return outside;
+  };
+  return {solve(p, 0.0), solve(p, 1.0)};
+}
+
+TEST(Lab1Sampler, ShuffleIsUniform) {
+  Draws draws("Lab1Sampler.ShuffleIsUniform");
+  constexpr int kSeeds = 40;
+  constexpr std::uint64_t kEpochs = 200;
+  const std::array<std::size_t, 2> sizes = {
+      draws.pick("even n", std::vector<std::size_t>{20, 22, 24, 26, 28, 30}),
+      draws.pick("odd n", std::vector<std::size_t>{21, 23, 25, 27, 29, 31})};
+  const std::uint64_t first_epoch =
+      static_cast<std::uint64_t>(draws.integer("first epoch", 0, 1'000'000));
+  // 40 distinct sampler seeds below 10^6, from a stream of the drawn one.
+  const std::uint64_t seed_stream = draws.seed("sampler seeds from");
+  std::vector<std::uint64_t> seeds;
+  CounterRng seed_rng(seed_stream, 0x5eed);
+  while (seeds.size() < kSeeds) {
+    const std::uint64_t seed = seed_rng.below(1'000'000);
+    if (std::find(seeds.begin(), seeds.end(), seed) == seeds.end()) seeds.push_back(seed);
+  }
+  const auto where = [&](std::size_t n, std::uint64_t seed, std::uint64_t epoch) {
+    return fmt::format("n={} seed={} epoch={}", n, seed, epoch);
+  };
+
+  std::array<std::size_t, kPermutationEvents.size()> counts{};
+  std::array<double, kPermutationEvents.size()> expected_sum{};
+  std::size_t permutations = 0;
+  for (const std::size_t n : sizes) {
+    std::map<std::vector<std::size_t>, std::pair<std::uint64_t, std::uint64_t>> first_seen;
+    for (const std::uint64_t seed : seeds)
+      for (std::uint64_t epoch = first_epoch; epoch < first_epoch + kEpochs; ++epoch) {
+        std::vector<std::size_t> order;
+        try {
+          DistributedSampler sampler(n, 1, 0, {.shuffle = true, .seed = seed});
+          sampler.set_epoch(epoch);
+          order = sampler.indices();
+        } catch (const NotImplemented& error) {
+          FAIL() << error.what();
+        } catch (const std::exception& error) {
+          FAIL() << where(n, seed, epoch) << ", one rank: " << grading::type_name(error) << ": "
+                 << error.what() << "\n(" << draws.describe() << ")";
+        }
+        std::vector<char> present(n, 0);
+        for (const std::size_t index : order)
+          if (index < n) present[index] = 1;
+        if (order.size() != n ||
+            std::count(present.begin(), present.end(), 1) != static_cast<std::ptrdiff_t>(n))
           FAIL() << fmt::format(
-              "{}: epoch {} repeats the order of an earlier epoch; expected a random "
-              "permutation per epoch (n! of them), which repeats within {} epochs with "
-              "probability below 1e-7; a shuffle with few possible orders (a rotation, i * a mod "
-              "n) repeats within n\n({})",
-              c.describe(), epoch, 2 * c.n + 1, draws.describe());
-      } catch (const NotImplemented& error) {
-        FAIL() << error.what();
+              "{}, one rank: indices() is not a permutation of 0..{} ({} entries); expected the "
+              "shuffled epoch order\n({})",
+              where(n, seed, epoch), n - 1, order.size(), draws.describe());
+        const auto [earlier, inserted] = first_seen.try_emplace(order, seed, epoch);
+        if (!inserted)
+          FAIL() << fmt::format(
+              "{} gives the same order as seed={} epoch={}; expected independent uniform random "
+              "orders, of which two of these {} x {} coincide with probability below 1.4e-11: "
+              "the shuffle reaches few orders, or some far more often than others (a seed or an "
+              "epoch reduced to a few values, a rotation, a riffle)\n({})",
+              where(n, seed, epoch), earlier->second.first, earlier->second.second, kSeeds, kEpochs,
+              draws.describe());
+        const PermutationShape shape = shape_of(order);
+        for (std::size_t e = 0; e < kPermutationEvents.size(); ++e) {
+          counts[e] += kPermutationEvents[e].holds(shape, n) ? 1 : 0;
+          expected_sum[e] += kPermutationEvents[e].probability(n);
+        }
+        ++permutations;
       }
+  }
+
+  const auto trials = static_cast<double>(permutations);
+  double largest_z = 0;
+  std::string largest;
+  for (std::size_t e = 0; e < kPermutationEvents.size(); ++e) {
+    const PermutationEvent& event = kPermutationEvents[e];
+    const double p = expected_sum[e] / trials;
+    const auto [low, high] = chernoff_interval(p, trials, kTailProbability);
+    const double seen = static_cast<double>(counts[e]) / trials;
+    if (seen < low || seen > high)
+      ADD_FAILURE() << fmt::format(
+          "\"{}\" held for {} of {} shuffled orders ({:.4f}); a uniform random permutation "
+          "gives {:.4f} on average, and lands outside [{:.4f}, {:.4f}] with probability below "
+          "{:.0e}: the orders are not uniform. Seen {}, as in {}\n({})",
+          event.name, counts[e], permutations, seen, p, low, high, kTailProbability,
+          seen > high ? "too often" : "too rarely",
+          seen > high ? event.too_often : event.too_rarely, draws.describe());
+    const double z = std::abs(seen - p) / std::sqrt(p * (1 - p) / trials);
+    if (z >= largest_z) {
+      largest_z = z;
+      largest = fmt::format("\"{}\" {:.4f} against {:.4f}", event.name, seen, p);
     }
   }
+  if (!HasFailure())
+    grading::note_measured(fmt::format(
+        "{} orders (n = {} and {}, {} seeds x {} epochs), all distinct; fixed points, 2-cycles, "
+        "successions and long cycles as often as in uniform permutations (largest deviation "
+        "{:.1f} standard deviations: {}); a uniform shuffle fails this check with probability "
+        "below 6.3e-10",
+        permutations, sizes[0], sizes[1], kSeeds, kEpochs, largest_z, largest));
 }
 
 // --- the broadcast ------------------------------------------------------------------------

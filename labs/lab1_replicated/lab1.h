@@ -49,14 +49,19 @@ struct SamplerOptions {
 ///     drop_last floor(n / N). Equal lengths keep the ranks in step, one batch each.
 ///   * Interleave the shards, L[r + N i] = shard r's i-th index, into one list L of
 ///     `total_size()` entries. Its first min(n, total_size()) entries are distinct indices,
-///     in the epoch's order: without shuffle 0, 1, 2, ...; with shuffle a random
-///     permutation of 0..n-1 that depends on (seed, epoch) only, so every rank computes
-///     the same one alone.
+///     in the epoch's order: without shuffle 0, 1, 2, ...; with shuffle a uniform random
+///     permutation of 0..n-1 (each of the n! orders equally likely) that depends on
+///     (seed, epoch) only, so every rank computes the same one alone.
 ///   * Without drop_last, L continues by repeating itself from its start:
 ///     L[n + j] = L[j mod n]. With drop_last the tail of the epoch's order is left out, so
 ///     with shuffle the samples left out change from epoch to epoch.
-///   * A different epoch or seed gives a different order (checked for n >= 10, where two
-///     random orders coincide with probability below 1e-6).
+///   * A different epoch or seed gives a different order (checked for n >= 20, where two
+///     random orders coincide with probability below 5e-19).
+///   * Uniform, not merely different: over 16,000 orders of 40 seeds and 200 epochs, none
+///     repeats, and fixed points, 2-cycles, runs v, v+1 and v, v-1 and cycles longer than
+///     n/2 are as frequent as in uniform random permutations. A rotation, a reversal, a few
+///     random swaps, a riffle or Fisher-Yates with below(i) instead of below(i + 1) fails;
+///     a correct shuffle fails by chance with probability below 6.3e-10 (rubric.json).
 class DistributedSampler {
  public:
   /// A sampler for rank `rank` of `num_replicas`. Throws `dp::Error`, saying what was

@@ -116,7 +116,8 @@ struct ServerOptions {
 };
 
 /// Makes the optimizer a server applies to its shard: called once per server with the
-/// shard's number of elements.
+/// shard's number of elements, so that the optimizer's state (MemoryCategory::kOptimizerState)
+/// is the shard's.
 using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t elements)>;
 
 /// One line of a worker's staleness log: the step whose gradient it pushed, and the version
@@ -151,6 +152,12 @@ struct StalenessRecord {
 ///     the shard's new version, and nothing else moves. The one-server link therefore
 ///     carries (N-1) models each way per step when co-located; S servers divide it by S.
 ///     Checked to the byte, per peer, from the communicator's counters.
+///   * The optimizer state. Server j keeps the state of one optimizer made by
+///     `make_optimizer(|shard j|)`, and nothing more: S servers divide the state a single
+///     server keeps by S, as they divide its link. A rank that serves no shard keeps no
+///     optimizer state. Checked exactly, per rank, from the rank's MemoryTracker
+///     (`MemoryCategory::kOptimizerState`) after the constructor, after the steps and at its
+///     peak, with AdamW (8 bytes per element) and SGD with momentum (4).
 class ParameterServer {
  public:
   /// Sets up this rank's part; no communication. Throws `dp::Error` unless 1 <= S <= N
@@ -190,7 +197,8 @@ class ParameterServer {
 /// `bytes_per_second` per direction), with free compute.
 ///
 /// Derive it from the cost model of the simulated network (dp/clock.h). The grader draws
-/// world sizes from 4 to 8 and networks, finds the crossover by timing both of your
+/// networks on 3 ranks, on 4 and on 5 to 8 (the small world sizes are where N steps and
+/// N - 1, or 2 buffers and 2(N-1)/N, part), finds the crossover by timing both of your
 /// all-reduces on the simulated clock, and expects your prediction within a factor of 2.
 double predicted_crossover_bytes(int world_size, const LinkModel& link);
 

@@ -117,10 +117,12 @@ std::vector<Bucket> assign_buckets(const Model& model, const BucketOptions& opti
 ///     serialises communication with backward again.
 ///   * In-flight buffers left alone. A bucket's buffer is not written between the launch of
 ///     its all-reduce and the wait for its `Work` (and its sum is not read before the wait).
-///   * No allocation during a step. The bucket buffers are the only buffers: no tensor is
-///     allocated after the constructor (no staging copies) and no buffer moves; the hooks
-///     and `finish_gradient_sync` take nothing from the heap beyond what the
-///     communicator's own calls and waits take.
+///   * No allocation during a step. The bucket buffers are the only buffers: the
+///     constructor leaves exactly the buckets' bytes as communication memory and nothing in
+///     any other category (read per category from the rank's MemoryTracker: a buffer charged
+///     to another category is still a buffer); no tensor is allocated after the constructor
+///     (no staging copies) and no buffer moves; the hooks and `finish_gradient_sync` take
+///     nothing from the heap beyond what the communicator's own calls and waits take.
 ///   * No synchronisation under `NoSync`. With synchronisation off, a hook neither copies
 ///     into the buffers nor launches: a backward leaves the buffers unchanged and calls
 ///     nothing on the communicator.
@@ -194,9 +196,13 @@ class BucketedDDP {
 /// own gradient-ready hook, so in the order the hooks fire (the same on every rank) and
 /// before `Model::backward` returns; no `Work` is waited on or tested before backward
 /// returns; one all-reduce per trainable parameter per step and nothing else; after
-/// `finish_gradient_sync`, bitwise lab 2's arithmetic. It pays the latency once per
-/// parameter: for a model of many small parameters it must be slower than `BucketedDDP`
-/// (checked on the simulated clock).
+/// `finish_gradient_sync`, bitwise lab 2's arithmetic. In place: each all-reduce's buffer is
+/// its parameter's `Parameter::grad` itself (the recording communicator sees the address),
+/// so there is no buffer to keep: the constructor leaves no tensor in any memory category,
+/// and a step allocates no tensor and takes nothing from the heap beyond what the
+/// communicator's own calls and waits take. It pays the latency once per parameter: for a
+/// model of many small parameters it must be slower than `BucketedDDP` (checked on the
+/// simulated clock).
 class PerParameterDDP {
  public:
   /// Registers the hook on `model`; the object must outlive every backward of `model`.
@@ -249,7 +255,8 @@ struct BackwardProfile {
 /// moves and no constant cap passes them all. For each fabric it profiles one backward on
 /// the simulated clock, times whole steps of your `BucketedDDP` with caps of 2^k bytes from
 /// 64 KiB up to the model's size, and expects your cap within a factor of 2 of the fastest
-/// (caps within 3% of the fastest step time count as fastest: the curve has plateaus).
+/// (caps within 3% of the fastest step time count as fastest: the curve has plateaus). Any
+/// cap of at least the model's size makes one bucket, and counts as the largest cap swept.
 std::size_t predicted_best_bucket_cap_bytes(const BackwardProfile& profile, int world_size,
                                             const LinkModel& link);
 
