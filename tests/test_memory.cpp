@@ -14,7 +14,9 @@
 namespace dp {
 
 /// The tracker's accounting entry points are private (only tensors charge it); its tests
-/// reach them through this fixture, which memory.h names a friend.
+/// reach them through this fixture, which memory.h names a friend in the unit tests' build
+/// only (DP_MEMORY_TRACKER_TESTS, tests/CMakeLists.txt): elsewhere any code could define a
+/// class of that name.
 class MemoryTrackerTest : public ::testing::Test {
  protected:
   static void allocate(MemoryTracker& tracker, MemoryCategory category, std::size_t bytes) {

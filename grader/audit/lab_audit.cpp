@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "dp/error.h"
 #include "object_inspection.h"
@@ -24,16 +25,6 @@ namespace fs = std::filesystem;
 /// personality routine's address (exception handling).
 bool harmless_writable(const ObjectSymbol& symbol) {
   return symbol.name == "DW.ref.__gxx_personality_v0";
-}
-
-/// .data, .bss, thread-local data and common symbols: state that outlives a call. Relocated
-/// read-only data (.data.rel.ro: virtual tables, type information) is not writable.
-bool writable_section(std::string_view name) {
-  if (name == "*COM*") return true;
-  if (name.starts_with(".data.rel.ro")) return false;
-  for (std::string_view prefix : {".data", ".bss", ".tdata", ".tbss"})
-    if (name == prefix || name.starts_with(std::string(prefix) + ".")) return true;
-  return false;
 }
 
 /// Sections whose contents run before main() or after it.
@@ -149,6 +140,16 @@ class Auditor {
     rules.prepend({true, lab_namespace_ + "*", "", "the lab's own namespace"});
 
     const ObjectInventory inventory = inspect_objects(code_.objects);
+    // Writable static storage, judged by the sections' flags (a section of any name the
+    // program can write: .data, .bss, thread-local data, a section of one's own) and common
+    // symbols; not the initialisers, which are refused for what they run.
+    std::set<std::pair<std::string, std::string>> writable;  // (object, section)
+    for (const ObjectSection& section : inventory.sections)
+      if (section.writable() && !initialiser_section(section.name))
+        writable.insert({section.object, section.name});
+    const auto in_writable_storage = [&](const ObjectSymbol& symbol) {
+      return symbol.section == "*COM*" || writable.contains({symbol.object, symbol.section});
+    };
     std::set<std::string> reported;  // each refused name once, however many objects use it
     auto refuse_once = [&](const std::string& object, const std::string& what,
                            const std::string& why) {
@@ -156,7 +157,7 @@ class Auditor {
     };
 
     for (const ObjectSymbol& symbol : inventory.symbols) {
-      if (writable_section(symbol.section) && !harmless_writable(symbol)) {
+      if (in_writable_storage(symbol) && !harmless_writable(symbol)) {
         refuse_once(symbol.object, symbol.demangled,
                     "a global or static variable: its state outlives the call and is shared by "
                     "every rank (ranks are threads of one process): keep state in your "
@@ -190,7 +191,7 @@ class Auditor {
       const auto in_section = [&](const ObjectSymbol& symbol) {
         return symbol.object == section.object && symbol.section == section.name;
       };
-      if (writable_section(section.name) &&
+      if (writable.contains({section.object, section.name}) &&
           std::none_of(inventory.symbols.begin(), inventory.symbols.end(), in_section))
         refuse_once(section.object, fmt::format("{} bytes of {}", section.size, section.name),
                     "writable static data: state that outlives the call and is shared by every "

@@ -128,13 +128,32 @@ std::vector<ObjectSymbol> parse_symbol_table(std::string_view text) {
   return symbols;
 }
 
+bool ObjectSection::writable() const {
+  if (name.starts_with(".data.rel.ro")) return false;
+  return flags.find("ALLOC") != std::string::npos && flags.find("READONLY") == std::string::npos &&
+         flags.find("CODE") == std::string::npos;
+}
+
 std::vector<ObjectSection> parse_section_headers(std::string_view text) {
   // "  3 .bss          00000008  0000000000000000  0000000000000000  00000050  2**3"
+  // "                  ALLOC" (its flags, on the next line)
   static const std::regex line_format(R"(^\s*[0-9]+ (\S+)\s+([0-9a-fA-F]+)\s.*$)");
+  static const std::regex flags_format(R"(^\s+([A-Z_]+(, [A-Z_]+)*)\s*$)");
   std::vector<ObjectSection> sections;
-  for_each_matching_line(text, line_format, [&](const std::string& object, const Match& match) {
-    sections.push_back({object, match[1].str(), std::stoull(match[2].str(), nullptr, 16)});
-  });
+  std::string object;
+  for (std::string_view line : lines_of(text)) {
+    if (std::string header = object_of_header(line); !header.empty()) {
+      object = std::move(header);
+      continue;
+    }
+    Match match;
+    if (std::regex_match(line.begin(), line.end(), match, line_format)) {
+      sections.push_back({object, match[1].str(), std::stoull(match[2].str(), nullptr, 16), ""});
+    } else if (!sections.empty() && sections.back().flags.empty() &&
+               std::regex_match(line.begin(), line.end(), match, flags_format)) {
+      sections.back().flags = match[1].str();
+    }
+  }
   return sections;
 }
 

@@ -43,6 +43,11 @@ struct ObjectSection {
   std::string object;    ///< the object file it belongs to
   std::string name;      ///< e.g. ".text", ".bss", ".init_array"
   std::size_t size = 0;  ///< bytes
+  std::string flags;     ///< objdump's flags, e.g. "CONTENTS, ALLOC, LOAD, DATA"
+
+  /// True for memory the program can write while it runs: allocated, neither read-only nor
+  /// code (relocated read-only data, .data.rel.ro, becomes read-only once relocated).
+  bool writable() const;
 };
 
 /// An instruction that enters the kernel directly (syscall, sysenter, int $0x80; svc on arm64).

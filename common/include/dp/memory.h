@@ -87,8 +87,10 @@ class MemoryTracker {
   std::optional<std::size_t> budget() const;
 
  private:
-  friend class Tensor;             // charges its memory as it allocates and frees it
-  friend class MemoryTrackerTest;  // the runtime's unit tests (tests/test_memory.cpp)
+  friend class Tensor;  // charges its memory as it allocates and frees it
+#ifdef DP_MEMORY_TRACKER_TESTS
+  friend class MemoryTrackerTest;  // the runtime's unit tests (tests/test_memory.cpp) only
+#endif
 
   /// Records that `bytes` were allocated under `category`. Throws `OutOfMemory`, and
   /// records nothing, when that would take `current_total()` past the budget.

@@ -55,13 +55,21 @@ TEST(ObjectInspection, ParsesSectionHeaders) {
       "  1 .bss          00000001  0000000000000000  0000000000000000  00000080  2**0\n"
       "                  ALLOC\n"
       " 12 .data.rel.local.DW.ref.__gxx_personality_v0 00000008  0000000000000000  "
-      "0000000000000000  00000100  2**3\n");
+      "0000000000000000  00000100  2**3\n"
+      "                  CONTENTS, ALLOC, LOAD, DATA\n");
   ASSERT_EQ(sections.size(), 3u);
   EXPECT_EQ(sections[0].name, ".text");
   EXPECT_EQ(sections[0].size, 0x40u);
+  EXPECT_EQ(sections[0].flags, "CONTENTS, ALLOC, LOAD, READONLY, CODE");
+  EXPECT_FALSE(sections[0].writable());
   EXPECT_EQ(sections[1].name, ".bss");
   EXPECT_EQ(sections[1].object, "a.cpp.o");
+  EXPECT_TRUE(sections[1].writable());
   EXPECT_EQ(sections[2].name, ".data.rel.local.DW.ref.__gxx_personality_v0");
+  EXPECT_TRUE(sections[2].writable());
+  // Of any name: a section of one's own is writable by its flags.
+  EXPECT_TRUE((ObjectSection{"a.o", "lab7_shared", 4, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
+  EXPECT_FALSE((ObjectSection{"a.o", ".data.rel.ro", 8, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
 }
 
 TEST(ObjectInspection, FindsInstructionsThatEnterTheKernel) {
