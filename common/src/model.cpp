@@ -116,6 +116,13 @@ const Parameter& Model::parameter(std::string_view name) const {
   return *find_parameter(name);
 }
 
+std::vector<std::size_t> Model::parameter_counts_per_layer() const {
+  std::vector<std::size_t> counts;
+  counts.reserve(layers_.size());
+  for (Layer* layer : layers_) counts.push_back(layer->parameters().size());
+  return counts;
+}
+
 std::size_t Model::num_trainable_parameters() const {
   std::size_t count = 0;
   for (const Parameter* parameter : parameters_) {

@@ -27,18 +27,16 @@ std::vector<Unit> plan_units(const Model& model, int world_size) {
   // SKELETON: (void)world_size;
   // SKELETON: throw NotImplemented("lab7::plan_units");
   if (world_size < 1) throw Error(fmt::format("plan_units: world size {} < 1", world_size));
-  // Model::layers() has no const overload; reading the layers changes nothing.
-  Model& layers_of = const_cast<Model&>(model);
-  const std::span<Layer* const> layers = layers_of.layers();
   const std::span<const Parameter* const> parameters = model.parameters();
+  const std::vector<std::size_t> counts = model.parameter_counts_per_layer();
   std::vector<Unit> units;
-  std::size_t next = 0;  // parameters seen so far
-  for (std::size_t l = 0; l < layers.size(); ++l) {
-    const std::vector<Parameter*> own = layers[l]->parameters();
-    if (own.empty()) continue;
+  std::size_t next = 0;  // parameters seen so far: layer l's are the next counts[l]
+  for (std::size_t l = 0; l < counts.size(); ++l) {
+    if (counts[l] == 0) continue;
     Unit unit;
     unit.layer = l;
-    for (const Parameter* parameter : own) {
+    for (std::size_t k = 0; k < counts[l] && next < parameters.size(); ++k) {
+      const Parameter* parameter = parameters[next];
       if (parameter->frozen)
         throw Error(fmt::format("plan_units: parameter {} is frozen; ZeRO-3 shards every parameter",
                                 parameter->name));

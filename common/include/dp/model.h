@@ -111,6 +111,9 @@ class Model {
   const Parameter& parameter(std::string_view name) const;
   /// The layers in order.
   std::span<Layer* const> layers() { return layers_; }
+  /// How many parameters each layer holds, in layer order: the layers own the parameters in
+  /// definition order, so layer l's are the next `counts[l]` of `parameters()`.
+  std::vector<std::size_t> parameter_counts_per_layer() const;
 
   /// Total elements of all parameters, frozen included: the size of the flat index space.
   std::size_t num_parameters() const { return num_parameters_; }
