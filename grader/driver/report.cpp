@@ -156,6 +156,12 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
       if (outcome.state == TestState::kFailed && result.feedback.empty())
         result.feedback = "failed (no message)";
     }
+    if (const std::string contradiction = run.contradiction(); !contradiction.empty()) {
+      // Results that arrived in order, from a run that did not end as a run that sent them
+      // ends: forged, or the program broke after reporting; none of them counts.
+      result.passed = false;
+      result.feedback = fmt::format("{}: no result of this run counts", contradiction);
+    }
     if (const std::string forged = run.out_of_order(); !forged.empty()) {
       // Someone besides the check program's reporter wrote to the channel with the token:
       // no result of this run can be told from a forged one.

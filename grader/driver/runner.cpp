@@ -418,6 +418,24 @@ std::string RunResult::summary() const {
   return "";
 }
 
+std::string RunResult::contradiction() const {
+  const bool every_rank_ended =
+      !ranks.empty() && std::all_of(ranks.begin(), ranks.end(),
+                                    [](const RankReport& report) { return report.program_ended; });
+  if (!every_rank_ended) return "";
+  if (status == RunStatus::kCrashed || status == RunStatus::kTimedOut)
+    return fmt::format("the check program said that every check had run, and then {}", summary());
+  const bool some_failed = std::any_of(tests.begin(), tests.end(), [](const auto& entry) {
+    return entry.second.state == TestState::kFailed;
+  });
+  if (status == RunStatus::kFinished && exit_code != (some_failed ? 1 : 0))
+    return fmt::format(
+        "the check program reported {} and exited with status {}, which a run that reports "
+        "that never does",
+        some_failed ? "a failed check" : "that every check passed", exit_code);
+  return "";
+}
+
 RunResult run_check_program(const RunRequest& request) {
   if (request.processes < 1)
     throw Error(

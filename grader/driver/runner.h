@@ -147,6 +147,14 @@ struct RunResult {
   /// The first out-of-order event any rank's channel carried ("a second result for
   /// Suite.Name", prefixed "[rank r] " for r > 0), or "" when every rank kept the protocol.
   std::string out_of_order() const;
+
+  /// Why the run's results cannot be trusted although they arrived in order, or "": every
+  /// process said that its tests had run and then the run crashed, hung or was killed, or it
+  /// exited with a status that disagrees with what it reported (GoogleTest exits 0 exactly
+  /// when no test failed). Code that forges results on the channel must then also end the
+  /// process as a passing run ends, which it cannot do by calling exit (the lab audit refuses
+  /// it) or abort.
+  std::string contradiction() const;
 };
 
 /// Runs the check program as `request` says and returns what happened. Never throws for

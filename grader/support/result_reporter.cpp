@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -34,10 +35,23 @@ constexpr std::size_t kMaxNotes = 8;
 
 // What take_result_channel_at_start takes: plain zero-initialised storage of this file,
 // written before any constructor of the program runs, and reachable from nowhere else.
+bool taken_at_start = false;
 bool channel_found = false;
 int channel_fd = -1;
-char taken_token[channel::kMaxTokenBytes + 1];
 char open_error[4096 + 256];  // room for the FIFO's path and the reason
+// The token, kept masked: a byte-wise XOR with a random pad of its own, so that no copy of
+// it lies in memory as 32 hex digits for a scan of the process's memory to find.
+unsigned char masked_token[channel::kMaxTokenBytes + 1];
+unsigned char token_pad[channel::kMaxTokenBytes + 1];
+std::size_t token_length = 0;
+
+/// The grading variables, taken out of the environment with the channel: the draws of a run
+/// derive from the seed, and lab code must not learn it (from getenv, /proc/self/environ or
+/// the strings on the main thread's stack).
+constexpr std::array<std::string_view, 4> kGradingVariables = {
+    channel::kSeedVariable, "DPLAB_TEST_BACKEND", "DPLAB_TEST_DEVICE", "DPLAB_CALIBRATION_DRAWS"};
+char grading_values[kGradingVariables.size()][256];
+bool grading_present[kGradingVariables.size()];
 
 /// The value of `name` in `envp` (the environment as the loader passes it), or nullptr.
 /// Before the program's constructors, getenv may not see the environment yet; `envp` is it.
@@ -80,7 +94,7 @@ std::string full_name(const ::testing::TestInfo& test) {
 /// The listener: one line per event on the FIFO `fd`.
 class ChannelReporter : public ::testing::EmptyTestEventListener {
  public:
-  ChannelReporter(int fd, std::string token) : fd_(fd), token_(std::move(token)) {}
+  explicit ChannelReporter(int fd) : fd_(fd) {}
   ~ChannelReporter() override {
     if (fd_ >= 0) close(fd_);
   }
@@ -139,10 +153,21 @@ class ChannelReporter : public ::testing::EmptyTestEventListener {
   /// Writes "<token> <event>\n"; returns false, sending nothing, when the line would be
   /// longer than the driver reads. A write error (the driver has gone) ends the reporting.
   bool send(const json& event) {
-    const std::string line =
-        token_ + " " + event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
-    if (line.size() > channel::kMaxLineBytes) return false;
-    std::string_view rest = line;
+    const std::string body = event.dump(-1, ' ', false, json::error_handler_t::replace);
+    if (token_length + 1 + body.size() + 1 > channel::kMaxLineBytes) return false;
+    // The line with the token unmasked into it, wiped as soon as it is written.
+    std::string line(token_length, '\0');
+    for (std::size_t i = 0; i < token_length; ++i)
+      line[i] = static_cast<char>(masked_token[i] ^ token_pad[i]);
+    line.append(" ").append(body).append("\n");
+    write_line(line);
+    volatile char* wipe = line.data();
+    for (std::size_t i = 0; i < token_length; ++i) wipe[i] = 0;
+    return true;
+  }
+
+  /// Writes `line` whole; a write error (the driver has gone) ends the reporting.
+  void write_line(std::string_view rest) {
     while (fd_ >= 0 && !rest.empty()) {
       const ssize_t written = write(fd_, rest.data(), rest.size());
       if (written < 0 && errno == EINTR) continue;
@@ -155,27 +180,53 @@ class ChannelReporter : public ::testing::EmptyTestEventListener {
       }
       rest.remove_prefix(static_cast<std::size_t>(written));
     }
-    return true;
   }
 
   int fd_;
-  std::string token_;
 };
+
+/// Removes the variable whose value is `value` and whose entry is `entry` from the
+/// environment: overwrites its bytes (what /proc/self/environ and the main thread's stack
+/// show) and takes its entry out of the list (what getenv searches), as unsetenv would.
+void erase_variable(char** entry, char* value) {
+  std::memset(*entry, 0, static_cast<std::size_t>(value - *entry) + std::strlen(value));
+  for (char** next = entry; *next != nullptr; ++next) *next = *(next + 1);
+}
+
+/// `size` random bytes from the kernel (before any constructor: no <random> yet); on a
+/// failure, whatever the stack held, which still differs from the token.
+void random_bytes(unsigned char* out, std::size_t size) {
+  const int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  for (std::size_t got = 0; got < size;) {
+    const ssize_t n = read(fd, out + got, size - got);
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  close(fd);
+}
 
 }  // namespace
 
 void take_result_channel_at_start(int /*argc*/, char** /*argv*/, char** envp) {
+  if (taken_at_start) return;
+  taken_at_start = true;
+  for (std::size_t v = 0; v < kGradingVariables.size(); ++v) {
+    char** entry = nullptr;
+    if (char* value = find_variable(envp, kGradingVariables[v], &entry); value != nullptr) {
+      std::snprintf(grading_values[v], sizeof grading_values[v], "%s", value);
+      grading_present[v] = true;
+      erase_variable(entry, value);
+    }
+  }
   char** entry = nullptr;
   char* found = find_variable(envp, channel::kChannelVariable, &entry);
-  if (found == nullptr || channel_found) return;
+  if (found == nullptr) return;
   char directory[4096];
   const std::size_t length = std::strlen(found);
   if (length + 32 >= sizeof directory) return;
   std::memcpy(directory, found, length + 1);
-  // Remove the variable: overwrite its bytes (what /proc/self/environ shows) and take its
-  // entry out of the list (what getenv searches), as unsetenv would.
-  std::memset(found, 0, length);
-  for (char** next = entry; *next != nullptr; ++next) *next = *(next + 1);
+  erase_variable(entry, found);
   channel_found = true;
 
   // "<directory>/rank<r>.token" and "<directory>/rank<r>", as channel::token_path and
@@ -183,14 +234,19 @@ void take_result_channel_at_start(int /*argc*/, char** /*argv*/, char** envp) {
   const int rank = rank_from_environment(envp);
   char token_file[sizeof directory + 32];
   char fifo[sizeof directory + 32];
-  const int token_length =
+  const int token_file_length =
       std::snprintf(token_file, sizeof token_file, "%s/rank%d.token", directory, rank);
   const int fifo_length = std::snprintf(fifo, sizeof fifo, "%s/rank%d", directory, rank);
-  if (token_length <= 0 || fifo_length <= 0) return;
+  if (token_file_length <= 0 || fifo_length <= 0) return;
   if (const int fd = open(token_file, O_RDONLY | O_CLOEXEC); fd >= 0) {
-    const ssize_t got = read(fd, taken_token, channel::kMaxTokenBytes);
+    unsigned char token[channel::kMaxTokenBytes];
+    const ssize_t got = read(fd, token, sizeof token);
     close(fd);
-    taken_token[got > 0 ? got : 0] = '\0';
+    token_length = got > 0 ? static_cast<std::size_t>(got) : 0;
+    random_bytes(token_pad, token_length);
+    for (std::size_t i = 0; i < token_length; ++i) masked_token[i] = token[i] ^ token_pad[i];
+    volatile unsigned char* wipe = token;  // not optimised away: the stack keeps no copy
+    for (std::size_t i = 0; i < sizeof token; ++i) wipe[i] = 0;
   }
   unlink(token_file);  // read once: nobody else in this process can read it after this
   // O_NONBLOCK makes the open fail (ENXIO) instead of waiting forever when no driver reads
@@ -216,14 +272,26 @@ bool started_by_the_driver() {
 
 bool report_results_to_driver() {
   if (!channel_found) return true;
-  if (channel_fd < 0 || taken_token[0] == '\0') {
+  if (channel_fd < 0 || token_length == 0) {
     std::fprintf(stderr, "check program: %s\n",
                  open_error[0] != '\0' ? open_error : "the results channel has no token");
     return false;
   }
   ::testing::UnitTest::GetInstance()->listeners().Append(
-      new ChannelReporter(std::exchange(channel_fd, -1), taken_token));
+      new ChannelReporter(std::exchange(channel_fd, -1)));
   return true;
+}
+
+const char* grading_variable(std::string_view name) {
+  if (!taken_at_start) {
+    // A program without the check programs' main() (a lab's experiments, say): nothing was
+    // taken, so the environment still has it.
+    const std::string variable(name);
+    return std::getenv(variable.c_str());
+  }
+  for (std::size_t v = 0; v < kGradingVariables.size(); ++v)
+    if (kGradingVariables[v] == name) return grading_present[v] ? grading_values[v] : nullptr;
+  return nullptr;
 }
 
 }  // namespace dp::grading

@@ -25,19 +25,29 @@
 // behaves as any GoogleTest program.
 #pragma once
 
+#include <string_view>
+
 namespace dp::grading {
 
 /// Takes the channel the driver passed: the directory from $DPLAB_RESULT_CHANNEL, which it
 /// removes from the environment (and from /proc/self/environ); the token from the file of
-/// this process's rank (from Open MPI's environment; 0 otherwise), which it deletes; and the
-/// rank's FIFO, opened for writing on a high descriptor closed on exec. It uses C library
-/// calls only, as it runs before the program's constructors. Later calls do nothing. The
+/// this process's rank (from Open MPI's environment; 0 otherwise), which it deletes and
+/// keeps masked; and the rank's FIFO, opened for writing on a high descriptor closed on
+/// exec. It takes the grading variables out of the environment too (`grading_variable`). It uses C
+/// library calls only, as it runs before the program's constructors. Later calls do nothing. The
 /// arguments are those the loader passes (argc, argv, envp), unused but for envp.
 void take_result_channel_at_start(int argc, char** argv, char** envp);
 
 /// True when `take_result_channel_at_start` found the driver's channel (the program was
 /// started by `dplab grade`), whether or not its FIFO could be opened.
 bool started_by_the_driver();
+
+/// The value the driver (or whoever started the program) gave the grading variable `name`
+/// (DPLAB_GRADE_SEED, DPLAB_TEST_BACKEND, DPLAB_TEST_DEVICE, DPLAB_CALIBRATION_DRAWS), which
+/// `take_result_channel_at_start` took out of the environment before any of the program's
+/// code ran, lab code included, so that lab code cannot learn the run's seed; nullptr when
+/// it was not set. In a program without the check programs' main(), the environment's.
+const char* grading_variable(std::string_view name);
 
 /// Appends a GoogleTest listener that sends every test's start and end (result, failure
 /// messages, the `dp::grading::note_measured` notes, seconds) and the program's end on the

@@ -10,7 +10,11 @@
 // "hang" sleeps forever, "print_forever" prints without end, and "orphan" starts a
 // grandchild in its own session that sleeps (its argv[0] is $FAKE_CHECKS_MARKER) and then
 // passes, "race" lets two threads increment one int (a data race for ThreadSanitizer, in
-// the fake_checks_tsan build), and "tsan_report" prints what ThreadSanitizer prints then. Some
+// the fake_checks_tsan build), "tsan_report" prints what ThreadSanitizer prints then, and
+// "forged_then_abort" and "forged_then_exit" play the forger an adversarial student wrote:
+// with the stolen token they send "passed" for this test and every later one and the
+// program's end, in the protocol's order, then abort() or _Exit(0) before the real reporter
+// can send anything else. Some
 // modes act before any test: "no_report" exits 3; "forged" sends nothing on the channel but writes
 // a GoogleTest JSON report that says every test passed (to the file of
 // --gtest_output) and prints gtest's "[       OK ]" lines, then exits 0; "untokened" first
@@ -71,13 +75,15 @@ TEST(FakeChecks, IsSkipped) {
 }
 
 TEST(FakeChecks, NotesWhatItMeasured) {
-  const char* seed = std::getenv("DPLAB_GRADE_SEED");
+  const char* seed = dp::grading::grading_variable("DPLAB_GRADE_SEED");
   dp::grading::note_measured(std::string("saw DPLAB_GRADE_SEED=") + (seed ? seed : "(unset)"));
   dp::grading::note_measured("grade_seed() = " + std::to_string(dp::grading::grade_seed()));
 }
 
 TEST(FakeChecks, ReportsTheBackend) {
-  const char* backend = std::getenv("DPLAB_TEST_BACKEND");
+  // Taken out of the environment before main(), where lab code could have read it.
+  EXPECT_EQ(std::getenv("DPLAB_TEST_BACKEND"), nullptr);
+  const char* backend = dp::grading::grading_variable("DPLAB_TEST_BACKEND");
   ASSERT_NE(backend, nullptr);
   EXPECT_STREQ(backend, "local");
 }
@@ -105,8 +111,49 @@ TEST(FakeOrder, First) {
   SUCCEED();
 }
 
+/// Sends, with the stolen token and in the protocol's order, "passed" for the running test
+/// and every later one, then the program's end: a forgery the channel's order cannot show.
+void forge_the_rest_of_the_run() {
+  const std::string fifo = dp::grader::channel::fifo_path(stolen_directory, rank());
+  const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  if (fd < 0) return;
+  std::string lines;
+  auto line = [&](const std::string& event) {
+    lines += std::string(stolen_token) + " " + event + "\n";
+  };
+  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
+  const ::testing::TestInfo* running = unit.current_test_info();
+  bool after = false;
+  for (int s = 0; s < unit.total_test_suite_count(); ++s) {
+    for (int t = 0; t < unit.GetTestSuite(s)->total_test_count(); ++t) {
+      const ::testing::TestInfo* test = unit.GetTestSuite(s)->GetTestInfo(t);
+      if (!test->should_run()) continue;
+      const std::string name = std::string(test->test_suite_name()) + "." + test->name();
+      if (test == running) {
+        after = true;
+      } else if (!after) {
+        continue;
+      } else {
+        line("{\"event\": \"start\", \"test\": \"" + name + "\"}");
+      }
+      line("{\"event\": \"end\", \"test\": \"" + name +
+           "\", \"result\": \"passed\", \"failure\": \"\", \"notes\": [], \"seconds\": 0}");
+    }
+  }
+  line("{\"event\": \"program_end\"}");
+  if (write(fd, lines.data(), lines.size()) != static_cast<ssize_t>(lines.size()))
+    std::perror("fake_checks: write");
+  close(fd);
+}
+
 TEST(FakeOrder, Second) {
   const std::string how = mode();
+  if (how == "forged_then_abort" || how == "forged_then_exit") {
+    forge_the_rest_of_the_run();
+    std::fflush(stdout);
+    if (how == "forged_then_abort") std::abort();
+    std::_Exit(0);
+  }
   if (how == "crash") {
     // Sanitizers catch SIGSEGV to print a report and exit with 1: restore the default
     // action so that the process dies of the signal, as a real crash does.

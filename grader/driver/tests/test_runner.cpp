@@ -170,6 +170,38 @@ TEST_F(RunnerTest, AResultSentOutOfOrderWithTheTokenFailsEveryCheck) {
   }
 }
 
+TEST_F(RunnerTest, AForgedEndFollowedByAnAbortFailsEveryCheck) {
+  // The adversarial trial's forgery: the rest of the run's events in order with the token,
+  // then abort() before the real reporter sends anything. The order is right; the end is not.
+  const RunResult result = run_in_mode("forged_then_abort");
+  EXPECT_EQ(result.out_of_order(), "");
+  EXPECT_EQ(result.status, RunStatus::kCrashed);
+  EXPECT_NE(result.contradiction().find("said that every check had run, and then check "
+                                        "program crashed"),
+            std::string::npos)
+      << result.contradiction();
+  const LabResult lab =
+      score_lab(rubric_of({"FakeChecks.Passes", "FakeOrder.Second", "FakeOrder.Third"}), result);
+  for (const CheckResult& check : lab.checks) {
+    EXPECT_FALSE(check.passed) << check.check.test;
+    EXPECT_NE(check.feedback.find("no result of this run counts"), std::string::npos)
+        << check.feedback;
+  }
+}
+
+TEST_F(RunnerTest, AForgedEndWithTheWrongExitStatusFailsEveryCheck) {
+  // The same forgery ended with _Exit(0): GoogleTest exits 0 only when no check failed, and
+  // FakeChecks.FailsWithFeedback did.
+  const RunResult result = run_in_mode("forged_then_exit");
+  EXPECT_EQ(result.status, RunStatus::kFinished);
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.contradiction().find("reported a failed check and exited with status 0"),
+            std::string::npos)
+      << result.contradiction();
+  const LabResult lab = score_lab(rubric_of({"FakeChecks.Passes", "FakeOrder.Third"}), result);
+  for (const CheckResult& check : lab.checks) EXPECT_FALSE(check.passed) << check.check.test;
+}
+
 TEST_F(RunnerTest, AnExitInsideATestFailsItAndEveryLaterOne) {
   const RunResult result = run_in_mode("exit");
   EXPECT_EQ(result.status, RunStatus::kIncomplete);
