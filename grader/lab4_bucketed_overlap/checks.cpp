@@ -141,20 +141,20 @@ struct AllReduceLog {
 
   /// Records the calls made through `recorder`.
   void attach(grading::RecordingCommunicator& recorder) {
-    recorder.on_issue = [this](std::size_t, const grading::RecordedCall& call, ConstBuffer,
-                               MutableBuffer data) {
-      if (call.op != CommOp::kAllReduce) {
-        ++other_calls;
-        return;
-      }
-      IssuedCall issued{data.data, data.count, call.reduce, gradients_ready ? gradients_ready() : 0,
-                        ""};
-      if (inspect) issued.content_finding = inspect(data);
-      calls.push_back(issued);
-    };
-    recorder.on_wait = [this, &recorder](std::size_t) {
-      if (recorder.in_backward) ++waits_in_backward;
-    };
+    recorder.set_issue_callback(
+        [this](std::size_t, const grading::RecordedCall& call, ConstBuffer, MutableBuffer data) {
+          if (call.op != CommOp::kAllReduce) {
+            ++other_calls;
+            return;
+          }
+          IssuedCall issued{data.data, data.count, call.reduce,
+                            gradients_ready ? gradients_ready() : 0, ""};
+          if (inspect) issued.content_finding = inspect(data);
+          calls.push_back(issued);
+        });
+    recorder.set_wait_callback([this, &recorder](std::size_t) {
+      if (recorder.in_backward()) ++waits_in_backward;
+    });
   }
   /// Forgets what was recorded.
   void clear() {
@@ -465,9 +465,9 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
     const Tensor logits = model.forward(last.inputs.to(model.device()));
     allreduces.calls.clear();
     allreduces.waits_in_backward = 0;
-    recorder.in_backward = true;
+    recorder.set_in_backward(true);
     model.backward(logits, last.labels, scale);
-    recorder.in_backward = false;
+    recorder.set_in_backward(false);
     if (per_parameter && verdict.passed() &&
         (allreduces.calls.size() != trainable || allreduces.waits_in_backward != 0))
       verdict.fail(fmt::format(
@@ -635,9 +635,9 @@ void record_launches(const Training& training, Communicator& comm,
       launches.buffers_before_step.push_back(ddp.bucket_buffer(k).view().data());
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs.to(model.device()));
-    recorder.in_backward = true;
+    recorder.set_in_backward(true);
     model.backward(logits, batch.labels);
-    recorder.in_backward = false;
+    recorder.set_in_backward(false);
     launches.calls_when_backward_returned = allreduces.calls.size();
     launches.waits_in_backward = allreduces.waits_in_backward;
     ddp.finish_gradient_sync();
@@ -1003,9 +1003,9 @@ TEST(Lab4Memory, PerParameterAllReducesTheGradientsInPlace) {
             allreduces.clear();
             log.clear();
             recorded.zero_grad();
-            recorder.in_backward = true;
+            recorder.set_in_backward(true);
             recorded.backward(recorded.forward(batch.inputs.to(recorded.device())), batch.labels);
-            recorder.in_backward = false;
+            recorder.set_in_backward(false);
             watched.finish_gradient_sync();
             first_optimizer->step(recorded);
             if (verdict.passed() && allreduces.calls.size() != trainable)

@@ -697,11 +697,11 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
             // Read at issue, before any transport may: a trial's padding of ones (or an
             // uninitialised flat buffer) passed every check that reads only the real elements.
             std::optional<std::size_t> nonzero_padding;
-            recorder.on_issue = [&](std::size_t, const RecordedCall& call, ConstBuffer in,
-                                    MutableBuffer) {
-              if (call.op == CommOp::kReduceScatter && !nonzero_padding)
-                nonzero_padding = grading::first_nonzero(in, p.num_parameters);
-            };
+            recorder.set_issue_callback(
+                [&](std::size_t, const RecordedCall& call, ConstBuffer in, MutableBuffer) {
+                  if (call.op == CommOp::kReduceScatter && !nonzero_padding)
+                    nonzero_padding = grading::first_nonzero(in, p.num_parameters);
+                });
             ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm);
             std::vector<RecordedCall> expected = {
                 {CommOp::kReduceScatter, p.padded_elements, p.shard_elements, ReduceOp::kSum}};
@@ -712,17 +712,18 @@ TEST(Lab5Communication, ReduceScatterAndAllGatherOnly) {
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
               model.backward(grading::forward(model, batch), batch.labels);
-              recorder.calls.clear();
+              recorder.forget_calls();
               const CommCounters before = comm.counters();
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
-              if (recorder.calls != expected) {
-                const bool allreduced = grading::allreduces_a_buffer(recorder.calls);
+              if (recorder.calls() != expected) {
+                const bool allreduced = grading::allreduces_a_buffer(recorder.calls());
                 verdict.fail(fmt::format(
                     "{}step {}: step() called {}; expected {} (Psi = {}, N = {}, S = {}){}",
-                    max_norm > 0 ? "with clipping, " : "", step, grading::describe(recorder.calls),
-                    grading::describe(expected), p.num_parameters, world, p.shard_elements,
+                    max_norm > 0 ? "with clipping, " : "", step,
+                    grading::describe(recorder.calls()), grading::describe(expected),
+                    p.num_parameters, world, p.shard_elements,
                     allreduced ? ": an all-reduce of the gradients is DDP, not ZeRO-1: "
                                  "reduce-scatter them into the shard"
                                : ""));

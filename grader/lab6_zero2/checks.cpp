@@ -815,31 +815,33 @@ struct LaunchLog {
 
   /// Records through `recorder`; reduce-scatter j's padding starts at bucket j's E.
   void attach(grading::RecordingCommunicator& recorder, const std::vector<Bucket>& buckets) {
-    recorder.on_issue = [this, &recorder, &buckets](std::size_t index, const RecordedCall& call,
-                                                    ConstBuffer in, MutableBuffer out) {
+    recorder.set_issue_callback([this, &recorder, &buckets](std::size_t index,
+                                                            const RecordedCall& call,
+                                                            ConstBuffer in, MutableBuffer out) {
       launch_of_call.resize(index + 1);
       if (call.op == CommOp::kAllGather) gathered_into.push_back(out.data);
       if (call.op != CommOp::kReduceScatter) return;
       const std::size_t j = launches.size();
-      Launch launch{ready, recorder.in_backward, in.data, out.data, std::nullopt};
+      Launch launch{ready, recorder.in_backward(), in.data, out.data, std::nullopt};
       // Read at issue, before any transport may.
       if (j < buckets.size())
         launch.nonzero_padding = grading::first_nonzero(in, buckets[j].elements);
       launches.push_back(launch);
       launch_of_call[index] = j;
-    };
-    recorder.on_wait = [this, &recorder](std::size_t index) {
-      if (!recorder.in_backward || index >= launch_of_call.size() || !launch_of_call[index]) return;
+    });
+    recorder.set_wait_callback([this, &recorder](std::size_t index) {
+      if (!recorder.in_backward() || index >= launch_of_call.size() || !launch_of_call[index])
+        return;
       const std::size_t j = *launch_of_call[index];
       for (const auto& [seen, at] : early_waits)
         if (seen == j) return;
       early_waits.emplace_back(j, ready);
-    };
+    });
   }
 
-  /// Forgets the last step (with `recorder.calls`).
+  /// Forgets the last step (with `recorder.forget_calls()`).
   void reset(grading::RecordingCommunicator& recorder) {
-    recorder.calls.clear();
+    recorder.forget_calls();
     launches.clear();
     gathered_into.clear();
     early_waits.clear();
@@ -910,17 +912,17 @@ TEST(Lab6Communication, ReduceScatterPerBucketDuringBackward) {
               model.zero_grad();
               log.reset(recorder);
               const CommCounters before = comm.counters();
-              recorder.in_backward = true;
+              recorder.set_in_backward(true);
               model.backward(grading::forward(model, batch), batch.labels);
-              recorder.in_backward = false;
+              recorder.set_in_backward(false);
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
-              if (recorder.calls != expected) {
-                const bool allreduced = grading::allreduces_a_buffer(recorder.calls);
+              if (recorder.calls() != expected) {
+                const bool allreduced = grading::allreduces_a_buffer(recorder.calls());
                 verdict.fail(fmt::format(
                     "{}step {}: backward and step() called {}; expected {} ({} buckets){}", label,
-                    step, grading::describe(recorder.calls), grading::describe(expected),
+                    step, grading::describe(recorder.calls()), grading::describe(expected),
                     buckets.size(),
                     allreduced ? ": an all-reduce of gradients keeps the whole gradient on every "
                                  "rank; reduce-scatter each bucket into the shard"

@@ -1120,8 +1120,8 @@ struct CallLog {
     };
     model.on_post_forward(post);
     model.on_post_backward(post);
-    recorder.on_issue = [this, &model](std::size_t index, const RecordedCall& call, ConstBuffer in,
-                                       MutableBuffer out) {
+    recorder.set_issue_callback([this, &model](std::size_t index, const RecordedCall& call,
+                                               ConstBuffer in, MutableBuffer out) {
       Call c;
       c.call = call;
       c.phase = phase;
@@ -1145,8 +1145,8 @@ struct CallLog {
         rs_unit_of_call[index] = window;
       }
       calls.push_back(c);
-    };
-    recorder.on_wait = [this](std::size_t index) {
+    });
+    recorder.set_wait_callback([this](std::size_t index) {
       if (index >= waited.size()) return;
       if (phase == kBackward && rs_unit_of_call[index] != kNone && !waited[index]) {
         const std::size_t u = rs_unit_of_call[index];
@@ -1169,7 +1169,7 @@ struct CallLog {
               u, window, window));
       }
       waited[index] = true;
-    };
+    });
   }
 
   /// "" when every parameter of unit `u` holds a value equal, bitwise, to `buffer`'s
@@ -1194,7 +1194,7 @@ struct CallLog {
   }
 
   void reset(grading::RecordingCommunicator& recorder) {
-    recorder.calls.clear();
+    recorder.forget_calls();
     calls.clear();
     waited.clear();
     rs_unit_of_call.clear();
@@ -1450,9 +1450,9 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
               log.begin(CallLog::kForward);
               Tensor logits = grading::forward(model, batch);
               log.begin(CallLog::kBackward);
-              recorder.in_backward = true;
+              recorder.set_in_backward(true);
               model.backward(logits, batch.labels);
-              recorder.in_backward = false;
+              recorder.set_in_backward(false);
               log.begin(CallLog::kStep);
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);

@@ -80,16 +80,16 @@ std::optional<std::size_t> first_nonzero(ConstBuffer data, std::size_t from) {
 
 std::size_t RecordingCommunicator::record(const RecordedCall& call, ConstBuffer in,
                                           MutableBuffer out) {
-  calls.push_back(call);
-  const std::size_t index = calls.size() - 1;
-  if (on_issue) on_issue(index, call, in, out);
+  calls_.push_back(call);
+  const std::size_t index = calls_.size() - 1;
+  if (on_issue_) on_issue_(index, call, in, out);
   return index;
 }
 
 std::unique_ptr<Work> RecordingCommunicator::watched(std::size_t index,
                                                      std::unique_ptr<Work> work) {
   return std::make_unique<RecordedWork>(std::move(work), [this, index] {
-    if (on_wait) on_wait(index);
+    if (on_wait_) on_wait_(index);
   });
 }
 
@@ -129,7 +129,7 @@ std::unique_ptr<Work> RecordingCommunicator::broadcast(MutableBuffer data, int r
 
 void RecordingCommunicator::barrier() {
   const std::size_t index = record({CommOp::kBarrier, 0, 0, ReduceOp::kSum}, {}, {});
-  if (on_wait) on_wait(index);
+  if (on_wait_) on_wait_(index);
   inner_.barrier();
 }
 
