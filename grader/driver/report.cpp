@@ -117,6 +117,9 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   if (run.status != RunStatus::kFinished) {
     lab.problem = run.summary();
     lab.output_tail = run.output_tail;
+  } else if (!run.rerun_note.empty()) {
+    lab.problem = run.rerun_note;
+    lab.output_tail = run.output_tail;
   }
   const bool never_ran = run.status == RunStatus::kMissing ||
                          run.status == RunStatus::kFailedToStart ||

@@ -342,6 +342,56 @@ std::vector<std::string> RunResult::notices() const {
   return sentences;
 }
 
+RunResult run_checks(const RunRequest& request, const std::vector<std::string>& checks) {
+  RunResult first = run_check_program(request);
+  const bool broke = first.status == RunStatus::kCrashed || first.status == RunStatus::kTimedOut ||
+                     first.status == RunStatus::kIncomplete;
+  if (!broke || !first.out_of_order().empty() || !first.contradiction().empty()) return first;
+
+  // The check the program was running when it broke, on any rank.
+  std::string running;
+  for (const RankReport& report : first.ranks)
+    if (!report.running.empty()) running = report.running;
+
+  RunResult combined = first;
+  combined.tests.clear();
+  combined.status = RunStatus::kFinished;
+  combined.rerun_note = fmt::format(
+      "{}{}: no result of that run counts; every other check ran again in a process of its own",
+      first.summary(), running.empty() ? "" : " while running " + running);
+  for (const std::string& check : checks) {
+    TestOutcome outcome;
+    outcome.name = check;
+    outcome.state = TestState::kFailed;
+    if (check == running) {
+      outcome.failure = first.missing_result(check);
+      combined.tests.emplace(check, std::move(outcome));
+      continue;
+    }
+    RunRequest alone = request;
+    std::erase_if(alone.arguments, [](const std::string& argument) {
+      return argument.starts_with("--gtest_filter=");
+    });
+    alone.arguments.push_back("--gtest_filter=" + check);
+    const RunResult one = run_check_program(alone);
+    combined.seconds += one.seconds;
+    const bool clean = one.status == RunStatus::kFinished && one.out_of_order().empty() &&
+                       one.contradiction().empty();
+    if (const auto it = one.tests.find(check); clean && it != one.tests.end()) {
+      outcome = it->second;
+    } else if (!clean && !one.out_of_order().empty()) {
+      outcome.failure = fmt::format("ran on its own, its channel carried {}: it does not count",
+                                    one.out_of_order());
+    } else if (!clean && !one.contradiction().empty()) {
+      outcome.failure = fmt::format("ran on its own, {}: it does not count", one.contradiction());
+    } else {
+      outcome.failure = fmt::format("ran on its own: {}", one.missing_result(check));
+    }
+    combined.tests.emplace(check, std::move(outcome));
+  }
+  return combined;
+}
+
 std::map<std::string, TestOutcome> merge_reports(const RunResult& run) {
   std::set<std::string> names;
   for (const RankReport& report : run.ranks)

@@ -91,6 +91,9 @@ class TensorView {
   /// Views `size` elements starting at `data` on `device`.
   TensorView(float* data, std::size_t size, Device device = Device::kHost)
       : data_(data), size_(size), device_(device) {}
+  /// Views the host elements of `host` (a std::vector's or a std::array's): its bounds are
+  /// the container's, which is how lab code views host memory of its own.
+  explicit TensorView(std::span<float> host) : TensorView(host.data(), host.size()) {}
 
   /// The first element: on a device, a device address to hand to kernels and communicators,
   /// never to dereference on the host (the emulated device cannot catch that: its memory is
@@ -132,6 +135,9 @@ class ConstTensorView {
   /// Views `size` elements starting at `data` on `device`.
   ConstTensorView(const float* data, std::size_t size, Device device = Device::kHost)
       : data_(data), size_(size), device_(device) {}
+  /// Views the host elements of `host` (a std::vector's or a std::array's), read-only.
+  explicit ConstTensorView(std::span<const float> host)
+      : ConstTensorView(host.data(), host.size()) {}
   /// The same elements, read-only.
   ConstTensorView(const TensorView& view)  // NOLINT(google-explicit-constructor)
       : data_(view.data()), size_(view.size()), device_(view.device()) {}

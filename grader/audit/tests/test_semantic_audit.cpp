@@ -1,0 +1,124 @@
+// Tests of the semantic part of the lab audit: clang's reading of small lab files.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "semantic_audit.h"
+
+namespace dp::grader::audit {
+namespace {
+
+namespace fs = std::filesystem;
+
+class SemanticAuditTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("dp_semantic_" +
+             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  /// "line:what" of every finding for `source` (a lab file of its own), sorted.
+  std::vector<std::string> found(std::string_view source, const fs::path& cache = {}) {
+    const fs::path file = root_ / "code.cpp";
+    std::ofstream(file) << source;
+    std::vector<std::string> result;
+    for (const SourceFinding& finding :
+         audit_semantics(file, {"-std=c++20", "-I" DP_TEST_DP_INCLUDE}, cache))
+      result.push_back(std::to_string(finding.line) + ":" + finding.what);
+    std::sort(result.begin(), result.end());
+    return result;
+  }
+
+  fs::path root_;
+};
+
+using Found = std::vector<std::string>;
+
+TEST_F(SemanticAuditTest, CastsThatReinterpretAreFoundHoweverTheyAreSpelt) {
+  EXPECT_EQ(found("#include <cstddef>\n#include <type_traits>\n#include <vector>\n"
+                  "struct S { int a; };\n"
+                  "template <class To, class From> To as(From f) { return To(f); }\n"
+                  "void f(S& s) {\n"
+                  "  auto p = std::vector<unsigned char*>::value_type(&s);\n"
+                  "  auto q = std::add_pointer_t<double>(&s.a);\n"
+                  "  std::size_t n = std::size_t(&s);\n"
+                  "  auto r = as<S*>(n);\n"
+                  "  (void)p; (void)q; (void)r;\n"
+                  "}\n"),
+            // The template's cast is found in the template (line 5), for every instance.
+            Found({"5:a cast that reinterprets memory", "7:a cast that reinterprets memory",
+                   "8:a cast that reinterprets memory", "9:a cast that reinterprets memory"}));
+}
+
+TEST_F(SemanticAuditTest, MemoryPastWhatWasGivenIsFound) {
+  EXPECT_EQ(found("#include <iterator>\n#include <span>\n#include <vector>\n"
+                  "float f(std::vector<float>& v) {\n"
+                  "  float* d = v.data();\n"
+                  "  float a = d[100000] + *(d + 5);\n"
+                  "  auto it = v.begin() + 1000;\n"
+                  "  float b = *std::next(v.begin(), 50);\n"
+                  "  std::span<float> s(v.data(), 100000);\n"
+                  "  int raw[4] = {};\n"
+                  "  (void)it;\n"
+                  "  return a + b + s[0] + static_cast<float>(raw[1]);\n"
+                  "}\n"),
+            Found({"12:subscript of a pointer or a C array", "6:pointer arithmetic",
+                   "6:subscript of a pointer or a C array", "7:iterator arithmetic",
+                   "8:std::next, std::prev or std::advance",
+                   "9:a view built from a pointer and a length"}));
+}
+
+TEST_F(SemanticAuditTest, PlacementNewIsFound) {
+  EXPECT_EQ(found("#include <new>\nstruct S { int a; };\n"
+                  "void f(S& s) { new (&s) S{}; }\n"),
+            Found({"3:a cast that reinterprets memory", "3:placement new"}));
+}
+
+TEST_F(SemanticAuditTest, LabCodeAsTheLabsWriteItPasses) {
+  EXPECT_EQ(
+      found("#include <algorithm>\n#include <array>\n#include <numeric>\n#include <span>\n"
+            "#include <string_view>\n#include <vector>\n#include \"dp/tensor.h\"\n"
+            "#include \"dp/tensor_ops.h\"\n"
+            "struct Base { virtual ~Base() = default; };\n"
+            "struct Derived : Base {};\n"
+            "float f(std::vector<float>& v, dp::Tensor& t, Derived& d) {\n"
+            "  std::array<float, 4> a{};\n"
+            "  std::span<float> s(v);\n"
+            "  std::sort(v.begin(), v.end());\n"
+            "  std::string_view name = \"fine\";\n"
+            "  Base& base = d;\n"
+            "  dp::fill(t.view(0, t.size()), 1.0f);\n"
+            "  (void)name; (void)base;\n"
+            "  return a[1] + s.subspan(1)[0] + v[2] + std::accumulate(v.begin(), v.end(), 0.0f);\n"
+            "}\n"),
+      Found{});
+}
+
+TEST_F(SemanticAuditTest, AFileClangCannotReadIsAFinding) {
+  EXPECT_EQ(found("int f() { return undeclared; }\n"), Found{"1:a file clang cannot read"});
+}
+
+TEST_F(SemanticAuditTest, FindingsAreCachedByWhatTheyDependOn) {
+  const fs::path cache = root_ / "cache";
+  const std::string source = "void f(int* p) { ++p; }\n";
+  EXPECT_EQ(found(source, cache), Found{"1:pointer arithmetic"});
+  const auto entries = [&] {
+    return std::distance(fs::directory_iterator(cache), fs::directory_iterator{});
+  };
+  EXPECT_EQ(entries(), 1);
+  EXPECT_EQ(found(source, cache), Found{"1:pointer arithmetic"});  // from the cache
+  EXPECT_EQ(entries(), 1);
+  EXPECT_EQ(found("void f(int* p) { (void)p; }\n", cache), Found{});  // another file
+  EXPECT_EQ(entries(), 2);
+}
+
+}  // namespace
+}  // namespace dp::grader::audit
