@@ -129,12 +129,17 @@ class Auditor {
     const std::vector<std::string> compile_args = {"-std=c++20",
                                                    "-I" + code_.dp_headers.parent_path().string(),
                                                    "-I" + code_.code_dir.string()};
+    // Member functions this lab may not call (grader/<lab>/refused_calls), if it has any.
+    const fs::path refused_calls_file = grader_lab_dir_ / "refused_calls";
+    const std::vector<RefusedCall> refused_calls = fs::exists(refused_calls_file)
+                                                       ? load_refused_calls(refused_calls_file)
+                                                       : std::vector<RefusedCall>{};
     for (const fs::path& source : sources) {
       std::vector<SourceFinding> findings =
           scan_lab_source(source.filename().string(), read_file(source), policy);
       // What the spelling refuses already needs no compiler to read it.
       if (findings.empty() && options_.read_semantics)
-        findings = audit_semantics(source, compile_args, options_.cache_dir);
+        findings = audit_semantics(source, compile_args, options_.cache_dir, refused_calls);
       for (SourceFinding& finding : findings)
         find(fmt::format("{}:{}", finding.file, finding.line), std::move(finding.what),
              std::move(finding.why));

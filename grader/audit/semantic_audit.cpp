@@ -114,9 +114,12 @@ std::string read_file(const fs::path& file) {
 
 /// Everything the findings depend on: the rules, the arguments, the file, and the size and
 /// time of every header in the include directories.
-std::string cache_key_material(const fs::path& source, const std::vector<std::string>& args) {
+std::string cache_key_material(const fs::path& source, const std::vector<std::string>& args,
+                               const std::vector<RefusedCall>& refused_calls) {
   std::string material = fmt::format("semantic rules {}\n", kSemanticRulesVersion);
   for (const Matcher& matcher : kMatchers) material += fmt::format("{}\n", matcher.matcher);
+  for (const RefusedCall& call : refused_calls)
+    material += fmt::format("refused {}::{} {}\n", call.class_name, call.method, call.why);
   for (const std::string& argument : args) {
     material += argument + "\n";
     if (!argument.starts_with("-I")) continue;
@@ -156,7 +159,8 @@ std::vector<SourceFinding> deserialise(std::string_view file, const std::string&
 }
 
 std::vector<SourceFinding> run_matchers(const fs::path& source,
-                                        const std::vector<std::string>& compile_args) {
+                                        const std::vector<std::string>& compile_args,
+                                        const std::vector<RefusedCall>& refused_calls) {
   std::vector<std::string> argv = {clang_query(), "-c", "set traversal AsIs", "-c",
                                    "set output diag"};
   for (const Matcher& matcher : kMatchers) {
@@ -170,6 +174,14 @@ std::vector<SourceFinding> run_matchers(const fs::path& source,
     argv.push_back("-c");
     argv.push_back(fmt::format("match {}.bind(\"{}\")", expression, matcher.id));
   }
+  // Each refused call binds as "refused_call_<i>".
+  for (std::size_t i = 0; i < refused_calls.size(); ++i) {
+    argv.push_back("-c");
+    argv.push_back(fmt::format(
+        "match cxxMemberCallExpr(isExpansionInMainFile(), callee(cxxMethodDecl(hasName(\"{}\"), "
+        "ofClass(isSameOrDerivedFrom(\"::{}\"))))).bind(\"refused_call_{}\")",
+        refused_calls[i].method, refused_calls[i].class_name, i));
+  }
   argv.push_back(source.string());
   argv.push_back("--");
   argv.insert(argv.end(), compile_args.begin(), compile_args.end());
@@ -178,7 +190,7 @@ std::vector<SourceFinding> run_matchers(const fs::path& source,
 
   // "<file>:<line>:<column>: note: "<id>" binds here" for every match; "<file>:...: error:
   // ..." where clang cannot read the file.
-  static const std::regex binding(R"re(^(.*):([0-9]+):[0-9]+: note: "([a-z_]+)" binds here$)re");
+  static const std::regex binding(R"re(^(.*):([0-9]+):[0-9]+: note: "([a-z_0-9]+)" binds here$)re");
   static const std::regex error(R"re(^(.*):([0-9]+):[0-9]+: (fatal )?error: (.*)$)re");
   const std::string file = source.filename().string();
   std::vector<SourceFinding> findings;
@@ -189,9 +201,17 @@ std::vector<SourceFinding> run_matchers(const fs::path& source,
     std::smatch match;
     if (std::regex_match(line, match, binding)) {
       const std::string id = match[3].str();
+      const int at = std::stoi(match[2].str());
+      if (id.starts_with("refused_call_")) {
+        const std::size_t i = std::stoul(id.substr(std::string_view("refused_call_").size()));
+        if (i >= refused_calls.size()) continue;
+        const RefusedCall& call = refused_calls[i];
+        std::string what = fmt::format("{}::{}()", call.class_name, call.method);
+        if (seen.insert({at, what}).second) findings.push_back({file, at, what, call.why});
+        continue;
+      }
       const auto rule = std::find_if(kMatchers.begin(), kMatchers.end(),
                                      [&](const Matcher& m) { return id == m.id; });
-      const int at = std::stoi(match[2].str());
       if (rule == kMatchers.end() || !seen.insert({at, rule->what}).second) continue;
       findings.push_back({file, at, rule->what, rule->why});
     } else if (std::regex_match(line, match, error) && findings.empty()) {
@@ -213,25 +233,47 @@ std::vector<SourceFinding> run_matchers(const fs::path& source,
 
 }  // namespace
 
+std::vector<RefusedCall> load_refused_calls(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  if (!in) throw Error(fmt::format("cannot read the refused calls {}", file.string()));
+  static const std::regex line_form(
+      R"re(^([A-Za-z_][A-Za-z_0-9:]*)::([A-Za-z_][A-Za-z_0-9]*)\s+(\S.*)$)re");
+  std::vector<RefusedCall> calls;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    if (line.empty() || line.starts_with("#")) continue;
+    std::smatch match;
+    if (!std::regex_match(line, match, line_form))
+      throw Error(fmt::format(
+          "{}:{}: expected '<class>::<method> <why>' (e.g. 'dp::Communicator::allreduce lab 3 "
+          "builds it from messages'), got '{}'",
+          file.string(), number, line));
+    calls.push_back({match[1].str(), match[2].str(), match[3].str()});
+  }
+  return calls;
+}
+
 std::vector<SourceFinding> audit_semantics(const std::filesystem::path& source,
                                            const std::vector<std::string>& compile_args,
-                                           const std::filesystem::path& cache_dir) {
-  if (cache_dir.empty()) return run_matchers(source, compile_args);
+                                           const std::filesystem::path& cache_dir,
+                                           const std::vector<RefusedCall>& refused_calls) {
+  if (cache_dir.empty()) return run_matchers(source, compile_args, refused_calls);
   std::error_code error;
   fs::create_directories(cache_dir, error);
   // The key: the SHA-256 of what the findings depend on, written to a scratch file first.
   const fs::path scratch = cache_dir / fmt::format("key.{}", getpid());
   {
     std::ofstream out(scratch, std::ios::binary);
-    out << cache_key_material(source, compile_args);
-    if (!out) return run_matchers(source, compile_args);  // a read-only build tree: no cache
+    out << cache_key_material(source, compile_args, refused_calls);
+    if (!out)
+      return run_matchers(source, compile_args, refused_calls);  // a read-only build tree: no cache
   }
   const std::string key = sha256_of_file(scratch);
   fs::remove(scratch, error);
   const fs::path cached = cache_dir / (key + ".findings");
   if (fs::is_regular_file(cached))
     return deserialise(source.filename().string(), read_file(cached));
-  std::vector<SourceFinding> findings = run_matchers(source, compile_args);
+  std::vector<SourceFinding> findings = run_matchers(source, compile_args, refused_calls);
   // Written whole or not at all, as a concurrent grade may read it.
   const fs::path partial = cache_dir / fmt::format("{}.{}.partial", key, getpid());
   {

@@ -35,13 +35,29 @@
 
 namespace dp::grader::audit {
 
+/// A member function one lab's code may not call, on its class or any class derived from it:
+/// a line `<class>::<method> <why>` of the lab's `refused_calls` file (lab 3 builds its
+/// collectives from messages, so the communicator's native ones are refused there). A virtual
+/// call has no symbol of its own in the object, so only the compiler's reading finds it.
+struct RefusedCall {
+  std::string class_name;  ///< fully qualified, e.g. "dp::Communicator"
+  std::string method;      ///< e.g. "allreduce"
+  std::string why;         ///< what to do instead, for the finding
+};
+
+/// The refused calls of a `refused_calls` file: one `<class>::<method> <why>` a line, `#`
+/// comments and blank lines ignored. Throws `dp::Error` naming the line that is malformed.
+std::vector<RefusedCall> load_refused_calls(const std::filesystem::path& file);
+
 /// What the compiler's reading of `source` refuses, compiled with `compile_args` (the
-/// include directories and the standard, as the lab's build gives them). Results are cached
-/// under `cache_dir` when it is not empty (and writable). Throws `dp::Error` when
-/// clang-query is missing; a file clang cannot read is a finding that says why.
+/// include directories and the standard, as the lab's build gives them), `refused_calls`
+/// included. Results are cached under `cache_dir` when it is not empty (and writable).
+/// Throws `dp::Error` when clang-query is missing; a file clang cannot read is a finding that
+/// says why.
 std::vector<SourceFinding> audit_semantics(const std::filesystem::path& source,
                                            const std::vector<std::string>& compile_args,
-                                           const std::filesystem::path& cache_dir);
+                                           const std::filesystem::path& cache_dir,
+                                           const std::vector<RefusedCall>& refused_calls = {});
 
 /// The version of the semantic rules: part of every cache key, so that a change of the rules
 /// reads every file again.

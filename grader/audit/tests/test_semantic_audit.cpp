@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "dp/error.h"
 #include "semantic_audit.h"
 
 namespace dp::grader::audit {
@@ -26,12 +27,13 @@ class SemanticAuditTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(root_); }
 
   /// "line:what" of every finding for `source` (a lab file of its own), sorted.
-  std::vector<std::string> found(std::string_view source, const fs::path& cache = {}) {
+  std::vector<std::string> found(std::string_view source, const fs::path& cache = {},
+                                 const std::vector<RefusedCall>& refused_calls = {}) {
     const fs::path file = root_ / "code.cpp";
     std::ofstream(file) << source;
     std::vector<std::string> result;
     for (const SourceFinding& finding :
-         audit_semantics(file, {"-std=c++20", "-I" DP_TEST_DP_INCLUDE}, cache))
+         audit_semantics(file, {"-std=c++20", "-I" DP_TEST_DP_INCLUDE}, cache, refused_calls))
       result.push_back(std::to_string(finding.line) + ":" + finding.what);
     std::sort(result.begin(), result.end());
     return result;
@@ -80,6 +82,37 @@ TEST_F(SemanticAuditTest, PlacementNewIsFound) {
   EXPECT_EQ(found("#include <new>\nstruct S { int a; };\n"
                   "void f(S& s) { new (&s) S{}; }\n"),
             Found({"3:a cast that reinterprets memory", "3:placement new"}));
+}
+
+TEST_F(SemanticAuditTest, ALabsRefusedCallsAreFoundThroughABaseOrADerivedClass) {
+  // Lab 3's rule: the communicator's native collectives are refused, point-to-point is not.
+  const std::vector<RefusedCall> refused = {
+      {"dp::Communicator", "allreduce", "build it from isend and irecv"},
+      {"dp::Communicator", "barrier", "wait for messages"}};
+  const std::string source =
+      "#include <memory>\n#include \"dp/comm.h\"\n"
+      "void f(dp::Communicator& comm, dp::MutableBuffer data, dp::ConstBuffer in) {\n"
+      "  comm.allreduce(data, dp::ReduceOp::kSum)->wait();\n"
+      "  comm.isend(in, 0, 0)->wait();\n"
+      "  dp::Communicator* pointer = &comm;\n"
+      "  pointer->barrier();\n"
+      "}\n";
+  EXPECT_EQ(found(source, {}, refused),
+            Found({"4:dp::Communicator::allreduce()", "7:dp::Communicator::barrier()"}));
+  EXPECT_EQ(found(source), Found({}));  // other labs call them
+}
+
+TEST_F(SemanticAuditTest, AMalformedRefusedCallsFileNamesItsLine) {
+  const fs::path file = root_ / "refused_calls";
+  std::ofstream(file) << "# comment\n\ndp::Communicator::allreduce why\nallreduce\n";
+  try {
+    (void)load_refused_calls(file);
+    FAIL() << "a line without a class was accepted";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("refused_calls:4: expected '<class>::<method> <why>'"),
+              std::string::npos)
+        << error.what();
+  }
 }
 
 TEST_F(SemanticAuditTest, LabCodeAsTheLabsWriteItPasses) {
