@@ -395,6 +395,14 @@ double no_fixed_point_probability(std::size_t n) {
   return exponential_series(n, [](std::size_t j) { return j % 2 == 0 ? 1.0 : -1.0; });
 }
 
+/// P(no v followed by v + 1) for a uniform permutation of n: sum_j (-1)^j (n - j) / (n j!)
+/// over j < n. By symmetry (reverse every value) it is also P(no v followed by v - 1).
+double no_succession_probability(std::size_t n) {
+  return exponential_series(n - 1, [n](std::size_t j) {
+    return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
+  });
+}
+
 const std::array<PermutationEvent, 6> kPermutationEvents = {{
     {"no fixed point", [](const PermutationShape& s, std::size_t) { return s.fixed_points == 0; },
      no_fixed_point_probability,
@@ -416,21 +424,11 @@ const std::array<PermutationEvent, 6> kPermutationEvents = {{
      "a shuffle made of swapped pairs (a reversal, a product of disjoint swaps)"},
     {"no v followed by v + 1",
      [](const PermutationShape& s, std::size_t) { return !s.has_rising_succession; },
-     [](std::size_t n) {
-       return exponential_series(n - 1, [n](std::size_t j) {
-         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
-       });
-     },
-     "a shuffle that breaks up every run of consecutive samples",
+     no_succession_probability, "a shuffle that breaks up every run of consecutive samples",
      "a shuffle that keeps runs of the unshuffled order (a rotation, a riffle, a few swaps)"},
     {"no v followed by v - 1",
      [](const PermutationShape& s, std::size_t) { return !s.has_falling_succession; },
-     [](std::size_t n) {
-       return exponential_series(n - 1, [n](std::size_t j) {
-         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
-       });
-     },
-     "a shuffle that breaks up every reversed run",
+     no_succession_probability, "a shuffle that breaks up every reversed run",
      "a shuffle that keeps runs of the reversed order (a reversal)"},
     {"a cycle longer than n/2",
      [](const PermutationShape& s, std::size_t n) { return 2 * s.longest_cycle > n; },
