@@ -112,8 +112,10 @@ std::string read_file(const fs::path& file) {
   return text.str();
 }
 
-/// Everything the findings depend on: the rules, the arguments, the file, and the size and
-/// time of every header in the include directories.
+/// Everything the findings depend on: the rules, the arguments, the file, and every header
+/// in the include directories, by its path inside the directory and its contents. Not by
+/// the directory's own path: a planted cheat is a copy of the solution elsewhere, and its
+/// untouched files then share the solution's findings instead of being read again.
 std::string cache_key_material(const fs::path& source, const std::vector<std::string>& args,
                                const std::vector<RefusedCall>& refused_calls) {
   std::string material = fmt::format("semantic rules {}\n", kSemanticRulesVersion);
@@ -121,17 +123,20 @@ std::string cache_key_material(const fs::path& source, const std::vector<std::st
   for (const RefusedCall& call : refused_calls)
     material += fmt::format("refused {}::{} {}\n", call.class_name, call.method, call.why);
   for (const std::string& argument : args) {
-    material += argument + "\n";
-    if (!argument.starts_with("-I")) continue;
-    const fs::path directory = argument.substr(2);
-    if (!fs::is_directory(directory)) continue;
-    std::set<std::string> headers;  // sorted, so that the key does not depend on the walk
-    for (const fs::directory_entry& entry : fs::recursive_directory_iterator(directory)) {
-      if (!entry.is_regular_file() || entry.path().extension() != ".h") continue;
-      headers.insert(fmt::format("{} {} {}", entry.path().string(), entry.file_size(),
-                                 entry.last_write_time().time_since_epoch().count()));
+    const fs::path directory = argument.starts_with("-I") ? argument.substr(2) : "";
+    if (directory.empty() || !fs::is_directory(directory)) {
+      material += argument + "\n";
+      continue;
     }
-    for (const std::string& header : headers) material += header + "\n";
+    material += "-I\n";
+    std::set<fs::path> headers;  // sorted, so that the key does not depend on the walk
+    for (const fs::directory_entry& entry : fs::recursive_directory_iterator(directory))
+      if (entry.is_regular_file() && entry.path().extension() == ".h")
+        headers.insert(entry.path().lexically_relative(directory));
+    for (const fs::path& header : headers) {
+      const std::string contents = read_file(directory / header);
+      material += fmt::format("{} {}\n{}\n", header.string(), contents.size(), contents);
+    }
   }
   material += "--\n" + read_file(source);
   return material;
