@@ -7,6 +7,7 @@
 // Nccl backend (one rank per GPU: 1 rank here, more on a machine with more GPUs): every
 // collective and a ring of messages against the local host path, on integer-valued floats,
 // whose sums are exact in any order (NCCL adds in its ring's order).
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -228,6 +229,26 @@ TEST(GpuLocalComm, ACollectiveWaitsForTheKernelsThatWroteItsBuffer) {
       ASSERT_TRUE(std::all_of(host.span().begin(), host.span().end(),
                               [&](float x) { return x == expected; }))
           << "round " << round << ": expected every element " << expected;
+    }
+  });
+}
+
+// Ranks of the local backend on two GPUs (each thread makes its own current): the thread
+// that moves the other rank's data works on that rank's GPU for the move and must leave its
+// own GPU current, or its next kernels run on the other GPU. Needs 2 GPUs.
+TEST(GpuLocalComm, MovingAnotherGpusDataLeavesTheRanksOwnGpuCurrent) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (a rank on each)";
+  launch({.world_size = 2}, [](Communicator& comm) {
+    const int own = comm.rank();
+    ASSERT_EQ(cudaSetDevice(own), cudaSuccess);
+    Tensor data({1 << 16}, MemoryCategory::kGradients, Device::kCuda);
+    for (int round = 1; round <= 4; ++round) {
+      fill(data.view(), 1.0f);
+      comm.allreduce(data.view(), ReduceOp::kSum)->wait();
+      int current = -1;
+      ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+      ASSERT_EQ(current, own) << "rank " << own << ", round " << round
+                              << ": the all-reduce left another GPU current";
     }
   });
 }
