@@ -80,14 +80,22 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   // Under Completion::kAdversarial the rank's code talks to a decorator over the backend's
   // communicator (comm/adversarial.h); the backend underneath is unchanged.
   // Each rank charges its tensors to memory of its own, under the budget if there is one.
+  // A rank returns once its device work has finished: kernels still queued on its thread's
+  // stream (its last optimizer step) would race with the caller, who reads those tensors on
+  // a stream of its own as soon as launch() returns.
   const std::function<void(Communicator&)> run_rank = [&](Communicator& comm) {
     auto memory = std::make_shared<RankMemory>();
     memory->tracker().set_budget(options.memory_budget_bytes);
     ScopedRankMemory bind(std::move(memory));
-    if (options.comm.completion != Completion::kAdversarial) return rank_main(comm);
+    if (options.comm.completion != Completion::kAdversarial) {
+      rank_main(comm);
+      synchronize_device();
+      return;
+    }
     const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
         detail::make_adversarial(comm, options.comm.completion_seed);
     rank_main(*adversarial);
+    synchronize_device();
     // A Work destroyed unwaited as the function returned may have found a touched buffer.
     adversarial->throw_report_of_destroyed_work();
   };

@@ -233,6 +233,30 @@ TEST(GpuLocalComm, ACollectiveWaitsForTheKernelsThatWroteItsBuffer) {
   });
 }
 
+// A rank's last kernels (an optimizer step, say) are queued on its thread's stream when its
+// function returns; the caller reads the tensors they write as soon as launch() returns, on
+// its own stream. launch() must have waited for them. Many kernels queued, so that a missing
+// wait would show.
+TEST(GpuLaunch, ARanksDeviceWorkHasFinishedWhenLaunchReturns) {
+  constexpr std::int64_t kN = 1 << 22;
+  constexpr int kRounds = 200;
+  Tensor written({kN}, MemoryCategory::kActivations, Device::kCuda);
+  const Tensor ones =
+      Tensor::from(std::vector<float>(kN, 1.0f), MemoryCategory::kActivations, Device::kCuda);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    fill(written.view(), 0.0f);
+    synchronize_device();
+    launch({.world_size = 1}, [&](Communicator&) {
+      for (int round = 0; round < kRounds; ++round) add(ones.view(), written.view());
+    });
+    const Tensor host = written.to(Device::kHost);
+    ASSERT_TRUE(std::all_of(host.span().begin(), host.span().end(),
+                            [](float x) { return x == static_cast<float>(kRounds); }))
+        << "attempt " << attempt << ": launch() returned before the rank's " << kRounds
+        << " additions had finished";
+  }
+}
+
 // Ranks of the local backend on two GPUs (each thread makes its own current): the thread
 // that moves the other rank's data works on that rank's GPU for the move and must leave its
 // own GPU current, or its next kernels run on the other GPU. Needs 2 GPUs.
