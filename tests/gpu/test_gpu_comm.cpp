@@ -341,6 +341,38 @@ TEST(GpuNcclComm, MoreRanksThanGpusIsAClearError) {
   EXPECT_NE(message.find("the nccl backend runs one rank per GPU"), std::string::npos) << message;
 }
 
+// Rank 0 sends tag 2 then tag 1; rank 1 receives tag 1 then tag 2: each receive gets the
+// message of its tag, on nccl (which knows no tags) as on the local backend.
+TEST(GpuNcclComm, MessagesAreMatchedByTagAsOnTheLocalBackend) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (one rank per GPU)";
+  for (const Backend backend : {Backend::kLocal, Backend::kNccl}) {
+    launch({.world_size = 2, .backend = backend}, [&](Communicator& comm) {
+      constexpr std::int64_t kN = 1000;
+      if (comm.rank() == 0) {
+        const Tensor twos =
+            Tensor::from(std::vector<float>(kN, 2.0f), MemoryCategory::kActivations, Device::kCuda);
+        const Tensor ones =
+            Tensor::from(std::vector<float>(kN, 1.0f), MemoryCategory::kActivations, Device::kCuda);
+        auto second = comm.isend(twos.view(), 1, /*tag=*/2);
+        auto first = comm.isend(ones.view(), 1, /*tag=*/1);
+        first->wait();
+        second->wait();
+        return;
+      }
+      Tensor tagged_one({kN}, MemoryCategory::kActivations, Device::kCuda);
+      Tensor tagged_two({kN}, MemoryCategory::kActivations, Device::kCuda);
+      auto first = comm.irecv(tagged_one.view(), 0, /*tag=*/1);
+      auto second = comm.irecv(tagged_two.view(), 0, /*tag=*/2);
+      first->wait();
+      second->wait();
+      const Tensor one = tagged_one.to(Device::kHost);
+      const Tensor two = tagged_two.to(Device::kHost);
+      EXPECT_EQ(one.span()[0], 1.0f) << comm.backend() << ": the receive of tag 1";
+      EXPECT_EQ(two.span()[0], 2.0f) << comm.backend() << ": the receive of tag 2";
+    });
+  }
+}
+
 TEST(GpuNcclComm, AMissingBarrierIsReportedAfterTheHangTimeout) {
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (one rank per GPU)";
   std::string message;
