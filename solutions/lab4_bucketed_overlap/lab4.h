@@ -13,10 +13,14 @@
 // What every check holds you to:
 //   * Exact arithmetic. The averaged gradient of every trainable element is lab 2's:
 //     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
-//     then a division by N (not a multiplication by 1/N). A bucket changes which elements
-//     travel together, never the order in which one element's N values are added, so the
-//     result is bitwise lab 2's flat version for every bucket layout: the grader compares
-//     every rank's parameters bitwise with an emulation of lab 2 after every step.
+//     then a division by N (not a multiplication by 1/N). On the local and mpi backends
+//     a bucket changes which elements travel together, never the order in which one
+//     element's N values are added, so the result is bitwise lab 2's flat version for every
+//     bucket layout: the grader compares every rank's parameters bitwise with an emulation
+//     of lab 2 after every step. (NCCL at 3 or more ranks adds in an order that depends on
+//     an element's place in its buffer, so there a layout can change the last bits: see
+//     "Which backends promise an order" in docs/reference.md. Grading on nccl takes at
+//     most 2 ranks, where the order cannot matter.)
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a bucket's sum reaches its buffer only when that
 //     bucket's own `Work` is waited on.
