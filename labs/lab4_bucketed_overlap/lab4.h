@@ -6,9 +6,10 @@
 // backward and the processors sat idle during the all-reduce. Backward makes the last
 // layer's gradients final long before the first layer's. `BucketedDDP` groups the gradients
 // into buckets in the order they become final and all-reduces each bucket while backward
-// computes the rest, as PyTorch's DDP reducer does. README.md beside this file poses the
-// problem; its Hints section, at the end, helps if you are stuck. Do not change this
-// header: the grader is compiled against it.
+// computes the rest, the idea of PyTorch's DDP reducer (with DeepSpeed's bucket rule, not
+// PyTorch's: see `assign_buckets`). README.md beside this file poses the problem; its Hints
+// section, at the end, helps if you are stuck. Do not change this header: the grader is
+// compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. The averaged gradient of every trainable element is lab 2's:
@@ -53,7 +54,8 @@
 
 namespace dp::lab4 {
 
-/// PyTorch's default cap of the first bucket: 1 MiB.
+/// PyTorch's default cap of the first bucket: 1 MiB (PyTorch applies it only when
+/// `bucket_cap_mb` keeps its default; a set `bucket_cap_mb` caps the first bucket too).
 inline constexpr std::size_t kDefaultFirstBucketCapBytes = std::size_t{1} << 20;
 /// PyTorch's default cap of every later bucket: 25 MiB.
 inline constexpr std::size_t kDefaultBucketCapBytes = std::size_t{25} << 20;
@@ -84,6 +86,11 @@ struct Bucket {
 /// bucket already holds a parameter and adding this one would take it past its cap; then
 /// the open bucket closes and the parameter opens the next one. Bucket 0's cap is
 /// `first_bucket_cap_bytes`, every later bucket's `bucket_cap_bytes` (bytes = elements x 4).
+///
+/// This closes a bucket before it would overflow, as DeepSpeed's ZeRO-2 gradient bucket
+/// does. PyTorch's reducer appends first and closes a bucket once it reaches its cap (its
+/// buckets overshoot by up to one parameter), and rebuilds its buckets after the first
+/// iteration in the order the gradients became ready.
 ///
 /// So a parameter larger than the cap has a bucket to itself, a cap of 0 gives one bucket
 /// per parameter, and a cap at least the model's size gives one bucket (lab 2's flat
