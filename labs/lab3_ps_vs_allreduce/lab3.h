@@ -87,9 +87,11 @@ Range chunk_of(std::size_t elements, int parts, int index);
 ///     64 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
 void ring_allreduce(TensorView data, Communicator& comm);
 
-/// A latency-optimal all-reduce, recursive doubling or a binomial tree (your choice, for
-/// every N, powers of two or not): replaces `data` on every rank by the element-wise sum
-/// over all ranks.
+/// An all-reduce for small messages in O(lg N) rounds, recursive doubling or a binomial
+/// tree (your choice, for every N, powers of two or not): replaces `data` on every rank by
+/// the element-wise sum over all ranks. The name is recursive doubling's: lg N rounds for a
+/// power of two, the fewest possible; a binomial tree (reduce, then broadcast, whole
+/// buffers without pipelining) takes 2 lg N and is accepted too.
 ///
 /// Invariants: every rank ends with the same bits; with values whose sums are exact in
 /// float32 the result is the exact sum; otherwise the order of additions is yours, and the

@@ -6,17 +6,22 @@
 // backward and the processors sat idle during the all-reduce. Backward makes the last
 // layer's gradients final long before the first layer's. `BucketedDDP` groups the gradients
 // into buckets in the order they become final and all-reduces each bucket while backward
-// computes the rest, as PyTorch's DDP reducer does. README.md beside this file poses the
-// problem; its Hints section, at the end, helps if you are stuck. Do not change this
-// header: the grader is compiled against it.
+// computes the rest, the idea of PyTorch's DDP reducer (with DeepSpeed's bucket rule, not
+// PyTorch's: see `assign_buckets`). README.md beside this file poses the problem; its Hints
+// section, at the end, helps if you are stuck. Do not change this header: the grader is
+// compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. The averaged gradient of every trainable element is lab 2's:
 //     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
-//     then a division by N (not a multiplication by 1/N). A bucket changes which elements
-//     travel together, never the order in which one element's N values are added, so the
-//     result is bitwise lab 2's flat version for every bucket layout: the grader compares
-//     every rank's parameters bitwise with an emulation of lab 2 after every step.
+//     then a division by N (not a multiplication by 1/N). On the local and mpi backends
+//     a bucket changes which elements travel together, never the order in which one
+//     element's N values are added, so the result is bitwise lab 2's flat version for every
+//     bucket layout: the grader compares every rank's parameters bitwise with an emulation
+//     of lab 2 after every step. (NCCL at 3 or more ranks adds in an order that depends on
+//     an element's place in its buffer, so there a layout can change the last bits: see
+//     "Which backends promise an order" in docs/reference.md. Grading on nccl takes at
+//     most 2 ranks, where the order cannot matter.)
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a bucket's sum reaches its buffer only when that
 //     bucket's own `Work` is waited on.
@@ -49,7 +54,8 @@
 
 namespace dp::lab4 {
 
-/// PyTorch's default cap of the first bucket: 1 MiB.
+/// PyTorch's default cap of the first bucket: 1 MiB (PyTorch applies it only when
+/// `bucket_cap_mb` keeps its default; a set `bucket_cap_mb` caps the first bucket too).
 inline constexpr std::size_t kDefaultFirstBucketCapBytes = std::size_t{1} << 20;
 /// PyTorch's default cap of every later bucket: 25 MiB.
 inline constexpr std::size_t kDefaultBucketCapBytes = std::size_t{25} << 20;
@@ -80,6 +86,11 @@ struct Bucket {
 /// bucket already holds a parameter and adding this one would take it past its cap; then
 /// the open bucket closes and the parameter opens the next one. Bucket 0's cap is
 /// `first_bucket_cap_bytes`, every later bucket's `bucket_cap_bytes` (bytes = elements x 4).
+///
+/// This closes a bucket before it would overflow, as DeepSpeed's ZeRO-2 gradient bucket
+/// does. PyTorch's reducer appends first and closes a bucket once it reaches its cap (its
+/// buckets overshoot by up to one parameter), and rebuilds its buckets after the first
+/// iteration in the order the gradients became ready.
 ///
 /// So a parameter larger than the cap has a bucket to itself, a cap of 0 gives one bucket
 /// per parameter, and a cap at least the model's size gives one bucket (lab 2's flat

@@ -6,14 +6,16 @@
 // Lab 6 sharded the optimizer state and the gradients, but every rank still held the whole
 // model (4 Psi bytes of parameters). ZeRO stage 3 (Rajbhandari et al., SC20), PyTorch
 // FSDP's FULL_SHARD, keeps only the rank's shard of the parameters too: each layer with
-// parameters is a unit (FSDP's flat parameter of one wrapped module); a unit's parameters
-// are all-gathered just before its forward and freed after it, all-gathered again before
-// its backward and freed after it, and its gradients are reduce-scattered into the shard of
-// the gradient as soon as its backward has made them. The all-gather of the next unit is
-// issued ahead (prefetch) so that it travels while this unit computes, with at most two
-// units at once, one materialised and one arriving (FSDP's limit_all_gathers). README.md
-// beside this file poses the problem; its Hints section, at the end, helps if you are
-// stuck. Do not change this header: the grader is compiled against it.
+// parameters is a unit (laid out as FSDP1's flat parameter of one wrapped module, and
+// copied out of the gathered buffer as FSDP2 does, where FSDP1 makes parameters views into
+// it); a unit's parameters are all-gathered just before its forward and freed after it,
+// all-gathered again before its backward and freed after it, and its gradients are
+// reduce-scattered into the shard of the gradient as soon as its backward has made them.
+// The all-gather of the next unit is issued ahead (prefetch) so that it travels while this
+// unit computes, with at most two units at once, one materialised and one arriving (FSDP's
+// limit_all_gathers). README.md beside this file poses the problem; its Hints section, at
+// the end, helps if you are stuck. Do not change this header: the grader is compiled
+// against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
@@ -125,8 +127,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// each `Parameter::value`, its shape as at construction, under `kParameters`, and copy it
 /// from the gathered buffer); then prefetch: issue the all-gather of unit u + 1 (if any).
 /// At the post-forward of unit u, release its values. Only unit 0's all-gather is issued
-/// at its own pre-forward; every other unit's was issued at its predecessor's, after that
-/// predecessor's wait and materialisation and before its layer's forward runs.
+/// at its own pre-forward (this contract's choice: nothing is gathered between steps);
+/// every other unit's was issued at its predecessor's, after that predecessor's wait and
+/// materialisation and before its layer's forward runs.
 ///
 /// Backward, the same in reverse unit order: at the pre-backward of unit u, unless it is
 /// in flight (only unit U-1's is not: the forward prefetches nothing past U-1), issue its

@@ -14,8 +14,10 @@
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
 //     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order,
-//     which the native reduce-scatter shares with the native all-reduce on every backend),
-//     then a division by N (not a multiplication by 1/N). The optimizer's update is
+//     which the native reduce-scatter shares with the native all-reduce on the local and
+//     mpi backends; NCCL at 3 or more ranks adds in an order that depends on the chunk, see
+//     "Which backends promise an order" in docs/reference.md, so grading on nccl takes at
+//     most 2 ranks), then a division by N (not a multiplication by 1/N). The optimizer's update is
 //     element-wise, so updating a shard gives the bits a whole-model step gives: the grader
 //     compares every rank's parameters bitwise with an emulation of lab 2 after every step.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode

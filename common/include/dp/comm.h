@@ -117,7 +117,7 @@ struct MutableBuffer {
 
 /// How a collective combines the ranks' values.
 enum class ReduceOp {
-  kSum,  ///< element-wise sum, added in rank order 0, 1, ..., size-1
+  kSum,  ///< element-wise sum in rank order 0, 1, ..., size-1 (nccl: on 1 or 2 ranks only)
   kAvg,  ///< the sum divided by size() (a post-divide)
   kMax,  ///< element-wise maximum
 };
