@@ -223,6 +223,18 @@ TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data
                                 Communicator& comm, const ReportCallback& on_report = {},
                                 const TrainCheckpointing& checkpointing = {});
 
+/// Trains in one process the way `world_size` ranks train on a backend that adds in rank
+/// order (local, mpi, and nccl at 1 or 2 ranks): every step computes each rank's gradient on
+/// its slice of the global batch, adds them in rank order, ((g_0 + g_1) + g_2) + ..., and
+/// divides the sum by the rank count, then steps. Its parameters are then bitwise those of
+/// `train_data_parallel` on `world_size` ranks, for any number of steps, optimizer and data:
+/// the same arithmetic in the same order, with none of the communication. `dplab train
+/// --verify` compares with it. Continues from `checkpointing.resume_from` when set; saves
+/// nothing.
+TrainResult train_emulating_data_parallel(const TrainOptions& options, const Dataset& data,
+                                          int world_size,
+                                          const TrainCheckpointing& checkpointing = {});
+
 /// An absolute tolerance for comparing data-parallel with single-process parameters.
 ///
 /// Data-parallel training computes each gradient element as an average of N partial
@@ -242,7 +254,9 @@ TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data
 /// README's digits example differs by 3.0e-6 against 4.6e-5). Over long runs with a large
 /// learning rate the two can legitimately drift apart chaotically: an element whose
 /// gradient is within float32 noise of zero can flip the sign of its normalised step (a
-/// difference of 2 lr), and later steps amplify that. Check AdamW over short runs.
+/// difference of 2 lr), and later steps amplify that. Check AdamW over short runs. `dplab
+/// train --verify` therefore checks against `train_emulating_data_parallel`, bitwise, and
+/// prints this comparison for information only.
 float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient);
 
 }  // namespace dp
