@@ -129,11 +129,14 @@ class Auditor {
     const std::vector<std::string> compile_args = {"-std=c++20",
                                                    "-I" + code_.dp_headers.parent_path().string(),
                                                    "-I" + code_.code_dir.string()};
-    // Member functions this lab may not call (grader/<lab>/refused_calls), if it has any.
-    const fs::path refused_calls_file = grader_lab_dir_ / "refused_calls";
-    const std::vector<RefusedCall> refused_calls = fs::exists(refused_calls_file)
-                                                       ? load_refused_calls(refused_calls_file)
-                                                       : std::vector<RefusedCall>{};
+    // Member functions no lab may call (grader/audit/base.refused_calls), and those this lab
+    // may not (grader/<lab>/refused_calls), if it has any.
+    std::vector<RefusedCall> refused_calls = load_refused_calls(audit_dir_ / "base.refused_calls");
+    const fs::path lab_refused_calls = grader_lab_dir_ / "refused_calls";
+    if (fs::exists(lab_refused_calls)) {
+      std::vector<RefusedCall> lab_calls = load_refused_calls(lab_refused_calls);
+      refused_calls.insert(refused_calls.end(), lab_calls.begin(), lab_calls.end());
+    }
     for (const fs::path& source : sources) {
       std::vector<SourceFinding> findings =
           scan_lab_source(source.filename().string(), read_file(source), policy);

@@ -31,7 +31,7 @@ struct Matcher {
 
 // Every matcher looks at the lab's own file only (isExpansionInMainFile), template instances
 // included (traversal AsIs).
-constexpr std::array<Matcher, 8> kMatchers = {{
+constexpr std::array<Matcher, 13> kMatchers = {{
     {"reinterpreting_cast",
      R"(castExpr(isExpansionInMainFile(), anyOf(hasCastKind("CK_IntegralToPointer"),
         hasCastKind("CK_PointerToIntegral"), hasCastKind("CK_BitCast"),
@@ -88,6 +88,75 @@ constexpr std::array<Matcher, 8> kMatchers = {{
      "a view built from a pointer and a length",
      "it reaches as far as the length says, past what the pointer points to: take views from "
      "tensors (view, slice) and from containers"},
+    // Iterators of two containers make a range over whatever memory lies between them, and
+    // an output iterator runs past its container's end: neither is checked. Loops (range-for,
+    // which makes its own iterators) and whole-range algorithms need no iterator argument.
+    {"iterator_argument",
+     R"(expr(isExpansionInMainFile(), anyOf(
+        callExpr(unless(cxxOperatorCallExpr()), hasAnyArgument(hasType(
+            hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                matchesName("iterator"), unless(matchesName("insert_iterator"))))))))),
+        cxxConstructExpr(unless(hasType(hasUnqualifiedDesugaredType(recordType(hasDeclaration(
+            cxxRecordDecl(matchesName("iterator"))))))), hasAnyArgument(hasType(
+            hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                matchesName("iterator"), unless(matchesName("insert_iterator"))))))))))))",
+     "an iterator passed to a function",
+     "iterators of two containers make a range over the memory between them, and an output "
+     "iterator runs past its container's end, unchecked: pass whole containers to the "
+     "std::ranges algorithms (std::ranges::fill(v, x), std::ranges::sort(v)), or loop with "
+     "range-for or an index"},
+    // The same through raw pointers (std::array's iterators are pointers): a library
+    // function given addresses reads or writes as far as it is told.
+    {"pointer_to_library",
+     R"(expr(isExpansionInMainFile(), anyOf(
+        callExpr(unless(cxxOperatorCallExpr()), callee(functionDecl(isExpansionInSystemHeader(),
+            unless(cxxMethodDecl()), unless(hasAnyName("::std::move", "::std::forward",
+            "::std::exchange", "::std::swap", "::std::addressof", "::std::min", "::std::max",
+            "::std::make_pair", "::std::make_tuple", "::std::tie", "::std::get")))),
+            hasAnyArgument(hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter()))))))),
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader())),
+            argumentCountIs(2),
+            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter())))))),
+            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter()))))))))))",
+     "an address passed to a library function",
+     "a library function given addresses (std::memcpy, std::copy, a range of pointers) reads "
+     "or writes as far as it is told, unchecked: use containers, their checked operator[], "
+     "and the std::ranges algorithms on whole containers"},
+    {"address_as_number",
+     R"(expr(isExpansionInMainFile(), anyOf(
+        cxxOperatorCallExpr(callee(cxxMethodDecl(ofClass(classTemplateSpecializationDecl(
+            hasName("::std::hash"), hasTemplateArgument(0, refersToType(pointerType()))))))),
+        callExpr(callee(functionDecl(hasName("::fmt::ptr")))))))",
+     "an address turned into a number",
+     "an address as a number tells where objects are, which lab code has no use for: compare "
+     "objects, or pointers with ==, instead"},
+    // A model or a layer of the lab's own would compute where the checks measure the model's
+    // work (a speed check counting layer compute), or hold a replica the memory checks would
+    // not see as the model's.
+    {"builds_a_model",
+     R"(stmt(isExpansionInMainFile(), anyOf(
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(ofClass(cxxRecordDecl(
+            isSameOrDerivedFrom(cxxRecordDecl(hasAnyName("::dp::Model", "::dp::Layer")))))))),
+        callExpr(callee(cxxMethodDecl(isStaticStorageClass(), ofClass(hasName("::dp::Model"))))),
+        callExpr(callee(functionDecl(hasAnyName("::std::make_unique", "::std::make_shared"),
+            hasTemplateArgument(0, refersToType(hasDeclaration(cxxRecordDecl(isSameOrDerivedFrom(
+                cxxRecordDecl(hasAnyName("::dp::Model", "::dp::Layer")))))))))))))",
+     "a model or a layer of the lab's own",
+     "lab code trains the model it is given: a model, layer or copy of its own would compute "
+     "or hold parameters where the checks measure the model's (use the model's own layers "
+     "and parameters through the references the contract hands you)"},
+    {"holds_a_model",
+     R"(declaratorDecl(isExpansionInMainFile(), hasType(hasUnqualifiedDesugaredType(recordType(
+        hasDeclaration(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
+            hasDeclaration(cxxRecordDecl(isSameOrDerivedFrom(cxxRecordDecl(hasAnyName(
+                "::dp::Model", "::dp::Layer"))))))))))))))",
+     "a model or a layer of the lab's own",
+     "lab code trains the model it is given: a model, layer or copy of its own would compute "
+     "or hold parameters where the checks measure the model's (use the model's own layers "
+     "and parameters through the references the contract hands you)"},
 }};
 
 /// The clang-query program: clang-query, or the versioned name Debian installs.

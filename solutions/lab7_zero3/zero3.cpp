@@ -322,7 +322,7 @@ std::optional<float> ZeroThreeOptimizer::step() {
   for (std::size_t u = s.units.size(); u-- > 0;) {
     if (s.launched[u]) continue;
     s.drain();
-    std::fill(s.launched.begin(), s.launched.end(), 0);
+    std::ranges::fill(s.launched, 0);
     throw Error(fmt::format(
         "ZeroThreeOptimizer::step: unit {} of {} (layer {}) was never reduce-scattered since the "
         "last step (did forward and backward run?)",
@@ -351,7 +351,7 @@ std::optional<float> ZeroThreeOptimizer::step() {
   s.inner->begin_step();
   s.inner->update(0, s.shard_params.view(), std::as_const(s.shard_grad).view());
   // No all-gather: the next forward gathers each unit as it needs it.
-  std::fill(s.launched.begin(), s.launched.end(), 0);
+  std::ranges::fill(s.launched, 0);
   return norm;
   // END SOLUTION
 }

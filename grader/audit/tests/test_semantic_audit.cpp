@@ -74,8 +74,32 @@ TEST_F(SemanticAuditTest, MemoryPastWhatWasGivenIsFound) {
                   "}\n"),
             Found({"12:subscript of a pointer or a C array", "6:pointer arithmetic",
                    "6:subscript of a pointer or a C array", "7:iterator arithmetic",
-                   "8:std::next, std::prev or std::advance",
+                   "8:an iterator passed to a function", "8:std::next, std::prev or std::advance",
                    "9:a view built from a pointer and a length"}));
+}
+
+// What an adversarial trial of lab 7 built a memory read and write from, and a model of its
+// own to fake the model's compute with: each way is found.
+TEST_F(SemanticAuditTest, RangesOverOtherMemoryAndModelsOfTheLabsOwnAreFound) {
+  EXPECT_EQ(
+      found("#include <algorithm>\n#include <array>\n#include <cstring>\n"
+            "#include <functional>\n#include <memory>\n#include <span>\n"
+            "#include <vector>\n#include \"dp/layers/linear.h\"\n#include \"dp/model.h\"\n"
+            "void f(std::vector<float>& a, std::vector<float>& b, dp::Model& model) {\n"
+            "  std::span<float> wild(a.begin(), b.begin());\n"
+            "  std::fill(a.begin(), a.end(), 0.0f);\n"
+            "  std::array<float, 2> x{}, y{};\n"
+            "  std::copy(x.begin(), y.end(), x.begin());\n"
+            "  std::memcpy(&x, &y, 64);\n"
+            "  std::size_t where = std::hash<float*>{}(&x[0]);\n"
+            "  dp::Model other = dp::Model::mlp(\"4-4\", {});\n"
+            "  auto layer = std::make_unique<dp::Linear>(\"pad\", 4, 4);\n"
+            "  (void)wild; (void)where; (void)model;\n"
+            "}\n"),
+      Found({"11:an iterator passed to a function", "12:an iterator passed to a function",
+             "14:an address passed to a library function", "15:a cast that reinterprets memory",
+             "15:an address passed to a library function", "16:an address turned into a number",
+             "17:a model or a layer of the lab's own", "18:a model or a layer of the lab's own"}));
 }
 
 TEST_F(SemanticAuditTest, PlacementNewIsFound) {
@@ -116,23 +140,25 @@ TEST_F(SemanticAuditTest, AMalformedRefusedCallsFileNamesItsLine) {
 }
 
 TEST_F(SemanticAuditTest, LabCodeAsTheLabsWriteItPasses) {
-  EXPECT_EQ(
-      found("#include <algorithm>\n#include <array>\n#include <numeric>\n#include <span>\n"
-            "#include <string_view>\n#include <vector>\n#include \"dp/tensor.h\"\n"
-            "#include \"dp/tensor_ops.h\"\n"
-            "struct Base { virtual ~Base() = default; };\n"
-            "struct Derived : Base {};\n"
-            "float f(std::vector<float>& v, dp::Tensor& t, Derived& d) {\n"
-            "  std::array<float, 4> a{};\n"
-            "  std::span<float> s(v);\n"
-            "  std::sort(v.begin(), v.end());\n"
-            "  std::string_view name = \"fine\";\n"
-            "  Base& base = d;\n"
-            "  dp::fill(t.view(0, t.size()), 1.0f);\n"
-            "  (void)name; (void)base;\n"
-            "  return a[1] + s.subspan(1)[0] + v[2] + std::accumulate(v.begin(), v.end(), 0.0f);\n"
-            "}\n"),
-      Found{});
+  EXPECT_EQ(found("#include <algorithm>\n#include <array>\n#include <numeric>\n#include <span>\n"
+                  "#include <string_view>\n#include <vector>\n#include \"dp/tensor.h\"\n"
+                  "#include \"dp/tensor_ops.h\"\n"
+                  "struct Base { virtual ~Base() = default; };\n"
+                  "struct Derived : Base {};\n"
+                  "float f(std::vector<float>& v, dp::Tensor& t, Derived& d) {\n"
+                  "  std::array<float, 4> a{};\n"
+                  "  std::span<float> s(v);\n"
+                  "  std::ranges::sort(v);\n"
+                  "  for (float& x : v) x += 1.0f;\n"
+                  "  std::string_view name = \"fine\";\n"
+                  "  Base& base = d;\n"
+                  "  dp::fill(t.view(0, t.size()), 1.0f);\n"
+                  "  (void)name; (void)base;\n"
+                  "  const auto found = std::ranges::find(v, 2.0f);\n"
+                  "  if (found != v.end()) *found = 3.0f;\n"
+                  "  return a[1] + s.subspan(1)[0] + v[2] + *std::ranges::max_element(v);\n"
+                  "}\n"),
+            Found{});
 }
 
 TEST_F(SemanticAuditTest, AFileClangCannotReadIsAFinding) {
