@@ -320,13 +320,21 @@ void grade(const GradeArguments& args) {
         throw Error(fmt::format("--check {}: lab {} has no such check; its checks are {}", check,
                                 args.lab, fmt::join(known, ", ")));
   }
-  // The reports are written after grading: a bad path (or a rubric's) must fail before it.
-  std::vector<std::filesystem::path> rubric_files;
-  for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
-  for (const std::string& output : {args.json_file, args.junit_file})
-    if (!output.empty()) check_output_path(output, rubric_files);
-
+  // The reports are written after grading: a bad path must fail before it, and so must one
+  // that would replace what grading reads (a rubric, dplab itself, a check program beside
+  // it) or the other report.
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
+  std::vector<std::filesystem::path> read_files;
+  for (const LabEntry& lab : find_labs(dir)) read_files.push_back(lab.rubric);
+  std::error_code listing_error;
+  for (const auto& entry : std::filesystem::directory_iterator(bin, listing_error))
+    if (entry.is_regular_file()) read_files.push_back(entry.path());
+  const std::vector<NamedOutput> outputs = {{"--json", args.json_file},
+                                            {"--junit", args.junit_file}};
+  check_distinct_outputs(outputs);
+  for (const NamedOutput& output : outputs)
+    if (!output.path.empty()) check_output_path(output.path, read_files);
+
   if (args.sanitize == "thread")
     for (const LabEntry& lab : labs)
       if (const auto program = bin / check_program_name(lab.number, args);
@@ -390,7 +398,8 @@ void add_grade_command(CLI::App& app) {
   CLI::App* grade_app = app.add_subcommand(
       "grade", kReferenceBuild ? "Grade the reference solutions: the score table, check by check"
                                : "Grade your labs: the score table, check by check");
-  grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)");
+  grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)")
+      ->check(whole_number_at_least(1));
   grade_app
       ->add_option("--backend", args->backend,
                    "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "

@@ -32,6 +32,7 @@
 #include "dp/output_file.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
+#include "mpirun.h"
 #include "option_checks.h"
 #include "simulation_options.h"
 
@@ -227,8 +228,15 @@ void run_train(const TrainArguments& args) {
   if (prints) {
     // The resumed checkpoint may be replaced: it was read whole, and what replaces it is a
     // later state of the same run (that is what --checkpoint-every is for).
-    if (!args.checkpoint.empty()) check_output_path(args.checkpoint, inputs);
-    if (!args.trace.empty()) check_output_path(args.trace, inputs);
+    const std::vector<NamedOutput> outputs = {{"--checkpoint", args.checkpoint},
+                                              {"--trace", args.trace}};
+    check_distinct_outputs(outputs);
+    // Nothing may land on dplab itself; the trace not on the resumed checkpoint either.
+    std::vector<std::filesystem::path> read_files = inputs;
+    read_files.emplace_back(this_executable());
+    if (!args.checkpoint.empty()) check_output_path(args.checkpoint, read_files);
+    if (!args.resume.empty()) read_files.emplace_back(args.resume);
+    if (!args.trace.empty()) check_output_path(args.trace, read_files);
   }
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);

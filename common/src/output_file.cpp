@@ -118,6 +118,27 @@ void check_output_path(const fs::path& path, std::span<const fs::path> inputs) {
   ::unlink(probe.c_str());
 }
 
+void check_distinct_outputs(std::span<const NamedOutput> outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
+      const NamedOutput& first = outputs[i];
+      const NamedOutput& second = outputs[j];
+      if (first.path.empty() || second.path.empty()) continue;
+      bool same = fs::absolute(first.path).lexically_normal() ==
+                  fs::absolute(second.path).lexically_normal();
+      struct stat a {};
+      struct stat b {};
+      if (!same && ::stat(first.path.c_str(), &a) == 0 && ::stat(second.path.c_str(), &b) == 0)
+        same = same_file(a, b);
+      if (same)
+        throw Error(fmt::format(
+            "{} and {} both write '{}': the one written last would replace the other; give "
+            "each its own path",
+            first.option, second.option, second.path.string()));
+    }
+  }
+}
+
 AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
   if (path_.empty()) throw Error("an output path is empty: expected a file name");
   check_target_kind(path_);

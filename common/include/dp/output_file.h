@@ -45,6 +45,18 @@ namespace dp {
 void check_output_path(const std::filesystem::path& path,
                        std::span<const std::filesystem::path> inputs = {});
 
+/// One output of a command: the option that names it and its path ("" when not given).
+struct NamedOutput {
+  std::string_view option;
+  std::filesystem::path path;
+};
+
+/// Checks, before any work, that no two of `outputs` are one file: the same path once made
+/// absolute and normal, or one existing file under two names (a link). Two outputs on one
+/// file would leave only the one written last. Outputs not given ("") are skipped. Throws
+/// `dp::Error` naming both options and the path.
+void check_distinct_outputs(std::span<const NamedOutput> outputs);
+
 /// A file written under a temporary name and moved onto its path by `commit()`.
 ///
 /// The constructor refuses a target that is not a regular file (see the top of this file)
