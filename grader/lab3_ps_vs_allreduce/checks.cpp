@@ -682,8 +682,15 @@ class LatencyWatch {
         rank_(rank),
         ranks_(static_cast<int>(values.size())),
         n_(values.front().size()),
-        bound_(latency_optimal_message_bound(ranks_)),
-        known_(1u << rank) {
+        bound_(latency_optimal_message_bound(ranks_)) {
+    // Sets of ranks are bit masks, and every message is tried against each of the 2^N - 1
+    // sets: lab 3 is graded on at most 8 ranks (and as many mpi processes as asked).
+    if (ranks_ > kMostWatchedRanks)
+      throw Error(fmt::format(
+          "the latency-optimal all-reduce's messages are checked on at most {} ranks; this run "
+          "has {} (grade lab 3 with fewer mpi processes)",
+          kMostWatchedRanks, ranks_));
+    known_ = 1u << rank;
     constexpr std::size_t kAllUpTo = std::size_t{1} << 16;
     if (n_ <= kAllUpTo) {
       for (std::size_t i = 0; i < n_; ++i) positions_.push_back(i);
@@ -753,7 +760,7 @@ class LatencyWatch {
           "rank {} received {} messages; at most ceil(lg N) + 1 = {} (a star's root or an "
           "all-to-all receives N - 1 = {})",
           rank_, receives, bound_, ranks_ - 1);
-    const unsigned everyone = ranks_ >= 32 ? ~0u : (1u << ranks_) - 1;
+    const unsigned everyone = (1u << ranks_) - 1;
     if (n_ > 0 && known_ != everyone)
       return fmt::format(
           "after the call only the values of ranks {} had reached rank {} through the messages "
@@ -791,12 +798,14 @@ class LatencyWatch {
     return sets;
   }
 
+  static constexpr int kMostWatchedRanks = 16;
+
   const Values& values_;
   int rank_;
   int ranks_;
   std::size_t n_;
   int bound_;
-  unsigned known_;  // the ranks whose values have reached this one
+  unsigned known_ = 0;  // the ranks whose values have reached this one
   std::vector<std::size_t> positions_;
   int sends_ = 0;
   std::string finding_;
