@@ -82,9 +82,11 @@ Range chunk_of(std::size_t elements, int parts, int index);
 ///   * The traffic. Messages go from rank r to rank r+1 (mod N) only. In each of the two
 ///     phases rank r sends every chunk but one, exactly once: (n - |chunk r+1|) +
 ///     (n - |chunk r+2|) elements in all, 2(N-1)/N of the buffer when N divides n. Checked
-///     to the byte, per peer, from the communicator's counters.
+///     to the byte, per peer, from the communicator's counters, and message by message:
+///     each one chunk's sum in the order above (partial in the reduce-scatter, complete in
+///     the all-gather); only an empty chunk's message may be empty.
 ///   * The time. On the simulated network (dp/clock.h) with free compute, 8 ranks and
-///     64 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
+///     1 to 4 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
 void ring_allreduce(TensorView data, Communicator& comm);
 
 /// An all-reduce for small messages in O(lg N) rounds, recursive doubling or a binomial
@@ -96,9 +98,10 @@ void ring_allreduce(TensorView data, Communicator& comm);
 /// Invariants: every rank ends with the same bits; with values whose sums are exact in
 /// float32 the result is the exact sum; otherwise the order of additions is yours, and the
 /// result must be within the tolerance of rubric.json of the rank-order sum. Only `isend`
-/// and `irecv`, and no rank sends or receives more than ceil(lg N) + 1 buffers of n
-/// elements. On the simulated network, ib-ndr preset, 4 KiB on 8 ranks and on a drawn N of
-/// 5 to 7: faster than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
+/// and `irecv`, and no rank sends or receives more than ceil(lg N) + 1 messages, each a
+/// whole buffer of n elements holding a sum of values that had reached its sender. On the
+/// simulated network, ib-ndr preset, 1 to 4 KiB on 8 ranks and on a drawn N of 5 to 7:
+/// faster than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
 void latency_optimal_allreduce(TensorView data, Communicator& comm);
 
 /// Where a parameter server's servers run, how many there are, and how far its workers may
@@ -153,9 +156,13 @@ struct StalenessRecord {
 ///     server's shard of its gradients, each server sends each worker (other than itself)
 ///     the shard's new version, and nothing else moves. The one-server link therefore
 ///     carries (N-1) models each way per step when co-located; S servers divide it by S.
-///     Checked to the byte, per peer, from the communicator's counters.
+///     Checked to the byte, per peer, from the communicator's counters, and message by
+///     message: a push is one message holding shard j of the gradients the worker holds
+///     when the step begins, a pull one message holding the shard's next version (1, 2,
+///     ..., T in order), each sent once; no other message, no empty one.
 ///   * The optimizer state. Server j keeps the state of one optimizer made by
-///     `make_optimizer(|shard j|)`, and nothing more: S servers divide the state a single
+///     `make_optimizer(|shard j|)`, called once, in the constructor (and never on a rank
+///     that serves no shard), and nothing more: S servers divide the state a single
 ///     server keeps by S, as they divide its link. A rank that serves no shard keeps no
 ///     optimizer state. Checked exactly, per rank, from the rank's MemoryTracker
 ///     (`MemoryCategory::kOptimizerState`) after the constructor, after the steps and at its
