@@ -349,9 +349,13 @@ void grade(const GradeArguments& args) {
   if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   if (!args.checks.empty())
     report.implementation += fmt::format(", only {} (--check)", fmt::join(args.checks, ", "));
-  report.backend = under_mpirun(args)
-                       ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
-                       : "local";
+  if (under_mpirun(args))
+    report.backend = fmt::format("{} ({} processes)", args.backend, mpi_processes(args));
+  else if (args.backend == "nccl")
+    report.backend = args.device == "emulated" ? "nccl (emulated, a thread per emulated GPU)"
+                                               : "nccl (a thread per GPU)";
+  else
+    report.backend = "local";
   const std::vector<std::string> devices = devices_to_grade(args);
   if (devices.size() > 1)
     report.devices = "on the host and on the emulated CUDA device";
