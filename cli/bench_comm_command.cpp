@@ -216,7 +216,7 @@ void run_bench(const BenchArguments& args) {
         "--device with --backend mpi: the mpi backend takes host buffers only; measure device "
         "buffers on --backend local (ranks as threads sharing the GPU) or nccl");
   if (device == Device::kHost && options.backend == Backend::kNccl)
-    throw Error("--backend nccl takes device buffers only: add --device cuda");
+    throw Error("--backend nccl takes device buffers only: add --device cuda (or emulated)");
   options.simulation = simulation_options(args.simulation);
   const bool mystery = !args.mystery_seed.empty();
   if (mystery) {
@@ -246,8 +246,9 @@ void run_bench(const BenchArguments& args) {
           "--backend mpi: start the ranks with `dplab run -n N --backend mpi -- bench-comm`");
     if (world_size == 0) world_size = mpi_world_size();
   }
-  if (options.backend == Backend::kNccl && world_size == 0)  // a GPU exists: select_device
-    world_size = started_by_mpi() ? mpi_world_size() : cuda_device_count();
+  // A GPU exists (select_device), or the emulated device's kEmulatedGpuCount.
+  if (options.backend == Backend::kNccl && world_size == 0)
+    world_size = started_by_mpi() ? mpi_world_size() : nccl_gpu_count();
   if (world_size == 0) world_size = 8;
   options.world_size = world_size;
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");

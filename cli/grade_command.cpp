@@ -245,24 +245,29 @@ void grade(const GradeArguments& args) {
   if (args.backend != "local" && args.backend != "mpi" && args.backend != "nccl")
     throw Error(
         fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", args.backend));
-  if (args.backend == "nccl" && !nccl_built())
+  // On the emulated device NCCL is emulated (its contract on the local backend's threads),
+  // in every build.
+  if (args.backend == "nccl" && !nccl_built() && args.device != "emulated")
     throw Error(
         "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
-        "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
+        "compiler, DP_CUDA on and NCCL installed); grade on --backend local, or on NCCL "
+        "emulated with --device emulated");
   if (!args.device.empty()) select_device(args.device);  // a known name, and a GPU for "cuda"
   if (!args.device.empty() && args.device != "host" && args.backend == "mpi")
     throw Error(fmt::format(
         "--device {} with --backend mpi: the mpi backend takes host buffers only; grade on a "
         "device with --backend local (ranks as threads sharing the GPU) or nccl",
         args.device));
-  if (args.device == "emulated" && args.backend == "nccl")
+  if (args.backend == "nccl" && args.device != "cuda" && args.device != "emulated")
     throw Error(
-        "--device emulated with --backend nccl: NCCL needs real GPUs; grade the emulated "
-        "device on --backend local");
-  if (args.backend == "nccl" && args.device.empty())
-    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
-  if (args.backend == "nccl" && args.device != "cuda")
-    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
+        "--backend nccl takes device buffers only: give --device cuda (the GPUs) or --device "
+        "emulated (NCCL emulated on the CUDA device emulated in host memory) as well");
+  if (args.backend == "nccl" && args.device == "emulated" && args.ranks != -1)
+    throw Error(fmt::format(
+        "--backend nccl --device emulated -n {}: the emulated NCCL runs its ranks as threads "
+        "of one process, not under mpirun; leave -n out (each check runs 1 and 2 ranks, as on "
+        "2 GPUs)",
+        args.ranks));
   if (args.backend == "nccl" && args.ranks >= 3)
     throw Error(fmt::format(
         "--backend nccl -n {}: grading on nccl takes at most 2 processes: NCCL adds the floats "
@@ -352,9 +357,13 @@ void grade(const GradeArguments& args) {
   if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   if (!args.checks.empty())
     report.implementation += fmt::format(", only {} (--check)", fmt::join(args.checks, ", "));
-  report.backend = under_mpirun(args)
-                       ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
-                       : "local";
+  if (under_mpirun(args))
+    report.backend = fmt::format("{} ({} processes)", args.backend, mpi_processes(args));
+  else if (args.backend == "nccl")
+    report.backend = args.device == "emulated" ? "nccl (emulated, a thread per emulated GPU)"
+                                               : "nccl (a thread per GPU)";
+  else
+    report.backend = "local";
   const std::vector<std::string> devices = devices_to_grade(args);
   if (devices.size() > 1)
     report.devices = "on the host and on the emulated CUDA device";

@@ -28,6 +28,7 @@
 #include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/output_file.h"
 #include "dp/trace.h"
@@ -59,10 +60,10 @@ struct TrainArguments {
 bool replicas_identical(const Model& model, Communicator& comm) {
   const std::vector<float> mine = model.flat_parameters();
   std::vector<float> rank0 = mine;
-  comm.broadcast(std::span(rank0), 0)->wait();
+  broadcast_host_values(std::span(rank0), 0, comm);
   std::array<std::int32_t, 1> differing = {
       std::memcmp(mine.data(), rank0.data(), mine.size() * sizeof(float)) != 0 ? 1 : 0};
-  comm.allreduce(std::span<std::int32_t>(differing), ReduceOp::kSum)->wait();
+  allreduce_host_values(std::span<std::int32_t>(differing), ReduceOp::kSum, comm);
   return differing[0] == 0;
 }
 
@@ -209,6 +210,10 @@ void run_train(const TrainArguments& args) {
         "--device with --backend mpi: the mpi backend takes host buffers only; train on a "
         "device with the local backend (ranks as threads sharing the GPU) or with --backend "
         "nccl (one rank per GPU)");
+  if (args.options.device == Device::kHost && launch_options.backend == Backend::kNccl)
+    throw Error(
+        "--backend nccl takes device buffers only: add --device cuda (the GPUs) or --device "
+        "emulated (NCCL emulated on the CUDA device emulated in host memory)");
   if (!args.memory_budget.empty())
     launch_options.memory_budget_bytes = parse_byte_size(args.memory_budget, "--memory-budget");
   launch_options.simulation = simulation_options(args.simulation);

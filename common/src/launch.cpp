@@ -44,6 +44,10 @@ bool nccl_built() {
 #endif
 }
 
+int nccl_gpu_count() {
+  return cuda_device_emulated() ? kEmulatedGpuCount : cuda_device_count();
+}
+
 bool started_by_mpi() {
   // Open MPI's launcher sets these in every process it starts; other launchers set PMI_*.
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
@@ -111,10 +115,11 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
           "(install it with tools/install-deps and configure again)");
 #endif
     case Backend::kNccl:
-      if (cuda_device_emulated())
-        throw Error(
-            "the nccl backend with the emulated CUDA device: NCCL needs real GPUs; run the "
-            "emulated device on the local backend");
+      // No GPU to run NCCL on: its contract emulated on the local backend's threads.
+      if (cuda_device_emulated()) {
+        detail::run_emulated_nccl(options, run_rank);
+        return;
+      }
 #ifdef DP_HAVE_NCCL
       detail::run_nccl(options, run_rank);
       return;

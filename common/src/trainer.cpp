@@ -17,6 +17,7 @@
 #include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/rng.h"
 #include "dp/tensor_ops.h"
@@ -232,7 +233,8 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
         for (Parameter* parameter : model.parameters())
           if (!parameter->frozen)
             pending.push_back(comm->allreduce(parameter->grad.view(), ReduceOp::kAvg));
-      pending.push_back(comm->allreduce(std::span<float>(metrics), ReduceOp::kSum));
+      // Host values: on nccl (device buffers only) through a device copy, so it waits.
+      allreduce_host_values(std::span<float>(metrics), ReduceOp::kSum, *comm);
       for (auto& work : pending) work->wait();
       pending.clear();
       if (overlap) check_gradients_finite(model, rank, step + 1, "after averaging");

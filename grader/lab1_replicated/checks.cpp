@@ -23,6 +23,7 @@
 #include "compare.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/rng.h"
@@ -841,10 +842,10 @@ TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
           // Every rank measures its distance to rank 0's replica (a collective: all take part).
           std::vector<float> mine = model.flat_parameters();
           std::vector<float> rank0 = mine;
-          comm.broadcast(std::span<float>(rank0), 0)->wait();
+          broadcast_host_values(std::span<float>(rank0), 0, comm);
           const auto mine_to_rank0 = static_cast<float>(grading::max_abs_difference(mine, rank0));
           std::vector<float> distance = {mine_to_rank0};
-          comm.allreduce(std::span<float>(distance), ReduceOp::kMax)->wait();
+          allreduce_host_values(std::span<float>(distance), ReduceOp::kMax, comm);
           if (comm.rank() != 0 && mine_to_rank0 == 0)
             verdict.fail(
                 "after one step on different shards this replica is bitwise equal to rank 0's; "

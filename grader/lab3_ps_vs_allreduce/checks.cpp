@@ -32,6 +32,7 @@
 #include "dp/comm.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/memory.h"
 #include "dp/model.h"
@@ -176,7 +177,7 @@ std::vector<float> host_copy(const Tensor& tensor) {
 /// Call it on every rank (it broadcasts rank 0's values).
 std::string differs_from_rank0(std::span<const float> mine, Communicator& comm) {
   std::vector<float> rank0(mine.begin(), mine.end());
-  comm.broadcast(std::span(rank0), 0)->wait();
+  broadcast_host_values(std::span(rank0), 0, comm);
   for (std::size_t i = 0; i < mine.size(); ++i)
     if (std::memcmp(&mine[i], &rank0[i], sizeof(float)) != 0)
       return fmt::format(
@@ -195,7 +196,7 @@ bool same_bits(float a, float b) {
 /// additions cannot differ in their bits. Call it on every rank.
 std::vector<float> native_sum(std::span<const float> mine, Communicator& comm) {
   std::vector<float> sum(mine.begin(), mine.end());
-  comm.allreduce(std::span(sum), ReduceOp::kSum)->wait();
+  allreduce_host_values(std::span(sum), ReduceOp::kSum, comm);
   return sum;
 }
 

@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/sharded_checkpoint.h"
 #include "ground_truth.h"
@@ -50,7 +51,7 @@ std::filesystem::path shared_directory(Communicator& comm) {
     DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
     std::copy(made.begin(), made.end(), name.begin());
   }
-  comm.broadcast(MutableBuffer{name.data(), name.size(), DataType::kUInt8}, 0)->wait();
+  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
   return std::string(reinterpret_cast<const char*>(name.data()));
 }
 

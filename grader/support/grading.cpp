@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/tensor.h"
 #include "result_reporter.h"
 
@@ -138,9 +139,10 @@ std::vector<int> Draws::world_sizes(int largest) {
       sizes.push_back(world);
   } else if (check_backend() == Backend::kNccl) {
     // Threads of this process driving its GPUs, one rank per GPU (NCCL refuses two ranks on
-    // one GPU), at most 2: NCCL adds the floats of 3 or more ranks in its ring's order, not
-    // in the rank order the checks compare bit for bit (a + b is b + a, so 2 ranks agree).
-    for (int world = 1; world <= std::min({largest, cuda_device_count(), 2}); ++world)
+    // one GPU; the emulated device stands for kEmulatedGpuCount GPUs), at most 2: NCCL adds
+    // the floats of 3 or more ranks in its ring's order, not in the rank order the checks
+    // compare bit for bit (a + b is b + a, so 2 ranks agree).
+    for (int world = 1; world <= std::min({largest, nccl_gpu_count(), 2}); ++world)
       sizes.push_back(world);
   } else {
     sizes.push_back(1);
@@ -244,7 +246,7 @@ std::uint64_t allreduce_bytes_sent(Communicator& comm,
   const CommCounters before = comm.counters();
   for (std::size_t count : element_counts) {
     std::vector<float> scratch(count, 0.0f);
-    comm.allreduce(std::span<float>(scratch), ReduceOp::kSum)->wait();
+    allreduce_host_values(std::span<float>(scratch), ReduceOp::kSum, comm);
   }
   return comm.counters().since(before).total_bytes_sent();
 }
