@@ -152,7 +152,7 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
       "AdamW above all, the gap can outgrow it without any error: not checked)\n",
       from_single.largest, args.options.global_batch, tolerance);
   if (!agrees)
-    throw Error(fmt::format(
+    throw CheckFailed(fmt::format(
         "data-parallel training is not the arithmetic of {} ranks: the all-reduce's average, "
         "the slicing of the global batch or the update differs from one process doing it",
         world_size));
@@ -290,7 +290,7 @@ void run_train(const TrainArguments& args) {
     if (comm.rank() != 0) return;
     fmt::print("replicas: {} ranks {}\n", comm.size(),
                identical ? "bitwise identical" : "DIFFER (a bug: all-reduce results must agree)");
-    if (!identical) throw Error("the replicas' parameters differ after training");
+    if (!identical) throw CheckFailed("the replicas' parameters differ after training");
     // Saved before --verify: a failed comparison must not lose the training.
     if (!args.checkpoint.empty())
       save_checkpoint(args, data, result.model, *result.optimizer, args.options.steps, comm.size());

@@ -161,7 +161,7 @@ def run_step(step, args, log):
     output = result.stdout.decode(errors="replace")
     log.write(f"$ {' '.join(shlex.quote(a) for a in argv)}\n{output}\n")
     if needs_gpu and not gpu_here:
-        passed = result.returncode == 1 and re.search(
+        passed = result.returncode == 2 and re.search(
             r"sees no CUDA device|sees none|without CUDA|built without", output)
     elif student_grade:
         # Your code: 0 at full marks, 1 otherwise (the skeletons score 0), with the table.

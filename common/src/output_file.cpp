@@ -142,7 +142,12 @@ void check_distinct_outputs(std::span<const NamedOutput> outputs) {
 AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
   if (path_.empty()) throw Error("an output path is empty: expected a file name");
   check_target_kind(path_);
-  std::tie(descriptor_, temporary_) = create_temporary_for(path_);
+  try {
+    std::tie(descriptor_, temporary_) = create_temporary_for(path_);
+  } catch (const Error& error) {
+    // A result is written after its work: the file that cannot be created is output lost.
+    throw OutputError(error.what());
+  }
 }
 
 AtomicFile::~AtomicFile() {
@@ -159,8 +164,8 @@ void AtomicFile::write(const void* data, std::size_t bytes) {
     if (written < 0) {
       const int error = errno;
       if (error == EINTR) continue;
-      throw Error(fmt::format("cannot write '{}' (temporary file '{}'): {}", path_.string(),
-                              temporary_.string(), system_reason(error)));
+      throw OutputError(fmt::format("cannot write '{}' (temporary file '{}'): {}", path_.string(),
+                                    temporary_.string(), system_reason(error)));
     }
     next += written;
     bytes -= static_cast<std::size_t>(written);
@@ -170,8 +175,8 @@ void AtomicFile::write(const void* data, std::size_t bytes) {
 void AtomicFile::commit() {
   if (committed_) return;
   const auto fail = [&](std::string_view step, int error) {
-    return Error(fmt::format("cannot write '{}': {} failed: {}", path_.string(), step,
-                             system_reason(error)));
+    return OutputError(fmt::format("cannot write '{}': {} failed: {}", path_.string(), step,
+                                   system_reason(error)));
   };
   // The target may have appeared or changed since the constructor looked.
   check_target_kind(path_);

@@ -451,7 +451,11 @@ class LocalWorld {
   void check_for_deadlock();
   std::string hang_report(const std::string& headline) const;
   void abort_locked(const std::string& reason,
-                    std::optional<std::chrono::milliseconds> grace = std::nullopt);
+                    std::optional<std::chrono::milliseconds> grace = std::nullopt,
+                    bool hang = false);
+  /// The error every call of an aborted world ends with: HangError after a hang report,
+  /// CommError otherwise.
+  std::exception_ptr abort_error() const;
   void throw_if_aborted() const;
 
   const int size_;
@@ -484,6 +488,7 @@ class LocalWorld {
   int transfers_in_flight_ = 0;  // copies and collective phases running outside the lock
   bool shutting_down_ = false;
   std::optional<std::string> abort_reason_;
+  bool abort_is_hang_ = false;           // abort_reason_ is a hang report (HangError)
   std::atomic<bool> aborted_{false};     // abort_reason_ is set, readable without the mutex
   WallTime::time_point abort_deadline_;  // when `launch` stops waiting for the ranks
 };
@@ -529,7 +534,12 @@ LocalWorld::~LocalWorld() {
 }
 
 void LocalWorld::throw_if_aborted() const {
-  if (abort_reason_) throw CommError(*abort_reason_);
+  if (abort_reason_) std::rethrow_exception(abort_error());
+}
+
+std::exception_ptr LocalWorld::abort_error() const {
+  return abort_is_hang_ ? std::make_exception_ptr(HangError(*abort_reason_))
+                        : std::make_exception_ptr(CommError(*abort_reason_));
 }
 
 void LocalWorld::abort(const std::string& reason) {
@@ -538,9 +548,10 @@ void LocalWorld::abort(const std::string& reason) {
 }
 
 void LocalWorld::abort_locked(const std::string& reason,
-                              std::optional<std::chrono::milliseconds> grace) {
+                              std::optional<std::chrono::milliseconds> grace, bool hang) {
   if (abort_reason_) return;  // the first reason is the root cause
   abort_reason_ = reason;
+  abort_is_hang_ = hang;
   aborted_.store(true, std::memory_order_release);
   // A rank that failed may leave its peers in the middle of long computations: they get a
   // hang timeout to come back. After a hang every rank inside dplab returns at once.
@@ -548,7 +559,7 @@ void LocalWorld::abort_locked(const std::string& reason,
   if (network_) network_->clear();  // no more virtual times: every pending call will fail
   // Unmatched messages and collectives some rank never issued will never complete
   // now; the communication threads end their own collectives.
-  const auto error = std::make_exception_ptr(CommError(reason));
+  const auto error = abort_error();
   for (auto& [key, mailbox] : mailboxes_) {
     for (auto& operation : mailbox.sends)
       if (!operation->done) complete(*operation, error);  // not an eager send
@@ -946,7 +957,7 @@ std::shared_ptr<Operation> LocalWorld::post_fast_collective(std::shared_ptr<Oper
     // (unless the abort took it out after all: then it has ended already).
     if (Operation* mine = slot.members[me].exchange(nullptr, std::memory_order_acq_rel)) {
       std::lock_guard lock(mutex_);
-      complete(*mine, std::make_exception_ptr(CommError(*abort_reason_)));
+      complete(*mine, abort_error());
     }
     return operation;
   }
@@ -971,7 +982,7 @@ void LocalWorld::wait_for_fast_slot(FastSlot& slot, std::uint64_t sequence,
                                     "collective #{})",
                                     operation.rank, seconds, operation.record.describe(),
                                     kFastSlots, sequence - kFastSlots)),
-            kStuckRankGrace);
+            kStuckRankGrace, /*hang=*/true);
       }
       // The call was recorded but never posted: it ends here, with the abort.
       ranks_[operation.rank].log.complete(operation.call_index);  // before the flag goes
@@ -1190,7 +1201,7 @@ void LocalWorld::run_comm_thread(int rank) {
     std::shared_ptr<Operation> operation = self.collective_queue.front();
     if (abort_reason_) {
       self.collective_queue.pop_front();
-      complete(*operation, std::make_exception_ptr(CommError(*abort_reason_)));
+      complete(*operation, abort_error());
       continue;
     }
 
@@ -1216,7 +1227,7 @@ void LocalWorld::run_comm_thread(int rank) {
                                "dplab: {} was still waiting for its peers when the ranks ended",
                                operation->record.describe()))));
     } else if (slot.threads_arrived < size_) {
-      complete(*operation, std::make_exception_ptr(CommError(*abort_reason_)));
+      complete(*operation, abort_error());
     } else if (slot.mismatch) {
       complete(*operation, std::make_exception_ptr(CommError(*slot.mismatch)));
     } else {
@@ -1344,7 +1355,7 @@ void LocalWorld::check_for_deadlock() {
   if (!anyone_waits) return;  // everyone has finished: that is the end, not a deadlock
   abort_locked(
       hang_report("dplab: deadlock: every rank is waiting and no communication can make progress"),
-      kStuckRankGrace);
+      kStuckRankGrace, /*hang=*/true);
 }
 
 std::string LocalWorld::hang_report(const std::string& headline) const {
@@ -1438,7 +1449,7 @@ void LocalWorld::wait(Operation& operation) {
         hang_report(fmt::format("dplab: timeout: rank {} waited {:.1f} s for {}", operation.rank,
                                 seconds, operation.record.describe()));
     self.blocked_on.reset();
-    abort_locked(report, kStuckRankGrace);
+    abort_locked(report, kStuckRankGrace, /*hang=*/true);
   }
   // After an abort every call completes soon (with an error, unless its data was already
   // moving): waiting for that keeps a peer from reading a buffer this rank unwinds.
@@ -1446,7 +1457,7 @@ void LocalWorld::wait(Operation& operation) {
   if (abort_reason_ && !ready()) {
     // Its data moved but it will never get a virtual time: report the abort.
     if (network_) network_->block(operation.rank, nullptr);
-    if (!operation.error) throw CommError(*abort_reason_);
+    if (!operation.error) std::rethrow_exception(abort_error());
   }
   finish();
 }
