@@ -1220,9 +1220,23 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
 
 TEST(Lab7Communication, CallsAndBytesWithinBudget) {
   Draws draws("Lab7Communication.CallsAndBytesWithinBudget");
-  const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training =
-      grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  std::vector<int> worlds = draws.world_sizes(6);
+  Training training = grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  // Padding not zeroed shows only where a unit pads into a buffer a larger unit wrote: the
+  // last unit (10 h2 + 10 elements), the first of backward, pads on N = 3, 4 and 6 when
+  // h2 + 1 is odd and no multiple of 3 (the next such h2), and one of those N always runs.
+  const std::int64_t drawn2 = training.hidden2;
+  while ((training.hidden2 + 1) % 2 == 0 || (training.hidden2 + 1) % 3 == 0) ++training.hidden2;
+  if (training.hidden2 != drawn2) {
+    training.options.model = fmt::format("64-{}-{}-10", training.hidden1, training.hidden2);
+    draws.overrule("hidden2", fmt::format("hidden2={} (drawn {}; set by the check)",
+                                          training.hidden2, drawn2));
+  }
+  const int largest_world = grading::check_backend() == Backend::kLocal ? 6 : mpi_world_size();
+  if (std::none_of(worlds.begin(), worlds.end(),
+                   [](int n) { return n == 3 || n == 4 || n == 6; }) &&
+      largest_world >= 3)
+    worlds.push_back(3);
   for (int world : worlds) {
     run_on_ranks(
         world,
@@ -1470,15 +1484,18 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
   ASSERT_GT(gathers.on_link, 0.0) << "no all-gather reached the simulated clock";
   ASSERT_GT(scatters.on_link, 0.0) << "no reduce-scatter reached the simulated clock";
   // A wait can block longer than its call's time on the link: it also waits for the other
-  // ranks to issue theirs. Then nothing was hidden.
-  const auto judge = [&](const Hiding& h, const char* what, const char* how) {
+  // ranks to issue theirs. Then nothing was hidden. The all-gathers must also overlap the
+  // model's own compute (a lab once burned compute before each wait to hide them); a
+  // reduce-scatter travels mostly while the next unit is materialised (a copy every design
+  // makes), so for the reduce-scatters only the waits are judged.
+  const auto judge = [&](const Hiding& h, const char* what, const char* how, bool behind_model) {
     if (h.hidden() < kHiddenFraction)
       return fmt::format(
           "on 8 ranks (ib-ndr, cpu), {}: {} {} took {:.3f} ms on the link and the waits on "
           "them blocked {:.3f} ms: {:.0f}% hidden; expected at least {:.0f}% ({})\n  drawn: {}",
           options.model, h.calls, what, h.on_link * 1e3, h.exposed * 1e3, 100 * h.hidden(),
           100 * kHiddenFraction, how, draws.describe());
-    if (h.behind() < kHiddenFraction)
+    if (behind_model && h.behind() < kHiddenFraction)
       return fmt::format(
           "on 8 ranks (ib-ndr, cpu), {}: the waits on {} {} blocked {:.3f} ms of their "
           "{:.3f} ms on the link, but only {:.3f} ms ({:.0f}%) of that time overlapped the "
@@ -1492,19 +1509,21 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
   const std::string gathers_finding =
       judge(gathers, "all-gathers",
             "issue each unit's all-gather early enough that it travels while the layers before "
-            "it compute");
+            "it compute",
+            true);
   const std::string scatters_finding =
       judge(scatters, "reduce-scatters",
             "wait for a reduce-scatter only when its buffer is needed again or in step(), so "
-            "that it travels while the next layers' backward computes");
+            "that it travels while the next layers' backward computes",
+            false);
   if (!gathers_finding.empty()) ADD_FAILURE() << gathers_finding;
   if (!scatters_finding.empty()) ADD_FAILURE() << scatters_finding;
   if (gathers_finding.empty() && scatters_finding.empty())
     grading::note_measured(fmt::format(
         "8 ranks on ib-ndr, {}: {} all-gathers, {:.3f} ms on the link, {:.3f} ms exposed: "
         "{:.0f}% hidden, {:.0f}% behind the model's own compute; {} reduce-scatters, {:.3f} ms "
-        "on the link, {:.3f} ms exposed: {:.0f}% hidden, {:.0f}% behind the model's own compute "
-        "(step {:.3f} ms)",
+        "on the link, {:.3f} ms exposed: {:.0f}% hidden ({:.0f}% behind the model's own compute, "
+        "the rest behind the copies) (step {:.3f} ms)",
         options.model, gathers.calls, gathers.on_link * 1e3, gathers.exposed * 1e3,
         100 * gathers.hidden(), 100 * gathers.behind(), scatters.calls, scatters.on_link * 1e3,
         scatters.exposed * 1e3, 100 * scatters.hidden(), 100 * scatters.behind(),
@@ -1608,7 +1627,7 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
                                             .device = grading::check_device()});
             const std::size_t psi = model.num_parameters();
             const std::size_t units = contract_units(model, world).size();
-            const std::vector<WrongFormula> wrong = design_formulas(model, world).second;
+            const auto [reference, wrong] = design_formulas(model, world);
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
             std::size_t bytes = 0;
             {
@@ -1628,7 +1647,8 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
             if (!verdict.passed()) return;
             std::string wrong_one;
             for (const WrongFormula& formula : wrong)
-              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes)
+              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes &&
+                  formula.bytes != reference)
                 wrong_one = fmt::format(
                     "; that is the reference design (one gather buffer, min(2, U) gradient "
                     "buffers) counted with {}",
