@@ -24,6 +24,8 @@
 
 namespace dp::lab7 {
 
+// Your design's constants, if any.
+
 std::vector<Unit> plan_units(const Model& model, int world_size) {
   (void)model;
   (void)world_size;
