@@ -31,7 +31,7 @@ struct Matcher {
 
 // Every matcher looks at the lab's own file only (isExpansionInMainFile), template instances
 // included (traversal AsIs).
-constexpr std::array<Matcher, 13> kMatchers = {{
+constexpr std::array<Matcher, 15> kMatchers = {{
     {"reinterpreting_cast",
      R"(castExpr(isExpansionInMainFile(), anyOf(hasCastKind("CK_IntegralToPointer"),
         hasCastKind("CK_PointerToIntegral"), hasCastKind("CK_BitCast"),
@@ -120,6 +120,11 @@ constexpr std::array<Matcher, 13> kMatchers = {{
             hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
                 unless(pointee(isAnyCharacter())))))),
             hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter()))))))),
+        cxxMemberCallExpr(callee(cxxMethodDecl(isExpansionInSystemHeader())),
+            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter())))))),
+            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
                 unless(pointee(isAnyCharacter()))))))))))",
      "an address passed to a library function",
      "a library function given addresses (std::memcpy, std::copy, a range of pointers) reads "
@@ -129,10 +134,30 @@ constexpr std::array<Matcher, 13> kMatchers = {{
      R"(expr(isExpansionInMainFile(), anyOf(
         cxxOperatorCallExpr(callee(cxxMethodDecl(ofClass(classTemplateSpecializationDecl(
             hasName("::std::hash"), hasTemplateArgument(0, refersToType(pointerType()))))))),
+        cxxOperatorCallExpr(hasOverloadedOperatorName("<<"), hasArgument(1, hasType(
+            hasUnqualifiedDesugaredType(pointerType(unless(pointee(isAnyCharacter()))))))),
         callExpr(callee(functionDecl(hasName("::fmt::ptr")))))))",
      "an address turned into a number",
-     "an address as a number tells where objects are, which lab code has no use for: compare "
-     "objects, or pointers with ==, instead"},
+     "an address as a number (hashed, formatted or streamed) tells where objects are, which "
+     "lab code has no use for: compare objects, or pointers with ==, instead"},
+    // A function as a value: called through a pointer, it escapes every rule that looks at
+    // what a call names (the lab 3 trial called dp::gemm so).
+    {"function_as_value",
+     R"(expr(isExpansionInMainFile(), anyOf(
+        implicitCastExpr(hasCastKind("CK_FunctionToPointerDecay"),
+            unless(hasParent(callExpr()))),
+        unaryOperator(hasOperatorName("&"), hasUnaryOperand(declRefExpr(to(functionDecl())))))))",
+     "a function taken as a value",
+     "a function called through a pointer escapes what the audit reads of calls: call functions "
+     "by name, and pass behaviour as a lambda"},
+    // The communicator's buffers are views the runtime builds from tensors; a field changed
+    // afterwards (a larger count) makes a call read or write past the tensor.
+    {"buffer_field",
+     R"(memberExpr(isExpansionInMainFile(), member(fieldDecl(hasParent(cxxRecordDecl(
+        hasAnyName("::dp::ConstBuffer", "::dp::MutableBuffer")))))))",
+     "a field of a communication buffer",
+     "a buffer's address or count, read or changed, reaches memory past its tensor: hand the "
+     "communicator tensor views (view, slice), which it turns into buffers itself"},
     // A model or a layer of the lab's own would compute where the checks measure the model's
     // work (a speed check counting layer compute), or hold a replica the memory checks would
     // not see as the model's.

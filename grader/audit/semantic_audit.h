@@ -61,6 +61,6 @@ std::vector<SourceFinding> audit_semantics(const std::filesystem::path& source,
 
 /// The version of the semantic rules: part of every cache key, so that a change of the rules
 /// reads every file again.
-inline constexpr int kSemanticRulesVersion = 2;
+inline constexpr int kSemanticRulesVersion = 3;
 
 }  // namespace dp::grader::audit
