@@ -10,6 +10,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm_test_support.h"
@@ -26,6 +27,20 @@ float max_abs_difference(const std::vector<float>& a, const std::vector<float>& 
   float largest = 0;
   for (std::size_t i = 0; i < a.size(); ++i) largest = std::max(largest, std::abs(a[i] - b[i]));
   return largest;
+}
+
+/// Three SGD steps of a small MLP on 256 synthetic samples: where a missing divide by the
+/// world size shows at once.
+std::pair<TrainOptions, Dataset> short_run() {
+  TrainOptions options;
+  options.model = "16-32-4";
+  options.global_batch = 32;
+  options.steps = 3;
+  SyntheticOptions synthetic;
+  synthetic.samples = 256;
+  synthetic.features = 16;
+  synthetic.classes = 4;
+  return {options, make_synthetic_classification(synthetic)};
 }
 
 struct EquivalenceCase {
@@ -173,15 +188,9 @@ class SumInsteadOfAverage final : public Communicator {
 };
 
 TEST(EmulatedRanks, AMissingDivisionByTheRankCountIsNotBitwiseTheEmulation) {
-  TrainOptions options;
-  options.model = "16-32-4";
-  options.global_batch = 32;
-  options.steps = 3;
-  SyntheticOptions synthetic;
-  synthetic.samples = 256;
-  synthetic.features = 16;
-  synthetic.classes = 4;
-  const Dataset data = make_synthetic_classification(synthetic);
+  const std::pair<TrainOptions, Dataset> run = short_run();
+  const TrainOptions& options = run.first;
+  const Dataset& data = run.second;
   std::vector<float> wrong;
   launch({.world_size = 2}, [&](Communicator& comm) {
     SumInsteadOfAverage summing(comm);
@@ -196,15 +205,9 @@ TEST(EmulatedRanks, AMissingDivisionByTheRankCountIsNotBitwiseTheEmulation) {
 TEST(DataParallelTraining, WithoutAveragingTheReplicasWouldDiverge) {
   // The tolerance must be able to fail: summing instead of averaging (a missing divide by
   // the world size) is far outside it.
-  TrainOptions options;
-  options.model = "16-32-4";
-  options.global_batch = 32;
-  options.steps = 3;
-  SyntheticOptions synthetic;
-  synthetic.samples = 256;
-  synthetic.features = 16;
-  synthetic.classes = 4;
-  const Dataset data = make_synthetic_classification(synthetic);
+  const std::pair<TrainOptions, Dataset> run = short_run();
+  const TrainOptions& options = run.first;
+  const Dataset& data = run.second;
   const TrainResult baseline = train_single_process(options, data);
   TrainOptions doubled = options;
   doubled.lr *= 2;  // what summing over 2 ranks does to an SGD step
