@@ -47,8 +47,8 @@ void check_output_path(const std::filesystem::path& path,
 
 /// One output of a command: the option that names it and its path ("" when not given).
 struct NamedOutput {
-  std::string_view option;
-  std::filesystem::path path;
+  std::string_view option;     ///< the option that names it, e.g. "--checkpoint"
+  std::filesystem::path path;  ///< where it goes; empty when the option was not given
 };
 
 /// Checks, before any work, that no two of `outputs` are one file: the same path once made
