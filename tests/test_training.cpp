@@ -3,6 +3,7 @@
 // replica bitwise identical.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -48,6 +49,11 @@ struct EquivalenceCase {
   float lr;
   float momentum;
 };
+
+/// Every optimizer the trainer has: plain SGD, SGD with momentum, AdamW.
+const std::array<EquivalenceCase, 3> kOptimizerCases = {EquivalenceCase{"sgd", 0.1f, 0.0f},
+                                                        EquivalenceCase{"sgd", 0.05f, 0.9f},
+                                                        EquivalenceCase{"adamw", 0.01f, 0.0f}};
 
 class DataParallelEquivalence : public ::testing::TestWithParam<std::tuple<int, EquivalenceCase>> {
 };
@@ -101,10 +107,7 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<int, Equivalence
 
 INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, DataParallelEquivalence,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5),
-                                            ::testing::Values(EquivalenceCase{"sgd", 0.1f, 0.0f},
-                                                              EquivalenceCase{"sgd", 0.05f, 0.9f},
-                                                              EquivalenceCase{"adamw", 0.01f,
-                                                                              0.0f})),
+                                            ::testing::ValuesIn(kOptimizerCases)),
                          case_name);
 
 // One process doing the ranks' arithmetic (each rank's gradient on its slice, summed in rank
@@ -148,10 +151,7 @@ TEST_P(EmulatedRanks, OneProcessEmulatingTheRanksIsBitwiseTheirsOverALongRun) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, EmulatedRanks,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 6),
-                                            ::testing::Values(EquivalenceCase{"sgd", 0.1f, 0.0f},
-                                                              EquivalenceCase{"sgd", 0.05f, 0.9f},
-                                                              EquivalenceCase{"adamw", 0.01f,
-                                                                              0.0f})),
+                                            ::testing::ValuesIn(kOptimizerCases)),
                          case_name);
 
 /// The backend's all-reduce with a missing 1/N: an average computed as a plain sum.
