@@ -651,6 +651,29 @@ std::string constructor_memory_finding(const std::array<std::size_t, kNumMemoryC
       fmt::join(differences, ", "), communication_budget, budget);
 }
 
+/// Heap bytes a constructor may take per parameter of the model, for its bookkeeping (a
+/// bucket's record, a slot per parameter, a hook): generous for any design, and well
+/// below a buffer of the gradients (at least 4 bytes an element, thousands of elements a
+/// parameter in the graded models).
+constexpr std::uint64_t kBookkeepingBytesPerParameter = 256;
+/// Heap bytes any constructor may take whatever the model (a vector's first growth, say).
+constexpr std::uint64_t kBookkeepingBytes = 2048;
+
+/// "" when a constructor that took `heap` from the heap for a model of `parameters`
+/// parameters kept to bookkeeping, else what it took. The tracker sees tensors only: a
+/// buffer held in a std::vector or other heap memory would escape the memory budget, so the
+/// heap a constructor takes is bounded by what bookkeeping needs.
+std::string constructor_heap_finding(const grading::HeapUse& heap, std::size_t parameters) {
+  const std::uint64_t allowed = kBookkeepingBytesPerParameter * parameters + kBookkeepingBytes;
+  if (heap.bytes <= allowed) return "";
+  return fmt::format(
+      "the constructor took {} bytes from the heap (std::vector, new, ...), {} of them in "
+      "blocks of {} bytes or more; bookkeeping for {} parameters needs at most {} ({} a "
+      "parameter + {}): every buffer is a Tensor, so that the memory budget sees it",
+      heap.bytes, heap.large_bytes, grading::kLargeAllocationBytes, parameters, allowed,
+      kBookkeepingBytesPerParameter, kBookkeepingBytes);
+}
+
 /// Judges the heap and tensor use of step `step`: `plain_step` runs forward and backward
 /// on a model without the lab's hooks, `lab_step` forward, backward and the lab's
 /// finish_gradient_sync on the lab's model, which makes `calls` all-reduces. "" when the lab's
@@ -721,7 +744,9 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
             // For the baseline of what waiting for a call allocates on this thread.
             Tensor scratch({1}, MemoryCategory::kCommunication, model.device());
             const auto before = bytes_per_category(tracker);
+            const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
             BucketedDDP ddp(model, comm, layout.caps);
+            const grading::HeapUse heap = grading::heap_use_of_this_thread().since(heap_before);
             const auto after = bytes_per_category(tracker);
             const std::vector<Bucket> buckets = contract_buckets(model, layout.caps);
             // The budget: the trainable gradients' bytes, 4 P_trainable, whatever the layout.
@@ -731,6 +756,8 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
                                    before, after, gradient_bytes,
                                    fmt::format("4 bytes per trainable gradient element: {} bytes",
                                                gradient_bytes)),
+                               "BucketedDDP");
+            found.expect_empty(constructor_heap_finding(heap, model.parameters().size()),
                                "BucketedDDP");
             const std::string rule = buckets_differ_from_rule(model, ddp, layout.caps);
             if (!rule.empty()) found.fail(rule);
@@ -762,10 +789,11 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
             for (const std::string& failure : found.failures())
               verdict.fail(fmt::format("{}: {}", describe_caps(layout), failure));
             measured.push_back(
-                fmt::format("{} bytes of communication memory for {} bytes of trainable gradient",
+                fmt::format("{} bytes of communication memory for {} bytes of trainable "
+                            "gradient, {} heap bytes of bookkeeping",
                             after[static_cast<std::size_t>(MemoryCategory::kCommunication)] -
                                 before[static_cast<std::size_t>(MemoryCategory::kCommunication)],
-                            gradient_bytes));
+                            gradient_bytes, heap.bytes));
           }
           if (verdict.passed())
             verdict.note(
@@ -790,12 +818,16 @@ TEST(Lab4Memory, PerParameterAllocatesNothing) {
           Model plain = training.model();
           Tensor scratch({1}, MemoryCategory::kCommunication, model.device());
           const auto before = bytes_per_category(tracker);
+          const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
           PerParameterDDP ddp(model, comm);
+          const grading::HeapUse heap = grading::heap_use_of_this_thread().since(heap_before);
           const auto after = bytes_per_category(tracker);
           verdict.expect_empty(
               constructor_memory_finding(before, after, 0,
                                          "each gradient can be all-reduced where it is"),
               "PerParameterDDP");
+          verdict.expect_empty(constructor_heap_finding(heap, model.parameters().size()),
+                               "PerParameterDDP");
           const auto optimizer = grading::optimizer_for(options, model.num_parameters());
           std::size_t trainable = 0;
           for (const Parameter* parameter : model.parameters()) trainable += !parameter->frozen;

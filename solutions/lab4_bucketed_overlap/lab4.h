@@ -44,7 +44,9 @@
 //     call. Under `NoSync`: no call, and a backward costs at most 1% more on the simulated
 //     clock than the same backward without BucketedDDP.
 //   * Memory, per category (the tracker's): at most 4 P bytes of communication memory,
-//     nothing in any other category; no tensor allocated in a step (forward, backward,
+//     nothing in any other category; the tracker sees tensors only, so the constructor
+//     may take from the heap (std::vector, new) no more than bookkeeping needs, 256 bytes
+//     a parameter + 2 KiB; no tensor allocated in a step (forward, backward,
 //     `finish_gradient_sync`) beyond what forward and backward allocate without the lab;
 //     from the heap, no block of 1 KiB or more and in all no more than the calls' own
 //     (+ 512 bytes a call + 2 KiB).
@@ -205,7 +207,8 @@ class BucketedDDP {
 /// The comparison without buckets: one asynchronous all-reduce per trainable gradient,
 /// `ReduceOp::kSum`, exactly one per trainable parameter per step and no other call (what
 /// makes the variant). After `finish_gradient_sync`, bitwise lab 2's arithmetic. Its
-/// budgets: no tensor in any memory category after the constructor, no tensor allocated
+/// budgets: no tensor in any memory category after the constructor and its heap within
+/// bookkeeping (as `BucketedDDP`), no tensor allocated
 /// in a step, from the heap no more than the calls' own (as `BucketedDDP`); exposed
 /// communication at most the formula above for one bucket per parameter. It pays the
 /// latency once per parameter: for a model of many small parameters it must be slower than
