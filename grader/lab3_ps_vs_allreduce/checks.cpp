@@ -850,8 +850,14 @@ std::string watched_allreduce(Algorithm algorithm, TensorView data, Communicator
 std::vector<std::vector<float>> gather_from_every_rank(std::span<const float> mine,
                                                        Communicator& comm) {
   const auto ranks = static_cast<std::size_t>(comm.size());
-  std::vector<float> all(mine.size() * ranks);
-  comm.allgather(mine, std::span(all))->wait();
+  // Staged through tensors where the backend takes device buffers only (nccl), as
+  // dp/host_collectives.h stages its collectives.
+  const Device device = device_for_host_values(comm);
+  const Tensor in = Tensor::from(mine, MemoryCategory::kCommunication, device);
+  Tensor gathered({static_cast<std::int64_t>(mine.size() * ranks)}, MemoryCategory::kCommunication,
+                  device);
+  comm.allgather(in.view(), gathered.view())->wait();
+  const std::vector<float> all = host_copy(gathered);
   std::vector<std::vector<float>> per_rank;
   for (std::size_t r = 0; r < ranks; ++r)
     per_rank.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(r * mine.size()),

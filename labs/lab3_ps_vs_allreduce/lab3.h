@@ -19,7 +19,11 @@
 //     simulated clock sees its cost.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a message reaches your buffer only when its own
-//     `Work` is waited on, and a send's buffer must stay unchanged until then.
+//     `Work` is waited on, and a send's buffer must stay unchanged until then. Nor may
+//     your code assume that a send moves while it waits for something else: on nccl the
+//     messages a rank issues between two waits go out as one group at the second, and
+//     complete only together, once every peer has posted the matching calls, so post an
+//     exchange's receives before its first wait (README.md, "Deadlocks").
 //   * Every size. N = 1 rank, buffers of 0 and 1 element, fewer elements than ranks and
 //     sizes N does not divide are drawn as often as the easy cases.
 //   * Exact arithmetic where this header fixes the order of additions (the ring, the
