@@ -157,8 +157,11 @@ void add_run_command(CLI::App& app) {
   run_app
       ->add_option("--backend", args->backend, "mpi, nccl (mpirun, one process per GPU) or local")
       ->capture_default_str();
-  run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines");
-  run_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines")
+      ->check(non_empty_path());
+  run_app->add_option("--mpirun", args->mpirun, "The mpirun program")
+      ->capture_default_str()
+      ->check(non_empty_path());
   // One value per --mpirun-arg (repeat it for more), so that it never swallows the `--`.
   run_app->add_option("--mpirun-arg", args->mpirun_args, "An extra argument for mpirun")
       ->expected(1)
