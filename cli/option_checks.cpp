@@ -104,6 +104,16 @@ CLI::Validator whole_number_at_least(int low) {
       fmt::format("INT >= {}", low));
 }
 
+CLI::Validator whole_number_in(int low, int high) {
+  return CLI::Validator(
+      [low, high](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (value >= low && value <= high && value == std::floor(value)) return {};
+        return fmt::format("expected a whole number from {} to {}, got {}", low, high, text);
+      },
+      fmt::format("INT in [{}, {}]", low, high));
+}
+
 CLI::Validator nonzero_in_float() {
   return CLI::Validator(
       [](std::string& text) -> std::string {

@@ -54,6 +54,10 @@ CLI::Validator seed_number();
 /// variable), never "no file": it would otherwise be ignored or name the current directory.
 CLI::Validator non_empty_path();
 
+/// A CLI11 check: a whole number from low to high. For counts that arithmetic combines
+/// (warm-up plus timed iterations): a bound well inside int keeps every sum exact.
+CLI::Validator whole_number_in(int low, int high);
+
 /// A CLI11 check: a whole number of ranks from 1 to dp::kMaxWorldSize.
 CLI::Validator world_size_range();
 
