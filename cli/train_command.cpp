@@ -230,6 +230,8 @@ void run_train(const TrainArguments& args) {
     throw Error("--checkpoint-every saves to --checkpoint, which is empty: give a path");
   const bool prints = mpi_world_rank() == 0;
   const std::vector<std::filesystem::path> inputs = dataset_files(args.options.dataset);
+  // Held for the whole run: a second run saving the same checkpoint is refused.
+  std::optional<OutputLock> checkpoint_lock;
   if (prints) {
     // The resumed checkpoint may be replaced: it was read whole, and what replaces it is a
     // later state of the same run (that is what --checkpoint-every is for).
@@ -242,6 +244,13 @@ void run_train(const TrainArguments& args) {
     if (!args.checkpoint.empty()) check_output_path(args.checkpoint, read_files);
     if (!args.resume.empty()) read_files.emplace_back(args.resume);
     if (!args.trace.empty()) check_output_path(args.trace, read_files);
+    if (!args.checkpoint.empty()) checkpoint_lock.emplace(args.checkpoint);
+    // What runs killed while saving left beside this run's outputs.
+    for (const std::string& output : {args.checkpoint, args.trace})
+      if (!output.empty())
+        for (const std::filesystem::path& stale : remove_stale_temporaries(output))
+          fmt::print("removed {}, a temporary file left by a run that was stopped while saving\n",
+                     stale.string());
   }
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);
