@@ -100,9 +100,17 @@ std::pair<int, fs::path> create_temporary_for(const fs::path& path) {
     // A stale file of an earlier process with our pid: take the next name.
     if (error == EEXIST && attempt < 100) continue;
     const fs::path directory = directory_of(path);
-    if (error == ENOENT)
+    // ENOENT also comes from a directory that exists but makes no new files (/proc):
+    // "does not exist" only when it is so.
+    std::error_code ignored;
+    if (error == ENOENT && !fs::exists(directory, ignored))
       throw Error(fmt::format("cannot write '{}': the directory '{}' does not exist", path.string(),
                               directory.string()));
+    if (error == ENOENT)
+      throw Error(fmt::format(
+          "cannot write '{}': the directory '{}' exists but does not accept new files (No such "
+          "file or directory: a virtual file system such as /proc or /sys?)",
+          path.string(), directory.string()));
     throw Error(fmt::format("cannot write '{}': cannot create a file in '{}': {}", path.string(),
                             directory.string(), system_reason(error)));
   }

@@ -592,6 +592,16 @@ ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
   const fs::path path = directory / kIndexFile;
   const std::string file = "sharded checkpoint index '" + path.string() + "'";
   std::error_code ignored;
+  if (!fs::exists(directory, ignored))
+    throw Error(
+        fmt::format("sharded checkpoint '{}': no such file or directory (expected the "
+                    "directory that save_checkpoint_shard wrote)",
+                    directory.string()));
+  if (!fs::is_directory(directory, ignored))
+    throw Error(
+        fmt::format("sharded checkpoint '{}' is not a directory (expected the directory "
+                    "that save_checkpoint_shard wrote)",
+                    directory.string()));
   if (!fs::exists(path, ignored))
     throw Error(
         fmt::format("'{}' is not a sharded checkpoint: it has no {} (expected the "
