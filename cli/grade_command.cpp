@@ -375,7 +375,9 @@ void grade(const GradeArguments& args) {
     for (const std::string& device : devices) {
       const grader::RunResult run =
           grader::run_checks(make_request(args, labs[i], bin, seed, device), checks);
-      runs.emplace_back(device_run_name(device), grader::score_lab(rubrics[i], run));
+      grader::LabResult scored = grader::score_lab(rubrics[i], run);
+      grader::refuse_an_incomplete_rubric(scored, run);
+      runs.emplace_back(device_run_name(device), std::move(scored));
     }
     report.labs.push_back(grader::combine_runs(runs));
   }
