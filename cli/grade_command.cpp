@@ -133,16 +133,6 @@ std::uint64_t random_seed() {
   return (static_cast<std::uint64_t>(device()) << 32) | device();
 }
 
-/// Accepts decimal digits that fit in 64 bits; CLI11 itself would wrap "-1" to 2^64-1.
-std::string check_seed(const std::string& text) {
-  std::uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size())
-    return fmt::format("expected a whole number from 0 to {}, got '{}'",
-                       std::numeric_limits<std::uint64_t>::max(), text);
-  return "";
-}
-
 /// True when the check programs run under mpirun: always on mpi; on nccl when -n gives the
 /// number of processes (one per GPU). Without -n, nccl runs each check program as one
 /// process whose threads drive its GPUs.
@@ -385,7 +375,9 @@ void grade(const GradeArguments& args) {
     for (const std::string& device : devices) {
       const grader::RunResult run =
           grader::run_checks(make_request(args, labs[i], bin, seed, device), checks);
-      runs.emplace_back(device_run_name(device), grader::score_lab(rubrics[i], run));
+      grader::LabResult scored = grader::score_lab(rubrics[i], run);
+      grader::refuse_an_incomplete_rubric(scored, run);
+      runs.emplace_back(device_run_name(device), std::move(scored));
     }
     report.labs.push_back(grader::combine_runs(runs));
   }
@@ -424,18 +416,22 @@ void add_grade_command(CLI::App& app) {
                         "Processes under mpirun: for --backend mpi (default 2), or nccl (one per "
                         "GPU; without -n, one process drives the GPUs); local checks pick their "
                         "own world sizes");
-  grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here");
-  grade_app->add_option("--junit", args->junit_file, "Also write JUnit XML here");
+  grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here")
+      ->check(non_empty_path());
+  grade_app->add_option("--junit", args->junit_file, "Also write JUnit XML here")
+      ->check(non_empty_path());
   grade_app
       ->add_option("--timeout", args->timeout_seconds,
                    "Seconds each lab's check program may run before it is killed")
       ->capture_default_str();
-  grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")
+      ->capture_default_str()
+      ->check(non_empty_path());
   CLI::Option* seed = grade_app->add_option(
       "--seed", args->seed,
       "Grading seed (0 to 2^64-1) the checks draw their parameters from; repeats a run "
       "(default: a fresh random seed, printed)");
-  seed->check(CLI::Validator(check_seed, "UINT64"));
+  seed->check(seed_number());
   grade_app
       ->add_option("--sanitize", args->sanitize,
                    "thread: grade the ThreadSanitizer builds (grade_lab<N>_tsan, configured "

@@ -230,6 +230,8 @@ void run_train(const TrainArguments& args) {
     throw Error("--checkpoint-every saves to --checkpoint, which is empty: give a path");
   const bool prints = mpi_world_rank() == 0;
   const std::vector<std::filesystem::path> inputs = dataset_files(args.options.dataset);
+  // Held for the whole run: a second run saving the same checkpoint is refused.
+  std::optional<OutputLock> checkpoint_lock;
   if (prints) {
     // The resumed checkpoint may be replaced: it was read whole, and what replaces it is a
     // later state of the same run (that is what --checkpoint-every is for).
@@ -242,6 +244,13 @@ void run_train(const TrainArguments& args) {
     if (!args.checkpoint.empty()) check_output_path(args.checkpoint, read_files);
     if (!args.resume.empty()) read_files.emplace_back(args.resume);
     if (!args.trace.empty()) check_output_path(args.trace, read_files);
+    if (!args.checkpoint.empty()) checkpoint_lock.emplace(args.checkpoint);
+    // What runs killed while saving left beside this run's outputs.
+    for (const std::string& output : {args.checkpoint, args.trace})
+      if (!output.empty())
+        for (const std::filesystem::path& stale : remove_stale_temporaries(output))
+          fmt::print("removed {}, a temporary file left by a run that was stopped while saving\n",
+                     stale.string());
   }
 
   const Dataset data = load_dataset(args.options.dataset, args.options.seed);
@@ -324,15 +333,18 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str()
       ->check(whole_number_at_least(0));
   train->add_option("--optimizer", o.optimizer, "sgd or adamw")->capture_default_str();
-  train->add_option("--lr", o.lr, "Learning rate")->capture_default_str()->check(finite_in(0, 1e6));
+  train->add_option("--lr", o.lr, "Learning rate")
+      ->capture_default_str()
+      ->check(finite_in(0, 1e6) & nonzero_in_float());
   train->add_option("--momentum", o.momentum, "SGD momentum, in [0, 1)")
       ->capture_default_str()
-      ->check(finite_in(0, 0.999999));
+      ->check(finite_in(0, 0.999999) & nonzero_in_float());
   train->add_option("--weight-decay", o.weight_decay, "Weight decay")
       ->capture_default_str()
-      ->check(finite_in(0, 1e6));
+      ->check(finite_in(0, 1e6) & nonzero_in_float());
   train->add_option("--seed", o.seed, "Seed of the initial weights and data order")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(seed_number());
   train->add_option("--log-every", o.log_every, "Print progress every N steps")
       ->capture_default_str()
       ->check(whole_number_at_least(1));
@@ -350,9 +362,11 @@ void add_train_command(CLI::App& app) {
                    "Also save --checkpoint every K steps (0: only at the end)")
       ->capture_default_str()
       ->check(whole_number_at_least(0));
-  train->add_option("--resume", args->resume,
-                    "Continue from this checkpoint: its step, parameters, optimizer state and "
-                    "data position (the options must be those of the run that saved it)");
+  train
+      ->add_option("--resume", args->resume,
+                   "Continue from this checkpoint: its step, parameters, optimizer state and "
+                   "data position (the options must be those of the run that saved it)")
+      ->check(non_empty_path());
   train->add_flag("--save-non-finite", args->save_non_finite,
                   "Save a checkpoint even if a weight is NaN or infinite");
   train->add_flag("--verify", args->verify,
@@ -372,6 +386,7 @@ void add_train_command(CLI::App& app) {
   train
       ->add_option("--trace", args->trace,
                    "Write every rank's ops on the simulated clock as a Chrome trace (JSON)")
+      ->check(non_empty_path())
       ->group("Simulated clock");
   train
       ->add_option("--device", args->device,

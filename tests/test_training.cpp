@@ -7,8 +7,11 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -392,6 +395,113 @@ TEST(TrainingCheckpoint, ResumingNamesWhatDiffersFromTheSavedRun) {
               load_training_checkpoint(path, options, 100);
             }).find("is not a training checkpoint of dplab"),
             std::string::npos);
+}
+
+// The options of the AdamW runs whose checkpoints the tests below change.
+TrainOptions adamw_options() {
+  TrainOptions options;
+  options.model = "4-3";
+  options.optimizer = "adamw";
+  options.steps = 10;
+  return options;
+}
+
+// Saves a checkpoint of an AdamW run at step `step`, the optimizer having taken as many.
+std::filesystem::path saved_adamw_checkpoint(const std::string& name, int step) {
+  const TrainOptions options = adamw_options();
+  Model model = make_model(options);
+  AdamW adamw(model.num_parameters(), {.lr = options.lr});
+  adamw.set_step_count(step);
+  const std::filesystem::path path = std::filesystem::path(::testing::TempDir()) / name;
+  save_training_checkpoint(path, options, model, adamw, step, 100, {.world_size = 1});
+  return path;
+}
+
+// The error of resuming the checkpoint of an AdamW run at step 4 after `change` changed its
+// tensors or metadata and it was saved again with valid checksums: what a resume must
+// refuse even when the file is as it was written.
+std::string resume_error_after(const std::function<void(Checkpoint&)>& change) {
+  const std::filesystem::path path = saved_adamw_checkpoint("dplab_resume_values.safetensors", 4);
+  Checkpoint contents = load_safetensors(path);
+  EXPECT_TRUE(contents.checksummed) << "a training checkpoint records checksums";
+  EXPECT_EQ(load_training_checkpoint(path, adamw_options(), 100).step, 4);
+  change(contents);
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, tensor] : contents.tensors) tensors.push_back({name, &tensor});
+  save_safetensors(path, tensors, contents.metadata, Checksums::kWrite);
+  return error_of([&] { load_training_checkpoint(path, adamw_options(), 100); });
+}
+
+TEST(TrainingCheckpoint, ResumingRefusesValuesNoRunHas) {
+  std::string message = resume_error_after([](Checkpoint& c) {
+    c.tensors.at("fc1.weight")[2] = std::numeric_limits<float>::quiet_NaN();
+  });
+  EXPECT_NE(message.find("tensor 'fc1.weight' holds nan at element 2, expected finite"),
+            std::string::npos)
+      << message;
+  message = resume_error_after([](Checkpoint& c) {
+    c.tensors.at("optimizer.exp_avg")[0] = -std::numeric_limits<float>::infinity();
+  });
+  EXPECT_NE(message.find("tensor 'optimizer.exp_avg' holds -inf at element 0"), std::string::npos)
+      << message;
+  message =
+      resume_error_after([](Checkpoint& c) { c.tensors.at("optimizer.exp_avg_sq")[1] = -0.5f; });
+  EXPECT_NE(
+      message.find("tensor 'optimizer.exp_avg_sq' holds -0.5 at element 1, expected values >= 0"),
+      std::string::npos)
+      << message;
+  message = resume_error_after(
+      [](Checkpoint& c) { c.metadata["optimizer_steps"] = "9223372036854775807"; });
+  EXPECT_NE(message.find("optimizer step count (metadata \"optimizer_steps\") is "
+                         "9223372036854775807, expected at most 4"),
+            std::string::npos)
+      << message;
+}
+
+TEST(TrainingCheckpoint, ResumingRefusesAFlippedByteAndReadsTheFormatBeforeChecksums) {
+  const TrainOptions options = adamw_options();
+  const std::filesystem::path path = saved_adamw_checkpoint("dplab_resume_flipped.safetensors", 6);
+  const std::string original = [&] {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }();
+  const auto flipped = [&](const std::string& from, const std::string& to) {
+    std::string bytes = original;
+    const std::size_t at = bytes.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    bytes.replace(at, from.size(), to);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    return error_of([&] { load_training_checkpoint(path, options, 100); });
+  };
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {R"("step":"6")", R"("step":"2")"},
+           {R"("optimizer_steps":"6")", R"("optimizer_steps":"2")"}}) {
+    const std::string message = flipped(from, to);
+    EXPECT_NE(message.find("the header"), std::string::npos) << from << ": " << message;
+    EXPECT_NE(message.find("changed or damaged"), std::string::npos) << from << ": " << message;
+  }
+  {
+    std::string bytes = original;
+    bytes[bytes.size() - 1] ^= 0x40;  // a bit of the last optimizer state's last element
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    const std::string message = error_of([&] { load_training_checkpoint(path, options, 100); });
+    EXPECT_NE(message.find("the data of tensor 'optimizer."), std::string::npos) << message;
+  }
+  // The checksums' entry removed (its key renamed): the current format requires it.
+  {
+    const std::string message = flipped("\"dplab.crc32\"", "\"dplab.crc3x\"");
+    EXPECT_NE(message.find("has no \"dplab.crc32\" entry"), std::string::npos) << message;
+  }
+  // A file of the format before checksums (dplab-train-1) still resumes.
+  Checkpoint contents = load_safetensors([&] {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << original;
+    return path;
+  }());
+  contents.metadata["format"] = "dplab-train-1";
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, tensor] : contents.tensors) tensors.push_back({name, &tensor});
+  save_safetensors(path, tensors, contents.metadata);
+  EXPECT_EQ(load_training_checkpoint(path, options, 100).step, 6);
 }
 
 TEST(EquivalenceTolerance, AdamWOnTheDigitsOfTheReadmeIsWithinIt) {

@@ -251,7 +251,10 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
 
 // --- training checkpoints ----------------------------------------------------------------
 
-constexpr const char* kCheckpointFormat = "dplab-train-1";
+// Version 2 records checksums (dp/checkpoint.h) and requires them on load; version 1 files,
+// written before, have none and are still read.
+constexpr const char* kCheckpointFormat = "dplab-train-2";
+constexpr const char* kCheckpointFormatWithoutChecksums = "dplab-train-1";
 
 /// The options that decide a run's trajectory, as the text a checkpoint stores: floats in
 /// their shortest exact form, so that reading them back gives the same bits.
@@ -280,6 +283,26 @@ void check_finite(const std::filesystem::path& path, const std::string& name, co
           "refusing to save '{}': {} holds {} at element {} after step {}; the training "
           "diverged (try a lower learning rate), or save it anyway with --save-non-finite",
           path.string(), name, values[i], i, step));
+}
+
+/// Throws unless the values of the loaded tensor `name` can be a run's state: finite, and
+/// for AdamW's second moments ("optimizer.exp_avg_sq", means of squares) not negative. A
+/// run saved with --save-non-finite is refused here too: resuming it would train on NaN.
+void check_loaded_values(const std::string& file, const std::string& name, const Tensor& tensor) {
+  const bool squares = name == "optimizer.exp_avg_sq";
+  const std::span<const float> values = tensor.span();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]))
+      throw Error(fmt::format(
+          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected finite values "
+          "(the run that saved it diverged, or the file was damaged)",
+          file, name, values[i], i));
+    if (squares && values[i] < 0)
+      throw Error(fmt::format(
+          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected values >= 0 "
+          "(AdamW's running mean of squared gradients)",
+          file, name, values[i], i));
+  }
 }
 
 /// The integer metadata entry `key` of checkpoint `file`.
@@ -422,7 +445,7 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
   metadata["optimizer_steps"] = std::to_string(optimizer.step_count());
   metadata["world_size"] = std::to_string(info.world_size);
   if (!info.backend.empty()) metadata["backend"] = info.backend;
-  save_safetensors(path, tensors, metadata);
+  save_safetensors(path, tensors, metadata, Checksums::kWrite);
 }
 
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
@@ -431,12 +454,18 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
   Checkpoint contents = load_safetensors(path, MemoryCategory::kOther);
   const auto& metadata = contents.metadata;
   const auto format = metadata.find("format");
-  if (format == metadata.end() || format->second != kCheckpointFormat)
+  if (format == metadata.end() ||
+      (format->second != kCheckpointFormat && format->second != kCheckpointFormatWithoutChecksums))
     throw Error(fmt::format(
         "'{}' is not a training checkpoint of dplab (its metadata \"format\" is {}, expected "
-        "\"{}\"): only `dplab train --checkpoint` files can be resumed",
+        "\"{}\" or \"{}\"): only `dplab train --checkpoint` files can be resumed",
         file, format == metadata.end() ? "missing" : "\"" + format->second + "\"",
-        kCheckpointFormat));
+        kCheckpointFormat, kCheckpointFormatWithoutChecksums));
+  if (format->second == kCheckpointFormat && !contents.checksummed)
+    throw Error(fmt::format(
+        "cannot resume from '{}': its format \"{}\" records checksums, but its metadata has no "
+        "\"{}\" entry: the file was changed or damaged after it was written",
+        file, kCheckpointFormat, kChecksumKey));
   for (const auto& [key, value] : trajectory_options(options, dataset_size)) {
     const auto saved = metadata.find(key);
     if (saved == metadata.end() || saved->second != value)
@@ -455,6 +484,13 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
         fmt::format("cannot resume from '{}': it is at step {}, past the {} steps of this "
                     "run (raise --steps)",
                     file, checkpoint.step, options.steps));
+  // A run takes at most one optimizer step per training step, so a larger counter is damage
+  // (an AdamW counter near INT64_MAX would also overflow and wreck the bias correction).
+  if (checkpoint.optimizer_steps > checkpoint.step)
+    throw Error(fmt::format(
+        "cannot resume from '{}': its optimizer step count (metadata \"optimizer_steps\") is "
+        "{}, expected at most {}, the training step it was saved at",
+        file, checkpoint.optimizer_steps, checkpoint.step));
 
   // Every tensor the model and optimizer have, with its shape, and nothing else.
   Model model = make_model(options);
@@ -478,6 +514,7 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
           "cannot resume from '{}': its tensor '{}' belongs to no parameter or optimizer state "
           "of this run",
           file, name));
+  for (const auto& [name, tensor] : contents.tensors) check_loaded_values(file, name, tensor);
   checkpoint.tensors = std::move(contents.tensors);
   checkpoint.info = std::move(contents.metadata);
   return checkpoint;

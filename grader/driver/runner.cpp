@@ -13,6 +13,7 @@
 #include <array>
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -67,6 +68,20 @@ std::string random_token() {
   return token;
 }
 
+/// The directory for the run's private directories: $TMPDIR, else /tmp. A TMPDIR that is
+/// not a directory is a usage error that names it (std::filesystem's own exception was
+/// reported as an internal error).
+std::filesystem::path temporary_directory() {
+  std::error_code error;
+  std::filesystem::path directory = std::filesystem::temp_directory_path(error);
+  if (!error) return directory;
+  const char* tmpdir = std::getenv("TMPDIR");
+  throw Error(fmt::format(
+      "no directory for temporary files: TMPDIR is '{}', which is not a directory ({}); set "
+      "TMPDIR to an existing directory, or unset it for /tmp",
+      tmpdir != nullptr ? tmpdir : "", error.message()));
+}
+
 /// The run's private channel directory (mode 0700) with one FIFO per rank, whose read ends
 /// are open before anything starts, and one file per rank holding the token, which the check
 /// program reads and deletes before any of its other code runs. The runner also holds a
@@ -75,8 +90,7 @@ std::string random_token() {
 class ChannelDirectory {
  public:
   ChannelDirectory(int ranks, const std::string& token) {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "dplab-results-XXXXXX").string();
+    std::string pattern = (temporary_directory() / "dplab-results-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)  // mkdtemp makes it with mode 0700
       throw Error(fmt::format("cannot make the results channel directory {}: {}", pattern,
                               std::strerror(errno)));
@@ -137,7 +151,7 @@ class ChannelDirectory {
 class WorkingDirectory {
  public:
   WorkingDirectory() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-run-XXXXXX").string();
+    std::string pattern = (temporary_directory() / "dplab-run-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)
       throw Error(fmt::format("cannot make the check program's working directory {}: {}", pattern,
                               std::strerror(errno)));
@@ -498,10 +512,21 @@ RunResult run_check_program(const RunRequest& request) {
   result.program = request.program.string();
   result.time_limit_seconds = std::chrono::duration<double>(request.time_limit).count();
   if (access(request.program.c_str(), X_OK) != 0) {
+    const int error = errno;
     result.status = RunStatus::kMissing;
+    // Only a missing file is "not found": a file without its execute bit, or in a directory
+    // this user cannot enter, needs another remedy than a build.
     result.start_error =
-        fmt::format("check program {} not found (build it: cmake --build <build dir>)",
-                    request.program.string());
+        error == ENOENT
+            ? fmt::format("check program {} not found (build it: cmake --build <build dir>)",
+                          request.program.string())
+        : error == EACCES && access(request.program.c_str(), F_OK) == 0
+            ? fmt::format(
+                  "check program {} is not executable (no execute permission for this "
+                  "user: chmod +x it, or rebuild it)",
+                  request.program.string())
+            : fmt::format("check program {} cannot be run: {}", request.program.string(),
+                          std::strerror(error));
     return result;
   }
 

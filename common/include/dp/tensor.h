@@ -304,7 +304,13 @@ class Tensor {
   std::shared_ptr<RankMemory> owner_;  // the rank charged for this tensor
 };
 
-/// The number of elements of `shape`; throws `dp::Error` on a negative extent.
+/// The most elements a tensor may have (2^60): its bytes, four per element, then fit in 64
+/// bits with room to add, so no size computed from a shape can wrap around.
+inline constexpr std::size_t kMaxTensorElements = std::size_t{1} << 60;
+
+/// The number of elements of `shape`; throws `dp::Error` on a negative extent and on more
+/// than `kMaxTensorElements` (checked without overflow: extents near 2^63 are refused, not
+/// multiplied into a small number).
 std::size_t element_count(const std::vector<std::int64_t>& shape);
 /// `shape` as text, e.g. "(32, 64)".
 std::string shape_to_string(const std::vector<std::int64_t>& shape);

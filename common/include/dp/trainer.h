@@ -193,7 +193,9 @@ struct TrainingCheckpointInfo {
 /// and data position (epoch and batch within it), the optimizer's counter, every option
 /// that decides the trajectory (model, activation, layer_norm, dataset and its size, batch,
 /// seed, optimizer, lr, momentum, weight_decay, exactly as text), the world size and
-/// backend. Other tools read it as an ordinary checkpoint of the parameters. Throws
+/// backend, and checksums of the header and of every tensor (format "dplab-train-2";
+/// "dplab-train-1", the format before checksums, is still read). Other tools read it as an
+/// ordinary checkpoint of the parameters. Throws
 /// `dp::Error` when a value is NaN or infinite (naming it; a diverged run is not worth
 /// resuming) unless `info.allow_non_finite`, or when the file cannot be written.
 void save_training_checkpoint(const std::filesystem::path& path, const TrainOptions& options,
@@ -203,7 +205,10 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
 /// Reads a checkpoint `save_training_checkpoint` wrote and checks that `options` continue
 /// it: the same trajectory options (each difference is named, with both values), the same
 /// data set size, a step not past `options.steps`, and a tensor of the right shape for
-/// every parameter and optimizer state. Throws `dp::Error` otherwise.
+/// every parameter and optimizer state. It also checks that the file is as it was written
+/// (the checksums, required in "dplab-train-2"), that the optimizer's step count is at most
+/// the step, and that every value is finite and every `optimizer.exp_avg_sq` value >= 0.
+/// Throws `dp::Error` naming the file and the tensor or entry otherwise.
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
                                             const TrainOptions& options, std::size_t dataset_size);
 

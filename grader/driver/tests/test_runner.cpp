@@ -412,6 +412,47 @@ TEST_F(RunnerTest, AMissingProgramIsReportedNotThrown) {
   EXPECT_NE(result.summary().find("grade_lab99 not found"), std::string::npos) << result.summary();
 }
 
+TEST_F(RunnerTest, AProgramWithoutItsExecuteBitIsNotCalledMissing) {
+  // Issue 32: it was "not found (build it)", which a build does not fix.
+  const std::filesystem::path copy =
+      std::filesystem::path(::testing::TempDir()) / "grade_lab98_not_executable";
+  std::filesystem::copy_file(DP_FAKE_CHECKS, copy,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::permissions(copy, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::owner_write |
+                                         std::filesystem::perms::group_read);
+  request_.program = copy;
+  const RunResult result = run_check_program(request_);
+  EXPECT_EQ(result.status, RunStatus::kMissing);
+  EXPECT_NE(result.summary().find("grade_lab98_not_executable is not executable (no execute "
+                                  "permission for this user: chmod +x it"),
+            std::string::npos)
+      << result.summary();
+  EXPECT_EQ(result.summary().find("not found"), std::string::npos) << result.summary();
+  std::filesystem::remove(copy);
+}
+
+TEST_F(RunnerTest, ATemporaryDirectoryThatDoesNotExistIsNamed) {
+  // Issue 32: std::filesystem's exception ended as an internal error.
+  const char* saved = std::getenv("TMPDIR");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("TMPDIR", "/nonexistent-dplab-tmp", 1);
+  std::string message;
+  try {
+    run_in_mode("normal");
+  } catch (const Error& error) {
+    message = error.what();
+  }
+  if (saved != nullptr)
+    setenv("TMPDIR", before.c_str(), 1);
+  else
+    unsetenv("TMPDIR");
+  EXPECT_NE(message.find("no directory for temporary files: TMPDIR is '/nonexistent-dplab-tmp', "
+                         "which is not a directory"),
+            std::string::npos)
+      << message;
+}
+
 TEST_F(RunnerTest, AnExitBeforeAnyTestSaysSo) {
   const RunResult result = run_in_mode("no_report");
   EXPECT_EQ(result.status, RunStatus::kIncomplete);
