@@ -7,6 +7,8 @@
 //   bytes [8 + N, end)    data section; "data_offsets" are relative to its start
 #include "dp/checkpoint.h"
 
+#include <zlib.h>
+
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -117,19 +119,6 @@ Entry parse_entry(const std::string& file, const std::string& name, const nlohma
   return entry;
 }
 
-// CRC-32, byte by byte from a table: entry b is the remainder of b alone, so that each byte
-// costs one lookup instead of eight shifts.
-constexpr std::array<std::uint32_t, 256> kCrcTable = [] {
-  std::array<std::uint32_t, 256> table{};
-  for (std::uint32_t byte = 0; byte < 256; ++byte) {
-    std::uint32_t remainder = byte;
-    for (int bit = 0; bit < 8; ++bit)
-      remainder = (remainder & 1) != 0 ? (remainder >> 1) ^ 0xEDB88320u : remainder >> 1;
-    table[byte] = remainder;
-  }
-  return table;
-}();
-
 std::string hex32(std::uint32_t value) {
   return fmt::format("{:08x}", value);
 }
@@ -196,10 +185,10 @@ bool verify_checksums(const std::string& file, const nlohmann::json& header,
 }  // namespace
 
 std::uint32_t crc32(const void* bytes, std::size_t count, std::uint32_t crc) {
-  const auto* byte = static_cast<const unsigned char*>(bytes);
-  crc = ~crc;
-  for (std::size_t i = 0; i < count; ++i) crc = kCrcTable[(crc ^ byte[i]) & 0xFFu] ^ (crc >> 8);
-  return ~crc;
+  // zlib's CRC-32; crc32_z takes a 64-bit length, so one call covers a tensor of any size.
+  if (count == 0) return crc;
+  return static_cast<std::uint32_t>(
+      ::crc32_z(crc, static_cast<const Bytef*>(bytes), static_cast<z_size_t>(count)));
 }
 
 void save_safetensors(const std::filesystem::path& path, std::span<const NamedTensor> tensors,
