@@ -623,13 +623,26 @@ std::array<std::size_t, kNumMemoryCategories> bytes_per_category(const MemoryTra
   return bytes;
 }
 
+/// `bytes_per_category(tracker)` with `before`'s bytes of optimizer state and activations:
+/// what the lab's object holds after some steps, in the categories it may use, without the
+/// optimizer's own state (made by the grader's optimizer at its construction or first step)
+/// or the activations the models keep from their last forward.
+std::array<std::size_t, kNumMemoryCategories> held_after_steps(
+    const MemoryTracker& tracker, const std::array<std::size_t, kNumMemoryCategories>& before) {
+  std::array<std::size_t, kNumMemoryCategories> bytes = bytes_per_category(tracker);
+  for (const MemoryCategory category :
+       {MemoryCategory::kOptimizerState, MemoryCategory::kActivations})
+    bytes[static_cast<std::size_t>(category)] = before[static_cast<std::size_t>(category)];
+  return bytes;
+}
+
 /// "" when a constructor, between the snapshots `before` and `after`, left at most
 /// `communication_budget` bytes as communication tensors and nothing in any other category,
 /// else every category over its budget. `budget` says where the budget comes from.
 std::string constructor_memory_finding(const std::array<std::size_t, kNumMemoryCategories>& before,
                                        const std::array<std::size_t, kNumMemoryCategories>& after,
-                                       std::size_t communication_budget,
-                                       const std::string& budget) {
+                                       std::size_t communication_budget, const std::string& budget,
+                                       const std::string& who = "the constructor") {
   std::vector<std::string> differences;
   for (std::size_t c = 0; c < kNumMemoryCategories; ++c) {
     const auto category = static_cast<MemoryCategory>(c);
@@ -642,13 +655,13 @@ std::string constructor_memory_finding(const std::array<std::size_t, kNumMemoryC
   }
   if (differences.empty()) return "";
   if (communication_budget == 0)
-    return fmt::format("the constructor left {}; the budget is no tensor in any category: {}",
+    return fmt::format("{} left {}; the budget is no tensor in any category: {}", who,
                        fmt::join(differences, ", "), budget);
   return fmt::format(
-      "the constructor left {}; the budget is at most {} bytes of communication memory ({}) "
+      "{} left {}; the budget is at most {} bytes of communication memory ({}) "
       "and nothing in any other category (a buffer charged to another category is still a "
       "buffer)",
-      fmt::join(differences, ", "), communication_budget, budget);
+      who, fmt::join(differences, ", "), communication_budget, budget);
 }
 
 /// Heap bytes a constructor may take per parameter of the model, for its bookkeeping (a
@@ -743,6 +756,9 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
             const MemoryTracker& tracker = this_rank_memory().tracker();
             // For the baseline of what waiting for a call allocates on this thread.
             Tensor scratch({1}, MemoryCategory::kCommunication, model.device());
+            // The same model without the lab's hooks: what forward and backward allocate by
+            // themselves, which a step with BucketedDDP may allocate too and nothing more.
+            Model plain = layout.model();
             const auto before = bytes_per_category(tracker);
             const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
             BucketedDDP ddp(model, comm, layout.caps);
@@ -761,9 +777,6 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
                                "BucketedDDP");
             const std::string rule = buckets_differ_from_rule(model, ddp, layout.caps);
             if (!rule.empty()) found.fail(rule);
-            // The same model without the lab's hooks: what forward and backward allocate by
-            // themselves, which a step with BucketedDDP may allocate too and nothing more.
-            Model plain = layout.model();
             // Every rank runs every step whatever it found, so that no rank waits for a peer
             // that stopped: a failure is recorded once, and the later steps are not judged.
             for (int step = 1; step <= options.steps; ++step) {
@@ -786,6 +799,16 @@ TEST(Lab4Memory, BucketedWithinTheBudget) {
               if (found.passed() && !finding.empty()) found.fail(finding);
               optimizer->step(model);
             }
+            // The budget holds for the object's whole life, not only for its constructor:
+            // a buffer made later (in buckets(), say, or at the first hook) counts too.
+            if (found.passed())
+              found.expect_empty(
+                  constructor_memory_finding(
+                      before, held_after_steps(tracker, before), gradient_bytes,
+                      fmt::format("4 bytes per trainable gradient element: {} bytes",
+                                  gradient_bytes),
+                      fmt::format("the object, after buckets() and {} steps,", options.steps)),
+                  "BucketedDDP");
             for (const std::string& failure : found.failures())
               verdict.fail(fmt::format("{}: {}", describe_caps(layout), failure));
             measured.push_back(
@@ -851,6 +874,12 @@ TEST(Lab4Memory, PerParameterAllocatesNothing) {
             if (verdict.passed() && !finding.empty()) verdict.fail(finding);
             optimizer->step(model);
           }
+          if (verdict.passed())
+            verdict.expect_empty(constructor_memory_finding(
+                                     before, held_after_steps(tracker, before), 0,
+                                     "each gradient can be all-reduced where it is",
+                                     fmt::format("the object, after {} steps,", options.steps)),
+                                 "PerParameterDDP");
           if (verdict.passed())
             verdict.note(fmt::format(
                 "no tensor in any category from the constructor, no tensor and no heap buffer "
