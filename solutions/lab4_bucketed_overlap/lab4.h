@@ -244,7 +244,7 @@ struct BackwardProfile {
   double backward_seconds = 0;           ///< from the start of backward to its return
 };
 
-/// Design question, graded against the simulated clock: the bucket cap in bytes that, used
+/// Design question, graded against the cost model below: the bucket cap in bytes that, used
 /// for every bucket (`BucketOptions{cap, cap}`), makes a training step of `BucketedDDP`
 /// fastest on `world_size` ranks whose every link is `link`, for a model whose backward
 /// `profile` describes.
@@ -261,9 +261,10 @@ struct BackwardProfile {
 ///
 /// In each grading run the grader draws several fabrics, alpha and bandwidth each
 /// log-uniformly from a wide range (rubric.json lists the ranges), so that the best cap
-/// moves and no constant cap passes them all. For each fabric it profiles one backward on
-/// the simulated clock, times whole steps of your `BucketedDDP` with caps of 2^k bytes from
-/// 64 KiB up to the model's size, and expects your cap within a factor of 2 of the fastest
+/// moves and no constant cap passes them all. For each fabric it profiles one forward and
+/// backward on the simulated clock, evaluates this model for caps of 2^k bytes from 64 KiB
+/// up to the model's size (the step ends at the later of backward's end and the last
+/// all-reduce's end), and expects your cap within a factor of 2 of the fastest
 /// (caps within 3% of the fastest step time count as fastest: the curve has plateaus). Any
 /// cap of at least the model's size makes one bucket, and counts as the largest cap swept.
 std::size_t predicted_best_bucket_cap_bytes(const BackwardProfile& profile, int world_size,
