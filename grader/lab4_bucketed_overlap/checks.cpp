@@ -668,7 +668,7 @@ std::string constructor_memory_finding(const std::array<std::size_t, kNumMemoryC
 /// bucket's record, a slot per parameter, a hook): generous for any design, and well
 /// below a buffer of the gradients (at least 4 bytes an element, thousands of elements a
 /// parameter in the graded models).
-constexpr std::uint64_t kBookkeepingBytesPerParameter = 256;
+constexpr std::uint64_t kBookkeepingBytesPerParameter = 512;
 /// Heap bytes any constructor may take whatever the model (a vector's first growth, say).
 constexpr std::uint64_t kBookkeepingBytes = 2048;
 

@@ -45,7 +45,7 @@
 //     clock than the same backward without BucketedDDP.
 //   * Memory, per category (the tracker's): at most 4 P bytes of communication memory,
 //     nothing in any other category; the tracker sees tensors only, so the constructor
-//     may take from the heap (std::vector, new) no more than bookkeeping needs, 256 bytes
+//     may take from the heap (std::vector, new) no more than bookkeeping needs, 512 bytes
 //     a parameter + 2 KiB; no tensor allocated in a step (forward, backward,
 //     `finish_gradient_sync`) beyond what forward and backward allocate without the lab;
 //     from the heap, no block of 1 KiB or more and in all no more than the calls' own
