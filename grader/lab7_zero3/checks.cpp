@@ -1356,6 +1356,16 @@ class WaitTimer final : public Communicator {
    public:
     Timed(std::unique_ptr<Work> inner, WaitTimer& timer, double& exposed)
         : inner_(std::move(inner)), timer_(timer), exposed_(exposed) {}
+    /// Destroying a `Work` waits for its call (dp/comm.h): that blocks as `wait()` does, and
+    /// is timed the same (a lab 7 trial waited on every reduce-scatter at once by dropping
+    /// its `Work`, and scored full marks while this timer saw no wait).
+    ~Timed() override {
+      const double start = timer_.clock().now();
+      inner_.reset();
+      exposed_ += timer_.clock().now() - start;
+    }
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
     void wait() override {
       const double start = timer_.clock().now();
       inner_->wait();
