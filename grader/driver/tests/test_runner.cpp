@@ -374,6 +374,49 @@ TEST_F(RunnerTest, ASignalToTheGraderEndsTheCheckProgramToo) {
   EXPECT_FALSE(survived) << "the hanging check program outlived the grader";
 }
 
+// Issue 32: the grader interrupted by Ctrl-C or SIGTERM only sent SIGTERM to the check
+// program's group and ended: a program that ignores SIGTERM, its child and a `setsid` daemon
+// ran on, and the run's dplab-results-* and dplab-run-* directories (with the token file) were
+// left in the temporary directory. Now it sweeps them as a time-out does, then ends.
+TEST_F(RunnerTest, AnInterruptedGraderSweepsEveryDescendantAndItsDirectories) {
+  std::random_device device;
+  const std::string marker = fmt::format("dplab-fake-stubborn-{:08x}{:08x}", device(), device());
+  setenv("FAKE_CHECKS_MARKER", marker.c_str(), 1);
+  // The run's TMPDIR, of its own: what is left there is what the run left.
+  const std::filesystem::path temporary =
+      std::filesystem::temp_directory_path() / fmt::format("dplab-interrupted-{}", getpid());
+  std::filesystem::remove_all(temporary);
+  std::filesystem::create_directories(temporary);
+  request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
+    std::vector<std::string> argv = {"/bin/sh", "-c", "(sleep 1; kill -TERM $PPID) & exec \"$@\"",
+                                     "sh"};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
+  };
+  setenv("FAKE_CHECKS_MODE", "stubborn", 1);
+  const pid_t grader = fork();
+  if (grader == 0) {
+    setenv("TMPDIR", temporary.c_str(), 1);
+    run_check_program(request_);
+    _exit(0);  // not reached when the signal ends it
+  }
+  ASSERT_GT(grader, 0);
+  int status = 0;
+  waitpid(grader, &status, 0);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
+      << "the grader ends as the signal says, after sweeping (status " << status << ")";
+  const std::vector<int> survivors = processes_with(marker);
+  for (const int pid : survivors) kill(pid, SIGKILL);
+  EXPECT_EQ(survivors, std::vector<int>{})
+      << "the child or the setsid daemon of a check program that ignores SIGTERM outlived "
+         "the interrupted grader";
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(temporary))
+    left.push_back(entry.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{}) << "the run's private directories were left";
+  std::filesystem::remove_all(temporary);
+}
+
 TEST_F(RunnerTest, AThreadSanitizerReportFailsEveryCheck) {
   const RunResult result = run_in_mode("tsan_report");
   EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary();
