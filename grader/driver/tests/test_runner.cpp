@@ -387,9 +387,15 @@ TEST_F(RunnerTest, AnInterruptedGraderSweepsEveryDescendantAndItsDirectories) {
       std::filesystem::temp_directory_path() / fmt::format("dplab-interrupted-{}", getpid());
   std::filesystem::remove_all(temporary);
   std::filesystem::create_directories(temporary);
-  request_.launcher = [](const std::vector<std::string>& command, int, const auto&) {
-    std::vector<std::string> argv = {"/bin/sh", "-c", "(sleep 1; kill -TERM $PPID) & exec \"$@\"",
-                                     "sh"};
+  // The launcher's shell writes its pid and becomes the check program; a second later a
+  // subshell sends SIGTERM to the grader, the shell's parent.
+  const std::filesystem::path pid_file =
+      std::filesystem::temp_directory_path() / fmt::format("dplab-stubborn-{}", getpid());
+  request_.launcher = [pid_file](const std::vector<std::string>& command, int, const auto&) {
+    std::vector<std::string> argv = {
+        "/bin/sh", "-c",
+        fmt::format("echo $$ > '{}'; (sleep 1; kill -TERM $PPID) & exec \"$@\"", pid_file.string()),
+        "sh"};
     argv.insert(argv.end(), command.begin(), command.end());
     return argv;
   };
@@ -405,11 +411,19 @@ TEST_F(RunnerTest, AnInterruptedGraderSweepsEveryDescendantAndItsDirectories) {
   waitpid(grader, &status, 0);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
       << "the grader ends as the signal says, after sweeping (status " << status << ")";
-  const std::vector<int> survivors = processes_with(marker);
+  std::vector<int> survivors = processes_with(marker);
+  int program = 0;
+  std::ifstream(pid_file) >> program;
+  std::filesystem::remove(pid_file);
+  EXPECT_GT(program, 0) << "the launcher did not run";
+  std::ifstream stat(fmt::format("/proc/{}/stat", program));
+  std::string text;
+  if (program > 0 && std::getline(stat, text) && text.substr(text.rfind(')') + 2, 1) != "Z")
+    survivors.push_back(program);  // the check program itself, which ignores SIGTERM
   for (const int pid : survivors) kill(pid, SIGKILL);
   EXPECT_EQ(survivors, std::vector<int>{})
-      << "the child or the setsid daemon of a check program that ignores SIGTERM outlived "
-         "the interrupted grader";
+      << "a check program that ignores SIGTERM, its child or its setsid daemon outlived the "
+         "interrupted grader";
   std::vector<std::string> left;
   for (const auto& entry : std::filesystem::directory_iterator(temporary))
     left.push_back(entry.path().filename().string());
