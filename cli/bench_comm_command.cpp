@@ -26,6 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -196,9 +198,28 @@ void print_fit(std::FILE* out, const std::string& op, int p, const std::vector<R
                op, a / messages * 1e6, b / volume * 1e9, volume / b / 1e9);
 }
 
+/// The processes of this job on this machine under mpi: Open MPI and MPICH export the count
+/// to every process they start; another launcher is taken to have put all of `world_size`
+/// here (the count that can only overestimate).
+int mpi_processes_on_this_node(int world_size) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* text = std::getenv(name);
+    int count = 0;
+    if (text == nullptr) continue;
+    const char* end = text + std::strlen(text);
+    if (const auto [last, error] = std::from_chars(text, end, count);
+        error == std::errc() && last == end && count >= 1)
+      return count;
+  }
+  return world_size;
+}
+
 /// Throws unless the buffers of the sweep (an input and an output of `bytes` per rank, for
-/// `ranks_here` ranks in this process) fit in half of this machine's memory.
-void check_fits_in_memory(std::size_t bytes, int ranks_here) {
+/// the `ranks_here` ranks on this machine: the threads of this process, or under mpi every
+/// process of the job that runs here) fit in half of this machine's memory. Each process of
+/// an mpi job checks for all of them: counting only itself, eight processes of 2 GiB each
+/// passed on a machine of 24 GiB.
+void check_fits_in_memory(std::size_t bytes, int ranks_here, const char* where) {
   const double physical =
       static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
   const double needed = 2.0 * static_cast<double>(bytes) * ranks_here;
@@ -206,9 +227,10 @@ void check_fits_in_memory(std::size_t bytes, int ranks_here) {
   if (physical > 0 && needed > physical / 2)
     throw Error(fmt::format(
         "the sweep's largest size, {} bytes, needs two buffers of {:.1f} GiB on each of the {} "
-        "ranks in this process ({:.1f} GiB), more than half of this machine's {:.1f} GiB of "
+        "ranks {}: {:.1f} GiB in all, more than half of this machine's {:.1f} GiB of "
         "memory: lower --max-bytes or -n",
-        bytes, static_cast<double>(bytes) / kGiB, ranks_here, needed / kGiB, physical / kGiB));
+        bytes, static_cast<double>(bytes) / kGiB, ranks_here, where, needed / kGiB,
+        physical / kGiB));
 }
 
 void run_bench(const BenchArguments& args) {
@@ -263,7 +285,13 @@ void run_bench(const BenchArguments& args) {
   options.world_size = world_size;
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
   const std::vector<std::size_t> sizes = sweep(args, world_size);
-  check_fits_in_memory(sizes.back(), options.backend == Backend::kLocal ? world_size : 1);
+  if (options.backend == Backend::kLocal)
+    check_fits_in_memory(sizes.back(), world_size, "in this process");
+  else if (options.backend == Backend::kMpi)
+    check_fits_in_memory(sizes.back(), mpi_processes_on_this_node(world_size),
+                         "of the job on this machine (one per mpi process)");
+  else
+    check_fits_in_memory(sizes.back(), 1, "in this process");
   const bool prints = mpi_world_rank() == 0;
   // Under --csv the rows alone go to stdout, so that `> file` is what a spreadsheet opens.
   std::FILE* notes = args.csv ? stderr : stdout;

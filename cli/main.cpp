@@ -23,6 +23,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "commands.h"
 #include "dp/error.h"
@@ -74,6 +75,14 @@ int main(int argc, char** argv) {
     return kOutputLost;
   } catch (const dp::Error& e) {
     fmt::print(stderr, "dplab: error: {}\n", e.what());
+    return kUsageOrInputError;
+  } catch (const std::bad_alloc& e) {
+    // The large allocations (tensors, files read whole) name themselves (dp::OutOfMemory);
+    // a small one refused means the machine's memory was already spent.
+    fmt::print(stderr,
+               "dplab: error: out of memory ({}): this machine's memory (or a limit such as "
+               "ulimit -v) is spent; use a smaller model, data set or checkpoint\n",
+               e.what());
     return kUsageOrInputError;
   } catch (const std::exception& e) {
     fmt::print(stderr, "dplab: internal error: {}\n", e.what());

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -186,6 +187,22 @@ void print_simulated_time(const SimulationOptions& simulation,
       format_bytes(static_cast<double>(slowest.link_bytes)));
 }
 
+/// About how many bytes the checkpoint of a run of `options` takes: every parameter and
+/// optimizer state tensor as float32. The header and layer norm's parameters are left out, so
+/// that it is a lower bound and the free space check never refuses a checkpoint that fits.
+/// No overflow: at most 2^60 parameters (parse_mlp_spec), 3 copies of 4 bytes, under 2^64.
+std::uintmax_t checkpoint_bytes(const TrainOptions& options) {
+  const std::vector<std::int64_t> widths = parse_mlp_spec(options.model);
+  std::uintmax_t parameters = 0;
+  for (std::size_t i = 0; i + 1 < widths.size(); ++i)
+    parameters += static_cast<std::uintmax_t>(widths[i] + 1) *
+                  static_cast<std::uintmax_t>(widths[i + 1]);  // weights and biases
+  // AdamW keeps two moments per parameter, SGD one momentum buffer unless momentum is 0.
+  const std::uintmax_t states =
+      options.optimizer == "adamw" ? 2 : (options.momentum != 0.0f ? 1 : 0);
+  return parameters * (1 + states) * sizeof(float);
+}
+
 void run_train(const TrainArguments& args) {
   // Everything that can be checked without the data is checked first: a bad number or an
   // unwritable path must not cost a training run.
@@ -241,7 +258,10 @@ void run_train(const TrainArguments& args) {
     // Nothing may land on dplab itself; the trace not on the resumed checkpoint either.
     std::vector<std::filesystem::path> read_files = inputs;
     read_files.emplace_back(this_executable());
-    if (!args.checkpoint.empty()) check_output_path(args.checkpoint, read_files);
+    if (!args.checkpoint.empty()) {
+      check_output_path(args.checkpoint, read_files);
+      check_free_space(args.checkpoint, checkpoint_bytes(args.options), "the checkpoint");
+    }
     if (!args.resume.empty()) read_files.emplace_back(args.resume);
     if (!args.trace.empty()) check_output_path(args.trace, read_files);
     if (!args.checkpoint.empty()) checkpoint_lock.emplace(args.checkpoint);

@@ -211,6 +211,26 @@ TEST(OutputFile, CheckOutputPathNamesAMissingDirectory) {
   EXPECT_TRUE(contains(not_dir, "Not a directory")) << not_dir;
 }
 
+// Issue 32: on a full disk the probe of check_output_path (an empty file) succeeds, so a
+// checkpoint failed only after the training; the expected size is now checked first. The full
+// disk is injected (detail::check_free_space); the real statvfs is asked for more than any
+// disk holds.
+TEST(OutputFile, CheckFreeSpaceRefusesAnOutputLargerThanTheFreeSpace) {
+  const std::filesystem::path path = test_directory() / "run.safetensors";
+  const std::string message = message_of<dp::Error>(
+      [&] { dp::detail::check_free_space(path, 3 << 20, "the checkpoint", 1 << 20); });
+  EXPECT_TRUE(contains(message, fmt::format("cannot write '{}': the checkpoint takes about "
+                                            "3145728 bytes (3.0 MiB), but its file system has "
+                                            "1048576 bytes (1.0 MiB) free",
+                                            path.string())))
+      << message;
+  EXPECT_NO_THROW(dp::detail::check_free_space(path, 1 << 20, "the checkpoint", 1 << 20));
+  const std::string real = message_of<dp::Error>(
+      [&] { dp::check_free_space(path, std::uintmax_t{1} << 62, "the checkpoint"); });
+  EXPECT_TRUE(contains(real, "the checkpoint takes about 4611686018427387904 bytes")) << real;
+  EXPECT_NO_THROW(dp::check_free_space(path, 1, "the checkpoint"));
+}
+
 TEST(OutputFile, CheckOutputPathNamesAnUnwritableDirectory) {
   // Root writes into a read-only directory anyway; sysfs refuses new files even to root.
   if (::geteuid() == 0) {

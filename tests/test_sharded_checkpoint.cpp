@@ -1,9 +1,10 @@
 // Tests of sharded checkpoints: the layouts of the ZeRO stages, round trips, re-sharding from
 // N to M ranks bit for bit, consolidation, every validation error and the safe writes.
 //
-// The values are random bit patterns (NaN payloads, denormals and -0 included), so a
-// comparison with memcmp shows that every element travels as it is, and the saved padding
-// is a NaN sentinel, so a loader that reads padding or leaves it unzeroed is caught.
+// The values are random bit patterns (denormals and -0 included; no NaN or infinity, which
+// loading refuses), so a comparison with memcmp shows that every element travels as it is,
+// and the saved padding is a NaN sentinel, so a loader that reads padding, checks it or leaves
+// it unzeroed is caught.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <functional>
 #include <initializer_list>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -54,13 +56,18 @@ std::map<std::string, std::size_t> flat_offsets() {
   return offsets;
 }
 
-/// The full flat value of tensor `t` (0 params, 1 exp_avg, ...): distinct random bit patterns.
+/// The full flat value of tensor `t` (0 params, 1 exp_avg, 2 exp_avg_sq): distinct random
+/// bit patterns of the values a run's state may hold (loading refuses the others): finite,
+/// and not negative in exp_avg_sq.
 std::vector<float> full_values(std::size_t t) {
   std::vector<float> values(44);
   std::uint32_t state = 0x9E3779B9u * static_cast<std::uint32_t>(t + 1);
   for (float& value : values) {
     state = state * 1664525u + 1013904223u;
-    value = std::bit_cast<float>(state ^ (state >> 13));
+    std::uint32_t bits = state ^ (state >> 13);
+    if ((bits & 0x7F800000u) == 0x7F800000u) bits ^= 0x00800000u;  // NaN or inf: finite
+    if (kTensors[t] == "exp_avg_sq") bits &= 0x7FFFFFFFu;          // -x, -0: x, +0
+    value = std::bit_cast<float>(bits);
   }
   return values;
 }
@@ -463,6 +470,45 @@ TEST(ShardedCheckpointErrors, AChangedByteInAShardIsRefusedAndVersionOneStillLoa
   expect_loads(dir, {layout}, "version 1 shard");
 }
 
+/// Saves plan_of("flat", 3) into `dir` with element `element` of rank 1's tensor `tensor` set
+/// to `value` (checksums recomputed: the file is as a run that held the value wrote it).
+void save_with_value(const fs::path& dir, const std::string& tensor, std::size_t element,
+                     float value) {
+  save_all(dir, plan_of("flat", 3));
+  const fs::path shard = dir / dp::shard_file_name(1, 3);
+  dp::Checkpoint saved = dp::load_safetensors(shard);
+  saved.tensors.at(tensor)[static_cast<std::int64_t>(element)] = value;
+  std::vector<dp::NamedTensor> named;
+  for (auto& [name, values] : saved.tensors) named.push_back({name, &values});
+  dp::save_safetensors(shard, named, saved.metadata, dp::Checksums::kWrite);
+}
+
+// Issue 32: values no run's state holds were loaded as they were (the training then ran on
+// NaN, and only its save refused, blaming the learning rate); now they are refused on load,
+// naming the shard file and the tensor, as a single-file checkpoint's are.
+TEST(ShardedCheckpointErrors, ValuesNoRunHoldsAreRefusedOnLoad) {
+  const fs::path dir = test_directory() / "values";
+  fs::create_directories(dir);
+  // Rank 1 of 2 loads flat elements [22, 44): elements 7 to 14 of saved rank 1's [15, 30).
+  const dp::ShardLayout layout = layouts_of("flat", 2)[1];
+  save_with_value(dir, "params", 7, std::numeric_limits<float>::quiet_NaN());
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"shard-1-of-3.safetensors", "tensor 'params' holds nan at element 7",
+                "expected finite values"});
+  expect_error([&] { dp::consolidated_checkpoint(dir); },
+               {"shard-1-of-3.safetensors", "tensor 'params' holds nan at element 7"});
+  save_with_value(dir, "exp_avg", 9, -std::numeric_limits<float>::infinity());
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"tensor 'exp_avg' holds -inf at element 9", "expected finite values"});
+  save_with_value(dir, "exp_avg_sq", 14, -0.5f);
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"shard-1-of-3.safetensors", "tensor 'exp_avg_sq' holds -0.5 at element 14",
+                "expected values >= 0"});
+  // A negative value elsewhere is a value like any other (exp_avg is a signed mean).
+  save_with_value(dir, "exp_avg", 5, -0.5f);
+  EXPECT_NO_THROW((void)dp::load_checkpoint_shard(dir, layout));
+}
+
 TEST(ShardedCheckpointErrors, AFailedTargetCheckChangesNoTarget) {
   const fs::path dir = test_directory();
   save_all(dir, plan_of("flat", 2));
@@ -530,6 +576,13 @@ TEST(ShardedCheckpointErrors, ACountIsAWholeDecimalNumber) {
     expect_error([&] { (void)dp::checkpoint_count(saved, "step"); },
                  {"\"step\" is \"" + bad + "\"", "expected a count"});
   }
+  // Issue 32: a count past the most steps a run takes (INT64_MAX wrecks AdamW's bias
+  // correction) was accepted.
+  saved.metadata["step"] = "2147483647";
+  EXPECT_EQ(dp::checkpoint_count(saved, "step"), 2147483647);
+  saved.metadata["step"] = "9223372036854775807";
+  expect_error([&] { (void)dp::checkpoint_count(saved, "step"); },
+               {"\"step\" is 9223372036854775807, expected at most 2147483647"});
   expect_error([&] { (void)dp::checkpoint_count(saved, "epoch"); }, {"\"epoch\" is missing"});
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -412,5 +413,22 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
 }
 
 }  // namespace detail
+
+void check_state_values(const std::string& file, const std::string& name,
+                        std::span<const float> values, std::size_t first_element) {
+  const bool squares = name == "exp_avg_sq" || name.ends_with(".exp_avg_sq");
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]))
+      throw Error(fmt::format(
+          "cannot load '{}': tensor '{}' holds {} at element {}, expected finite values (the "
+          "run that saved it diverged, or the file was damaged)",
+          file, name, values[i], first_element + i));
+    if (squares && values[i] < 0)
+      throw Error(fmt::format(
+          "cannot load '{}': tensor '{}' holds {} at element {}, expected values >= 0 (AdamW's "
+          "running mean of squared gradients)",
+          file, name, values[i], first_element + i));
+  }
+}
 
 }  // namespace dp

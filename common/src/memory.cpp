@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -36,6 +37,22 @@ std::string format_bytes(std::size_t bytes) {
 }
 
 }  // namespace
+
+std::size_t machine_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page_size);
+}
+
+OutOfMemory machine_out_of_memory(std::string_view what, std::size_t bytes) {
+  const std::size_t machine = machine_memory_bytes();
+  return OutOfMemory(fmt::format(
+      "out of memory: allocating {} for {} failed (this machine has {} of memory, less under a "
+      "limit such as ulimit -v); the model, data set or checkpoint is too large for it: use a "
+      "smaller one, or a machine with more memory",
+      format_bytes(bytes), what, machine > 0 ? format_bytes(machine) : "an unknown amount"));
+}
 
 void MemoryTracker::on_allocate(MemoryCategory category, std::size_t bytes) {
   const auto c = static_cast<std::size_t>(category);

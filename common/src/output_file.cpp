@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -122,6 +123,29 @@ bool same_file(const struct stat& a, const struct stat& b) {
 }
 
 }  // namespace
+
+void detail::check_free_space(const fs::path& path, std::uintmax_t bytes, std::string_view what,
+                              std::uintmax_t available) {
+  if (bytes <= available) return;
+  const auto readable = [](std::uintmax_t count) {
+    constexpr double kMiB = 1 << 20;
+    constexpr double kGiB = 1 << 30;
+    const auto value = static_cast<double>(count);
+    return value < kGiB ? fmt::format("{:.1f} MiB", value / kMiB)
+                        : fmt::format("{:.1f} GiB", value / kGiB);
+  };
+  throw Error(fmt::format(
+      "cannot write '{}': {} takes about {} bytes ({}), but its file system has {} bytes ({}) "
+      "free; free some space or choose a path on another disk",
+      path.string(), what, bytes, readable(bytes), available, readable(available)));
+}
+
+void check_free_space(const fs::path& path, std::uintmax_t bytes, std::string_view what) {
+  struct statvfs volume {};
+  if (::statvfs(directory_of(path).c_str(), &volume) != 0) return;  // check_output_path says why
+  detail::check_free_space(path, bytes, what,
+                           static_cast<std::uintmax_t>(volume.f_bavail) * volume.f_frsize);
+}
 
 void check_output_path(const fs::path& path, std::span<const fs::path> inputs) {
   if (path.empty()) throw Error("an output path is empty: expected a file name");

@@ -331,8 +331,17 @@ std::int64_t checkpoint_count(const ShardedCheckpointPlan& saved, const std::str
     std::int64_t value = 0;
     // from_chars accepts a leading '-' and nothing else that is not a digit.
     const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (!text.empty() && text[0] != '-' && error == std::errc() && end == text.data() + text.size())
-      return value;
+    const bool count =
+        !text.empty() && text[0] != '-' && error == std::errc() && end == text.data() + text.size();
+    // A run takes at most one optimizer step per training step, and a run has at most
+    // kMaxCheckpointCount of those (TrainOptions::steps is an int): a larger count is damage,
+    // and an AdamW step count near INT64_MAX would wreck the bias correction.
+    if (count && value > kMaxCheckpointCount)
+      throw Error(fmt::format(
+          "load_checkpoint: the checkpoint's \"{}\" is {}, expected at most {} (the most steps "
+          "a run takes); the file was damaged",
+          key, value, kMaxCheckpointCount));
+    if (count) return value;
   }
   throw Error(fmt::format(
       "load_checkpoint: the checkpoint's \"{}\" is {}; expected a count (a whole number >= 0, "
@@ -668,13 +677,18 @@ void load_checkpoint_shard(const fs::path& directory, const ShardLayout& layout,
             std::min(saved.parameter_offset + saved.count, wanted.parameter_offset + wanted.count);
         if (first >= last) continue;
         const Checkpoint& shard = shard_of(rank);
-        for (const ShardTarget& target : targets)  // the target may live on a device
+        const std::size_t saved_first = saved.shard_offset + (first - saved.parameter_offset);
+        for (const ShardTarget& target : targets) {
+          const float* values = shard.tensors.at(target.name).data() + saved_first;
+          // Refused before the run trains on them (the padding, never loaded, is not checked).
+          check_state_values((directory / shard_file_name(rank, world_size)).string(), target.name,
+                             std::span(values, last - first), saved_first);
+          // The target may live on a device.
           detail::copy_memory(target.tensor->view().data() + wanted.shard_offset +
                                   (first - wanted.parameter_offset),
-                              target.tensor->device(),
-                              shard.tensors.at(target.name).data() + saved.shard_offset +
-                                  (first - saved.parameter_offset),
-                              Device::kHost, (last - first) * sizeof(float));
+                              target.tensor->device(), values, Device::kHost,
+                              (last - first) * sizeof(float));
+        }
       }
   }
 }

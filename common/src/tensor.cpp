@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <utility>
 
 #include "cuda/device_ops.h"
@@ -179,6 +180,18 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
     else
       data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
     if (device_ != Device::kHost) ++device_tensors_alive;
+  } catch (const std::bad_alloc&) {
+    // The machine refused the bytes (a huge model, data set or checkpoint): say what and how
+    // much, instead of an unexplained std::bad_alloc.
+    const std::size_t refused = bytes();
+    owner_->tracker().on_release(category_, refused);
+    owner_.reset();
+    size_ = 0;
+    shape_.clear();
+    device_ = Device::kHost;
+    throw machine_out_of_memory(
+        fmt::format("{} (a tensor of {} elements)", to_string(category), refused / sizeof(float)),
+        refused);
   } catch (...) {
     owner_->tracker().on_release(category_, bytes());
     owner_.reset();

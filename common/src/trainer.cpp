@@ -285,26 +285,6 @@ void check_finite(const std::filesystem::path& path, const std::string& name, co
           path.string(), name, values[i], i, step));
 }
 
-/// Throws unless the values of the loaded tensor `name` can be a run's state: finite, and
-/// for AdamW's second moments ("optimizer.exp_avg_sq", means of squares) not negative. A
-/// run saved with --save-non-finite is refused here too: resuming it would train on NaN.
-void check_loaded_values(const std::string& file, const std::string& name, const Tensor& tensor) {
-  const bool squares = name == "optimizer.exp_avg_sq";
-  const std::span<const float> values = tensor.span();
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i]))
-      throw Error(fmt::format(
-          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected finite values "
-          "(the run that saved it diverged, or the file was damaged)",
-          file, name, values[i], i));
-    if (squares && values[i] < 0)
-      throw Error(fmt::format(
-          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected values >= 0 "
-          "(AdamW's running mean of squared gradients)",
-          file, name, values[i], i));
-  }
-}
-
 /// The integer metadata entry `key` of checkpoint `file`.
 std::int64_t integer_entry(const std::map<std::string, std::string>& metadata,
                            const std::string& key, const std::string& file) {
@@ -514,7 +494,8 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
           "cannot resume from '{}': its tensor '{}' belongs to no parameter or optimizer state "
           "of this run",
           file, name));
-  for (const auto& [name, tensor] : contents.tensors) check_loaded_values(file, name, tensor);
+  // A run saved with --save-non-finite is refused here too: resuming it would train on NaN.
+  for (const auto& [name, tensor] : contents.tensors) check_state_values(file, name, tensor.span());
   checkpoint.tensors = std::move(contents.tensors);
   checkpoint.info = std::move(contents.metadata);
   return checkpoint;

@@ -155,22 +155,19 @@ constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 // signal handler may read.
 std::atomic<int> forwarded_group{0};
 std::atomic<bool> forwarding_exists{false};
+// The first forwarded signal received since the last SignalForwarding was made; 0: none.
+std::atomic<int> received_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free);
 
-/// The handler: SIGTERM to the child's group (mpirun ends its ranks on it), then this
-/// process's default action for `signal`. Only async-signal-safe calls.
-void forward_and_end(int signal) {
+/// The handler: SIGTERM to the child's group (mpirun ends its ranks on it), and the signal
+/// recorded for the grader, which then sweeps every descendant, removes its directories and
+/// ends as the signal asks (`end_by_signal`): neither may be done here, where only
+/// async-signal-safe calls are allowed.
+void forward_and_record(int signal) {
   const int group = forwarded_group.load();
   if (group > 0) kill(-group, SIGTERM);
-  struct sigaction default_action = {};
-  default_action.sa_handler = SIG_DFL;
-  sigemptyset(&default_action.sa_mask);
-  sigaction(signal, &default_action, nullptr);
-  sigset_t just_this;
-  sigemptyset(&just_this);
-  sigaddset(&just_this, signal);
-  sigprocmask(SIG_UNBLOCK, &just_this, nullptr);
-  raise(signal);
+  int none = 0;
+  received_signal.compare_exchange_strong(none, signal);
 }
 
 }  // namespace
@@ -183,12 +180,13 @@ struct SignalForwarding::Saved {
 SignalForwarding::SignalForwarding() : saved_(std::make_unique<Saved>()) {
   if (forwarding_exists.exchange(true))
     throw Error("SignalForwarding: one already exists (one child is run at a time)");
+  received_signal.store(0);
   sigset_t held;
   sigemptyset(&held);
   for (const int signal : kForwardedSignals) sigaddset(&held, signal);
   pthread_sigmask(SIG_BLOCK, &held, &saved_->mask);
   struct sigaction action = {};
-  action.sa_handler = forward_and_end;
+  action.sa_handler = forward_and_record;
   sigemptyset(&action.sa_mask);
   for (std::size_t i = 0; i < std::size(kForwardedSignals); ++i)
     sigaction(kForwardedSignals[i], &action, &saved_->actions[i]);
@@ -206,6 +204,23 @@ SignalForwarding::~SignalForwarding() {
   forwarded_group.store(0);
   pthread_sigmask(SIG_SETMASK, &saved_->mask, nullptr);
   forwarding_exists.store(false);
+}
+
+int received_termination_signal() {
+  return received_signal.load();
+}
+
+void end_by_signal(int signal) {
+  struct sigaction default_action = {};
+  default_action.sa_handler = SIG_DFL;
+  sigemptyset(&default_action.sa_mask);
+  sigaction(signal, &default_action, nullptr);
+  sigset_t just_this;
+  sigemptyset(&just_this);
+  sigaddset(&just_this, signal);
+  pthread_sigmask(SIG_UNBLOCK, &just_this, nullptr);
+  raise(signal);
+  _exit(128 + signal);  // not reached: the default action of the signals forwarded ends us
 }
 
 void become_child_subreaper() {

@@ -38,8 +38,11 @@ SpawnedChild spawn_child(const std::vector<std::string>& argv,
                          const std::string& working_directory = {});
 
 /// While it exists, SIGINT, SIGTERM and SIGHUP sent to this process reach the process group
-/// of the child it forwards to (`forward_to`) as SIGTERM, and then end this process as they
-/// would have without it. The child runs in a process group of its own, so that a time-out
+/// of the child it forwards to (`forward_to`) as SIGTERM, and are recorded
+/// (`received_termination_signal`) instead of ending this process at once: the caller then
+/// sweeps what the child started (a process that ignores SIGTERM, a `setsid` daemon:
+/// `kill_descendants`), removes its private directories, and ends as the signal asked
+/// (`end_by_signal`). The child runs in a process group of its own, so that a time-out
 /// reaches it and mpirun's ranks with one signal; a Ctrl-C at the terminal or a `timeout`
 /// around `dplab grade` reaches only the grader's group, and without forwarding mpirun and
 /// its ranks would run on, orphaned. One at a time: it throws `dp::Error` if another exists.
@@ -67,6 +70,15 @@ class SignalForwarding {
   struct Saved;
   std::unique_ptr<Saved> saved_;
 };
+
+/// The first of SIGINT, SIGTERM and SIGHUP received while the latest `SignalForwarding`
+/// existed, or 0 when none was.
+int received_termination_signal();
+
+/// Ends this process as `signal` does by default (the status a shell reports as killed by
+/// it), whatever handler or mask was set: what a grader interrupted by `signal` does once it
+/// has cleaned up.
+[[noreturn]] void end_by_signal(int signal);
 
 /// Makes this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER): orphaned
 /// descendants become its children. Throws `dp::Error` when the kernel refuses.

@@ -244,8 +244,10 @@ std::vector<std::string> child_environment(const std::map<std::string, std::stri
 
 /// Waits for `pid` until `deadline` while reading `streams`; true with its wait status when
 /// it ended.
-bool wait_reading(pid_t pid, Clock::time_point deadline, Streams& streams, int& wait_status) {
+bool wait_reading(pid_t pid, Clock::time_point deadline, Streams& streams, int& wait_status,
+                  bool until_interrupted = false) {
   while (true) {
+    if (until_interrupted && received_termination_signal() != 0) return false;
     const pid_t done = waitpid(pid, &wait_status, WNOHANG);
     if (done == pid) return true;
     if (done < 0 && errno != EINTR) {
@@ -500,7 +502,11 @@ std::string RunResult::contradiction() const {
   return "";
 }
 
-RunResult run_check_program(const RunRequest& request) {
+namespace {
+
+/// run_check_program but for ending the grader when it was interrupted: returns once the
+/// run's processes are swept, and its directories go with its locals.
+RunResult run_and_sweep(const RunRequest& request) {
   if (request.processes < 1)
     throw Error(
         fmt::format("run_check_program: processes must be at least 1, got {}", request.processes));
@@ -560,8 +566,11 @@ RunResult run_check_program(const RunRequest& request) {
   ResultCollector collector(token, request.processes);
   Streams streams(child.output_fd, channel_dir, collector);
   int wait_status = 0;
-  bool ended = wait_reading(child.pid, start + request.time_limit, streams, wait_status);
-  const bool timed_out = !ended;
+  bool ended = wait_reading(child.pid, start + request.time_limit, streams, wait_status,
+                            /*until_interrupted=*/true);
+  // A Ctrl-C or SIGTERM to the grader (already forwarded to the group) ends the run as a
+  // time-out does: the same grace, then SIGKILL, then the sweep below.
+  const bool timed_out = !ended && received_termination_signal() == 0;
   if (!ended) {
     // SIGTERM first so that mpirun can take its ranks down; SIGKILL for whatever ignores it.
     kill(-child.pid, SIGTERM);
@@ -600,6 +609,16 @@ RunResult run_check_program(const RunRequest& request) {
   else
     result.status = RunStatus::kIncomplete;
   result.tests = merge_reports(result);
+  return result;
+}
+
+}  // namespace
+
+RunResult run_check_program(const RunRequest& request) {
+  RunResult result = run_and_sweep(request);
+  // Interrupted: every process of the run is gone and its directories (results channel,
+  // working directory) removed with run_and_sweep's locals; end as the signal asked.
+  if (const int signal = received_termination_signal(); signal != 0) end_by_signal(signal);
   return result;
 }
 

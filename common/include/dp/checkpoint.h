@@ -95,4 +95,13 @@ struct Checkpoint {
 Checkpoint load_safetensors(const std::filesystem::path& path,
                             MemoryCategory category = MemoryCategory::kOther);
 
+/// Throws `dp::Error` unless `values`, elements [first_element, first_element + size) of the
+/// loaded tensor `name` of checkpoint `file`, can be a training run's state: finite, and not
+/// negative where `name` is AdamW's running mean of squared gradients ("exp_avg_sq", or a
+/// name ending in ".exp_avg_sq"). The message names the file, the tensor, the first value
+/// refused and its element. Loaders of a run's state call it so that a damaged or diverged
+/// checkpoint is refused on load, not blamed on the learning rate after the training.
+void check_state_values(const std::string& file, const std::string& name,
+                        std::span<const float> values, std::size_t first_element = 0);
+
 }  // namespace dp

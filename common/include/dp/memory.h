@@ -50,11 +50,19 @@ inline constexpr std::size_t kNumMemoryCategories = 6;
 /// A short lower-case name, e.g. "optimizer_state".
 std::string_view to_string(MemoryCategory category);
 
-/// An allocation that would take a rank past its memory budget.
+/// An allocation that would take a rank past its memory budget, or that the machine refused.
 class OutOfMemory : public Error {
  public:
   using Error::Error;
 };
+
+/// This machine's physical memory in bytes (0 when the system does not say).
+std::size_t machine_memory_bytes();
+
+/// The error for an allocation of `bytes` for `what` ("parameters", "the safetensors file
+/// 'x.st'") that the machine refused (a `std::bad_alloc`): it names what and its size, the
+/// machine's memory, and what to do, instead of an unexplained `std::bad_alloc`.
+OutOfMemory machine_out_of_memory(std::string_view what, std::size_t bytes);
 
 class Tensor;
 

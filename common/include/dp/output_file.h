@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -47,6 +48,24 @@ namespace dp {
 /// what is wrong, with the system's reason where there is one.
 void check_output_path(const std::filesystem::path& path,
                        std::span<const std::filesystem::path> inputs = {});
+
+/// Checks, before any work, that the file system that will hold `path` has room for an
+/// output of about `bytes` (`what` says what it is: "the checkpoint"): its free space for
+/// unprivileged users (statvfs's f_bavail). An output written only after the work (a
+/// checkpoint after the training) would otherwise fail on a full disk when the work is done,
+/// as creating an empty file, the probe of `check_output_path`, still succeeds there. The
+/// space of a file `path` that it replaces is not counted: the new file is written beside it
+/// first. Throws `dp::Error` naming the path, both sizes and what to do; does nothing when the
+/// free space cannot be known.
+void check_free_space(const std::filesystem::path& path, std::uintmax_t bytes,
+                      std::string_view what);
+
+namespace detail {
+/// `check_free_space` with the free space given instead of asked of the file system: the
+/// seam that tests a full disk without filling one.
+void check_free_space(const std::filesystem::path& path, std::uintmax_t bytes,
+                      std::string_view what, std::uintmax_t available);
+}  // namespace detail
 
 /// One output of a command: the option that names it and its path ("" when not given).
 struct NamedOutput {

@@ -32,8 +32,10 @@
 //
 // Every file is written as dp/output_file.h describes (a temporary file, fsync, rename; only
 // regular files are replaced). Loading checks everything against the index and names what
-// was expected and what was seen. Values are copied bit for bit; NaN and infinities are not
-// checked here (a caller that must not save a diverged model checks before saving).
+// was expected and what was seen. Values are copied bit for bit; a loaded value that no run's
+// state holds (NaN, an infinity, a negative "exp_avg_sq") is refused, naming the shard file
+// and the tensor (`check_state_values` of dp/checkpoint.h). Saving does not check them (a
+// caller that must not save a diverged model checks before saving).
 //
 // Example (rank `rank` of `world_size`, lab 5's layout, AdamW state):
 //
@@ -184,8 +186,13 @@ ShardedCheckpointPlan load_checkpoint_index(const std::filesystem::path& directo
 void check_checkpoint_compatible(const ShardedCheckpointPlan& saved,
                                  const ShardedCheckpointPlan& expected);
 
-/// The metadata entry `key` of `saved` as a count: a whole number >= 0 in decimal, such as a
-/// ZeRO optimizer's "step". Throws `dp::Error` naming the key and what it holds otherwise.
+/// The largest count `checkpoint_count` accepts: the most training steps a run takes
+/// (`TrainOptions::steps` is an int), and so the most optimizer steps.
+inline constexpr std::int64_t kMaxCheckpointCount = 2147483647;
+
+/// The metadata entry `key` of `saved` as a count: a whole number from 0 to
+/// `kMaxCheckpointCount` in decimal, such as a ZeRO optimizer's "step". Throws `dp::Error`
+/// naming the key and what it holds otherwise.
 std::int64_t checkpoint_count(const ShardedCheckpointPlan& saved, const std::string& key);
 
 /// A shard tensor to fill when loading: `tensor` must already have the layout's shard size.

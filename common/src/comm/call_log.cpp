@@ -107,25 +107,50 @@ std::optional<std::string> describe_first_divergence(const std::vector<RankCallS
         state.collectives.empty() ? 0 : state.collectives.back().collective_index + 1;
     longest = std::max(longest, issued);
   }
+  // A rank that has returned issues no more calls, so where its sequence ends is known; a
+  // rank still running that has not issued collective #k yet may issue it later (it is only
+  // slower). Only calls that are known can differ; where the ranks are merely at different
+  // collectives, the report says so and claims no mismatch.
+  constexpr const char* kEnded = "(nothing: its sequence ends here)";
+  std::optional<std::string> apart;
   for (std::uint64_t position = first_common; position < longest; ++position) {
     std::map<std::string, std::vector<int>> ranks_by_call;
+    std::vector<int> not_yet;
     for (const auto& state : ranks) {
       if (!state.responded) continue;
-      std::string call = "(nothing: its sequence ends here)";
-      for (const auto& record : state.collectives)
-        if (record.collective_index == position) call = record.signature();
-      ranks_by_call[call].push_back(state.rank);
+      const auto record =
+          std::find_if(state.collectives.begin(), state.collectives.end(),
+                       [&](const CallRecord& call) { return call.collective_index == position; });
+      if (record != state.collectives.end())
+        ranks_by_call[record->signature()].push_back(state.rank);
+      else if (state.finished)
+        ranks_by_call[kEnded].push_back(state.rank);
+      else
+        not_yet.push_back(state.rank);
     }
-    if (ranks_by_call.size() > 1) {
-      std::string text =
-          fmt::format("the ranks' collective sequences first differ at collective #{}:", position);
+    const auto listing = [&] {
+      std::string text;
       for (const auto& [call, members] : ranks_by_call)
         text += fmt::format("\n    rank{} {}: {}", members.size() > 1 ? "s" : "",
                             fmt::join(members, ", "), call);
+      if (!not_yet.empty())
+        text +=
+            fmt::format("\n    rank{} {}: (not issued yet: still running, it may issue it later)",
+                        not_yet.size() > 1 ? "s" : "", fmt::join(not_yet, ", "));
       return text;
-    }
+    };
+    if (ranks_by_call.size() > 1)
+      return fmt::format("the ranks' collective sequences first differ at collective #{}:{}",
+                         position, listing());
+    if (!not_yet.empty() && !apart)
+      apart = fmt::format(
+          "the ranks were at different collectives when the report was made, at collective "
+          "#{}:{}\n  that is not known to be a mismatch: a rank that is only slow gives it too, "
+          "when a hang timeout (--hang-timeout) is shorter than the work between its "
+          "collectives",
+          position, listing());
   }
-  return std::nullopt;
+  return apart;
 }
 
 std::string format_hang_report(const std::string& headline,

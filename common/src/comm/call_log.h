@@ -78,8 +78,11 @@ class CallLog {
 std::string format_hang_report(const std::string& headline,
                                const std::vector<RankCallState>& ranks);
 
-/// The first collective index at which the ranks' sequences differ, with a sentence that
-/// says how; nullopt when the kept sequences agree.
+/// The first collective index at which the ranks' sequences are known to differ (two calls
+/// there differ, or a rank that has returned has none), with a sentence that says how. When
+/// none is known but a rank still running has not issued a collective that others have, the
+/// first such index, said to be no known mismatch (a slow rank under a short hang timeout
+/// gives it too). nullopt when the kept sequences agree.
 std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& ranks);
 
 }  // namespace dp::detail

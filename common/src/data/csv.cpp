@@ -239,10 +239,11 @@ Dataset parse_csv(std::istream& in, const std::string& file, float feature_scale
   Dataset data;
   data.name = std::move(name);
   data.num_classes = shape.max_label + 1;
-  data.labels.resize(shape.samples);
+  // The features first: the larger allocation, which names its size if memory refuses it.
   data.features = Tensor::uninitialized(
       {static_cast<std::int64_t>(shape.samples), static_cast<std::int64_t>(shape.fields - 1)},
       MemoryCategory::kOther);
+  data.labels.resize(shape.samples);
   in.clear();
   in.seekg(0);
   if (!in) throw Error(fmt::format("{}: cannot read the file a second time (not seekable)", file));

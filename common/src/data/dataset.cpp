@@ -7,10 +7,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <new>
+#include <stdexcept>
 
 #include "data/file_io.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/memory.h"
 
 namespace dp {
 
@@ -43,7 +46,16 @@ std::string read_whole_file(const std::filesystem::path& path, std::string_view 
   file.seekg(0, std::ios::end);
   const std::streamoff size = file.tellg();
   file.seekg(0, std::ios::beg);
-  std::string contents(static_cast<std::size_t>(std::max<std::streamoff>(size, 0)), '\0');
+  const auto bytes = static_cast<std::size_t>(std::max<std::streamoff>(size, 0));
+  std::string contents;
+  // A file larger than memory (or than a string can be) is the input's fault: say so.
+  try {
+    contents.assign(bytes, '\0');
+  } catch (const std::bad_alloc&) {
+    throw machine_out_of_memory(fmt::format("the {} '{}'", what, path.string()), bytes);
+  } catch (const std::length_error&) {
+    throw machine_out_of_memory(fmt::format("the {} '{}'", what, path.string()), bytes);
+  }
   file.read(contents.data(), static_cast<std::streamsize>(contents.size()));
   if (!file || file.gcount() != static_cast<std::streamsize>(contents.size()))
     throw Error(fmt::format("cannot read {} '{}': {}", what, path.string(),

@@ -9,14 +9,15 @@
 // one that would: "crash" dies of SIGSEGV, "abort" calls abort(), "exit" calls exit(0),
 // "hang" sleeps forever, "print_forever" prints without end, and "orphan" starts a
 // grandchild in its own session that sleeps (its argv[0] is $FAKE_CHECKS_MARKER) and then
-// passes, "race" lets two threads increment one int (a data race for ThreadSanitizer, in
-// the fake_checks_tsan build), "tsan_report" prints what ThreadSanitizer prints then, and
-// "forged_then_abort", "forged_then_exit" and "forged_without_end_then_abort" play the
-// forgers adversarial students wrote: with the stolen token they send "passed" for this test
-// and every later one (and the program's end, but for the last), in the protocol's order,
-// then abort() or _Exit(0) before the real reporter can send anything else. Some
-// modes act before any test: "no_report" exits 3; "forged" sends nothing on the channel but writes
-// a GoogleTest JSON report that says every test passed (to the file of
+// passes, "stubborn" ignores SIGTERM, starts a child and a daemon in its own session that
+// ignore it too (their argv[0] is $FAKE_CHECKS_MARKER) and hangs, "race" lets two threads increment
+// one int (a data race for ThreadSanitizer, in the fake_checks_tsan build), "tsan_report" prints
+// what ThreadSanitizer prints then, and "forged_then_abort", "forged_then_exit" and
+// "forged_without_end_then_abort" play the forgers adversarial students wrote: with the stolen
+// token they send "passed" for this test and every later one (and the program's end, but for the
+// last), in the protocol's order, then abort() or _Exit(0) before the real reporter can send
+// anything else. Some modes act before any test: "no_report" exits 3; "forged" sends nothing on the
+// channel but writes a GoogleTest JSON report that says every test passed (to the file of
 // --gtest_output) and prints gtest's "[       OK ]" lines, then exits 0; "untokened" first
 // writes lines without the run's token (and one malformed line with it) to the channel.
 // It reports as rank $FAKE_CHECKS_RANK, else $OMPI_COMM_WORLD_RANK (under mpirun), else 0.
@@ -195,6 +196,27 @@ TEST(FakeOrder, Second) {
       _exit(0);
     }
     waitpid(child, nullptr, 0);
+  }
+  if (how == "stubborn") {
+    // Ignores SIGTERM, and so do the two sleeps it starts (an ignored signal stays ignored
+    // across fork and exec): a child, and a daemon in a session of its own. Then it hangs.
+    const char* marker = std::getenv("FAKE_CHECKS_MARKER");
+    ASSERT_NE(marker, nullptr);
+    std::signal(SIGTERM, SIG_IGN);
+    if (fork() == 0) {
+      execlp("sleep", marker, "300", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    const pid_t child = fork();
+    if (child == 0) {
+      setsid();
+      if (fork() == 0) execlp("sleep", marker, "300", static_cast<char*>(nullptr));
+      _exit(0);
+    }
+    waitpid(child, nullptr, 0);
+    std::puts("fake_checks: stubborn, with a child and a daemon that ignore SIGTERM");
+    std::fflush(stdout);
+    while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
 }
 

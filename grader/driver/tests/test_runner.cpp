@@ -374,6 +374,63 @@ TEST_F(RunnerTest, ASignalToTheGraderEndsTheCheckProgramToo) {
   EXPECT_FALSE(survived) << "the hanging check program outlived the grader";
 }
 
+// Issue 32: the grader interrupted by Ctrl-C or SIGTERM only sent SIGTERM to the check
+// program's group and ended: a program that ignores SIGTERM, its child and a `setsid` daemon
+// ran on, and the run's dplab-results-* and dplab-run-* directories (with the token file) were
+// left in the temporary directory. Now it sweeps them as a time-out does, then ends.
+TEST_F(RunnerTest, AnInterruptedGraderSweepsEveryDescendantAndItsDirectories) {
+  std::random_device device;
+  const std::string marker = fmt::format("dplab-fake-stubborn-{:08x}{:08x}", device(), device());
+  setenv("FAKE_CHECKS_MARKER", marker.c_str(), 1);
+  // The run's TMPDIR, of its own: what is left there is what the run left.
+  const std::filesystem::path temporary =
+      std::filesystem::temp_directory_path() / fmt::format("dplab-interrupted-{}", getpid());
+  std::filesystem::remove_all(temporary);
+  std::filesystem::create_directories(temporary);
+  // The launcher's shell writes its pid and becomes the check program; a second later a
+  // subshell sends SIGTERM to the grader, the shell's parent.
+  const std::filesystem::path pid_file =
+      std::filesystem::temp_directory_path() / fmt::format("dplab-stubborn-{}", getpid());
+  request_.launcher = [pid_file](const std::vector<std::string>& command, int, const auto&) {
+    std::vector<std::string> argv = {
+        "/bin/sh", "-c",
+        fmt::format("echo $$ > '{}'; (sleep 1; kill -TERM $PPID) & exec \"$@\"", pid_file.string()),
+        "sh"};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
+  };
+  setenv("FAKE_CHECKS_MODE", "stubborn", 1);
+  const pid_t grader = fork();
+  if (grader == 0) {
+    setenv("TMPDIR", temporary.c_str(), 1);
+    run_check_program(request_);
+    _exit(0);  // not reached when the signal ends it
+  }
+  ASSERT_GT(grader, 0);
+  int status = 0;
+  waitpid(grader, &status, 0);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM)
+      << "the grader ends as the signal says, after sweeping (status " << status << ")";
+  std::vector<int> survivors = processes_with(marker);
+  int program = 0;
+  std::ifstream(pid_file) >> program;
+  std::filesystem::remove(pid_file);
+  EXPECT_GT(program, 0) << "the launcher did not run";
+  std::ifstream stat(fmt::format("/proc/{}/stat", program));
+  std::string text;
+  if (program > 0 && std::getline(stat, text) && text.substr(text.rfind(')') + 2, 1) != "Z")
+    survivors.push_back(program);  // the check program itself, which ignores SIGTERM
+  for (const int pid : survivors) kill(pid, SIGKILL);
+  EXPECT_EQ(survivors, std::vector<int>{})
+      << "a check program that ignores SIGTERM, its child or its setsid daemon outlived the "
+         "interrupted grader";
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator(temporary))
+    left.push_back(entry.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{}) << "the run's private directories were left";
+  std::filesystem::remove_all(temporary);
+}
+
 TEST_F(RunnerTest, AThreadSanitizerReportFailsEveryCheck) {
   const RunResult result = run_in_mode("tsan_report");
   EXPECT_EQ(result.status, RunStatus::kFinished) << result.summary();
