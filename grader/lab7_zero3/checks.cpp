@@ -247,6 +247,8 @@ std::string check_shard(const Model& layout, const std::vector<std::size_t>& ind
 /// Trains this rank with the student's ZeroThreeOptimizer for `training`'s steps, comparing
 /// the loss of every forward and the shard after every step with `exact` bitwise (and the
 /// norms with `norms` when clipping).
+std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units);
+
 void train_and_compare(const Training& training, Communicator& comm, Verdict& verdict,
                        const Trajectory& exact, float max_norm, const std::vector<float>& norms,
                        const std::string& what) {
@@ -257,15 +259,34 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
       shard_indices(model, contract_units(model, world), comm.rank());
   std::vector<float> before = model.flat_parameters();
   const Model layout = training.model();
+  // The communication budget holds in every run, not only where Lab7Communication watches
+  // (a lab 7 trial all-reduced every unit's gradients everywhere but there): no step may
+  // send more than the units' calls and the norm's one float.
+  const std::uint64_t unit_bytes = budget_bytes_sent(comm, contract_units(model, world));
+  const std::uint64_t norm_bytes =
+      max_norm > 0 ? grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1}) : 0;
   ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
   // Every rank runs every step whatever it found, so that no rank waits for a peer that
   // stopped: a failure is recorded once, and the later steps are not judged.
   for (int step = 1; step <= options.steps; ++step) {
     const Batch batch = grading::on_check_device(
         grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    const CommCounters counted = comm.counters();
     const float loss = model.backward(grading::forward(model, batch), batch.labels);
     const std::optional<float> norm = zero.step();
+    const CommCounters used = comm.counters().since(counted);
     if (!verdict.passed()) continue;
+    const std::uint64_t unit_sent =
+        used.of(CommOp::kReduceScatter).bytes_sent + used.of(CommOp::kAllGather).bytes_sent;
+    const std::uint64_t other_sent = used.total_bytes_sent() - unit_sent;
+    if (unit_sent > unit_bytes || other_sent > norm_bytes) {
+      verdict.fail(fmt::format(
+          "{}: step {} sent {} bytes by reduce-scatters and all-gathers and {} by other calls; "
+          "the communication budget is at most {} (two all-gathers and one reduce-scatter per "
+          "unit) and {} (the norm's one float with clipping), in every run",
+          what, step, unit_sent, other_sent, unit_bytes, norm_bytes));
+      continue;
+    }
     const float expected_loss =
         exact
             .rank_losses[static_cast<std::size_t>(step - 1)][static_cast<std::size_t>(comm.rank())];
@@ -823,6 +844,19 @@ TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
   }
 }
 
+/// Heap bytes the hooks may take per call beyond what one call and its wait took when
+/// measured (the runtime's bookkeeping varies with which rank arrives first: heap_use.h).
+constexpr std::uint64_t kBookkeepingBytesPerCall = 256;
+/// Heap bytes the hooks may take per tensor they make (its shape, its record).
+constexpr std::uint64_t kBookkeepingBytesPerTensor = 128;
+/// Heap bytes the constructor may take per parameter of the model, for its bookkeeping (a
+/// unit's record, a name and a shape per parameter, a hook, the inner optimizer's): generous
+/// for any design, and well below a copy of the values (4 bytes an element, hundreds of
+/// elements a parameter in the graded models).
+constexpr std::uint64_t kConstructorBytesPerParameter = 640;
+/// Heap bytes the hooks may take whatever they do (a vector's first growth, say).
+constexpr std::uint64_t kHeapSlackBytes = 2048;
+
 TEST(Lab7Memory, ShardedStateAndNoAllocation) {
   Draws draws("Lab7Memory.ShardedStateAndNoAllocation");
   const std::vector<int> worlds = draws.world_sizes(6);
@@ -849,11 +883,29 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
             ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
             const grading::HeapUse constructor =
                 grading::heap_use_of_this_thread().since(before_constructor);
+            const std::uint64_t constructor_allowed =
+                kConstructorBytesPerParameter * model.parameters().size() + kHeapSlackBytes;
+            if (verdict.passed() && constructor.bytes > constructor_allowed)
+              verdict.fail(fmt::format(
+                  "{}: the constructor took {} bytes from the heap (std::vector, new, blocks of "
+                  "every size); bookkeeping for {} parameters needs at most {} ({} a parameter + "
+                  "{}): every buffer is a Tensor, so that the memory budget sees it",
+                  label, constructor.bytes, model.parameters().size(), constructor_allowed,
+                  kConstructorBytesPerParameter, kHeapSlackBytes));
             if (verdict.passed() && constructor.large_bytes != 0)
               verdict.fail(fmt::format(
                   "{}: the constructor took {} bytes in heap blocks of {} bytes or more; expected "
                   "none (every buffer is a Tensor, charged to its category)",
                   label, constructor.large_bytes, grading::kLargeAllocationBytes));
+            // What one collective call and its wait take from this thread's heap (the Work,
+            // the backend's bookkeeping): the hooks may take that much per call they make.
+            const grading::HeapUse call_start = grading::heap_use_of_this_thread();
+            {
+              Tensor chunk({1}, MemoryCategory::kOther, model.device());
+              Tensor full({world}, MemoryCategory::kOther, model.device());
+              comm.allgather(std::as_const(chunk).view(), full.view())->wait();
+            }
+            const grading::HeapUse one_call = grading::heap_use_of_this_thread().since(call_start);
             for (int step = 1; step <= 2; ++step) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
@@ -862,6 +914,7 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                 before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
               const std::size_t twin_activations_before =
                   tracker.allocations(MemoryCategory::kActivations);
+              const std::size_t plain_tensors_before = tracker.allocations_total();
               const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
               twin.zero_grad();
               twin.backward(grading::forward(twin, batch), batch.labels);
@@ -872,14 +925,32 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
               const std::size_t twin_grads =
                   tracker.allocations(MemoryCategory::kGradients) -
                   before[static_cast<std::size_t>(MemoryCategory::kGradients)];
+              const CommCounters calls_before = comm.counters();
+              const std::size_t hooked_tensors_before = tracker.allocations_total();
+              const std::size_t plain_tensors = hooked_tensors_before - plain_tensors_before;
               const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
               model.backward(grading::forward(model, batch), batch.labels);
               const grading::HeapUse hooked =
                   grading::heap_use_of_this_thread().since(hooked_before);
+              const std::uint64_t hook_calls = comm.counters().since(calls_before).total_calls();
+              const std::size_t hooked_tensors =
+                  tracker.allocations_total() - hooked_tensors_before;
+              const std::size_t extra_tensors =
+                  hooked_tensors - std::min(hooked_tensors, plain_tensors);
+              // In all, small blocks too: values kept between forward and backward in heap
+              // blocks under 1 KiB hid a whole replica from every other rule (a lab 7 trial).
+              const std::uint64_t heap_allowed =
+                  plain.bytes + hook_calls * (one_call.bytes + kBookkeepingBytesPerCall) +
+                  extra_tensors * kBookkeepingBytesPerTensor + kHeapSlackBytes;
               const std::size_t tensors = tracker.allocations_total();
               const grading::HeapUse heap = grading::heap_use_of_this_thread();
+              const CommCounters step_calls_before = comm.counters();
               (void)zero.step();
               const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
+              const std::uint64_t step_calls =
+                  comm.counters().since(step_calls_before).total_calls();
+              const std::uint64_t step_allowed =
+                  step_calls * (one_call.bytes + kBookkeepingBytesPerCall) + kHeapSlackBytes;
               const std::size_t in_step = tracker.allocations_total() - tensors;
               const auto made = [&](MemoryCategory c) {
                 return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
@@ -904,6 +975,25 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                     "(no staging copies in the hooks)",
                     label, step, hooked.large_bytes, grading::kLargeAllocationBytes,
                     plain.large_bytes));
+              else if (hooked.bytes > heap_allowed)
+                verdict.fail(fmt::format(
+                    "{}, step {}: forward and backward with your hooks took {} bytes from the "
+                    "heap (std::vector, new, blocks of every size), the same without them {}; "
+                    "expected at most {}: theirs, plus what each of your {} calls and its wait "
+                    "take ({} bytes, + {}), {} bytes for each of the {} tensors your hooks make "
+                    "beyond theirs, and {} to spare. Memory held outside tensors escapes the "
+                    "memory budget: keep every buffer a Tensor",
+                    label, step, hooked.bytes, plain.bytes, heap_allowed, hook_calls,
+                    one_call.bytes, kBookkeepingBytesPerCall, kBookkeepingBytesPerTensor,
+                    extra_tensors, kHeapSlackBytes));
+              else if (used.bytes > step_allowed)
+                verdict.fail(fmt::format(
+                    "{}, step {}: step() took {} bytes from the heap (blocks of every size); "
+                    "expected at most {}: what each of its {} calls and its wait take ({} bytes, "
+                    "+ {}) and {} to spare. Memory held outside tensors escapes the memory "
+                    "budget: keep every buffer a Tensor",
+                    label, step, used.bytes, step_allowed, step_calls, one_call.bytes,
+                    kBookkeepingBytesPerCall, kHeapSlackBytes));
               else if (in_step != 0 || used.large_bytes != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "

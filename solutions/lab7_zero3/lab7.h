@@ -139,7 +139,8 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     unit's gradients reduce-scattered exactly once, and with clipping one
 ///     `allreduce` (kSum) of one float in `step()`; nothing else. The backend's bytes sent
 ///     are then at most those of two all-gathers and one reduce-scatter per unit: 1.5 times
-///     DDP's volume (each half of an all-reduce), plus the padding.
+///     DDP's volume (each half of an all-reduce), plus the padding. The bytes are checked
+///     in every check that trains, not only where the calls are.
 ///   * Memory, from the `MemoryTracker` (bytes, float32):
 ///       - `kParameters`: the shard of the parameters, 4 S, at all times, plus the values
 ///         allocated at that moment, and nothing else: at the peak at most the shard and two
@@ -157,8 +158,12 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///       - After the constructor no tensor is allocated but the values you materialise (at
 ///         most two per parameter and step: one per all-gather) and the gradients backward
 ///         makes; `step()` allocates none. Every buffer is a `Tensor`: the constructor, your
-///         hooks and `step()` take no block of 1 KiB or more from the heap. Between steps
-///         every category holds what it held after the constructor.
+///         hooks and `step()` take no block of 1 KiB or more from the heap, and in all no
+///         more than bookkeeping needs (the constructor 640 bytes a parameter + 2 KiB; the
+///         hooks what a plain forward and backward take, plus per call what a call and its
+///         wait take + 256 bytes, per tensor beyond the plain pass's 128 bytes, + 2 KiB;
+///         `step()` per call the same, + 2 KiB). Between steps every category holds what it
+///         held after the constructor.
 ///       - Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in
 ///         which replicated training (16 Psi of parameters, gradients and AdamW state plus
 ///         lab 2's 4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of
