@@ -107,12 +107,22 @@ double bus_factor(const std::string& op, int p) {
 
 /// The sizes of the sweep: min, min x factor, ..., up to max, each a multiple of 4 p bytes
 /// (whole float32 elements, equal shards).
+/// The most --iters and --warmup: far more than a measurement needs, and small enough that
+/// warm-up plus iterations (and their count times the time) never overflow.
+constexpr int kMaxIterations = 1'000'000;
+/// The largest --max-bytes: beyond any machine's memory, and far enough below 2^64 that
+/// rounding a size up to the ranks' granule cannot wrap around.
+constexpr std::size_t kMaxSweepBytes = std::size_t{1} << 40;
+
 std::vector<std::size_t> sweep(const BenchArguments& args, int p) {
   const std::size_t granule = 4 * static_cast<std::size_t>(p);
   const std::size_t low = parse_byte_size(args.min_bytes, "--min-bytes");
   const std::size_t high = parse_byte_size(args.max_bytes, "--max-bytes");
   if (low > high)
     throw Error(fmt::format("--min-bytes {} is larger than --max-bytes {}", low, high));
+  if (high > kMaxSweepBytes)
+    throw Error(fmt::format("--max-bytes {} is more than the largest sweep, {} (1T)", high,
+                            kMaxSweepBytes));
   if (args.factor < 2) throw Error(fmt::format("--factor must be >= 2, got {}", args.factor));
   std::vector<std::size_t> sizes;
   for (std::size_t size = low; size <= high; size *= static_cast<std::size_t>(args.factor)) {
@@ -216,7 +226,7 @@ void run_bench(const BenchArguments& args) {
         "--device with --backend mpi: the mpi backend takes host buffers only; measure device "
         "buffers on --backend local (ranks as threads sharing the GPU) or nccl");
   if (device == Device::kHost && options.backend == Backend::kNccl)
-    throw Error("--backend nccl takes device buffers only: add --device cuda");
+    throw Error("--backend nccl takes device buffers only: add --device cuda (or emulated)");
   options.simulation = simulation_options(args.simulation);
   const bool mystery = !args.mystery_seed.empty();
   if (mystery) {
@@ -246,8 +256,9 @@ void run_bench(const BenchArguments& args) {
           "--backend mpi: start the ranks with `dplab run -n N --backend mpi -- bench-comm`");
     if (world_size == 0) world_size = mpi_world_size();
   }
-  if (options.backend == Backend::kNccl && world_size == 0)  // a GPU exists: select_device
-    world_size = started_by_mpi() ? mpi_world_size() : cuda_device_count();
+  // A GPU exists (select_device), or the emulated device's kEmulatedGpuCount.
+  if (options.backend == Backend::kNccl && world_size == 0)
+    world_size = started_by_mpi() ? mpi_world_size() : nccl_gpu_count();
   if (world_size == 0) world_size = 8;
   options.world_size = world_size;
   if (args.op == "sendrecv" && world_size < 2) throw Error("--op sendrecv needs at least 2 ranks");
@@ -349,11 +360,12 @@ void add_bench_comm_command(CLI::App& app) {
       ->capture_default_str();
   CLI::Option* iterations =
       bench->add_option("--iters", args->iterations, "Timed iterations per size (simulated: 1)")
-          ->capture_default_str();
+          ->capture_default_str()
+          ->check(whole_number_in(1, kMaxIterations));
   CLI::Option* warmup =
       bench->add_option("--warmup", args->warmup, "Untimed iterations per size (simulated: 0)")
           ->capture_default_str()
-          ->check(whole_number_at_least(0));
+          ->check(whole_number_in(0, kMaxIterations));
   bench->add_flag("--fit", args->fit, "Print the least-squares fit t = a + b S");
   bench->add_flag("--csv", args->csv,
                   "Print the rows as CSV (bytes,count,time_us,algbw_gbps,busbw_gbps) for a "

@@ -3,7 +3,16 @@
 
 #include <CLI/CLI.hpp>
 
+#include "dp/error.h"
+
 namespace dp::cli {
+
+/// A check the command ran failed on a run that itself went well (`train --verify`, the
+/// replicas' comparison): exit status 1, as a grade below full marks.
+class CheckFailed : public Error {
+ public:
+  using Error::Error;
+};
 
 /// Adds `dplab train`: trains a model data-parallel and reports progress.
 void add_train_command(CLI::App& app);

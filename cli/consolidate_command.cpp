@@ -14,6 +14,7 @@
 
 #include "commands.h"
 #include "dp/sharded_checkpoint.h"
+#include "option_checks.h"
 
 namespace dp::cli {
 namespace {
@@ -34,9 +35,11 @@ void add_consolidate_command(CLI::App& app) {
   consolidate_app
       ->add_option("directory", args->directory,
                    "The sharded checkpoint: the directory of index.json and the shard files")
-      ->required();
+      ->required()
+      ->check(non_empty_path());
   consolidate_app->add_option("-o,--output", args->output, "The safetensors file to write")
-      ->required();
+      ->required()
+      ->check(non_empty_path());
   consolidate_app->callback([args] {
     // Errors are dp::Error, printed by main() as every command's are.
     dp::consolidate_checkpoint(args->directory, args->output);

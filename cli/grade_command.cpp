@@ -133,16 +133,6 @@ std::uint64_t random_seed() {
   return (static_cast<std::uint64_t>(device()) << 32) | device();
 }
 
-/// Accepts decimal digits that fit in 64 bits; CLI11 itself would wrap "-1" to 2^64-1.
-std::string check_seed(const std::string& text) {
-  std::uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || end != text.data() + text.size())
-    return fmt::format("expected a whole number from 0 to {}, got '{}'",
-                       std::numeric_limits<std::uint64_t>::max(), text);
-  return "";
-}
-
 /// True when the check programs run under mpirun: always on mpi; on nccl when -n gives the
 /// number of processes (one per GPU). Without -n, nccl runs each check program as one
 /// process whose threads drive its GPUs.
@@ -185,12 +175,17 @@ grader::RunRequest make_request(const GradeArguments& args, const LabEntry& lab,
 }
 
 /// The lab audit of the code `program` was built from (grader/audit/lab_audit.h), done
-/// before any of it runs: nothing when the audit passes (or the program is missing, which
-/// the runner reports), else a run that never started, saying what was refused.
+/// before any of it runs, from the lab's objects and the manifest beside where the program
+/// is (the program itself need not exist yet): nothing when the audit passes (or there is
+/// neither manifest nor program, which the runner reports), else a run that never started,
+/// saying what was refused.
 std::optional<grader::RunResult> refused_by_audit(const std::filesystem::path& program,
                                                   const LabEntry& lab,
-                                                  const std::filesystem::path& grader_directory) {
-  if (!std::filesystem::exists(program)) return std::nullopt;
+                                                  const std::filesystem::path& grader_directory,
+                                                  const std::string& variant) {
+  if (!std::filesystem::exists(program) &&
+      !std::filesystem::exists(grader::audit::LabCode::manifest_of(program)))
+    return std::nullopt;
   grader::RunResult refused;
   refused.program = program.string();
   try {
@@ -200,9 +195,14 @@ std::optional<grader::RunResult> refused_by_audit(const std::filesystem::path& p
           fmt::format("{} has no lab manifest {} beside it (rebuild it: cmake --build "
                       "<build dir>)",
                       program.filename().string(), manifest.string()));
-    const grader::audit::AuditReport report =
-        grader::audit::audit_lab_code(grader::audit::LabCode::load(manifest),
-                                      lab.rubric.parent_path(), grader_directory / "audit");
+    grader::audit::AuditOptions options;
+    options.cache_dir = manifest.parent_path() / "lab-audit-cache";
+    // The reference's planted bugs (course staff's code, each the reference with one change)
+    // skip the compiler's reading: it would cost the selftests minutes and show nothing.
+    options.read_semantics = !(kReferenceBuild && variant.starts_with("bug_"));
+    const grader::audit::AuditReport report = grader::audit::audit_lab_code(
+        grader::audit::LabCode::load(manifest), lab.rubric.parent_path(),
+        grader_directory / "audit", options);
     if (report.passed()) return std::nullopt;
     refused.status = grader::RunStatus::kRefused;
     refused.start_error = report.summary();
@@ -235,24 +235,29 @@ void grade(const GradeArguments& args) {
   if (args.backend != "local" && args.backend != "mpi" && args.backend != "nccl")
     throw Error(
         fmt::format("unknown backend '{}': expected 'local', 'mpi' or 'nccl'", args.backend));
-  if (args.backend == "nccl" && !nccl_built())
+  // On the emulated device NCCL is emulated (its contract on the local backend's threads),
+  // in every build.
+  if (args.backend == "nccl" && !nccl_built() && args.device != "emulated")
     throw Error(
         "--backend nccl: this dplab was built without CUDA and NCCL (configure with a CUDA "
-        "compiler, DP_CUDA on and NCCL installed); grade on --backend local");
+        "compiler, DP_CUDA on and NCCL installed); grade on --backend local, or on NCCL "
+        "emulated with --device emulated");
   if (!args.device.empty()) select_device(args.device);  // a known name, and a GPU for "cuda"
   if (!args.device.empty() && args.device != "host" && args.backend == "mpi")
     throw Error(fmt::format(
         "--device {} with --backend mpi: the mpi backend takes host buffers only; grade on a "
         "device with --backend local (ranks as threads sharing the GPU) or nccl",
         args.device));
-  if (args.device == "emulated" && args.backend == "nccl")
+  if (args.backend == "nccl" && args.device != "cuda" && args.device != "emulated")
     throw Error(
-        "--device emulated with --backend nccl: NCCL needs real GPUs; grade the emulated "
-        "device on --backend local");
-  if (args.backend == "nccl" && args.device.empty())
-    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
-  if (args.backend == "nccl" && args.device != "cuda")
-    throw Error("--backend nccl takes device buffers only: give --device cuda as well");
+        "--backend nccl takes device buffers only: give --device cuda (the GPUs) or --device "
+        "emulated (NCCL emulated on the CUDA device emulated in host memory) as well");
+  if (args.backend == "nccl" && args.device == "emulated" && args.ranks != -1)
+    throw Error(fmt::format(
+        "--backend nccl --device emulated -n {}: the emulated NCCL runs its ranks as threads "
+        "of one process, not under mpirun; leave -n out (each check runs 1 and 2 ranks, as on "
+        "2 GPUs)",
+        args.ranks));
   if (args.backend == "nccl" && args.ranks >= 3)
     throw Error(fmt::format(
         "--backend nccl -n {}: grading on nccl takes at most 2 processes: NCCL adds the floats "
@@ -310,13 +315,21 @@ void grade(const GradeArguments& args) {
         throw Error(fmt::format("--check {}: lab {} has no such check; its checks are {}", check,
                                 args.lab, fmt::join(known, ", ")));
   }
-  // The reports are written after grading: a bad path (or a rubric's) must fail before it.
-  std::vector<std::filesystem::path> rubric_files;
-  for (const LabEntry& lab : find_labs(dir)) rubric_files.push_back(lab.rubric);
-  for (const std::string& output : {args.json_file, args.junit_file})
-    if (!output.empty()) check_output_path(output, rubric_files);
-
+  // The reports are written after grading: a bad path must fail before it, and so must one
+  // that would replace what grading reads (a rubric, dplab itself, a check program beside
+  // it) or the other report.
   const std::filesystem::path bin = std::filesystem::path(this_executable()).parent_path();
+  std::vector<std::filesystem::path> read_files;
+  for (const LabEntry& lab : find_labs(dir)) read_files.push_back(lab.rubric);
+  std::error_code listing_error;
+  for (const auto& entry : std::filesystem::directory_iterator(bin, listing_error))
+    if (entry.is_regular_file()) read_files.push_back(entry.path());
+  const std::vector<NamedOutput> outputs = {{"--json", args.json_file},
+                                            {"--junit", args.junit_file}};
+  check_distinct_outputs(outputs);
+  for (const NamedOutput& output : outputs)
+    if (!output.path.empty()) check_output_path(output.path, read_files);
+
   if (args.sanitize == "thread")
     for (const LabEntry& lab : labs)
       if (const auto program = bin / check_program_name(lab.number, args);
@@ -334,9 +347,13 @@ void grade(const GradeArguments& args) {
   if (args.sanitize == "thread") report.implementation += ", built with ThreadSanitizer";
   if (!args.checks.empty())
     report.implementation += fmt::format(", only {} (--check)", fmt::join(args.checks, ", "));
-  report.backend = under_mpirun(args)
-                       ? fmt::format("{} ({} processes)", args.backend, mpi_processes(args))
-                       : "local";
+  if (under_mpirun(args))
+    report.backend = fmt::format("{} ({} processes)", args.backend, mpi_processes(args));
+  else if (args.backend == "nccl")
+    report.backend = args.device == "emulated" ? "nccl (emulated, a thread per emulated GPU)"
+                                               : "nccl (a thread per GPU)";
+  else
+    report.backend = "local";
   const std::vector<std::string> devices = devices_to_grade(args);
   if (devices.size() > 1)
     report.devices = "on the host and on the emulated CUDA device";
@@ -346,15 +363,21 @@ void grade(const GradeArguments& args) {
   for (std::size_t i = 0; i < labs.size(); ++i) {
     fmt::print(stderr, "grading lab {} ({})...\n", labs[i].number, rubrics[i].title);
     const std::filesystem::path program = bin / check_program_name(labs[i].number, args);
-    if (const std::optional<grader::RunResult> refused = refused_by_audit(program, labs[i], dir)) {
+    if (const std::optional<grader::RunResult> refused =
+            refused_by_audit(program, labs[i], dir, args.variant)) {
       report.labs.push_back(grader::score_lab(rubrics[i], *refused));
       continue;
     }
     std::vector<std::pair<std::string, grader::LabResult>> runs;
+    std::vector<std::string> checks = args.checks;
+    if (checks.empty())
+      for (const grader::RubricCheck& check : rubrics[i].checks) checks.push_back(check.test);
     for (const std::string& device : devices) {
       const grader::RunResult run =
-          grader::run_check_program(make_request(args, labs[i], bin, seed, device));
-      runs.emplace_back(device_run_name(device), grader::score_lab(rubrics[i], run));
+          grader::run_checks(make_request(args, labs[i], bin, seed, device), checks);
+      grader::LabResult scored = grader::score_lab(rubrics[i], run);
+      grader::refuse_an_incomplete_rubric(scored, run);
+      runs.emplace_back(device_run_name(device), std::move(scored));
     }
     report.labs.push_back(grader::combine_runs(runs));
   }
@@ -376,7 +399,8 @@ void add_grade_command(CLI::App& app) {
   CLI::App* grade_app = app.add_subcommand(
       "grade", kReferenceBuild ? "Grade the reference solutions: the score table, check by check"
                                : "Grade your labs: the score table, check by check");
-  grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)");
+  grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)")
+      ->check(whole_number_at_least(1));
   grade_app
       ->add_option("--backend", args->backend,
                    "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "
@@ -392,18 +416,22 @@ void add_grade_command(CLI::App& app) {
                         "Processes under mpirun: for --backend mpi (default 2), or nccl (one per "
                         "GPU; without -n, one process drives the GPUs); local checks pick their "
                         "own world sizes");
-  grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here");
-  grade_app->add_option("--junit", args->junit_file, "Also write JUnit XML here");
+  grade_app->add_option("--json", args->json_file, "Also write Gradescope results.json here")
+      ->check(non_empty_path());
+  grade_app->add_option("--junit", args->junit_file, "Also write JUnit XML here")
+      ->check(non_empty_path());
   grade_app
       ->add_option("--timeout", args->timeout_seconds,
                    "Seconds each lab's check program may run before it is killed")
       ->capture_default_str();
-  grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  grade_app->add_option("--mpirun", args->mpirun, "The mpirun program")
+      ->capture_default_str()
+      ->check(non_empty_path());
   CLI::Option* seed = grade_app->add_option(
       "--seed", args->seed,
       "Grading seed (0 to 2^64-1) the checks draw their parameters from; repeats a run "
       "(default: a fresh random seed, printed)");
-  seed->check(CLI::Validator(check_seed, "UINT64"));
+  seed->check(seed_number());
   grade_app
       ->add_option("--sanitize", args->sanitize,
                    "thread: grade the ThreadSanitizer builds (grade_lab<N>_tsan, configured "

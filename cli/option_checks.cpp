@@ -6,6 +6,7 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -101,6 +102,48 @@ CLI::Validator whole_number_at_least(int low) {
         return fmt::format("expected a whole number >= {}, got {}", low, text);
       },
       fmt::format("INT >= {}", low));
+}
+
+CLI::Validator whole_number_in(int low, int high) {
+  return CLI::Validator(
+      [low, high](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (value >= low && value <= high && value == std::floor(value)) return {};
+        return fmt::format("expected a whole number from {} to {}, got {}", low, high, text);
+      },
+      fmt::format("INT in [{}, {}]", low, high));
+}
+
+CLI::Validator nonzero_in_float() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const double value = as_number(text);
+        if (!(value != 0 && static_cast<float>(value) == 0)) return {};
+        return fmt::format("expected 0 or a number a float can hold (at least {:g}), got {}",
+                           std::numeric_limits<float>::denorm_min(), text);
+      },
+      "");
+}
+
+CLI::Validator seed_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (!text.empty() && error == std::errc() && end == text.data() + text.size()) return {};
+        return fmt::format("expected a whole number from 0 to {}, got '{}'",
+                           std::numeric_limits<std::uint64_t>::max(), text);
+      },
+      "UINT64");
+}
+
+CLI::Validator non_empty_path() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (!text.empty()) return {};
+        return "expected a path, got an empty string";
+      },
+      "PATH");
 }
 
 CLI::Validator world_size_range() {

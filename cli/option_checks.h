@@ -41,6 +41,23 @@ CLI::Validator positive_finite(double high);
 /// A CLI11 check: a whole number >= low (and within int).
 CLI::Validator whole_number_at_least(int low);
 
+/// A CLI11 check for an option stored as a float: a value other than 0 that rounds to 0 in
+/// float (e.g. --lr 1e-50) fails, where it would silently become 0 and change the run.
+CLI::Validator nonzero_in_float();
+
+/// A CLI11 check of a 64-bit seed: decimal digits of a number from 0 to 2^64-1. CLI11 alone
+/// would wrap "-1" to 2^64-1 or saturate a larger number; `grade --seed` and `train --seed`
+/// share it so that one seed means the same in both.
+CLI::Validator seed_number();
+
+/// A CLI11 check of a path option: not empty. An empty path is a mistake (an unset shell
+/// variable), never "no file": it would otherwise be ignored or name the current directory.
+CLI::Validator non_empty_path();
+
+/// A CLI11 check: a whole number from low to high. For counts that arithmetic combines
+/// (warm-up plus timed iterations): a bound well inside int keeps every sum exact.
+CLI::Validator whole_number_in(int low, int high);
+
 /// A CLI11 check: a whole number of ranks from 1 to dp::kMaxWorldSize.
 CLI::Validator world_size_range();
 

@@ -57,6 +57,15 @@ std::optional<std::string> inner_world_size(const std::vector<std::string>& comm
   return std::nullopt;
 }
 
+/// The value of the command's own --backend, if any (`--backend X` or `--backend=X`).
+std::optional<std::string> inner_backend(const std::vector<std::string>& command) {
+  for (std::size_t i = 0; i < command.size(); ++i) {
+    if (command[i] == "--backend" && i + 1 < command.size()) return command[i + 1];
+    if (command[i].starts_with("--backend=")) return command[i].substr(10);
+  }
+  return std::nullopt;
+}
+
 /// The number of ranks: `dplab run -n`, else the command's own -n (`dplab run -- train -n 2`
 /// means 2 ranks), else 1. Both given must agree.
 int ranks_of(const RunArguments& args) {
@@ -119,6 +128,13 @@ void run(const RunArguments& args) {
         "`dplab run -n 4 --backend mpi -- train`");
   const int ranks = ranks_of(args);
   const bool inner_ranks = inner_world_size(args.command).has_value();
+  // dplab run gives the command its backend; a second --backend of the command's own made
+  // CLI11 say "At Most 1 required but received 2", which names neither.
+  if (const std::optional<std::string> backend = inner_backend(args.command))
+    throw Error(fmt::format(
+        "the command has its own --backend {}, but dplab run gives it --backend {}: give the "
+        "backend once, to dplab run (`dplab run --backend {} -- {} ...`)",
+        *backend, args.backend, *backend, args.command.front()));
   std::vector<std::string> argv;
   if (args.backend == "mpi" || args.backend == "nccl") {
     argv = mpi_command_line(args, ranks);
@@ -157,8 +173,11 @@ void add_run_command(CLI::App& app) {
   run_app
       ->add_option("--backend", args->backend, "mpi, nccl (mpirun, one process per GPU) or local")
       ->capture_default_str();
-  run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines");
-  run_app->add_option("--mpirun", args->mpirun, "The mpirun program")->capture_default_str();
+  run_app->add_option("--hostfile", args->hostfile, "mpirun host file, for several machines")
+      ->check(non_empty_path());
+  run_app->add_option("--mpirun", args->mpirun, "The mpirun program")
+      ->capture_default_str()
+      ->check(non_empty_path());
   // One value per --mpirun-arg (repeat it for more), so that it never swallows the `--`.
   run_app->add_option("--mpirun-arg", args->mpirun_args, "An extra argument for mpirun")
       ->expected(1)

@@ -44,6 +44,11 @@ RUN_BY_CI = [
 
 # Steps that run with a smaller workload than the README's, and why.
 SMALLER = {
+    "cmake --workflow --preset reference": (
+        ["cmake", "--preset", "reference", "-B", "{work}/reference-build"],
+        "configured only, in the scratch directory: the build under test has the same "
+        "dplab-reference and check programs (the reference preset builds a subset of the ci "
+        "preset's targets)"),
     "cmake --workflow --preset student": (
         ["cmake", "--preset", "student", "-B", "{work}/student-build"],
         "configured only, in the scratch directory: the build under test has the same dplab "
@@ -128,8 +133,8 @@ def run_step(step, args, log):
     else:
         argv += extra
     build = os.path.abspath(args.build)
-    # build/student holds a subset of the full build's programs (dplab, grade_lab<N>).
-    argv = [re.sub(r"^build/(default|student)", build, a) for a in argv]
+    # build/student and build/reference hold subsets of the full build's programs.
+    argv = [re.sub(r"^build/(default|student|reference)", build, a) for a in argv]
     program = os.path.basename(argv[0])
     if argv[0].startswith("tools/"):
         argv[0] = os.path.join(args.source, argv[0])
@@ -156,7 +161,7 @@ def run_step(step, args, log):
     output = result.stdout.decode(errors="replace")
     log.write(f"$ {' '.join(shlex.quote(a) for a in argv)}\n{output}\n")
     if needs_gpu and not gpu_here:
-        passed = result.returncode == 1 and re.search(
+        passed = result.returncode == 2 and re.search(
             r"sees no CUDA device|sees none|without CUDA|built without", output)
     elif student_grade:
         # Your code: 0 at full marks, 1 otherwise (the skeletons score 0), with the table.

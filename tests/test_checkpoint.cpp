@@ -1,5 +1,6 @@
 // Tests of safetensors checkpoints: round trips, the exact bytes on disk, and the errors
 // for malformed files, which are written byte by byte here.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -152,6 +153,67 @@ TEST(Safetensors, LeavesOutEmptyMetadataAndOverwrites) {
   EXPECT_TRUE(loaded.metadata.empty());
   ASSERT_EQ(loaded.tensors.size(), 1u);
   EXPECT_EQ(loaded.tensors.at("y").size(), 2u);
+}
+
+TEST(Safetensors, Crc32IsTheStandardOne) {
+  // The check value of CRC-32 (zlib, PNG): the sum of the nine digits "123456789".
+  EXPECT_EQ(dp::crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(dp::crc32("6789", 4, dp::crc32("12345", 5)), 0xCBF43926u) << "continued in pieces";
+}
+
+// Replaces the first `from` in the file at `path` by `to`, of the same length.
+void replace_bytes(const fs::path& path, const std::string& from, const std::string& to) {
+  std::string bytes = read_bytes(path);
+  const std::size_t at = bytes.find(from);
+  ASSERT_NE(at, std::string::npos) << from;
+  ASSERT_EQ(from.size(), to.size());
+  bytes.replace(at, from.size(), to);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST(Safetensors, ChecksumsRefuseAFlippedByteNamingWhatChanged) {
+  const fs::path dir = test_directory();  // emptied anew on every call
+  const fs::path path = dir / "checksummed.safetensors";
+  const dp::Tensor b = counting_tensor({3});
+  const dp::Tensor a = counting_tensor({2, 2});
+  const std::vector<dp::NamedTensor> tensors = {{"b", &b}, {"a", &a}};
+  dp::save_safetensors(path, tensors, {{"step", "17"}}, dp::Checksums::kWrite);
+  const dp::Checkpoint loaded = dp::load_safetensors(path);
+  EXPECT_TRUE(loaded.checksummed);
+  EXPECT_EQ(loaded.metadata, (std::map<std::string, std::string>{{"step", "17"}}))
+      << "the checksums' entry is not the caller's metadata";
+  EXPECT_FALSE(dp::load_safetensors(write_raw(dir / "plain_crc.safetensors",
+                                              R"({"w":{"dtype":"F32","shape":[1],)"
+                                              R"("data_offsets":[0,4]}})",
+                                              float_bytes({1.0f})))
+                   .checksummed);
+
+  // A step count changed in the header: "17" becomes "97".
+  const std::string original = read_bytes(path);
+  replace_bytes(path, R"("step":"17")", R"("step":"97")");
+  expect_error([&] { dp::load_safetensors(path); },
+               {"checksummed.safetensors", "the header", "step counts", "changed or damaged"});
+
+  // One bit of tensor a's last element (3.5f: its lowest mantissa bit).
+  std::string bytes = original;
+  bytes[bytes.size() - 4] ^= 1;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  expect_error([&] { dp::load_safetensors(path); },
+               {"the data of tensor 'a'", "changed or damaged"});
+
+  // The recorded sum of tensor b's data changed.
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << original;
+  const std::string b_sum =
+      fmt::format("{:08x}", dp::crc32(float_bytes({0.5f, 1.5f, 2.5f}).data(), 12));
+  replace_bytes(path, b_sum, std::string(8, '0'));
+  expect_error([&] { dp::load_safetensors(path); }, {"the data of tensor 'b'", "00000000"});
+
+  // The key is reserved: a caller cannot write a checksum of its own.
+  expect_error(
+      [&] {
+        dp::save_safetensors(path, tensors, {{dp::kChecksumKey, "x"}});
+      },
+      {"reserved for checksums"});
 }
 
 TEST(Safetensors, ReadsAFileWrittenByAnotherTool) {

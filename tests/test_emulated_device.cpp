@@ -210,11 +210,5 @@ TEST_F(EmulatedDevice, CannotBeSwitchedWhileADeviceTensorExists) {
   set_cuda_device_emulated(true);  // no change: allowed
 }
 
-TEST_F(EmulatedDevice, NcclRefusesIt) {
-  const std::string message = message_of<Error>(
-      [] { launch({.world_size = 1, .backend = Backend::kNccl}, [](Communicator&) {}); });
-  EXPECT_TRUE(contains(message, "the nccl backend with the emulated CUDA device")) << message;
-}
-
 }  // namespace
 }  // namespace dp

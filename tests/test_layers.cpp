@@ -133,6 +133,25 @@ TEST(Ops, MatmulRejectsShapesThatDoNotFit) {
   EXPECT_NE(output_message.find("must be (2, 2), got (3, 3)"), std::string::npos) << output_message;
 }
 
+TEST(Ops, AnEmptyInnerDimensionScalesTheOutputByBeta) {
+  // op(a) (2, 0) op(b) (0, 3): the product is zero, so c = beta c. Every operand layout,
+  // because a leading dimension of 0 (a row of no elements) is one BLAS refuses.
+  for (const dp::Transpose ta : {dp::Transpose::kNo, dp::Transpose::kYes}) {
+    for (const dp::Transpose tb : {dp::Transpose::kNo, dp::Transpose::kYes}) {
+      const dp::Tensor a(ta == dp::Transpose::kNo ? std::vector<std::int64_t>{2, 0}
+                                                  : std::vector<std::int64_t>{0, 2});
+      const dp::Tensor b(tb == dp::Transpose::kNo ? std::vector<std::int64_t>{0, 3}
+                                                  : std::vector<std::int64_t>{3, 0});
+      dp::Tensor c({2, 3});
+      for (float& value : c.span()) value = 4.0f;
+      dp::matmul_into(a, ta, b, tb, c, 1.0f, 0.5f);
+      for (const float value : c.span()) EXPECT_EQ(value, 2.0f);
+      dp::matmul_into(a, ta, b, tb, c, 1.0f, 0.0f);
+      for (const float value : c.span()) EXPECT_EQ(value, 0.0f);
+    }
+  }
+}
+
 TEST(Ops, BlasThreadsCanBeSetAndMustBePositive) {
   const int before = dp::blas_threads();
   dp::set_blas_threads(1);

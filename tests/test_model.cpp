@@ -98,6 +98,27 @@ TEST(Model, BadSpecsAreRejectedWithClearMessages) {
   EXPECT_NE(activation.find("\"relu\" or \"gelu\""), std::string::npos) << activation;
 }
 
+TEST(Model, ASpecWhoseParametersOverflowIsRefusedBeforeAnyAllocation) {
+  // Issue 32: 64 x (2^63 - 1) wrapped around and Parameter::zeros wrote past a small buffer.
+  for (const std::string spec : {"64-9223372036854775807-10", "9223372036854775807-2",
+                                 "4294967296-4294967296", "1073741824-1073741824-1073741824"}) {
+    const std::string message = error_message([&] { dp::Model::mlp(spec); });
+    EXPECT_NE(message.find("brings the parameters to more than 1152921504606846976 (2^60)"),
+              std::string::npos)
+        << spec << ": " << message;
+  }
+  // A shape built elsewhere is checked where its element count is taken, without overflow:
+  // 2^32 x 2^32 wraps to 0 in 64 bits and would have been an empty tensor.
+  for (const std::vector<std::int64_t>& shape : {std::vector<std::int64_t>{4294967296, 4294967296},
+                                                 {64, 9223372036854775807},
+                                                 {4, 2, 288230376151711744}}) {
+    const std::string message = error_message([&] { dp::element_count(shape); });
+    EXPECT_NE(message.find("more than 1152921504606846976 elements"), std::string::npos) << message;
+  }
+  EXPECT_EQ(dp::element_count({9223372036854775807, 0}), 0u) << "a zero extent is 0 elements";
+  EXPECT_EQ(dp::element_count({1073741824, 1073741824}), std::size_t{1} << 60);
+}
+
 TEST(Model, AddRejectsDuplicateNames) {
   dp::Model model;
   model.add(std::make_unique<dp::Linear>("fc1", 2, 2));

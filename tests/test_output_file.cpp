@@ -1,9 +1,11 @@
 // Tests of output files (dp/output_file.h): only regular files are replaced, inputs of the
 // run are never overwritten, a write is whole or absent, and errors quote the system.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -115,6 +117,50 @@ TEST(OutputFile, TheTargetIsCheckedAgainAtCommit) {
   const std::string message = message_of<dp::Error>([&] { file.commit(); });
   EXPECT_TRUE(contains(message, "is a directory")) << message;
   EXPECT_TRUE(fs::is_directory(dir / "late"));
+}
+
+TEST(OutputFile, StaleTemporaryFilesOfGoneProcessesAreRemoved) {
+  // Issue 32: a run killed while saving left ".<name>.<pid>.<n>.tmp", and nothing removed it.
+  const fs::path dir = test_directory();
+  const fs::path target = dir / "run.st";
+  // A pid no process has: a child that has exited and been waited for.
+  const pid_t gone = ::fork();
+  if (gone == 0) ::_exit(0);
+  ASSERT_GT(gone, 0);
+  int status = 0;
+  ::waitpid(gone, &status, 0);
+  const auto touch = [&](const std::string& name) {
+    std::ofstream(dir / name) << "partial";
+    return dir / name;
+  };
+  const fs::path stale = touch(fmt::format(".run.st.{}.3.tmp", gone));
+  const fs::path living = touch(fmt::format(".run.st.{}.0.tmp", ::getppid()));
+  const fs::path other_target = touch(fmt::format(".run.st.old.{}.0.tmp", gone));
+  const fs::path not_ours = touch(fmt::format(".run.st.{}.x.tmp", gone));
+  const std::vector<fs::path> removed = dp::remove_stale_temporaries(target);
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0], stale);
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(living)) << "a living process may be writing it";
+  EXPECT_TRUE(fs::exists(other_target)) << "another target's file (run.st.old)";
+  EXPECT_TRUE(fs::exists(not_ours)) << "not a name AtomicFile makes";
+}
+
+TEST(OutputFile, ASecondWriterOfOnePathIsRefusedByTheLock) {
+  const fs::path dir = test_directory();  // emptied anew on every call
+  const fs::path target = dir / "locked.st";
+  {
+    const dp::OutputLock first(target);
+    EXPECT_TRUE(fs::exists(first.lock_file()));
+    // A second lock, as another run would take it (flock locks open files, not processes).
+    const std::string message = message_of<dp::Error>([&] { dp::OutputLock second(target); });
+    EXPECT_TRUE(contains(message, "refusing to write '" + target.string() +
+                                      "': another process (pid " + std::to_string(::getpid()) +
+                                      ") is writing it"))
+        << message;
+  }
+  EXPECT_FALSE(fs::exists(dir / ".locked.st.lock")) << "removed by its holder";
+  const dp::OutputLock again(target);  // free once the first is gone
 }
 
 TEST(OutputFile, ConcurrentWritersOfOnePathEachWriteAWholeFile) {

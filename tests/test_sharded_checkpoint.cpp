@@ -353,6 +353,7 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
   save_all(other, plan_of("flat", 2));
   const dp::ShardLayout layout = layouts_of("flat", 1)[0];
 
+  // (The shard files below are rewritten with checksums: intact files of the wrong kind.)
   // A shard of another world size in its place.
   fs::copy_file(dir / "shard-0-of-3.safetensors", dir / "keep",
                 fs::copy_options::overwrite_existing);
@@ -367,7 +368,8 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
   dp::Checkpoint shard1 = dp::load_safetensors(dir / "shard-1-of-3.safetensors");
   std::vector<dp::NamedTensor> named;
   for (auto& [name, tensor] : shard1.tensors) named.push_back({name, &tensor});
-  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, shard1.metadata);
+  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, shard1.metadata,
+                       dp::Checksums::kWrite);
   expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
                {"shard-2-of-3.safetensors' holds rank 1, expected rank 2"});
 
@@ -377,7 +379,8 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
   named.clear();
   for (auto& [name, tensor] : shard2.tensors)
     named.push_back({name, name == "exp_avg" ? &small : &tensor});
-  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, shard2.metadata);
+  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, shard2.metadata,
+                       dp::Checksums::kWrite);
   expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
                {"tensor 'exp_avg' has 14 elements, expected the shard's 15"});
 
@@ -386,7 +389,7 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
   metadata["layout"] = R"({"shard_elements": 15, "ranges": []})";
   named.clear();
   for (auto& [name, tensor] : shard2.tensors) named.push_back({name, &tensor});
-  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, metadata);
+  dp::save_safetensors(dir / "shard-2-of-3.safetensors", named, metadata, dp::Checksums::kWrite);
   expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
                {"shard-2-of-3.safetensors' was saved with layout", "but the index gives rank 2"});
 
@@ -407,6 +410,57 @@ TEST(ShardedCheckpointErrors, LoadingChecksTheFilesAgainstTheIndex) {
   const std::vector<dp::ShardTarget> unknown = {{"momentum_buffer", &wrong}};
   expect_error([&] { dp::load_checkpoint_shard(dir, layout, unknown); },
                {"no tensor 'momentum_buffer' (it has params, exp_avg, exp_avg_sq)"});
+}
+
+TEST(ShardedCheckpointErrors, AChangedByteInAShardIsRefusedAndVersionOneStillLoads) {
+  const fs::path base = test_directory();  // emptied anew on every call
+  const fs::path dir = base / "damaged";
+  fs::create_directories(dir);
+  save_all(dir, plan_of("flat", 3));
+  const dp::ShardLayout layout = layouts_of("flat", 1)[0];
+  const fs::path shard = dir / "shard-1-of-3.safetensors";
+  const std::string original = [&] {
+    std::ifstream in(shard, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }();
+  const auto write = [&](const std::string& bytes) {
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << bytes;
+  };
+
+  // One bit of the last tensor's data, then the step count in the header.
+  std::string bytes = original;
+  bytes[bytes.size() - 2] ^= 0x01;
+  write(bytes);
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"shard-1-of-3.safetensors", "the data of tensor '", "changed or damaged"});
+  expect_error([&] { dp::consolidate_checkpoint(dir, base / "damaged.safetensors"); },
+               {"shard-1-of-3.safetensors", "the data of tensor '"});
+  bytes = original;
+  const std::size_t rank = bytes.find(R"("rank":"1")");
+  ASSERT_NE(rank, std::string::npos);
+  bytes[rank + 8] = '2';
+  write(bytes);
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"shard-1-of-3.safetensors", "the header", "changed or damaged"});
+
+  // The checksums' key renamed: a version 2 shard must have them.
+  bytes = original;
+  const std::size_t key = bytes.find("dplab.crc32");
+  ASSERT_NE(key, std::string::npos);
+  bytes[key + 10] = 'x';
+  write(bytes);
+  expect_error([&] { dp::load_checkpoint_shard(dir, layout); },
+               {"shard-1-of-3.safetensors' has version 2 but no checksums"});
+
+  // A version 1 shard, written before checksums (no "version", no checksums), still loads.
+  write(original);
+  dp::Checkpoint saved = dp::load_safetensors(shard);
+  EXPECT_TRUE(saved.checksummed);
+  saved.metadata.erase("version");
+  std::vector<dp::NamedTensor> named;
+  for (auto& [name, tensor] : saved.tensors) named.push_back({name, &tensor});
+  dp::save_safetensors(shard, named, saved.metadata);
+  expect_loads(dir, {layout}, "version 1 shard");
 }
 
 TEST(ShardedCheckpointErrors, AFailedTargetCheckChangesNoTarget) {

@@ -3,12 +3,18 @@
 // replica bitwise identical.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <memory>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "comm_test_support.h"
@@ -27,11 +33,30 @@ float max_abs_difference(const std::vector<float>& a, const std::vector<float>& 
   return largest;
 }
 
+/// Three SGD steps of a small MLP on 256 synthetic samples: where a missing divide by the
+/// world size shows at once.
+std::pair<TrainOptions, Dataset> short_run() {
+  TrainOptions options;
+  options.model = "16-32-4";
+  options.global_batch = 32;
+  options.steps = 3;
+  SyntheticOptions synthetic;
+  synthetic.samples = 256;
+  synthetic.features = 16;
+  synthetic.classes = 4;
+  return {options, make_synthetic_classification(synthetic)};
+}
+
 struct EquivalenceCase {
   const char* optimizer;
   float lr;
   float momentum;
 };
+
+/// Every optimizer the trainer has: plain SGD, SGD with momentum, AdamW.
+const std::array<EquivalenceCase, 3> kOptimizerCases = {EquivalenceCase{"sgd", 0.1f, 0.0f},
+                                                        EquivalenceCase{"sgd", 0.05f, 0.9f},
+                                                        EquivalenceCase{"adamw", 0.01f, 0.0f}};
 
 class DataParallelEquivalence : public ::testing::TestWithParam<std::tuple<int, EquivalenceCase>> {
 };
@@ -85,24 +110,107 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<int, Equivalence
 
 INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, DataParallelEquivalence,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4, 5),
-                                            ::testing::Values(EquivalenceCase{"sgd", 0.1f, 0.0f},
-                                                              EquivalenceCase{"sgd", 0.05f, 0.9f},
-                                                              EquivalenceCase{"adamw", 0.01f,
-                                                                              0.0f})),
+                                            ::testing::ValuesIn(kOptimizerCases)),
                          case_name);
+
+// One process doing the ranks' arithmetic (each rank's gradient on its slice, summed in rank
+// order, divided by N) is bitwise what the ranks compute, however long the run: what `dplab
+// train --verify` checks. 400 steps of AdamW at lr 0.01 is where the comparison with one
+// process on the global batch drifts beyond any short-run tolerance (float32 reordering
+// amplified by AdamW's normalised step), so no tolerance could do this.
+class EmulatedRanks : public ::testing::TestWithParam<std::tuple<int, EquivalenceCase>> {};
+
+TEST_P(EmulatedRanks, OneProcessEmulatingTheRanksIsBitwiseTheirsOverALongRun) {
+  const auto [world_size, setup] = GetParam();
+  TrainOptions options;
+  options.model = "16-32-32-4";
+  options.dataset = "synthetic:600";
+  options.global_batch = 60;
+  options.steps = 400;
+  options.optimizer = setup.optimizer;
+  options.lr = setup.lr;
+  options.momentum = setup.momentum;
+  options.weight_decay = setup.optimizer == std::string("adamw") ? 0.1f : 0.0f;
+  options.seed = 5;
+  SyntheticOptions synthetic;
+  synthetic.samples = 600;
+  synthetic.features = 16;
+  synthetic.classes = 4;
+  synthetic.seed = 5;
+  const Dataset data = make_synthetic_classification(synthetic);
+  std::vector<float> replica;
+  launch(testing::test_launch(world_size), [&](Communicator& comm) {
+    TrainResult result = train_data_parallel(options, data, comm);
+    if (comm.rank() == 0) replica = result.model.flat_parameters();
+  });
+  if (testing::test_backend() == Backend::kMpi && replica.empty()) return;  // not rank 0 here
+  const std::vector<float> emulated =
+      train_emulating_data_parallel(options, data, world_size).model.flat_parameters();
+  ASSERT_EQ(emulated.size(), replica.size());
+  EXPECT_EQ(std::memcmp(emulated.data(), replica.data(), replica.size() * sizeof(float)), 0)
+      << world_size << " ranks and one process emulating them differ by "
+      << max_abs_difference(emulated, replica);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndOptimizers, EmulatedRanks,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4, 6),
+                                            ::testing::ValuesIn(kOptimizerCases)),
+                         case_name);
+
+/// The backend's all-reduce with a missing 1/N: an average computed as a plain sum.
+class SumInsteadOfAverage final : public Communicator {
+ public:
+  explicit SumInsteadOfAverage(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
+    return inner_.isend(data, peer, tag);
+  }
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
+    return inner_.irecv(data, peer, tag);
+  }
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
+    return inner_.allreduce(data, op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  }
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    return inner_.reduce_scatter(in, out, op);
+  }
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    return inner_.allgather(in, out);
+  }
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    return inner_.broadcast(data, root);
+  }
+  void barrier() override { inner_.barrier(); }
+  CommCounters counters() const override { return inner_.counters(); }
+  Clock& clock() override { return inner_.clock(); }
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(EmulatedRanks, AMissingDivisionByTheRankCountIsNotBitwiseTheEmulation) {
+  const std::pair<TrainOptions, Dataset> run = short_run();
+  const TrainOptions& options = run.first;
+  const Dataset& data = run.second;
+  std::vector<float> wrong;
+  launch({.world_size = 2}, [&](Communicator& comm) {
+    SumInsteadOfAverage summing(comm);
+    TrainResult result = train_data_parallel(options, data, summing);
+    if (comm.rank() == 0) wrong = result.model.flat_parameters();
+  });
+  const std::vector<float> emulated =
+      train_emulating_data_parallel(options, data, 2).model.flat_parameters();
+  EXPECT_GT(max_abs_difference(emulated, wrong), 0.0f);
+}
 
 TEST(DataParallelTraining, WithoutAveragingTheReplicasWouldDiverge) {
   // The tolerance must be able to fail: summing instead of averaging (a missing divide by
   // the world size) is far outside it.
-  TrainOptions options;
-  options.model = "16-32-4";
-  options.global_batch = 32;
-  options.steps = 3;
-  SyntheticOptions synthetic;
-  synthetic.samples = 256;
-  synthetic.features = 16;
-  synthetic.classes = 4;
-  const Dataset data = make_synthetic_classification(synthetic);
+  const std::pair<TrainOptions, Dataset> run = short_run();
+  const TrainOptions& options = run.first;
+  const Dataset& data = run.second;
   const TrainResult baseline = train_single_process(options, data);
   TrainOptions doubled = options;
   doubled.lr *= 2;  // what summing over 2 ranks does to an SGD step
@@ -287,6 +395,113 @@ TEST(TrainingCheckpoint, ResumingNamesWhatDiffersFromTheSavedRun) {
               load_training_checkpoint(path, options, 100);
             }).find("is not a training checkpoint of dplab"),
             std::string::npos);
+}
+
+// The options of the AdamW runs whose checkpoints the tests below change.
+TrainOptions adamw_options() {
+  TrainOptions options;
+  options.model = "4-3";
+  options.optimizer = "adamw";
+  options.steps = 10;
+  return options;
+}
+
+// Saves a checkpoint of an AdamW run at step `step`, the optimizer having taken as many.
+std::filesystem::path saved_adamw_checkpoint(const std::string& name, int step) {
+  const TrainOptions options = adamw_options();
+  Model model = make_model(options);
+  AdamW adamw(model.num_parameters(), {.lr = options.lr});
+  adamw.set_step_count(step);
+  const std::filesystem::path path = std::filesystem::path(::testing::TempDir()) / name;
+  save_training_checkpoint(path, options, model, adamw, step, 100, {.world_size = 1});
+  return path;
+}
+
+// The error of resuming the checkpoint of an AdamW run at step 4 after `change` changed its
+// tensors or metadata and it was saved again with valid checksums: what a resume must
+// refuse even when the file is as it was written.
+std::string resume_error_after(const std::function<void(Checkpoint&)>& change) {
+  const std::filesystem::path path = saved_adamw_checkpoint("dplab_resume_values.safetensors", 4);
+  Checkpoint contents = load_safetensors(path);
+  EXPECT_TRUE(contents.checksummed) << "a training checkpoint records checksums";
+  EXPECT_EQ(load_training_checkpoint(path, adamw_options(), 100).step, 4);
+  change(contents);
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, tensor] : contents.tensors) tensors.push_back({name, &tensor});
+  save_safetensors(path, tensors, contents.metadata, Checksums::kWrite);
+  return error_of([&] { load_training_checkpoint(path, adamw_options(), 100); });
+}
+
+TEST(TrainingCheckpoint, ResumingRefusesValuesNoRunHas) {
+  std::string message = resume_error_after([](Checkpoint& c) {
+    c.tensors.at("fc1.weight")[2] = std::numeric_limits<float>::quiet_NaN();
+  });
+  EXPECT_NE(message.find("tensor 'fc1.weight' holds nan at element 2, expected finite"),
+            std::string::npos)
+      << message;
+  message = resume_error_after([](Checkpoint& c) {
+    c.tensors.at("optimizer.exp_avg")[0] = -std::numeric_limits<float>::infinity();
+  });
+  EXPECT_NE(message.find("tensor 'optimizer.exp_avg' holds -inf at element 0"), std::string::npos)
+      << message;
+  message =
+      resume_error_after([](Checkpoint& c) { c.tensors.at("optimizer.exp_avg_sq")[1] = -0.5f; });
+  EXPECT_NE(
+      message.find("tensor 'optimizer.exp_avg_sq' holds -0.5 at element 1, expected values >= 0"),
+      std::string::npos)
+      << message;
+  message = resume_error_after(
+      [](Checkpoint& c) { c.metadata["optimizer_steps"] = "9223372036854775807"; });
+  EXPECT_NE(message.find("optimizer step count (metadata \"optimizer_steps\") is "
+                         "9223372036854775807, expected at most 4"),
+            std::string::npos)
+      << message;
+}
+
+TEST(TrainingCheckpoint, ResumingRefusesAFlippedByteAndReadsTheFormatBeforeChecksums) {
+  const TrainOptions options = adamw_options();
+  const std::filesystem::path path = saved_adamw_checkpoint("dplab_resume_flipped.safetensors", 6);
+  const std::string original = [&] {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }();
+  const auto flipped = [&](const std::string& from, const std::string& to) {
+    std::string bytes = original;
+    const std::size_t at = bytes.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    bytes.replace(at, from.size(), to);
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    return error_of([&] { load_training_checkpoint(path, options, 100); });
+  };
+  for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {R"("step":"6")", R"("step":"2")"},
+           {R"("optimizer_steps":"6")", R"("optimizer_steps":"2")"}}) {
+    const std::string message = flipped(from, to);
+    EXPECT_NE(message.find("the header"), std::string::npos) << from << ": " << message;
+    EXPECT_NE(message.find("changed or damaged"), std::string::npos) << from << ": " << message;
+  }
+  {
+    std::string bytes = original;
+    bytes[bytes.size() - 1] ^= 0x40;  // a bit of the last optimizer state's last element
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+    const std::string message = error_of([&] { load_training_checkpoint(path, options, 100); });
+    EXPECT_NE(message.find("the data of tensor 'optimizer."), std::string::npos) << message;
+  }
+  // The checksums' entry removed (its key renamed): the current format requires it.
+  {
+    const std::string message = flipped("\"dplab.crc32\"", "\"dplab.crc3x\"");
+    EXPECT_NE(message.find("has no \"dplab.crc32\" entry"), std::string::npos) << message;
+  }
+  // A file of the format before checksums (dplab-train-1) still resumes.
+  Checkpoint contents = load_safetensors([&] {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << original;
+    return path;
+  }());
+  contents.metadata["format"] = "dplab-train-1";
+  std::vector<NamedTensor> tensors;
+  for (const auto& [name, tensor] : contents.tensors) tensors.push_back({name, &tensor});
+  save_safetensors(path, tensors, contents.metadata);
+  EXPECT_EQ(load_training_checkpoint(path, options, 100).step, 6);
 }
 
 TEST(EquivalenceTolerance, AdamWOnTheDigitsOfTheReadmeIsWithinIt) {

@@ -7,7 +7,10 @@
 //   bytes [8 + N, end)    data section; "data_offsets" are relative to its start
 #include "dp/checkpoint.h"
 
+#include <zlib.h>
+
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -116,15 +119,90 @@ Entry parse_entry(const std::string& file, const std::string& name, const nlohma
   return entry;
 }
 
+std::string hex32(std::uint32_t value) {
+  return fmt::format("{:08x}", value);
+}
+
+/// The header as its checksum covers it: compact JSON, keys sorted (nlohmann::json's map
+/// sorts them), without the checksums' entry, so that the writer and a reader that parsed
+/// the file produce the same text whatever the spacing and key order in the file.
+std::string canonical_header(nlohmann::json header) {
+  const auto metadata = header.find(kMetadataKey);
+  if (metadata != header.end() && metadata->is_object()) {
+    metadata->erase(kChecksumKey);
+    if (metadata->empty()) header.erase(metadata);
+  }
+  return header.dump();
+}
+
+/// Checks the checksums of a parsed file, if it records them; returns whether it did.
+/// `header` is the whole parsed header; `data` the tensors' bytes by name.
+bool verify_checksums(const std::string& file, const nlohmann::json& header,
+                      const std::map<std::string, std::string_view>& data) {
+  const auto metadata = header.find(kMetadataKey);
+  if (metadata == header.end() || !metadata->contains(kChecksumKey)) return false;
+  const auto fail = [&](std::string_view problem) {
+    return Error(fmt::format(
+        "safetensors file '{}': {}: the file was changed or damaged after it was written "
+        "(refusing to load it)",
+        file, problem));
+  };
+  nlohmann::json sums;
+  try {
+    sums = nlohmann::json::parse(metadata->at(kChecksumKey).get<std::string>());
+  } catch (const nlohmann::json::exception&) {
+    throw fail(fmt::format("its metadata \"{}\" is not the JSON of checksums", kChecksumKey));
+  }
+  if (!sums.is_object() || !sums.contains("header") || !sums["header"].is_string() ||
+      !sums.contains("data") || !sums["data"].is_object())
+    throw fail(
+        fmt::format("its metadata \"{}\" is {}, expected {{\"header\": ..., \"data\": "
+                    "{{...}}}}",
+                    kChecksumKey, sums.dump()));
+  const std::string canonical = canonical_header(header);
+  const std::string header_sum = hex32(crc32(canonical.data(), canonical.size()));
+  if (sums["header"] != header_sum)
+    throw fail(fmt::format(
+        "the header (the tensors' names, shapes and offsets, and the metadata such as the step "
+        "counts) has checksum {}, but {} was recorded",
+        header_sum, sums["header"].dump()));
+  for (const auto& [name, bytes] : data) {
+    const auto recorded = sums["data"].find(name);
+    if (recorded == sums["data"].end())
+      throw fail(fmt::format("tensor '{}' has no recorded checksum", name));
+    const std::string sum = hex32(crc32(bytes.data(), bytes.size()));
+    if (*recorded != sum)
+      throw fail(fmt::format("the data of tensor '{}' has checksum {}, but {} was recorded", name,
+                             sum, recorded->dump()));
+  }
+  for (const auto& [name, sum] : sums["data"].items())
+    if (!data.contains(name))
+      throw fail(fmt::format("a checksum is recorded for tensor '{}', which the file does not hold",
+                             name));
+  return true;
+}
+
 }  // namespace
 
+std::uint32_t crc32(const void* bytes, std::size_t count, std::uint32_t crc) {
+  // zlib's CRC-32; crc32_z takes a 64-bit length, so one call covers a tensor of any size.
+  if (count == 0) return crc;
+  return static_cast<std::uint32_t>(
+      ::crc32_z(crc, static_cast<const Bytef*>(bytes), static_cast<z_size_t>(count)));
+}
+
 void save_safetensors(const std::filesystem::path& path, std::span<const NamedTensor> tensors,
-                      const std::map<std::string, std::string>& metadata) {
+                      const std::map<std::string, std::string>& metadata, Checksums checksums) {
   const std::string file = path.string();
   // ordered_json keeps the entries in the order of the data, which makes the header
   // easy to read next to the bytes.
+  if (metadata.contains(kChecksumKey))
+    throw Error(
+        fmt::format("save_safetensors '{}': the metadata key '{}' is reserved for checksums", file,
+                    kChecksumKey));
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata.empty()) header[std::string(kMetadataKey)] = metadata;
+  if (!metadata.empty() || checksums == Checksums::kWrite)
+    header[std::string(kMetadataKey)] = metadata;
   std::uint64_t offset = 0;
   for (const NamedTensor& named : tensors) {
     if (named.tensor == nullptr)
@@ -150,6 +228,28 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
 
   std::string header_text;
   try {
+    if (checksums == Checksums::kWrite) {
+      // The data's sums first (a device tensor is copied one at a time, so that no more
+      // than one extra tensor is held), then the header's without the entry itself.
+      nlohmann::ordered_json data_sums = nlohmann::ordered_json::object();
+      for (const NamedTensor& named : tensors) {
+        std::uint32_t sum = 0;
+        if (named.tensor->empty()) {
+          sum = crc32(nullptr, 0);
+        } else if (named.tensor->device() == Device::kHost) {
+          sum = crc32(named.tensor->data(), named.tensor->bytes());
+        } else {
+          const Tensor host_copy = named.tensor->to(Device::kHost);
+          sum = crc32(host_copy.data(), host_copy.bytes());
+        }
+        data_sums[named.name] = hex32(sum);
+      }
+      const std::string canonical = canonical_header(nlohmann::json(header));
+      const nlohmann::ordered_json sums = {
+          {"header", hex32(crc32(canonical.data(), canonical.size()))},
+          {"data", std::move(data_sums)}};
+      header[std::string(kMetadataKey)][kChecksumKey] = sums.dump();
+    }
     header_text = header.dump();
   } catch (const nlohmann::json::exception& error) {
     throw Error(
@@ -266,7 +366,7 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
               fmt::format("safetensors file '{}': header (byte offsets {} to {}): "
                           "metadata '{}' is {}, expected a string",
                           file, kLengthBytes, data_start, meta_key, meta_value.dump()));
-        checkpoint.metadata[meta_key] = meta_value.get<std::string>();
+        if (meta_key != kChecksumKey) checkpoint.metadata[meta_key] = meta_value.get<std::string>();
       }
       continue;
     }
@@ -295,6 +395,12 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
         fmt::format("safetensors file '{}': {} bytes after the last tensor, from byte "
                     "offset {}, belong to no tensor",
                     file, data_size - expected_begin, data_start + expected_begin));
+
+  // Checked before anything is allocated for the tensors: a damaged file costs no memory.
+  std::map<std::string, std::string_view> data;
+  for (const Entry& entry : entries)
+    data[entry.name] = bytes.substr(data_start + entry.begin, entry.end - entry.begin);
+  checkpoint.checksummed = verify_checksums(file, header, data);
 
   for (const Entry& entry : entries) {
     Tensor tensor = Tensor::uninitialized(entry.shape, category);

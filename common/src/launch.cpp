@@ -44,6 +44,10 @@ bool nccl_built() {
 #endif
 }
 
+int nccl_gpu_count() {
+  return cuda_device_emulated() ? kEmulatedGpuCount : cuda_device_count();
+}
+
 bool started_by_mpi() {
   // Open MPI's launcher sets these in every process it starts; other launchers set PMI_*.
   return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
@@ -80,14 +84,22 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   // Under Completion::kAdversarial the rank's code talks to a decorator over the backend's
   // communicator (comm/adversarial.h); the backend underneath is unchanged.
   // Each rank charges its tensors to memory of its own, under the budget if there is one.
+  // A rank returns once its device work has finished: kernels still queued on its thread's
+  // stream (its last optimizer step) would race with the caller, who reads those tensors on
+  // a stream of its own as soon as launch() returns.
   const std::function<void(Communicator&)> run_rank = [&](Communicator& comm) {
     auto memory = std::make_shared<RankMemory>();
     memory->tracker().set_budget(options.memory_budget_bytes);
     ScopedRankMemory bind(std::move(memory));
-    if (options.comm.completion != Completion::kAdversarial) return rank_main(comm);
+    if (options.comm.completion != Completion::kAdversarial) {
+      rank_main(comm);
+      synchronize_device();
+      return;
+    }
     const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
         detail::make_adversarial(comm, options.comm.completion_seed);
     rank_main(*adversarial);
+    synchronize_device();
     // A Work destroyed unwaited as the function returned may have found a touched buffer.
     adversarial->throw_report_of_destroyed_work();
   };
@@ -103,10 +115,11 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
           "(install it with tools/install-deps and configure again)");
 #endif
     case Backend::kNccl:
-      if (cuda_device_emulated())
-        throw Error(
-            "the nccl backend with the emulated CUDA device: NCCL needs real GPUs; run the "
-            "emulated device on the local backend");
+      // No GPU to run NCCL on: its contract emulated on the local backend's threads.
+      if (cuda_device_emulated()) {
+        detail::run_emulated_nccl(options, run_rank);
+        return;
+      }
 #ifdef DP_HAVE_NCCL
       detail::run_nccl(options, run_rank);
       return;

@@ -39,6 +39,20 @@ std::vector<std::int64_t> parse_mlp_spec(std::string_view spec) {
   if (widths.size() < 2)
     throw invalid(
         fmt::format("it has {} width, but an input and an output are needed", widths.size()));
+  // The parameters live in one flat buffer: their total must be a tensor size. Each layer
+  // has in x out weights and out biases, checked before each operation so none can wrap.
+  std::size_t total = 0;
+  for (std::size_t i = 0; i + 1 < widths.size(); ++i) {
+    const auto in = static_cast<std::size_t>(widths[i]);
+    const auto out = static_cast<std::size_t>(widths[i + 1]);
+    const std::size_t room = kMaxTensorElements - total;
+    if (out > room / (in + 1))
+      throw invalid(fmt::format(
+          "layer {} ({} -> {}) brings the parameters to more than {} (2^60), more than any "
+          "memory holds",
+          i + 1, in, out, kMaxTensorElements));
+    total += out * (in + 1);
+  }
   return widths;
 }
 

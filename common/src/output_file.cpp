@@ -2,12 +2,16 @@
 #include "dp/output_file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <charconv>
+#include <csignal>
 #include <cstring>
+#include <system_error>
 
 #include "dp/error.h"
 
@@ -53,13 +57,36 @@ fs::path directory_of(const fs::path& path) {
   return parent.empty() ? fs::path(".") : parent;
 }
 
+/// The target's name as the hidden files beside it use it: kept well under NAME_MAX (255).
+std::string short_name(const fs::path& path) {
+  return path.filename().string().substr(0, 160);
+}
+
 /// A name no other writer uses: the target's name, this process and a per-process counter.
 /// Hidden (a leading dot), so that a listing shows no half-written file.
 fs::path temporary_name_for(const fs::path& path) {
   static std::atomic<std::uint64_t> counter{0};
-  // Keep well under NAME_MAX (255) whatever the target's name.
-  const std::string name = path.filename().string().substr(0, 160);
-  return directory_of(path) / fmt::format(".{}.{}.{}.tmp", name, ::getpid(), counter++);
+  return directory_of(path) / fmt::format(".{}.{}.{}.tmp", short_name(path), ::getpid(), counter++);
+}
+
+/// The process id in `file_name` if it is one of `temporary_name_for`'s names for `path`:
+/// ".<name>.<pid>.<counter>.tmp" with decimal pid and counter; 0 otherwise.
+pid_t temporary_owner(const std::string& file_name, const fs::path& path) {
+  const std::string prefix = fmt::format(".{}.", short_name(path));
+  const std::string_view suffix = ".tmp";
+  if (file_name.size() <= prefix.size() + suffix.size() || !file_name.starts_with(prefix) ||
+      !file_name.ends_with(suffix))
+    return 0;
+  const std::string_view middle(file_name.data() + prefix.size(),
+                                file_name.size() - prefix.size() - suffix.size());
+  pid_t pid = 0;
+  const auto [dot, error] = std::from_chars(middle.data(), middle.data() + middle.size(), pid);
+  if (error != std::errc() || pid <= 0 || dot == middle.data() + middle.size() || *dot != '.')
+    return 0;
+  const std::string_view counter(dot + 1, middle.data() + middle.size() - (dot + 1));
+  if (counter.empty() || counter.find_first_not_of("0123456789") != std::string_view::npos)
+    return 0;
+  return pid;
 }
 
 /// Creates a new temporary file for `path` and returns its descriptor and name. O_EXCL makes
@@ -73,9 +100,17 @@ std::pair<int, fs::path> create_temporary_for(const fs::path& path) {
     // A stale file of an earlier process with our pid: take the next name.
     if (error == EEXIST && attempt < 100) continue;
     const fs::path directory = directory_of(path);
-    if (error == ENOENT)
+    // ENOENT also comes from a directory that exists but makes no new files (/proc):
+    // "does not exist" only when it is so.
+    std::error_code ignored;
+    if (error == ENOENT && !fs::exists(directory, ignored))
       throw Error(fmt::format("cannot write '{}': the directory '{}' does not exist", path.string(),
                               directory.string()));
+    if (error == ENOENT)
+      throw Error(fmt::format(
+          "cannot write '{}': the directory '{}' exists but does not accept new files (No such "
+          "file or directory: a virtual file system such as /proc or /sys?)",
+          path.string(), directory.string()));
     throw Error(fmt::format("cannot write '{}': cannot create a file in '{}': {}", path.string(),
                             directory.string(), system_reason(error)));
   }
@@ -118,10 +153,36 @@ void check_output_path(const fs::path& path, std::span<const fs::path> inputs) {
   ::unlink(probe.c_str());
 }
 
+void check_distinct_outputs(std::span<const NamedOutput> outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) {
+      const NamedOutput& first = outputs[i];
+      const NamedOutput& second = outputs[j];
+      if (first.path.empty() || second.path.empty()) continue;
+      bool same = fs::absolute(first.path).lexically_normal() ==
+                  fs::absolute(second.path).lexically_normal();
+      struct stat a {};
+      struct stat b {};
+      if (!same && ::stat(first.path.c_str(), &a) == 0 && ::stat(second.path.c_str(), &b) == 0)
+        same = same_file(a, b);
+      if (same)
+        throw Error(fmt::format(
+            "{} and {} both write '{}': the one written last would replace the other; give "
+            "each its own path",
+            first.option, second.option, second.path.string()));
+    }
+  }
+}
+
 AtomicFile::AtomicFile(fs::path path) : path_(std::move(path)) {
   if (path_.empty()) throw Error("an output path is empty: expected a file name");
   check_target_kind(path_);
-  std::tie(descriptor_, temporary_) = create_temporary_for(path_);
+  try {
+    std::tie(descriptor_, temporary_) = create_temporary_for(path_);
+  } catch (const Error& error) {
+    // A result is written after its work: the file that cannot be created is output lost.
+    throw OutputError(error.what());
+  }
 }
 
 AtomicFile::~AtomicFile() {
@@ -138,8 +199,8 @@ void AtomicFile::write(const void* data, std::size_t bytes) {
     if (written < 0) {
       const int error = errno;
       if (error == EINTR) continue;
-      throw Error(fmt::format("cannot write '{}' (temporary file '{}'): {}", path_.string(),
-                              temporary_.string(), system_reason(error)));
+      throw OutputError(fmt::format("cannot write '{}' (temporary file '{}'): {}", path_.string(),
+                                    temporary_.string(), system_reason(error)));
     }
     next += written;
     bytes -= static_cast<std::size_t>(written);
@@ -149,8 +210,8 @@ void AtomicFile::write(const void* data, std::size_t bytes) {
 void AtomicFile::commit() {
   if (committed_) return;
   const auto fail = [&](std::string_view step, int error) {
-    return Error(fmt::format("cannot write '{}': {} failed: {}", path_.string(), step,
-                             system_reason(error)));
+    return OutputError(fmt::format("cannot write '{}': {} failed: {}", path_.string(), step,
+                                   system_reason(error)));
   };
   // The target may have appeared or changed since the constructor looked.
   check_target_kind(path_);
@@ -173,6 +234,72 @@ void AtomicFile::commit() {
   ::close(directory);
   // Some file systems cannot flush a directory (EINVAL); the file itself is already safe.
   if (synced != 0 && error != EINVAL) throw fail("flushing its directory (fsync)", error);
+}
+
+std::vector<fs::path> remove_stale_temporaries(const fs::path& path) {
+  std::vector<fs::path> removed;
+  std::error_code error;
+  for (fs::directory_iterator entry(directory_of(path), error), end; !error && entry != end;
+       entry.increment(error)) {
+    const pid_t owner = temporary_owner(entry->path().filename().string(), path);
+    if (owner == 0 || owner == ::getpid()) continue;
+    // Signal 0 only asks whether the process exists; EPERM means it does (another user's).
+    if (::kill(owner, 0) == 0 || errno != ESRCH) continue;
+    std::error_code ignored;
+    if (entry->is_regular_file(ignored) && fs::remove(entry->path(), ignored))
+      removed.push_back(entry->path());
+  }
+  return removed;
+}
+
+OutputLock::OutputLock(fs::path path)
+    : path_(std::move(path)),
+      lock_file_(directory_of(path_) / fmt::format(".{}.lock", short_name(path_))) {
+  // A holder that finishes unlinks the lock file; a process that opened it just before then
+  // locks a file no longer in the directory, so the lock is taken again until the file
+  // locked is the one at the name.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    descriptor_ = ::open(lock_file_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (descriptor_ < 0)
+      throw Error(fmt::format("cannot write '{}': cannot create its lock file '{}': {}",
+                              path_.string(), lock_file_.string(), system_reason(errno)));
+    if (::flock(descriptor_, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      char text[32] = {};
+      const ssize_t length = ::pread(descriptor_, text, sizeof text - 1, 0);
+      ::close(descriptor_);
+      descriptor_ = -1;
+      if (error != EWOULDBLOCK)
+        throw Error(fmt::format("cannot write '{}': cannot lock '{}': {}", path_.string(),
+                                lock_file_.string(), system_reason(error)));
+      const std::string holder =
+          length > 0 ? std::string(text, static_cast<std::size_t>(length)) : std::string("?");
+      throw Error(fmt::format(
+          "refusing to write '{}': another process (pid {}) is writing it (it holds the lock "
+          "file '{}'); two runs writing one file would replace each other's saves, so give "
+          "this run another path or wait for the other",
+          path_.string(), holder, lock_file_.string()));
+    }
+    struct stat locked {};
+    struct stat named {};
+    if (::fstat(descriptor_, &locked) == 0 && ::stat(lock_file_.c_str(), &named) == 0 &&
+        locked.st_dev == named.st_dev && locked.st_ino == named.st_ino) {
+      const std::string pid = std::to_string(::getpid());
+      if (::ftruncate(descriptor_, 0) == 0 &&
+          ::pwrite(descriptor_, pid.data(), pid.size(), 0) == static_cast<ssize_t>(pid.size()))
+        return;
+    }
+    ::close(descriptor_);
+    descriptor_ = -1;
+  }
+  throw Error(fmt::format("cannot write '{}': its lock file '{}' keeps changing", path_.string(),
+                          lock_file_.string()));
+}
+
+OutputLock::~OutputLock() {
+  // Unlinked while still locked, so that no other process locks the name in between.
+  ::unlink(lock_file_.c_str());
+  ::close(descriptor_);
 }
 
 void write_file_atomically(const fs::path& path, std::string_view contents) {

@@ -25,10 +25,14 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr std::string_view kFormat = "dplab-sharded-checkpoint";
-constexpr int kVersion = 1;
+// Version 2 shard files record checksums (dp/checkpoint.h) and say "version": "2" in their
+// metadata, which makes the checksums required when they are read; version 1 checkpoints,
+// written before, have neither and are still read.
+constexpr int kVersion = 2;
+constexpr int kOldestVersion = 1;
 constexpr const char* kIndexFile = "index.json";
 // Keys of a shard file's metadata that the runtime writes; the caller's may not use them.
-constexpr std::string_view kReservedKeys[] = {"format", "rank", "world_size", "layout"};
+constexpr std::string_view kReservedKeys[] = {"format", "version", "rank", "world_size", "layout"};
 
 /// "[first, end)" of a half-open range, for messages.
 std::string span_text(std::size_t first, std::size_t count) {
@@ -156,9 +160,9 @@ ShardedCheckpointPlan plan_from_index(const nlohmann::json& index, const std::st
   if (format != kFormat)
     throw Error(fmt::format("{}: \"format\" is \"{}\", expected \"{}\"", file, format, kFormat));
   const std::size_t version = unsigned_field(index, "version", file);
-  if (version != kVersion)
-    throw Error(
-        fmt::format("{}: \"version\" is {}, this dplab reads version {}", file, version, kVersion));
+  if (version < kOldestVersion || version > kVersion)
+    throw Error(fmt::format("{}: \"version\" is {}, this dplab reads versions {} to {}", file,
+                            version, kOldestVersion, kVersion));
   const std::size_t world_size = unsigned_field(index, "world_size", file);
   ShardedCheckpointPlan plan;
   for (const nlohmann::json& name : array_field(index, "tensors", file)) {
@@ -225,6 +229,17 @@ void check_shard(const Checkpoint& shard, const ShardedCheckpointPlan& plan, int
   if (meta("format") != kFormat)
     throw Error(fmt::format("shard file '{}' has format \"{}\", expected \"{}\"", file,
                             meta("format"), kFormat));
+  // Version 1 files have no "version" and no checksums; from version 2 on the checksums
+  // must be there (load_safetensors verified them if they were).
+  const auto version = shard.metadata.find("version");
+  if (version != shard.metadata.end() && version->second != std::to_string(kVersion))
+    throw Error(fmt::format("shard file '{}' has version \"{}\", this dplab reads \"{}\" (or none)",
+                            file, version->second, kVersion));
+  if (version != shard.metadata.end() && !shard.checksummed)
+    throw Error(fmt::format(
+        "shard file '{}' has version {} but no checksums (metadata \"{}\"): the file was "
+        "changed or damaged after it was written",
+        file, kVersion, kChecksumKey));
   if (meta("world_size") != std::to_string(world_size))
     throw Error(
         fmt::format("shard file '{}' was saved with world size {}, but the index says {}: "
@@ -544,6 +559,7 @@ void save_checkpoint_shard(const fs::path& directory, const ShardedCheckpointPla
 
   std::map<std::string, std::string> metadata = plan.metadata;
   metadata["format"] = kFormat;
+  metadata["version"] = std::to_string(kVersion);
   metadata["rank"] = std::to_string(rank);
   metadata["world_size"] = std::to_string(world_size);
   std::string index;
@@ -556,7 +572,7 @@ void save_checkpoint_shard(const fs::path& directory, const ShardedCheckpointPla
                     "metadata string is not valid UTF-8 ({})",
                     file.string(), error.what()));
   }
-  save_safetensors(file, ordered, metadata);
+  save_safetensors(file, ordered, metadata, Checksums::kWrite);
   // The index after the shard: a rank 0 that fails to save its shard leaves no index.
   if (rank == 0) write_file_atomically(directory / kIndexFile, index);
 }
@@ -576,6 +592,16 @@ ShardedCheckpointPlan load_checkpoint_index(const fs::path& directory) {
   const fs::path path = directory / kIndexFile;
   const std::string file = "sharded checkpoint index '" + path.string() + "'";
   std::error_code ignored;
+  if (!fs::exists(directory, ignored))
+    throw Error(
+        fmt::format("sharded checkpoint '{}': no such file or directory (expected the "
+                    "directory that save_checkpoint_shard wrote)",
+                    directory.string()));
+  if (!fs::is_directory(directory, ignored))
+    throw Error(
+        fmt::format("sharded checkpoint '{}' is not a directory (expected the directory "
+                    "that save_checkpoint_shard wrote)",
+                    directory.string()));
   if (!fs::exists(path, ignored))
     throw Error(
         fmt::format("'{}' is not a sharded checkpoint: it has no {} (expected the "
@@ -711,7 +737,7 @@ void consolidate_checkpoint(const fs::path& directory, const fs::path& output) {
   for (const std::string& name : plan.tensors)
     if (name != kShardParameters)
       tensors.push_back({"optimizer." + name, &checkpoint.tensors.at("optimizer." + name)});
-  save_safetensors(output, tensors, checkpoint.metadata);
+  save_safetensors(output, tensors, checkpoint.metadata, Checksums::kWrite);
 }
 
 }  // namespace dp

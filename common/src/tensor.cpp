@@ -119,11 +119,23 @@ std::span<const float> ConstTensorView::host_span() const {
 
 std::size_t element_count(const std::vector<std::int64_t>& shape) {
   std::size_t count = 1;
+  bool too_many = false;
+  bool has_zero = false;
   for (std::int64_t extent : shape) {
     if (extent < 0)
       throw Error(fmt::format("tensor shape {} has a negative extent", shape_to_string(shape)));
-    count *= static_cast<std::size_t>(extent);
+    const auto n = static_cast<std::size_t>(extent);
+    // Checked before the multiplication: a product that wrapped around would allocate a
+    // small buffer for a huge tensor. A zero extent makes any product 0.
+    if (n != 0 && count > kMaxTensorElements / n) too_many = true;
+    has_zero = has_zero || n == 0;
+    count *= n;
   }
+  if (too_many && !has_zero)
+    throw Error(
+        fmt::format("tensor shape {} has more than {} elements (2^60), more than any "
+                    "memory holds",
+                    shape_to_string(shape), kMaxTensorElements));
   return count;
 }
 

@@ -1,6 +1,7 @@
 #include "dp/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <span>
 #include <utility>
 
 #include "cuda/device_ops.h"
@@ -15,6 +17,8 @@
 #include "dp/checkpoint.h"
 #include "dp/clock.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
+#include "dp/launch.h"
 #include "dp/rng.h"
 #include "dp/tensor_ops.h"
 
@@ -80,10 +84,52 @@ void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& opti
   optimizer.set_step_count(checkpoint.optimizer_steps);
 }
 
-/// The training loop shared by both entry points; `comm` is null for a single process.
+/// One process in the place of `world` ranks (train_emulating_data_parallel): each rank's
+/// gradient on its slice of the global batch, added in rank order, ((g_0 + g_1) + g_2) + ...,
+/// and divided by the rank count, as the local and mpi backends' kAvg all-reduce does, left
+/// in the model's gradients; `metrics` gets the sums over the global batch.
+void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::size_t> batch,
+                        int world, std::int64_t local_batch, Device device, int step,
+                        std::vector<Tensor>& sums, std::array<float, 2>& metrics) {
+  const std::span<Parameter* const> parameters = model.parameters();
+  if (sums.empty())
+    for (Parameter* parameter : parameters)
+      sums.emplace_back(parameter->grad.shape(), MemoryCategory::kGradients, device);
+  metrics = {0.0f, 0.0f};
+  for (int rank = 0; rank < world; ++rank) {
+    const Batch slice =
+        gather_batch(data, batch.subspan(static_cast<std::size_t>(rank * local_batch),
+                                         static_cast<std::size_t>(local_batch)));
+    model.zero_grad();
+    const Tensor device_inputs = device != Device::kHost ? slice.inputs.to(device) : Tensor();
+    const Tensor logits = model.forward(device != Device::kHost ? device_inputs : slice.inputs);
+    const float loss = model.backward(logits, slice.labels);
+    check_gradients_finite(model, rank, step, "before averaging");
+    // The order of the ranks' metrics sum, as the metrics all-reduce adds them.
+    metrics[0] += loss * static_cast<float>(local_batch);
+    metrics[1] += accuracy(logits, slice.labels) * static_cast<float>(local_batch);
+    for (std::size_t i = 0; i < parameters.size(); ++i) {
+      if (parameters[i]->frozen) continue;
+      if (rank == 0) {
+        copy(parameters[i]->grad.view(), sums[i].view());
+      } else {
+        add(parameters[i]->grad.view(), sums[i].view());  // sum + g_rank
+      }
+    }
+  }
+  for (std::size_t i = 0; i < parameters.size(); ++i) {
+    if (parameters[i]->frozen) continue;
+    divide(sums[i].view(), static_cast<float>(world));
+    copy(sums[i].view(), parameters[i]->grad.view());
+  }
+}
+
+/// The training loop shared by the entry points; `comm` is null for a single process, which
+/// emulates `emulated_world` ranks when that is above 1.
 TrainResult train(const TrainOptions& options, const Dataset& data, Communicator* comm,
-                  const ReportCallback& on_report, const TrainCheckpointing& checkpointing) {
-  const int world = comm != nullptr ? comm->size() : 1;
+                  const ReportCallback& on_report, const TrainCheckpointing& checkpointing,
+                  int emulated_world = 1) {
+  const int world = comm != nullptr ? comm->size() : emulated_world;
   const int rank = comm != nullptr ? comm->rank() : 0;
   check_train_options(options);
   check_train_device(options.device);
@@ -130,7 +176,44 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
   GlobalBatches batches(data.size(), options.global_batch, options.seed);
   auto last_report_time = WallClock::now();
   int last_report_step = first_step;
+  // After step `done`'s update: the checkpoint and the report that fall on it.
+  const auto finish_step = [&](int done, const std::array<float, 2>& metrics) {
+    if (checkpointing.every > 0 && done % checkpointing.every == 0 && done < options.steps &&
+        checkpointing.save && rank == 0)
+      checkpointing.save(done, model, optimizer);
+    if (done % options.log_every != 0 && done != options.steps) return;
+    const auto now = WallClock::now();
+    const double seconds = std::chrono::duration<double>(now - last_report_time).count();
+    StepReport report;
+    report.step = done;
+    report.loss = metrics[0] / static_cast<float>(options.global_batch);
+    report.accuracy = metrics[1] / static_cast<float>(options.global_batch);
+    report.samples_per_second =
+        seconds > 0
+            ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
+            : 0.0;
+    if (comm != nullptr) {
+      const double clock_now = comm->clock().now();
+      report.clock_seconds_per_step =
+          (clock_now - last_report_clock) / static_cast<double>(done - last_report_step);
+      last_report_clock = clock_now;
+    }
+    result.reports.push_back(report);
+    if (on_report && rank == 0) on_report(report);
+    last_report_time = now;
+    last_report_step = done;
+  };
+  std::vector<Tensor> emulated_sums;  // the all-reduce's sums, when emulating ranks
   for (int step = first_step; step < options.steps; ++step) {
+    std::array<float, 2> metrics{};
+    if (comm == nullptr && world > 1) {
+      emulate_ranks_step(model, data, batches.of_step(step), world, local_batch, options.device,
+                         step + 1, emulated_sums, metrics);
+      result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
+      optimizer.step(model);
+      finish_step(step + 1, metrics);
+      continue;
+    }
     const Batch batch = gather_batch(
         data, batches.of_step(step).subspan(static_cast<std::size_t>(rank * local_batch),
                                             static_cast<std::size_t>(local_batch)));
@@ -143,15 +226,15 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     if (!overlap) check_gradients_finite(model, rank, step + 1, "before averaging");
 
     // metrics: (sum of losses, correct predictions) over the local batch
-    std::array<float, 2> metrics = {
-        loss * static_cast<float>(local_batch),
-        accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
+    metrics = {loss * static_cast<float>(local_batch),
+               accuracy(logits, batch.labels) * static_cast<float>(local_batch)};
     if (comm != nullptr) {
       if (replicated && !overlap)
         for (Parameter* parameter : model.parameters())
           if (!parameter->frozen)
             pending.push_back(comm->allreduce(parameter->grad.view(), ReduceOp::kAvg));
-      pending.push_back(comm->allreduce(std::span<float>(metrics), ReduceOp::kSum));
+      // Host values: on nccl (device buffers only) through a device copy, so it waits.
+      allreduce_host_values(std::span<float>(metrics), ReduceOp::kSum, *comm);
       for (auto& work : pending) work->wait();
       pending.clear();
       if (overlap) check_gradients_finite(model, rank, step + 1, "after averaging");
@@ -160,32 +243,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     optimizer.step(model);
     if (comm != nullptr) detail::charging_clock(*comm).mark_step();
 
-    const int done = step + 1;
-    if (checkpointing.every > 0 && done % checkpointing.every == 0 && done < options.steps &&
-        checkpointing.save && rank == 0)
-      checkpointing.save(done, model, optimizer);
-    if (done % options.log_every == 0 || done == options.steps) {
-      const auto now = WallClock::now();
-      const double seconds = std::chrono::duration<double>(now - last_report_time).count();
-      StepReport report;
-      report.step = done;
-      report.loss = metrics[0] / static_cast<float>(options.global_batch);
-      report.accuracy = metrics[1] / static_cast<float>(options.global_batch);
-      report.samples_per_second =
-          seconds > 0
-              ? static_cast<double>((done - last_report_step) * options.global_batch) / seconds
-              : 0.0;
-      if (comm != nullptr) {
-        const double clock_now = comm->clock().now();
-        report.clock_seconds_per_step =
-            (clock_now - last_report_clock) / static_cast<double>(done - last_report_step);
-        last_report_clock = clock_now;
-      }
-      result.reports.push_back(report);
-      if (on_report && rank == 0) on_report(report);
-      last_report_time = now;
-      last_report_step = done;
-    }
+    finish_step(step + 1, metrics);
   }
   if (overlap) model.clear_hooks();  // the hook refers to this function's locals
   return result;
@@ -193,7 +251,10 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
 
 // --- training checkpoints ----------------------------------------------------------------
 
-constexpr const char* kCheckpointFormat = "dplab-train-1";
+// Version 2 records checksums (dp/checkpoint.h) and requires them on load; version 1 files,
+// written before, have none and are still read.
+constexpr const char* kCheckpointFormat = "dplab-train-2";
+constexpr const char* kCheckpointFormatWithoutChecksums = "dplab-train-1";
 
 /// The options that decide a run's trajectory, as the text a checkpoint stores: floats in
 /// their shortest exact form, so that reading them back gives the same bits.
@@ -222,6 +283,26 @@ void check_finite(const std::filesystem::path& path, const std::string& name, co
           "refusing to save '{}': {} holds {} at element {} after step {}; the training "
           "diverged (try a lower learning rate), or save it anyway with --save-non-finite",
           path.string(), name, values[i], i, step));
+}
+
+/// Throws unless the values of the loaded tensor `name` can be a run's state: finite, and
+/// for AdamW's second moments ("optimizer.exp_avg_sq", means of squares) not negative. A
+/// run saved with --save-non-finite is refused here too: resuming it would train on NaN.
+void check_loaded_values(const std::string& file, const std::string& name, const Tensor& tensor) {
+  const bool squares = name == "optimizer.exp_avg_sq";
+  const std::span<const float> values = tensor.span();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i]))
+      throw Error(fmt::format(
+          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected finite values "
+          "(the run that saved it diverged, or the file was damaged)",
+          file, name, values[i], i));
+    if (squares && values[i] < 0)
+      throw Error(fmt::format(
+          "cannot resume from '{}': tensor '{}' holds {} at element {}, expected values >= 0 "
+          "(AdamW's running mean of squared gradients)",
+          file, name, values[i], i));
+  }
 }
 
 /// The integer metadata entry `key` of checkpoint `file`.
@@ -364,7 +445,7 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
   metadata["optimizer_steps"] = std::to_string(optimizer.step_count());
   metadata["world_size"] = std::to_string(info.world_size);
   if (!info.backend.empty()) metadata["backend"] = info.backend;
-  save_safetensors(path, tensors, metadata);
+  save_safetensors(path, tensors, metadata, Checksums::kWrite);
 }
 
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
@@ -373,12 +454,18 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
   Checkpoint contents = load_safetensors(path, MemoryCategory::kOther);
   const auto& metadata = contents.metadata;
   const auto format = metadata.find("format");
-  if (format == metadata.end() || format->second != kCheckpointFormat)
+  if (format == metadata.end() ||
+      (format->second != kCheckpointFormat && format->second != kCheckpointFormatWithoutChecksums))
     throw Error(fmt::format(
         "'{}' is not a training checkpoint of dplab (its metadata \"format\" is {}, expected "
-        "\"{}\"): only `dplab train --checkpoint` files can be resumed",
+        "\"{}\" or \"{}\"): only `dplab train --checkpoint` files can be resumed",
         file, format == metadata.end() ? "missing" : "\"" + format->second + "\"",
-        kCheckpointFormat));
+        kCheckpointFormat, kCheckpointFormatWithoutChecksums));
+  if (format->second == kCheckpointFormat && !contents.checksummed)
+    throw Error(fmt::format(
+        "cannot resume from '{}': its format \"{}\" records checksums, but its metadata has no "
+        "\"{}\" entry: the file was changed or damaged after it was written",
+        file, kCheckpointFormat, kChecksumKey));
   for (const auto& [key, value] : trajectory_options(options, dataset_size)) {
     const auto saved = metadata.find(key);
     if (saved == metadata.end() || saved->second != value)
@@ -397,6 +484,13 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
         fmt::format("cannot resume from '{}': it is at step {}, past the {} steps of this "
                     "run (raise --steps)",
                     file, checkpoint.step, options.steps));
+  // A run takes at most one optimizer step per training step, so a larger counter is damage
+  // (an AdamW counter near INT64_MAX would also overflow and wreck the bias correction).
+  if (checkpoint.optimizer_steps > checkpoint.step)
+    throw Error(fmt::format(
+        "cannot resume from '{}': its optimizer step count (metadata \"optimizer_steps\") is "
+        "{}, expected at most {}, the training step it was saved at",
+        file, checkpoint.optimizer_steps, checkpoint.step));
 
   // Every tensor the model and optimizer have, with its shape, and nothing else.
   Model model = make_model(options);
@@ -420,6 +514,7 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
           "cannot resume from '{}': its tensor '{}' belongs to no parameter or optimizer state "
           "of this run",
           file, name));
+  for (const auto& [name, tensor] : contents.tensors) check_loaded_values(file, name, tensor);
   checkpoint.tensors = std::move(contents.tensors);
   checkpoint.info = std::move(contents.metadata);
   return checkpoint;
@@ -444,6 +539,15 @@ TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data
                                 Communicator& comm, const ReportCallback& on_report,
                                 const TrainCheckpointing& checkpointing) {
   return train(options, data, &comm, on_report, checkpointing);
+}
+
+TrainResult train_emulating_data_parallel(const TrainOptions& options, const Dataset& data,
+                                          int world_size, const TrainCheckpointing& checkpointing) {
+  if (world_size < 1 || world_size > kMaxWorldSize)
+    throw Error(fmt::format("emulating {} ranks: expected 1 to {}", world_size, kMaxWorldSize));
+  TrainCheckpointing resume_only;  // nothing saved: the emulation only computes
+  resume_only.resume_from = checkpointing.resume_from;
+  return train(options, data, nullptr, {}, resume_only, world_size);
 }
 
 float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient) {

@@ -13,6 +13,7 @@
 
 #include "dp/error.h"
 #include "object_inspection.h"
+#include "semantic_audit.h"
 #include "source_scan.h"
 #include "symbol_rules.h"
 
@@ -52,8 +53,10 @@ std::string read_file(const fs::path& file) {
 
 class Auditor {
  public:
-  Auditor(const LabCode& code, const fs::path& grader_lab_dir, const fs::path& audit_dir)
+  Auditor(const LabCode& code, const fs::path& grader_lab_dir, const fs::path& audit_dir,
+          const AuditOptions& options)
       : code_(code),
+        options_(options),
         grader_lab_dir_(grader_lab_dir),
         audit_dir_(audit_dir),
         contract_header_(fmt::format("lab{}.h", code.lab)),
@@ -123,11 +126,27 @@ class Auditor {
       if (entry.is_regular_file() && entry.path().extension() == ".cpp")
         sources.push_back(entry.path());
     std::sort(sources.begin(), sources.end());
-    for (const fs::path& source : sources)
-      for (SourceFinding& finding :
-           scan_lab_source(source.filename().string(), read_file(source), policy))
+    const std::vector<std::string> compile_args = {"-std=c++20",
+                                                   "-I" + code_.dp_headers.parent_path().string(),
+                                                   "-I" + code_.code_dir.string()};
+    // Member functions no lab may call (grader/audit/base.refused_calls), and those this lab
+    // may not (grader/<lab>/refused_calls), if it has any.
+    std::vector<RefusedCall> refused_calls = load_refused_calls(audit_dir_ / "base.refused_calls");
+    const fs::path lab_refused_calls = grader_lab_dir_ / "refused_calls";
+    if (fs::exists(lab_refused_calls)) {
+      std::vector<RefusedCall> lab_calls = load_refused_calls(lab_refused_calls);
+      refused_calls.insert(refused_calls.end(), lab_calls.begin(), lab_calls.end());
+    }
+    for (const fs::path& source : sources) {
+      std::vector<SourceFinding> findings =
+          scan_lab_source(source.filename().string(), read_file(source), policy);
+      // What the spelling refuses already needs no compiler to read it.
+      if (findings.empty() && options_.read_semantics)
+        findings = audit_semantics(source, compile_args, options_.cache_dir, refused_calls);
+      for (SourceFinding& finding : findings)
         find(fmt::format("{}:{}", finding.file, finding.line), std::move(finding.what),
              std::move(finding.why));
+    }
   }
 
   void check_objects() {
@@ -209,6 +228,7 @@ class Auditor {
   }
 
   const LabCode& code_;
+  AuditOptions options_;
   fs::path grader_lab_dir_;
   fs::path audit_dir_;
   std::string contract_header_;
@@ -283,8 +303,8 @@ std::string AuditReport::summary(std::size_t max_lines) const {
 }
 
 AuditReport audit_lab_code(const LabCode& code, const std::filesystem::path& grader_lab_dir,
-                           const std::filesystem::path& audit_dir) {
-  return Auditor(code, grader_lab_dir, audit_dir).run();
+                           const std::filesystem::path& audit_dir, const AuditOptions& options) {
+  return Auditor(code, grader_lab_dir, audit_dir, options).run();
 }
 
 std::string sha256_of_file(const std::filesystem::path& file) {

@@ -6,7 +6,10 @@
 //   * in the lab's folder, any file but the contract header (unchanged: its SHA-256 is
 //     grader/<lab>/contract.sha256), the .cpp files, README.md and figures/: another header
 //     there could replace one the checks are compiled against;
-//   * in the sources (source_scan.h): includes other than the standard headers (less those
+//   * in the sources, as written (source_scan.h) and as the compiler reads them
+//     (semantic_audit.h: casts that reinterpret memory however they are spelt, pointer and
+//     iterator arithmetic, views from a pointer and a length): includes other than the
+//     standard headers (less those
 //     that start threads, open files, handle signals or add a static initialiser), the
 //     runtime's "dp/..." headers, the contract and fmt; inline assembly, compiler attributes,
 //     reinterpret_cast and other ways to reinterpret memory, names reserved for the
@@ -69,12 +72,23 @@ struct AuditReport {
   std::string summary(std::size_t max_lines = 24) const;
 };
 
+/// How thoroughly to audit.
+struct AuditOptions {
+  /// Read the sources as the compiler understands them too (semantic_audit.h). Off only for
+  /// the planted bugs of the reference's selftests, which the course staff wrote: each is the
+  /// reference with one change, and reading every one with clang would cost CI minutes.
+  bool read_semantics = true;
+  /// Where the semantic audit keeps what it found, by file and rules ("": no cache).
+  std::filesystem::path cache_dir;
+};
+
 /// Audits `code` against the rules in `audit_dir` (base.rules) and `grader_lab_dir` (the
 /// lab's audit.rules, if any, and its contract.sha256). Throws `dp::Error` when the audit
-/// cannot be done (objdump missing, a malformed rules file, no contract digest): then the lab
-/// cannot be graded, which the driver reports as such.
+/// cannot be done (objdump or clang-query missing, a malformed rules file, no contract
+/// digest): then the lab cannot be graded, which the driver reports as such.
 AuditReport audit_lab_code(const LabCode& code, const std::filesystem::path& grader_lab_dir,
-                           const std::filesystem::path& audit_dir);
+                           const std::filesystem::path& audit_dir,
+                           const AuditOptions& options = {});
 
 /// The SHA-256 of `file`'s bytes, 64 lower-case hex digits (computed with coreutils'
 /// sha256sum). Throws `dp::Error` when the file cannot be read.

@@ -56,7 +56,7 @@ void for_each_matching_line(std::string_view text, const std::regex& format, OnL
 
 }  // namespace
 
-std::string run_capturing(const std::vector<std::string>& argv) {
+CapturedRun run_collecting(const std::vector<std::string>& argv) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0)
     throw Error(fmt::format("cannot make a pipe for {}: {}", argv.front(), std::strerror(errno)));
@@ -91,10 +91,15 @@ std::string run_capturing(const std::vector<std::string>& argv) {
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    throw Error(fmt::format("{} failed (status {}): {}", fmt::join(argv, " "), status,
-                            output.substr(0, 2000)));
-  return output;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), std::move(output)};
+}
+
+std::string run_capturing(const std::vector<std::string>& argv) {
+  CapturedRun run = run_collecting(argv);
+  if (run.exit_status != 0)
+    throw Error(fmt::format("{} failed (status {}): {}", fmt::join(argv, " "), run.exit_status,
+                            run.output.substr(0, 2000)));
+  return std::move(run.output);
 }
 
 std::vector<ObjectSymbol> parse_symbol_table(std::string_view text) {
@@ -129,7 +134,9 @@ std::vector<ObjectSymbol> parse_symbol_table(std::string_view text) {
 }
 
 bool ObjectSection::writable() const {
-  if (name.starts_with(".data.rel.ro")) return false;
+  // Exactly the compilers' relocated read-only sections: the linker turns those read-only
+  // once relocated; a section merely named like them (".data.rel.ro_x") stays writable.
+  if (name == ".data.rel.ro" || name.starts_with(".data.rel.ro.")) return false;
   return flags.find("ALLOC") != std::string::npos && flags.find("READONLY") == std::string::npos &&
          flags.find("CODE") == std::string::npos;
 }

@@ -70,6 +70,16 @@ struct ObjectInventory {
 /// objdump said).
 ObjectInventory inspect_objects(const std::filesystem::path& file);
 
+/// What a program printed (stdout and stderr together) and its exit status.
+struct CapturedRun {
+  int exit_status = 0;  ///< its exit status (128 + the signal when a signal ended it)
+  std::string output;   ///< stdout and stderr together
+};
+
+/// Runs `argv` (found on PATH) and returns what it printed and how it exited. Throws
+/// `dp::Error` when it cannot be started.
+CapturedRun run_collecting(const std::vector<std::string>& argv);
+
 /// Runs `argv` (found on PATH) and returns what it printed on stdout and stderr together.
 /// Throws `dp::Error` when it cannot be started or exits with a failure, with its output.
 std::string run_capturing(const std::vector<std::string>& argv);

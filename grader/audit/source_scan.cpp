@@ -75,13 +75,11 @@ bool identifier_char(char c) {
 
 /// The punctuators the rules look at, longest first; any other character is a punctuator of
 /// its own. Digraphs map to what they stand for.
-constexpr std::array<std::pair<std::string_view, std::string_view>, 16> kPunctuators = {{
+/// "[" "[" opens an attribute whatever lies between them (blanks, comments), so brackets
+/// stay single tokens and the rules look at pairs.
+constexpr std::array<std::pair<std::string_view, std::string_view>, 12> kPunctuators = {{
     {"%:%:", "##"},
-    {"<:<:", "[["},
-    {":>:>", "]]"},
     {"##", "##"},
-    {"[[", "[["},
-    {"]]", "]]"},
     {"::", "::"},
     {"->", "->"},
     {"&&", "&&"},
@@ -587,7 +585,7 @@ class Rules {
       find(token, "##",
            "token pasting can build names that the audit refuses, out of parts it does not; "
            "write names whole");
-    } else if (token.text == "[[") {
+    } else if (token.text == "[" && is(next(), "[")) {
       attributes();
     } else if (token.text == "(") {
       c_style_cast();
@@ -601,15 +599,18 @@ class Rules {
     }
   }
 
-  /// Every attribute of an attribute list must be a standard one.
+  /// Every attribute of an attribute list ("[" "[" ... "]" "]") must be a standard one.
   void attributes() {
     const Token& open = tokens_[i_];
     int depth = 0;
     bool expect_name = true;
-    for (++i_; i_ < tokens_.size(); ++i_) {
+    for (i_ += 2; i_ < tokens_.size(); ++i_) {
       const Token& token = tokens_[i_];
       if (token.kind == TokenKind::kPunctuator) {
-        if (token.text == "]]" && depth == 0) return;
+        if (token.text == "]" && depth == 0 && is(next(), "]")) {
+          ++i_;
+          return;
+        }
         if (token.text == "(" || token.text == "[") ++depth;
         if (token.text == ")" || token.text == "]") --depth;
         if (token.text == "," && depth == 0) expect_name = true;

@@ -2,7 +2,9 @@
 #include "report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -117,6 +119,9 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
   if (run.status != RunStatus::kFinished) {
     lab.problem = run.summary();
     lab.output_tail = run.output_tail;
+  } else if (!run.rerun_note.empty()) {
+    lab.problem = run.rerun_note;
+    lab.output_tail = run.output_tail;
   }
   const bool never_ran = run.status == RunStatus::kMissing ||
                          run.status == RunStatus::kFailedToStart ||
@@ -184,6 +189,36 @@ LabResult score_lab(const Rubric& rubric, const RunResult& run) {
     lab.checks.push_back(std::move(result));
   }
   return lab;
+}
+
+std::vector<std::string> checks_the_rubric_leaves_out(const Rubric& rubric, const RunResult& run) {
+  std::vector<std::string> unlisted;
+  if (run.ranks.empty()) return unlisted;
+  for (const auto& [test, runs] : run.ranks.front().registered) {
+    // DISABLED_ is gtest's way of keeping a test out of every run: it needs no entry.
+    const bool disabled =
+        test.starts_with("DISABLED_") || test.find(".DISABLED_") != std::string::npos;
+    const bool listed =
+        std::any_of(rubric.checks.begin(), rubric.checks.end(),
+                    [&test = test](const RubricCheck& check) { return check.test == test; });
+    if (!disabled && !listed) unlisted.push_back(test);
+  }
+  return unlisted;
+}
+
+void refuse_an_incomplete_rubric(LabResult& lab, const RunResult& run) {
+  const std::vector<std::string> unlisted = checks_the_rubric_leaves_out(lab.rubric, run);
+  if (unlisted.empty()) return;
+  const std::string mismatch = fmt::format(
+      "the rubric does not match the check program: the program registers {} check(s) the "
+      "rubric does not list ({}); a rubric must list every check of its program",
+      unlisted.size(), fmt::join(unlisted, ", "));
+  lab.problem = lab.problem.empty() ? mismatch : mismatch + "\n" + lab.problem;
+  for (CheckResult& check : lab.checks) {
+    check.passed = false;
+    check.earned = 0;
+    check.feedback = mismatch + ", so no result of this run counts";
+  }
 }
 
 LabResult combine_runs(const std::vector<std::pair<std::string, LabResult>>& runs) {

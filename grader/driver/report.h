@@ -72,6 +72,16 @@ struct GradeReport {
 /// Scores `run` against `rubric`. A ThreadSanitizer report in the run fails every check.
 LabResult score_lab(const Rubric& rubric, const RunResult& run);
 
+/// The checks `run`'s program registered (rank 0's list) that `rubric` does not list,
+/// gtest's DISABLED_ tests aside. Empty when the program sent no list.
+std::vector<std::string> checks_the_rubric_leaves_out(const Rubric& rubric, const RunResult& run);
+
+/// Fails every check of `lab` (scored from `run` by `score_lab`) and says why in its problem
+/// and each check's feedback when its rubric leaves out checks the program registers: a
+/// check left out would be graded by nobody (a rubric of 1 of lab 1's 7 checks scored full
+/// marks). `dplab grade` calls it on every run of the whole rubric.
+void refuse_an_incomplete_rubric(LabResult& lab, const RunResult& run);
+
 /// One lab graded in several runs of its check program, e.g. {"on the host", ...} and
 /// {"on the emulated CUDA device ...", ...}: a check earns its points only when it passed in
 /// every run; a failed check's feedback says in which run it failed ("on the emulated CUDA

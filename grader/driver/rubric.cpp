@@ -61,9 +61,12 @@ RubricCheck parse_check(const json& entry, std::size_t index, const std::string&
   check.test = required_string(entry, "test", source, where);
   const std::string named = fmt::format("{} (\"{}\")", where, check.test);
   const json& points = required_field(entry, "points", source, named);
-  if (!points.is_number() || !std::isfinite(points.get<double>()) || points.get<double>() < 0)
+  // Bounded so that no sum of a lab's points or of every lab's can overflow to infinity.
+  if (!points.is_number() || !std::isfinite(points.get<double>()) || points.get<double>() < 0 ||
+      points.get<double>() > kMaxCheckPoints)
     malformed(source, named,
-              fmt::format("\"points\" must be a non-negative number, got {}", describe(points)));
+              fmt::format("\"points\" must be a number from 0 to {}, got {}", kMaxCheckPoints,
+                          describe(points)));
   check.points = points.get<double>();
   const std::string visibility = required_string(entry, "visibility", source, named);
   try {

@@ -43,10 +43,14 @@ std::string_view to_string(Visibility visibility);
 /// Parses the Gradescope spelling; throws `dp::Error` listing the accepted values.
 Visibility parse_visibility(std::string_view text);
 
+/// The most points one check may carry: far more than any rubric gives, and small enough
+/// that the sums of every check of every lab stay exact.
+inline constexpr double kMaxCheckPoints = 1000;
+
 /// One graded check: a GoogleTest test and what it is worth.
 struct RubricCheck {
   std::string test;   ///< full gtest name, e.g. "WorldSizes/Lab2Equivalence.Sgd/ranks3"
-  double points = 0;  ///< points for passing it (non-negative)
+  double points = 0;  ///< points for passing it, 0 to kMaxCheckPoints
   Visibility visibility = Visibility::kVisible;  ///< who sees the result on Gradescope
   std::string description;                       ///< one line for the score table
 };

@@ -13,6 +13,7 @@
 #include <array>
 #include <cerrno>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <set>
@@ -67,6 +68,20 @@ std::string random_token() {
   return token;
 }
 
+/// The directory for the run's private directories: $TMPDIR, else /tmp. A TMPDIR that is
+/// not a directory is a usage error that names it (std::filesystem's own exception was
+/// reported as an internal error).
+std::filesystem::path temporary_directory() {
+  std::error_code error;
+  std::filesystem::path directory = std::filesystem::temp_directory_path(error);
+  if (!error) return directory;
+  const char* tmpdir = std::getenv("TMPDIR");
+  throw Error(fmt::format(
+      "no directory for temporary files: TMPDIR is '{}', which is not a directory ({}); set "
+      "TMPDIR to an existing directory, or unset it for /tmp",
+      tmpdir != nullptr ? tmpdir : "", error.message()));
+}
+
 /// The run's private channel directory (mode 0700) with one FIFO per rank, whose read ends
 /// are open before anything starts, and one file per rank holding the token, which the check
 /// program reads and deletes before any of its other code runs. The runner also holds a
@@ -75,8 +90,7 @@ std::string random_token() {
 class ChannelDirectory {
  public:
   ChannelDirectory(int ranks, const std::string& token) {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "dplab-results-XXXXXX").string();
+    std::string pattern = (temporary_directory() / "dplab-results-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)  // mkdtemp makes it with mode 0700
       throw Error(fmt::format("cannot make the results channel directory {}: {}", pattern,
                               std::strerror(errno)));
@@ -137,7 +151,7 @@ class ChannelDirectory {
 class WorkingDirectory {
  public:
   WorkingDirectory() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "dplab-run-XXXXXX").string();
+    std::string pattern = (temporary_directory() / "dplab-run-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)
       throw Error(fmt::format("cannot make the check program's working directory {}: {}", pattern,
                               std::strerror(errno)));
@@ -342,6 +356,56 @@ std::vector<std::string> RunResult::notices() const {
   return sentences;
 }
 
+RunResult run_checks(const RunRequest& request, const std::vector<std::string>& checks) {
+  RunResult first = run_check_program(request);
+  const bool broke = first.status == RunStatus::kCrashed || first.status == RunStatus::kTimedOut ||
+                     first.status == RunStatus::kIncomplete;
+  if (!broke || !first.out_of_order().empty() || !first.contradiction().empty()) return first;
+
+  // The check the program was running when it broke, on any rank.
+  std::string running;
+  for (const RankReport& report : first.ranks)
+    if (!report.running.empty()) running = report.running;
+
+  RunResult combined = first;
+  combined.tests.clear();
+  combined.status = RunStatus::kFinished;
+  combined.rerun_note = fmt::format(
+      "{}{}: no result of that run counts; every other check ran again in a process of its own",
+      first.summary(), running.empty() ? "" : " while running " + running);
+  for (const std::string& check : checks) {
+    TestOutcome outcome;
+    outcome.name = check;
+    outcome.state = TestState::kFailed;
+    if (check == running) {
+      outcome.failure = first.missing_result(check);
+      combined.tests.emplace(check, std::move(outcome));
+      continue;
+    }
+    RunRequest alone = request;
+    std::erase_if(alone.arguments, [](const std::string& argument) {
+      return argument.starts_with("--gtest_filter=");
+    });
+    alone.arguments.push_back("--gtest_filter=" + check);
+    const RunResult one = run_check_program(alone);
+    combined.seconds += one.seconds;
+    const bool clean = one.status == RunStatus::kFinished && one.out_of_order().empty() &&
+                       one.contradiction().empty();
+    if (const auto it = one.tests.find(check); clean && it != one.tests.end()) {
+      outcome = it->second;
+    } else if (!clean && !one.out_of_order().empty()) {
+      outcome.failure = fmt::format("ran on its own, its channel carried {}: it does not count",
+                                    one.out_of_order());
+    } else if (!clean && !one.contradiction().empty()) {
+      outcome.failure = fmt::format("ran on its own, {}: it does not count", one.contradiction());
+    } else {
+      outcome.failure = fmt::format("ran on its own: {}", one.missing_result(check));
+    }
+    combined.tests.emplace(check, std::move(outcome));
+  }
+  return combined;
+}
+
 std::map<std::string, TestOutcome> merge_reports(const RunResult& run) {
   std::set<std::string> names;
   for (const RankReport& report : run.ranks)
@@ -448,10 +512,21 @@ RunResult run_check_program(const RunRequest& request) {
   result.program = request.program.string();
   result.time_limit_seconds = std::chrono::duration<double>(request.time_limit).count();
   if (access(request.program.c_str(), X_OK) != 0) {
+    const int error = errno;
     result.status = RunStatus::kMissing;
+    // Only a missing file is "not found": a file without its execute bit, or in a directory
+    // this user cannot enter, needs another remedy than a build.
     result.start_error =
-        fmt::format("check program {} not found (build it: cmake --build <build dir>)",
-                    request.program.string());
+        error == ENOENT
+            ? fmt::format("check program {} not found (build it: cmake --build <build dir>)",
+                          request.program.string())
+        : error == EACCES && access(request.program.c_str(), F_OK) == 0
+            ? fmt::format(
+                  "check program {} is not executable (no execute permission for this "
+                  "user: chmod +x it, or rebuild it)",
+                  request.program.string())
+            : fmt::format("check program {} cannot be run: {}", request.program.string(),
+                          std::strerror(error));
     return result;
   }
 

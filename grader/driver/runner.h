@@ -121,6 +121,10 @@ struct RunResult {
   std::size_t malformed_lines = 0;           ///< channel lines ignored: token, but not an event
   std::size_t ignored_result_bytes = 0;      ///< channel bytes ignored beyond the 1 MiB cap
   std::vector<int> surviving_processes;      ///< pids the runner could not kill (expected empty)
+  /// Set by `run_checks` when the run broke and each check ran again on its own: what broke
+  /// and what was done ("check program crashed (signal 11) while running Suite.Name: no
+  /// result of that run counts; every other check ran again in a process of its own").
+  std::string rerun_note;
   /// The first ThreadSanitizer report in `output` (a program built with -fsanitize=thread),
   /// or "": a lab with one fails every check.
   std::string sanitizer_report;
@@ -163,6 +167,18 @@ struct RunResult {
 /// when the channel cannot be made. Kills every descendant of the calling process that
 /// the run started, and makes the calling process a child subreaper for good.
 RunResult run_check_program(const RunRequest& request);
+
+/// Runs the check program as `request` says, and counts its results only if it ended as a
+/// run that sent them ends: every process said that its tests had run, and it exited with a
+/// status that agrees with them. Otherwise (it crashed, hung or exited early) no result of
+/// that run counts, since results that arrived in order could still have been forged by
+/// the code that broke it, and every check of `checks` but the one that was running is run
+/// again in a process of its own (`--gtest_filter`), each counted under the same rule: a
+/// crash or a hang then costs the check that causes it and nothing else. The check that was
+/// running fails with the first run's reason. `RunResult::rerun_note` says what happened.
+/// A run whose channel carried events out of order, or that contradicted its results, is
+/// returned as it is: nothing of it counts (`score_lab`).
+RunResult run_checks(const RunRequest& request, const std::vector<std::string>& checks);
 
 /// Merges `run.ranks`: a test that some rank finished passed when every rank reported it
 /// passed; it failed when any rank reported a failure or did not report it at all (that

@@ -23,6 +23,7 @@
 #include "compare.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/rng.h"
@@ -395,6 +396,14 @@ double no_fixed_point_probability(std::size_t n) {
   return exponential_series(n, [](std::size_t j) { return j % 2 == 0 ? 1.0 : -1.0; });
 }
 
+/// P(no v followed by v + 1) for a uniform permutation of n: sum_j (-1)^j (n - j) / (n j!)
+/// over j < n. By symmetry (reverse every value) it is also P(no v followed by v - 1).
+double no_succession_probability(std::size_t n) {
+  return exponential_series(n - 1, [n](std::size_t j) {
+    return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
+  });
+}
+
 const std::array<PermutationEvent, 6> kPermutationEvents = {{
     {"no fixed point", [](const PermutationShape& s, std::size_t) { return s.fixed_points == 0; },
      no_fixed_point_probability,
@@ -416,21 +425,11 @@ const std::array<PermutationEvent, 6> kPermutationEvents = {{
      "a shuffle made of swapped pairs (a reversal, a product of disjoint swaps)"},
     {"no v followed by v + 1",
      [](const PermutationShape& s, std::size_t) { return !s.has_rising_succession; },
-     [](std::size_t n) {
-       return exponential_series(n - 1, [n](std::size_t j) {
-         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
-       });
-     },
-     "a shuffle that breaks up every run of consecutive samples",
+     no_succession_probability, "a shuffle that breaks up every run of consecutive samples",
      "a shuffle that keeps runs of the unshuffled order (a rotation, a riffle, a few swaps)"},
     {"no v followed by v - 1",
      [](const PermutationShape& s, std::size_t) { return !s.has_falling_succession; },
-     [](std::size_t n) {
-       return exponential_series(n - 1, [n](std::size_t j) {
-         return (j % 2 == 0 ? 1.0 : -1.0) * static_cast<double>(n - j) / static_cast<double>(n);
-       });
-     },
-     "a shuffle that breaks up every reversed run",
+     no_succession_probability, "a shuffle that breaks up every reversed run",
      "a shuffle that keeps runs of the reversed order (a reversal)"},
     {"a cycle longer than n/2",
      [](const PermutationShape& s, std::size_t n) { return 2 * s.longest_cycle > n; },
@@ -843,10 +842,10 @@ TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
           // Every rank measures its distance to rank 0's replica (a collective: all take part).
           std::vector<float> mine = model.flat_parameters();
           std::vector<float> rank0 = mine;
-          comm.broadcast(std::span<float>(rank0), 0)->wait();
+          broadcast_host_values(std::span<float>(rank0), 0, comm);
           const auto mine_to_rank0 = static_cast<float>(grading::max_abs_difference(mine, rank0));
           std::vector<float> distance = {mine_to_rank0};
-          comm.allreduce(std::span<float>(distance), ReduceOp::kMax)->wait();
+          allreduce_host_values(std::span<float>(distance), ReduceOp::kMax, comm);
           if (comm.rank() != 0 && mine_to_rank0 == 0)
             verdict.fail(
                 "after one step on different shards this replica is bitwise equal to rank 0's; "

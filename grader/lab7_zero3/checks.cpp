@@ -1,19 +1,20 @@
 // Lab 7's graded checks. The unit plan must follow lab7.h's rule; training through
 // ZeroThreeOptimizer (SGD and AdamW, drawn models and world sizes, units that pad) must give
 // every rank's shard of the parameters and the loss of every forward bitwise lab 2's flat
-// arithmetic; clipping must follow the contract's arithmetic bit for bit; the MemoryTracker
-// must show only the shard of the parameters plus the unit in use, no value between units,
-// the shard of the gradient plus one unit's gradients, the contract's three buffers and an
-// optimizer over the shard, and a step must allocate nothing but the values materialised
-// and the gradients backward makes; a recording communicator, layer hooks of the grader's
-// and the backend's counters must show each unit's all-gather prefetched while the unit
-// before it computes, into the one gather buffer only once the unit before it was
-// materialised from it, at most two units alive, the reduce-scatters during backward and
-// nothing but the norm in step(), 1.5x DDP's volume plus the padding; on the simulated
-// clock the prefetch must hide at least half of the all-gather time; the design question's
-// prediction must equal the tracker's peak. Every check draws its configuration from the
-// grading seed and runs in the adversarial completion mode. rubric.json gives the points,
-// the ranges drawn and why the comparisons are bitwise.
+// arithmetic; clipping must follow the contract's arithmetic bit for bit. The rest are
+// budgets, which admit any design that meets them (any number of buffers, any prefetch
+// policy, any order of waits): the MemoryTracker must show every tensor under its category,
+// the parameters within the shard plus two units' values, the parameters and buffers within
+// the shard plus two units and their buffers, an optimizer over the shard, and a step that
+// allocates nothing but the values materialised and the gradients backward makes; a
+// recording communicator and the backend's counters must show each unit all-gathered at
+// most twice and reduce-scattered once per step, from and into the shards, and nothing but
+// the norm besides; on the simulated clock at least half of the all-gather time and half of
+// the reduce-scatter time must be hidden behind the model's own compute; the design
+// question's prediction must equal the tracker's peaks of the student's own design. Every
+// check draws its configuration from the grading seed and runs in the adversarial
+// completion mode, which also reports a buffer written or read while a call on it is in
+// flight. rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
@@ -30,6 +31,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -132,17 +134,45 @@ std::size_t largest_unit(const std::vector<Unit>& units) {
   return largest;
 }
 
-/// At most this many units alive at once: one materialised, one arriving (FSDP's
-/// limit_all_gathers).
-constexpr std::size_t kMaxGatheredUnits = 2;
+/// E_(1) + E_(2): the elements of the two largest units (of the one unit when U = 1).
+std::size_t two_largest_units(const std::vector<Unit>& units) {
+  std::size_t first = 0;
+  std::size_t second = 0;
+  for (const Unit& u : units) {
+    if (u.elements > first) {
+      second = first;
+      first = u.elements;
+    } else if (u.elements > second) {
+      second = u.elements;
+    }
+  }
+  return first + second;
+}
 
-/// Bytes of the contract's buffers: one gather buffer and min(2, U) gradient buffers of
-/// 4 max_u N C_u bytes each.
-std::size_t contract_buffer_bytes(const std::vector<Unit>& units, int world) {
+/// max_u N C_u: the elements of the largest unit padded to N chunks, what one buffer that
+/// any unit's all-gather or reduce-scatter fits in holds.
+std::size_t largest_padded_unit(const std::vector<Unit>& units, int world) {
   std::size_t largest = 0;
   for (const Unit& u : units)
     largest = std::max(largest, static_cast<std::size_t>(world) * u.chunk_elements);
-  return (kGatherBuffers + std::min(kGradientBuffers, units.size())) * 4 * largest;
+  return largest;
+}
+
+/// The memory budget of the parameters and the buffers: the shard plus two units and their
+/// buffers, each unit a gathered copy (in a buffer, or its values, never larger) and a
+/// gradient buffer, every one counted as the largest padded unit: 4 x 4 max_u(N C_u).
+constexpr std::size_t kBudgetBuffers = 4;
+
+/// The reference design (solutions/), for the design question's plausible wrong formulas:
+/// one gather buffer and min(2, U) gradient buffers.
+constexpr std::size_t kReferenceGatherBuffers = 1;
+constexpr std::size_t kReferenceGradientBuffers = 2;
+
+/// Bytes of the reference design's buffers: one gather buffer and min(2, U) gradient
+/// buffers of 4 max_u N C_u bytes each.
+std::size_t reference_buffer_bytes(const std::vector<Unit>& units, int world) {
+  return (kReferenceGatherBuffers + std::min(kReferenceGradientBuffers, units.size())) * 4 *
+         largest_padded_unit(units, world);
 }
 
 /// The names of the parameters of `model` whose value (or gradient) is allocated.
@@ -614,8 +644,8 @@ TEST(Lab7Clipping, GlobalNormOverTheShards) {
 
 // --- Lab7Memory ----------------------------------------------------------------------------
 
-TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
-  Draws draws("Lab7Memory.ParametersAreOneShardPlusOneUnit");
+TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
+  Draws draws("Lab7Memory.ShardPlusTwoUnitsAndTheirBuffers");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training =
       grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
@@ -647,93 +677,81 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           const std::size_t psi = model.num_parameters();
           const std::vector<Unit> units = contract_units(model, world);
           const std::size_t shard = 4 * contract_shard(units);
-          const std::size_t unit_bytes = 4 * largest_unit(units);
-          const std::size_t buffers =
-              contract_buffer_bytes(units, world) + (max_norm > 0 ? sizeof(float) : 0);
-          // The grader's hooks, registered before the student's: at every pre-hook no value
-          // may exist (the last unit's released, this one's not yet gathered); at every
-          // post-hook of a unit, exactly the shard and this unit's values.
+          const std::size_t two_units = 4 * two_largest_units(units);
+          const std::size_t buffer = 4 * largest_padded_unit(units, world);
+          const std::size_t norm = max_norm > 0 ? sizeof(float) : 0;
+          const std::size_t parameter_budget = shard + two_units;
+          const std::size_t with_buffers_budget = shard + kBudgetBuffers * buffer + norm;
+          // The grader's hooks, registered before the student's: at every hook the parameter
+          // bytes are the shard and the values allocated then, the gradient bytes the shard of
+          // the gradient and the gradients allocated then (each tensor under its category).
           std::string hook_finding;
-          std::vector<std::size_t> unit_of_layer(model.layers().size(), kNone);
-          for (std::size_t u = 0; u < units.size(); ++u) unit_of_layer[units[u].layer] = u;
-          const auto layer_index = [&](const Layer& layer) {
-            const std::span<Layer* const> layers = model.layers();
-            for (std::size_t l = 0; l < layers.size(); ++l)
-              if (layers[l] == &layer) return l;
-            return kNone;
-          };
           bool watching = false;
-          const auto pre = [&](const char* phase) {
+          const auto hook = [&](const char* phase) {
             return [&, phase](Layer& layer) {
               if (!watching || !hook_finding.empty()) return;
-              const std::vector<std::string> kept = allocated(model, false);
-              if (!kept.empty())
+              for (const bool gradients : {false, true}) {
+                std::size_t held = 0;
+                for (const Parameter* p : model.parameters())
+                  held += 4 * (gradients ? p->grad : p->value).size();
+                const MemoryCategory category =
+                    gradients ? MemoryCategory::kGradients : MemoryCategory::kParameters;
+                const std::size_t seen =
+                    tracker.current(category) - (gradients ? grad_base : param_base);
+                if (seen == shard + held) continue;
                 hook_finding = fmt::format(
-                    "before {}'s {}, Parameter::value of [{}] is allocated; expected no value "
-                    "outside its unit's forward or backward (release each unit's values in its "
-                    "post-hook)",
-                    layer.name(), phase, fmt::join(kept, ", "));
+                    "at {}'s {}, {} bytes of {} while [{}] are allocated; expected the shard's "
+                    "4 S = {} plus those {}' {} bytes = {} (every {} under {}, nothing else "
+                    "there)",
+                    layer.name(), phase, seen, to_string(category),
+                    fmt::join(allocated(model, gradients), ", "), shard,
+                    gradients ? "gradients" : "values", held, shard + held,
+                    gradients ? "Parameter::grad and the shard of the gradient"
+                              : "materialised Parameter::value and the shard of the parameters",
+                    to_string(category));
+                return;
+              }
             };
           };
-          const auto post = [&](const char* phase) {
-            return [&, phase](Layer& layer) {
-              if (!watching || !hook_finding.empty()) return;
-              const std::size_t u = unit_of_layer[layer_index(layer)];
-              if (u == kNone) return;
-              const std::size_t seen = tracker.current(MemoryCategory::kParameters) - param_base;
-              const std::size_t expected = shard + 4 * units[u].elements;
-              if (seen != expected)
-                hook_finding = fmt::format(
-                    "after {}'s {} (unit {}), {} bytes of parameters; expected the shard's 4 S "
-                    "= {} plus this unit's 4 E = {}: {}{}",
-                    layer.name(), phase, u, seen, shard, 4 * units[u].elements, expected,
-                    seen >= shard + 4 * psi ? " (the whole model is there)"
-                    : seen > expected       ? " (another unit's values are still allocated)"
-                                            : "");
-            };
-          };
-          model.on_pre_forward(pre("forward"));
-          model.on_post_forward(post("forward"));
-          model.on_pre_backward(pre("backward"));
-          model.on_post_backward(post("backward"));
+          model.on_pre_forward(hook("pre-forward"));
+          model.on_post_forward(hook("post-forward"));
+          model.on_pre_backward(hook("pre-backward"));
+          model.on_post_backward(hook("post-backward"));
           tracker.reset_peaks();
           const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
           ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
-          // Every category, what the constructor changed: the shards of the parameters and of
-          // the gradient in, the model's values and gradients (4 Psi each) released, the
-          // buffers, the inner optimizer's state, nothing else.
+          // Every category but communication, what the constructor changed: the shards of the
+          // parameters and of the gradient in, the model's values and gradients (4 Psi each)
+          // released, the inner optimizer's state, nothing else. The buffers are the design's:
+          // their budget is checked below, with the values.
+          const grading::CategoryBytes constructor_change =
+              grading::current_bytes(tracker) - before_constructor;
           grading::CategoryBytes expected_change;
           const std::int64_t shard_in_model_out =
               static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
           expected_change[MemoryCategory::kParameters] = shard_in_model_out;
           expected_change[MemoryCategory::kGradients] = shard_in_model_out;
-          expected_change[MemoryCategory::kCommunication] = static_cast<std::int64_t>(buffers);
+          expected_change[MemoryCategory::kCommunication] =
+              constructor_change[MemoryCategory::kCommunication];
           expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
-          const std::string constructor_differs = grading::category_differences(
-              grading::current_bytes(tracker) - before_constructor, expected_change);
+          const std::string constructor_differs =
+              grading::category_differences(constructor_change, expected_change);
           if (!constructor_differs.empty())
             verdict.fail(fmt::format(
                 "what the constructor changed: {}; the contract: 4 S - 4 Psi = {} of parameters "
-                "and of gradients (the shards in, every value and gradient released), + {} of "
-                "communication (one gather buffer and min(2, U) = {} gradient buffer(s) of 4 "
-                "max_u(N C_u){}), the inner optimizer's state, nothing else",
-                constructor_differs, shard_in_model_out, buffers,
-                std::min(kGradientBuffers, units.size()),
-                max_norm > 0 ? " and the norm's float" : ""));
+                "and of gradients (the shards in, every value and gradient released), your "
+                "buffers under communication, the inner optimizer's state, nothing else",
+                constructor_differs, shard_in_model_out));
           verdict.expect_empty(check_released(model), "after the constructor");
           const grading::CategoryBytes constructed = grading::current_bytes(tracker);
           tracker.reset_peaks();
-          std::size_t backward_grad_peak = 0;
           watching = true;
           for (int step = 1; step <= 2 && verdict.passed(); ++step) {
             const Batch batch = grading::on_check_device(
                 grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
             model.backward(grading::forward(model, batch), batch.labels);
-            backward_grad_peak =
-                std::max(backward_grad_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
-            verdict.expect_empty(check_released(model),
-                                 fmt::format("step {}, right after backward", step));
             (void)zero.step();
+            verdict.expect_empty(check_released(model), fmt::format("step {}, after step()", step));
           }
           watching = false;
           if (!hook_finding.empty()) verdict.fail(hook_finding);
@@ -755,6 +773,10 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
           const std::size_t activations =
               tracker.peak(MemoryCategory::kActivations) - model_activation_base;
           if (!verdict.passed()) return;
+          const std::string sizes = fmt::format(
+              "S = {}, two largest units {} elements, largest padded unit N C = {} (Psi = {}, N "
+              "= {}, {} units)",
+              shard / 4, two_units / 4, buffer / 4, psi, world, units.size());
           if (activations > plain_activations)
             verdict.fail(fmt::format(
                 "{} activation bytes at the peak of the steps, {} for the same forward and "
@@ -765,38 +787,37 @@ TEST(Lab7Memory, ParametersAreOneShardPlusOneUnit) {
             verdict.fail(fmt::format(
                 "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none",
                 other_peak));
-          else if (param_peak != shard + unit_bytes)
+          else if (param_peak > parameter_budget)
             verdict.fail(fmt::format(
-                "parameter bytes at the peak of the steps {}; expected 4 S + 4 max_u E_u = {} + "
-                "{} = {} (Psi = {}, N = {})",
-                param_peak, shard, unit_bytes, shard + unit_bytes, psi, world));
-          else if (backward_grad_peak != shard + unit_bytes || grad_peak != shard + unit_bytes)
+                "parameter bytes at the peak of the steps {}; the budget is the shard and at most "
+                "two units' values, 4 S + 4 (E_(1) + E_(2)) = {} + {} = {} ({}){}",
+                param_peak, shard, two_units, parameter_budget, sizes,
+                param_peak >= shard + 4 * psi ? ": the whole model is there"
+                                              : ": more units' values than two at once"));
+          else if (grad_peak > parameter_budget)
             verdict.fail(fmt::format(
-                "gradient bytes at the peak during backward {} (during the steps {}); expected "
-                "4 S + 4 x the largest unit = {} + {} = {}{}",
-                backward_grad_peak, grad_peak, shard, unit_bytes, shard + unit_bytes,
-                backward_grad_peak > shard + unit_bytes
-                    ? ": gradients stayed past their unit's backward (release them once copied)"
-                    : ""));
-          else if (comm_peak != buffers)
+                "gradient bytes at the peak of the steps {}; the budget is the shard of the "
+                "gradient and at most two units' gradients, 4 S + 4 (E_(1) + E_(2)) = {} ({}): "
+                "release each unit's gradients once they are in a buffer",
+                grad_peak, parameter_budget, sizes));
+          else if (param_peak + comm_peak > with_buffers_budget)
             verdict.fail(fmt::format(
-                "communication bytes at the peak {}; expected (1 + min(2, U)) x 4 max_u(N C_u){} "
-                "= {} ({} units: one gather and two gradient buffers){}",
-                comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
-                units.size(),
-                comm_peak < buffers   ? ": fewer buffers than the contract's three"
-                : comm_peak > buffers ? ": more than the contract's three buffers (one gather "
-                                        "buffer is enough if the unit is copied out before the "
-                                        "prefetch; a buffer allocated again in every backward "
-                                        "adds up too)"
-                                      : ""));
+                "peak(parameters) + peak(communication) = {} + {} = {} bytes; the budget is the "
+                "shard plus two units and their buffers: 4 S + {} x 4 max_u(N C_u){} = {} + {} x "
+                "{}{} = {} ({}): two units each in a gathered copy (a buffer or its values) and "
+                "a gradient buffer",
+                param_peak, comm_peak, param_peak + comm_peak, kBudgetBuffers,
+                norm > 0 ? " + 4 for the norm" : "", shard, kBudgetBuffers, buffer,
+                norm > 0 ? " + 4" : "", with_buffers_budget, sizes));
           else
             verdict.note(fmt::format(
-                "N = {}, Psi = {}: parameter peak {} bytes (4 S = {} plus the largest unit's {}), "
-                "gradient peak the same, {} bytes of buffers{}, against lab 6's 4 Psi = {} of "
-                "parameters on every rank",
-                world, psi, shard + unit_bytes, shard, unit_bytes, buffers,
-                max_norm > 0 ? " and the norm's float" : "", 4 * psi));
+                "N = {}, Psi = {}: parameter peak {} bytes (budget {}), gradient peak {} "
+                "(budget {}), communication peak {}: {} with the parameters against the budget "
+                "4 S + {} x 4 max_u(N C_u){} = {}; lab 6 holds 4 Psi = {} of parameters on every "
+                "rank",
+                world, psi, param_peak, parameter_budget, grad_peak, parameter_budget, comm_peak,
+                param_peak + comm_peak, kBudgetBuffers, norm > 0 ? " + 4" : "", with_buffers_budget,
+                4 * psi));
         },
         draws);
   }
@@ -888,12 +909,12 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
                     "bytes or more from the heap; expected none",
                     label, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
-              else if (grads != count || values != 2 * count || others != 0)
+              else if (grads != count || values > 2 * count || others != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} gradient tensor(s), "
                     "{} parameter tensor(s) and {} communication or optimizer-state tensor(s); "
-                    "expected the {} gradients backward makes, each value materialised twice "
-                    "(forward and backward: {}), and nothing else",
+                    "expected the {} gradients backward makes, each value materialised at most "
+                    "twice (once per all-gather of its unit: at most {}), and nothing else",
                     label, step, grads, values, others, count, 2 * count));
             }
             const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
@@ -1040,171 +1061,65 @@ TEST(Lab7Memory, TrainsAModelDdpCannotFit) {
 
 // --- Lab7Communication ---------------------------------------------------------------------
 
-/// What the grader sees through a recording communicator and its own layer hooks
-/// (registered before the student's): each call with its phase, the unit whose hooks were
-/// running when it was issued, its buffers, whether the gather before it had been waited
-/// on, whether the window unit's values had been copied out of the gather buffer, how many
-/// gathered units were alive, and the waits of reduce-scatters during backward.
+/// The communication budget per step and rank: each unit's parameters all-gathered at most
+/// this many times (once for its forward, once for its backward; fewer where a design
+/// keeps a unit's values), its gradients reduce-scattered exactly once.
+constexpr std::size_t kGathersPerUnit = 2;
+
+/// What the grader sees of one step through a recording communicator: each call, whether it
+/// was issued in step(), its buffers, and for a reduce-scatter into a unit's place the first
+/// non-zero padding element of its input at issue.
 struct CallLog {
-  enum Phase { kForward, kBackward, kStep };
   struct Call {
     RecordedCall call;
-    Phase phase = kStep;
-    std::size_t window = kNone;  ///< the unit whose pre-hook fired last in this phase
-    bool after_compute = false;  ///< issued after the window unit's layer ran
+    bool in_step = false;
     const void* in = nullptr;
     const void* out = nullptr;
-    std::size_t alive = 0;               ///< gathers alive at issue, this one included
-    bool previous_gather_waited = true;  ///< the phase's gather before it was waited
-    /// All-gathers: "" when every parameter of the window unit held a value, bitwise the
-    /// output buffer's elements at its place in the unit, when the call was issued (the unit
-    /// was materialised from the buffer before this gather could overwrite it); else what
-    /// was missing.
-    std::string window_not_materialised;
     std::optional<std::size_t> nonzero_padding;  ///< reduce-scatters: at issue
   };
-  Phase phase = kStep;
-  std::size_t window = kNone;
-  bool window_computed = false;  ///< the grader's post-hook of the window unit has fired
-  /// The window unit's layer has made a gradient in this backward (the grader's
-  /// gradient-ready hook, which fires before the student's, has seen one).
-  bool window_gradients_made = false;
-  std::size_t gathers_issued = 0;  ///< in this phase
-  std::size_t units_done = 0;      ///< unit post-hooks seen in this phase
   std::vector<Call> calls;
-  std::vector<bool> waited;              ///< per call index
-  std::vector<std::string> early_waits;  ///< descriptions of reduce-scatter waits too early
-  std::vector<std::size_t> unit_of_layer;
-  std::vector<std::size_t> rs_unit_of_call;  ///< per call index: its unit (reduce-scatters)
+  bool in_step = false;
   const std::vector<Unit>* units = nullptr;
-  std::size_t last_gather = kNone;  ///< call index of the phase's last gather
+  /// The optimizer's shards (set once it is constructed): a unit's calls read or write them
+  /// at its shard offset.
+  const float* shard_parameters = nullptr;
+  const float* shard_gradients = nullptr;
 
-  void begin(Phase p) {
-    phase = p;
-    window = kNone;
-    window_computed = false;
-    gathers_issued = 0;
-    units_done = 0;
-    last_gather = kNone;
+  /// The unit whose chunk of `shard` starts at `pointer`, or kNone.
+  std::size_t unit_at(const void* pointer, const float* shard) const {
+    if (shard == nullptr || pointer == nullptr) return kNone;
+    for (std::size_t u = 0; u < units->size(); ++u)
+      if (pointer == shard + (*units)[u].shard_offset) return u;
+    return kNone;
   }
 
-  void attach(grading::RecordingCommunicator& recorder, Model& model,
-              const std::vector<Unit>& all_units) {
+  void attach(grading::RecordingCommunicator& recorder, const std::vector<Unit>& all_units) {
     units = &all_units;
-    unit_of_layer.assign(model.layers().size(), kNone);
-    for (std::size_t u = 0; u < all_units.size(); ++u) unit_of_layer[all_units[u].layer] = u;
-    const auto unit_of = [this, &model](const Layer& layer) {
-      const std::span<Layer* const> layers = model.layers();
-      for (std::size_t l = 0; l < layers.size(); ++l)
-        if (layers[l] == &layer) return unit_of_layer[l];
-      return kNone;
-    };
-    const auto pre = [this, unit_of](Layer& layer) {
-      if (const std::size_t u = unit_of(layer); u != kNone) {
-        window = u;
-        window_computed = false;
-        window_gradients_made = false;
-      }
-    };
-    model.on_pre_forward(pre);
-    model.on_pre_backward(pre);
-    // A gradient is ready only once its layer's backward has run: from then on the window
-    // unit's gradients may go into their buffer (and the wait for it may come).
-    model.on_gradient_ready([this](Parameter&) { window_gradients_made = true; });
-    // The grader's post-hook runs before the student's: a call issued after it was issued
-    // after the layer ran.
-    const auto post = [this, unit_of](Layer& layer) {
-      if (unit_of(layer) == kNone) return;
-      ++units_done;
-      window_computed = true;
-    };
-    model.on_post_forward(post);
-    model.on_post_backward(post);
-    recorder.set_issue_callback([this, &model](std::size_t index, const RecordedCall& call,
-                                               ConstBuffer in, MutableBuffer out) {
-      Call c;
-      c.call = call;
-      c.phase = phase;
-      c.window = window;
-      c.after_compute = window_computed;
-      c.in = in.data;
-      c.out = out.data;
-      waited.resize(index + 1, false);
-      rs_unit_of_call.resize(index + 1, kNone);
-      if (call.op == CommOp::kAllGather) {
-        ++gathers_issued;
-        c.alive = gathers_issued - std::min(gathers_issued, units_done);
-        c.previous_gather_waited = last_gather == kNone || waited[last_gather];
-        last_gather = index;
-        // Seen before the call is passed on: the output still holds what was gathered last.
-        if (window != kNone) c.window_not_materialised = check_materialised(model, window, out);
-      }
-      if (call.op == CommOp::kReduceScatter && phase == kBackward && window != kNone) {
-        const Unit& unit = (*units)[window];
-        c.nonzero_padding = grading::first_nonzero(in, unit.elements);
-        rs_unit_of_call[index] = window;
-      }
-      calls.push_back(c);
-    });
-    recorder.set_wait_callback([this](std::size_t index) {
-      if (index >= waited.size()) return;
-      if (phase == kBackward && rs_unit_of_call[index] != kNone && !waited[index]) {
-        const std::size_t u = rs_unit_of_call[index];
-        // Unit u's gradient buffer is needed again by unit u - 2, once that unit's layer has
-        // made its gradients: a wait before (in its pre-backward, say) would stop the
-        // reduce-scatter from travelling while the layer computes.
-        if (window == kNone || u < 2 || window > u - 2)
-          early_waits.push_back(fmt::format(
-              "unit {}'s reduce-scatter was waited on (or tested) during backward in unit {}'s "
-              "hooks; expected no wait before unit {} needs its buffer{}",
-              u, window == kNone ? std::string("no") : fmt::format("{}", window),
-              u >= 2 ? fmt::format("{}", u - 2) : std::string("-"),
-              u < 2 ? " (no later unit needs it: wait in step())" : ""));
-        else if (window == u - 2 && !window_gradients_made)
-          early_waits.push_back(fmt::format(
-              "unit {}'s reduce-scatter was waited on (or tested) in unit {}'s hooks before its "
-              "layer's backward ran; expected the wait once unit {}'s gradients are made, just "
-              "before they go into the buffer, so that the reduce-scatter travels while the "
-              "layer computes",
-              u, window, window));
-      }
-      waited[index] = true;
-    });
-  }
-
-  /// "" when every parameter of unit `u` holds a value equal, bitwise, to `buffer`'s
-  /// elements at its place in the unit (over the part of the unit `buffer` covers).
-  std::string check_materialised(const Model& model, std::size_t u, MutableBuffer buffer) const {
-    // Host copies: the buffer and the values live on the check device.
-    const std::vector<float> gathered = grading::host_values(
-        ConstTensorView(static_cast<const float*>(buffer.data), buffer.count, buffer.device));
-    std::size_t offset = 0;
-    for (const std::size_t p : (*units)[u].parameters) {
-      const Parameter& parameter = *model.parameters()[p];
-      if (parameter.value.empty()) return fmt::format("{} had no value", parameter.name);
-      const std::vector<float> value = grading::host_values(parameter.value);
-      const std::size_t covered =
-          offset >= buffer.count ? 0 : std::min(value.size(), buffer.count - offset);
-      if (covered > 0 &&
-          std::memcmp(value.data(), gathered.data() + offset, covered * sizeof(float)) != 0)
-        return fmt::format("{}'s value did not hold the gathered elements", parameter.name);
-      offset += value.size();
-    }
-    return "";
+    recorder.set_issue_callback(
+        [this](std::size_t, const RecordedCall& call, ConstBuffer in, MutableBuffer out) {
+          Call c;
+          c.call = call;
+          c.in_step = in_step;
+          c.in = in.data;
+          c.out = out.data;
+          if (call.op == CommOp::kReduceScatter) {
+            const std::size_t u = unit_at(out.data, shard_gradients);
+            if (u != kNone && in.count > (*units)[u].elements)
+              c.nonzero_padding = grading::first_nonzero(in, (*units)[u].elements);
+          }
+          calls.push_back(c);
+        });
   }
 
   void reset(grading::RecordingCommunicator& recorder) {
     recorder.forget_calls();
     calls.clear();
-    waited.clear();
-    rs_unit_of_call.clear();
-    early_waits.clear();
   }
 };
 
-/// The bytes this rank sends for the contract's calls of one step on `comm` (two
-/// all-gathers and one reduce-scatter per unit), measured on scratch buffers.
-std::uint64_t contract_bytes_sent(Communicator& comm, const std::vector<Unit>& units) {
+/// The budget's bytes for one step on `comm`: what this rank sends for two all-gathers and
+/// one reduce-scatter per unit, measured with the same calls on scratch buffers.
+std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units) {
   const CommCounters before = comm.counters();
   const auto n = static_cast<std::size_t>(comm.size());
   for (const Unit& u : units) {
@@ -1212,216 +1127,116 @@ std::uint64_t contract_bytes_sent(Communicator& comm, const std::vector<Unit>& u
                 grading::check_device());
     Tensor chunk({static_cast<std::int64_t>(u.chunk_elements)}, MemoryCategory::kOther,
                  grading::check_device());
-    comm.allgather(std::as_const(chunk).view(), full.view())->wait();
-    comm.allgather(std::as_const(chunk).view(), full.view())->wait();
+    for (std::size_t g = 0; g < kGathersPerUnit; ++g)
+      comm.allgather(std::as_const(chunk).view(), full.view())->wait();
     comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
   }
   const CommCounters used = comm.counters().since(before);
   return used.of(CommOp::kReduceScatter).bytes_sent + used.of(CommOp::kAllGather).bytes_sent;
 }
 
-/// "" when the calls of one step follow the contract, else the first rule broken.
+/// "" when the calls of one step keep within the communication budget, else the first call
+/// or count that does not: every all-gather a unit's chunk of shard_parameters() (C_u -> N
+/// C_u), at most kGathersPerUnit per unit; every reduce-scatter (N C_u -> C_u, sum) into a
+/// unit's chunk of shard_gradients(), its padding zero at issue, exactly one per unit; with
+/// clipping one all-reduce of one float in step(); nothing else.
 std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int world,
-                       const float* shard_grad, bool clipping) {
-  const std::size_t count = units.size();
+                       bool clipping) {
   const auto n = static_cast<std::size_t>(world);
-  std::vector<const CallLog::Call*> forward_gathers, backward_gathers, scatters, in_step, others;
+  std::vector<std::size_t> gathers(units.size(), 0);
+  std::vector<std::size_t> scatters(units.size(), 0);
+  std::size_t norms = 0;
   for (const CallLog::Call& c : log.calls) {
-    if (c.phase == CallLog::kStep) {
-      in_step.push_back(&c);
-    } else if (c.call.op == CommOp::kAllGather) {
-      (c.phase == CallLog::kForward ? forward_gathers : backward_gathers).push_back(&c);
-    } else if (c.call.op == CommOp::kReduceScatter && c.phase == CallLog::kBackward) {
-      scatters.push_back(&c);
+    const char* where = c.in_step ? "step()" : "forward or backward";
+    if (c.call.op == CommOp::kAllGather) {
+      const std::size_t u = log.unit_at(c.in, log.shard_parameters);
+      if (u == kNone)
+        return fmt::format(
+            "{} issued {} whose input is not a unit's chunk of shard_parameters(); expected "
+            "each all-gather to read unit u's chunk, elements [shard_offset, shard_offset + C) "
+            "of shard_parameters() (the only copy of the parameters)",
+            where, grading::describe(c.call));
+      const RecordedCall want{CommOp::kAllGather, units[u].chunk_elements,
+                              n * units[u].chunk_elements, ReduceOp::kSum};
+      if (c.call != want)
+        return fmt::format(
+            "unit {}'s all-gather is {}; expected {} (C = {} elements from each rank)", u,
+            grading::describe(c.call), grading::describe(want), units[u].chunk_elements);
+      ++gathers[u];
+    } else if (c.call.op == CommOp::kReduceScatter) {
+      const std::size_t u = log.unit_at(c.out, log.shard_gradients);
+      if (u == kNone)
+        return fmt::format(
+            "{} issued {} whose output is not a unit's chunk of shard_gradients(); expected "
+            "each unit's reduce-scatter into elements [shard_offset, shard_offset + C) of "
+            "shard_gradients()",
+            where, grading::describe(c.call));
+      const RecordedCall want{CommOp::kReduceScatter, n * units[u].chunk_elements,
+                              units[u].chunk_elements, ReduceOp::kSum};
+      if (c.call != want)
+        return fmt::format("unit {}'s reduce-scatter is {}; expected {}{}", u,
+                           grading::describe(c.call), grading::describe(want),
+                           c.call.reduce != want.reduce
+                               ? " (the contract's sum, then one division by N in step())"
+                               : "");
+      if (c.nonzero_padding)
+        return fmt::format(
+            "unit {}'s reduce-scatter input has a non-zero padding element at issue (index {}, "
+            "E = {}); expected the padding, elements [E, N C), zero",
+            u, *c.nonzero_padding, units[u].elements);
+      ++scatters[u];
+    } else if (clipping && c.in_step &&
+               c.call == RecordedCall{CommOp::kAllReduce, 1, 1, ReduceOp::kSum}) {
+      ++norms;
     } else {
-      others.push_back(&c);
+      return fmt::format(
+          "{} called {}; expected only the units' all-gathers and reduce-scatters{}{}", where,
+          grading::describe(c.call),
+          clipping ? ", and in step() one allreduce(1, sum) for the norm" : "",
+          c.call.op == CommOp::kAllReduce && c.call.in > 1
+              ? " (an all-reduce of a unit's gradients makes every rank do the whole sum: "
+                "reduce-scatter it into the shard)"
+              : "");
     }
   }
-  if (!others.empty())
-    return fmt::format(
-        "{} called {}; expected only all-gathers in forward, and all-gathers and "
-        "reduce-scatters in backward{}",
-        others.front()->phase == CallLog::kForward ? "forward" : "backward",
-        grading::describe(others.front()->call),
-        others.front()->call.op == CommOp::kAllReduce && others.front()->call.in > 1
-            ? " (an all-reduce of a unit's gradients makes every rank do the whole "
-              "sum: reduce-scatter it into the shard)"
-            : "");
-  const auto gather_of = [&](std::size_t u) {
-    return RecordedCall{CommOp::kAllGather, units[u].chunk_elements, n * units[u].chunk_elements,
-                        ReduceOp::kSum};
-  };
-  // Forward: U gathers, unit order, each prefetched in its predecessor's pre-forward.
-  if (forward_gathers.size() != count)
-    return fmt::format("forward issued {} all-gathers; expected one per unit, {}{}",
-                       forward_gathers.size(), count,
-                       forward_gathers.size() > count ? "" : " (a unit's values kept instead?)");
-  for (std::size_t u = 0; u < count; ++u) {
-    const CallLog::Call& c = *forward_gathers[u];
-    if (c.call != gather_of(u))
-      return fmt::format("forward's all-gather {} is {}; expected unit {}'s {} (unit order)", u,
-                         grading::describe(c.call), u, grading::describe(gather_of(u)));
-    const std::size_t want = u == 0 ? 0 : u - 1;
-    if (c.window != want)
-      return u == 0 ? "unit 0's all-gather was issued before its pre-forward; expected in it"
-                    : fmt::format(
-                          "unit {}'s all-gather was issued {}; expected in unit {}'s pre-forward, "
-                          "after its wait and before its layer runs (the prefetch that overlaps "
-                          "unit {}'s compute){}",
-                          u,
-                          c.window == u       ? "in its own pre-forward"
-                          : c.window == kNone ? "before the first unit's pre-forward"
-                                              : fmt::format("in unit {}'s pre-forward", c.window),
-                          u - 1, u - 1,
-                          c.window == u ? " (no prefetch: every gather is exposed)" : "");
-    if (u >= 1 && c.after_compute)
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    if (gathers[u] > kGathersPerUnit)
       return fmt::format(
-          "unit {}'s all-gather was issued after unit {}'s forward ran (in its post-forward); "
-          "expected in its pre-forward, so that the gather travels while unit {} computes",
-          u, u - 1, u - 1);
-    if (!c.previous_gather_waited)
+          "unit {} was all-gathered {} times in one step; the budget is at most {} per unit "
+          "(once for its forward, once for its backward), 2 U = {} in all: a unit gathered "
+          "ahead and dropped, or gathered again for nothing, costs a whole unit's traffic",
+          u, gathers[u], kGathersPerUnit, kGathersPerUnit * units.size());
+    if (scatters[u] != 1)
       return fmt::format(
-          "unit {}'s all-gather was issued before unit {}'s was waited on; expected the prefetch "
-          "after the wait (at most two gathered units at once)",
-          u, u - 1);
-    if (c.alive > kMaxGatheredUnits)
-      return fmt::format(
-          "when unit {}'s all-gather was issued in forward, {} gathered units were "
-          "alive; expected at most {} (FSDP's limit_all_gathers)",
-          u, c.alive, kMaxGatheredUnits);
-    if (u >= 1 && c.out != forward_gathers[0]->out)
-      return fmt::format(
-          "units 0 and {} are gathered into different buffers; expected every unit in the one "
-          "gather buffer (copy a unit out before the next one's gather: one buffer is enough)",
-          u);
-    if (u >= 1 && !c.window_not_materialised.empty())
-      return fmt::format(
-          "unit {}'s all-gather was issued into the gather buffer before unit {}'s values were "
-          "materialised from it ({}); expected wait, copy out, then prefetch (the buffer is "
-          "free only once the unit before is copied out)",
-          u, u - 1, c.window_not_materialised);
+          "unit {}'s gradients were reduce-scattered {} times in one step; expected exactly once "
+          "(into its chunk of shard_gradients())",
+          u, scatters[u]);
   }
-  // Backward: U gathers in reverse unit order, each but U-1's prefetched; U reduce-scatters.
-  if (backward_gathers.size() != count)
-    return fmt::format(
-        "backward issued {} all-gathers; expected one per unit, {} (gather each unit again "
-        "before its backward, free it after){}",
-        backward_gathers.size(), count,
-        backward_gathers.empty() ? ": the forward's values were kept?" : "");
-  for (std::size_t k = 0; k < count; ++k) {
-    const std::size_t u = count - 1 - k;
-    const CallLog::Call& c = *backward_gathers[k];
-    if (c.call != gather_of(u))
-      return fmt::format(
-          "backward's all-gather {} is {}; expected unit {}'s {} (reverse unit "
-          "order)",
-          k, grading::describe(c.call), u, grading::describe(gather_of(u)));
-    const std::size_t want = u == count - 1 ? u : u + 1;
-    if (c.window != want)
-      return fmt::format(
-          "in backward, unit {}'s all-gather was issued {}; expected in unit {}'s "
-          "pre-backward{}",
-          u,
-          c.window == kNone ? "before the first unit's pre-backward"
-                            : fmt::format("in unit {}'s hooks", c.window),
-          want, u == count - 1 ? "" : ", after its wait (backward prefetch)");
-    if (u + 1 < count && c.after_compute)
-      return fmt::format(
-          "in backward, unit {}'s all-gather was issued after unit {}'s backward ran; expected "
-          "in its pre-backward, so that the gather travels while unit {} computes",
-          u, u + 1, u + 1);
-    if (!c.previous_gather_waited)
-      return fmt::format(
-          "in backward, unit {}'s all-gather was issued before unit {}'s was "
-          "waited on; expected the prefetch after the wait",
-          u, u + 1);
-    if (c.alive > kMaxGatheredUnits)
-      return fmt::format(
-          "when unit {}'s all-gather was issued in backward, {} gathered units "
-          "were alive; expected at most {}",
-          u, c.alive, kMaxGatheredUnits);
-    if (c.out != forward_gathers[0]->out)
-      return fmt::format(
-          "in backward, unit {} is gathered into another buffer than in forward; "
-          "expected the one gather buffer both times",
-          u);
-    if (u + 1 < count && !c.window_not_materialised.empty())
-      return fmt::format(
-          "in backward, unit {}'s all-gather was issued into the gather buffer before unit {}'s "
-          "values were materialised from it ({}); expected wait, copy out, then prefetch",
-          u, u + 1, c.window_not_materialised);
-  }
-  if (scatters.size() != count)
-    return fmt::format("backward launched {} reduce-scatters; expected one per unit, {}{}",
-                       scatters.size(), count,
-                       scatters.empty() ? " (an all-reduce of gradients keeps the whole gradient: "
-                                          "reduce-scatter each unit into the shard)"
-                                        : "");
-  for (std::size_t k = 0; k < count; ++k) {
-    const std::size_t u = count - 1 - k;
-    const CallLog::Call& c = *scatters[k];
-    const RecordedCall want{CommOp::kReduceScatter, n * units[u].chunk_elements,
-                            units[u].chunk_elements, ReduceOp::kSum};
-    if (c.window != u)
-      return fmt::format(
-          "backward's reduce-scatter {} is {} launched in unit {}'s hooks; "
-          "expected unit {}'s {} launched in its own backward",
-          k, grading::describe(c.call),
-          c.window == kNone ? std::string("no") : fmt::format("{}", c.window), u,
-          grading::describe(want));
-    if (c.call != want)
-      return fmt::format("unit {}'s reduce-scatter is {}; expected {}{}", u,
-                         grading::describe(c.call), grading::describe(want),
-                         c.call.reduce != want.reduce
-                             ? " (the contract's sum, then one division by N in step())"
-                             : "");
-    if (c.out != shard_grad + units[u].shard_offset)
-      return fmt::format(
-          "unit {}'s reduce-scatter writes elsewhere than shard_gradients() at its "
-          "shard offset {}",
-          u, units[u].shard_offset);
-    for (const CallLog::Call* g : forward_gathers)
-      if (g->out == c.in)
-        return fmt::format(
-            "unit {}'s reduce-scatter reads a gather buffer; expected its own "
-            "gradient buffer (a gather in flight writes into that one)",
-            u);
-    if (k >= 2 && c.in != scatters[k - 2]->in)
-      return fmt::format(
-          "unit {}'s reduce-scatter reads another buffer than unit {}'s; expected "
-          "gradient buffer u mod 2 (two buffers in turn)",
-          u, u + 2);
-    if (k >= 1 && c.in == scatters[k - 1]->in)
-      return fmt::format(
-          "units {} and {} reduce-scatter from the same buffer; expected gradient "
-          "buffer u mod 2",
-          u + 1, u);
-    if (c.nonzero_padding)
-      return fmt::format(
-          "unit {}'s reduce-scatter input has a non-zero padding element at issue "
-          "(index {}, E = {}); expected the padding zero",
-          u, *c.nonzero_padding, units[u].elements);
-  }
-  if (!log.early_waits.empty()) return log.early_waits.front();
-  const std::size_t expected_in_step = clipping ? 1 : 0;
-  if (in_step.size() != expected_in_step ||
-      (clipping &&
-       in_step.front()->call != RecordedCall{CommOp::kAllReduce, 1, 1, ReduceOp::kSum})) {
-    std::vector<std::string> seen;
-    for (const CallLog::Call* c : in_step) seen.push_back(grading::describe(c->call));
-    return fmt::format(
-        "step() called [{}]; expected {} (the parameters stay sharded: no "
-        "all-gather in step())",
-        fmt::join(seen, ", "), clipping ? "only allreduce(1, sum) for the norm" : "nothing");
-  }
+  if (norms != (clipping ? 1u : 0u))
+    return fmt::format("step() made {} all-reduces for the norm; expected {}", norms,
+                       clipping ? 1 : 0);
   return "";
 }
 
-TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
-  Draws draws("Lab7Communication.PrefetchAndReduceScatterPerUnit");
-  const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training =
-      grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+TEST(Lab7Communication, CallsAndBytesWithinBudget) {
+  Draws draws("Lab7Communication.CallsAndBytesWithinBudget");
+  std::vector<int> worlds = draws.world_sizes(6);
+  Training training = grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  // Padding not zeroed shows only where a unit pads into a buffer a larger unit wrote: the
+  // last unit (10 h2 + 10 elements), the first of backward, pads on N = 3, 4 and 6 when
+  // h2 + 1 is odd and no multiple of 3 (the next such h2), and one of those N always runs.
+  const std::int64_t drawn2 = training.hidden2;
+  while ((training.hidden2 + 1) % 2 == 0 || (training.hidden2 + 1) % 3 == 0) ++training.hidden2;
+  if (training.hidden2 != drawn2) {
+    training.options.model = fmt::format("64-{}-{}-10", training.hidden1, training.hidden2);
+    draws.overrule("hidden2", fmt::format("hidden2={} (drawn {}; set by the check)",
+                                          training.hidden2, drawn2));
+  }
+  const int largest_world = grading::check_backend() == Backend::kLocal ? 6 : mpi_world_size();
+  if (std::none_of(worlds.begin(), worlds.end(),
+                   [](int n) { return n == 3 || n == 4 || n == 6; }) &&
+      largest_world >= 3)
+    worlds.push_back(3);
   for (int world : worlds) {
     run_on_ranks(
         world,
@@ -1429,63 +1244,66 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
           const TrainOptions options = training.for_world(world);
           Model layout = training.model();
           const std::vector<Unit> units = contract_units(layout, world);
-          const std::uint64_t expected_bytes = contract_bytes_sent(comm, units);
+          const std::uint64_t budget_bytes = budget_bytes_sent(comm, units);
           const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
               comm, std::vector<std::size_t>{layout.num_parameters()});
           const std::uint64_t scalar_bytes =
               grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
           double ratio = 0;
+          std::size_t most_gathers = 0;
           for (const float max_norm : {0.0f, 1.0f}) {
             Model model = training.model();
             grading::RecordingCommunicator recorder(comm);
             CallLog log;
-            log.attach(recorder, model, units);  // the grader's hooks first
+            log.attach(recorder, units);
             ZeroThreeOptimizer zero(model, recorder, factory_for(options), max_norm);
+            log.shard_parameters = zero.shard_parameters().view().data();
+            log.shard_gradients = zero.shard_gradients().view().data();
             const std::string label = max_norm > 0 ? "with clipping, " : "";
             for (int step = 1; step <= 2; ++step) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               log.reset(recorder);
               const CommCounters before = comm.counters();
-              log.begin(CallLog::kForward);
-              Tensor logits = grading::forward(model, batch);
-              log.begin(CallLog::kBackward);
-              recorder.set_in_backward(true);
-              model.backward(logits, batch.labels);
-              recorder.set_in_backward(false);
-              log.begin(CallLog::kStep);
+              log.in_step = false;
+              model.backward(grading::forward(model, batch), batch.labels);
+              log.in_step = true;
               (void)zero.step();
               const CommCounters used = comm.counters().since(before);
               if (!verdict.passed()) continue;
-              const std::string finding =
-                  judge_step(log, units, world, zero.shard_gradients().view().data(), max_norm > 0);
+              const std::string finding = judge_step(log, units, world, max_norm > 0);
               if (!finding.empty()) {
                 verdict.fail(fmt::format("{}step {}: {}", label, step, finding));
                 continue;
               }
+              std::size_t step_gathers = 0;
+              for (const CallLog::Call& c : log.calls)
+                if (c.call.op == CommOp::kAllGather) ++step_gathers;
+              most_gathers = std::max(most_gathers, step_gathers);
               const std::uint64_t bytes = used.of(CommOp::kReduceScatter).bytes_sent +
                                           used.of(CommOp::kAllGather).bytes_sent;
-              if (bytes != expected_bytes ||
+              if (bytes > budget_bytes ||
                   used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
                 verdict.fail(fmt::format(
                     "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
-                    "all-gathers and {} by all-reduce; expected {} for the units' calls{}",
-                    label, step, bytes, used.of(CommOp::kAllReduce).bytes_sent, expected_bytes,
+                    "all-gathers and {} by all-reduce; the budget is at most {} for the units' "
+                    "calls (two all-gathers and one reduce-scatter per unit){}",
+                    label, step, bytes, used.of(CommOp::kAllReduce).bytes_sent, budget_bytes,
                     max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
                                  : " and none by all-reduce"));
               if (ddp_bytes > 0)
-                ratio = static_cast<double>(bytes) / static_cast<double>(ddp_bytes);
+                ratio =
+                    std::max(ratio, static_cast<double>(bytes) / static_cast<double>(ddp_bytes));
             }
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "{} units: each all-gather prefetched in the unit before's hooks, into the one "
-                "gather buffer once that unit was materialised, at most two alive, two gradient "
-                "buffers in turn, {} reduce-scatters during backward, nothing but the norm in "
-                "step(); {}",
-                units.size(), units.size(),
-                world > 1 ? fmt::format("on N = {} a step sent {:.4f}x DDP's all-reduce bytes "
-                                        "(1.5x plus the padding)",
+                "{} units: at most {} all-gathers per step (budget 2 U = {}), each unit's "
+                "gradients reduce-scattered once into its chunk of the shard, padding zero, "
+                "nothing but the norm besides; {}",
+                units.size(), most_gathers, kGathersPerUnit * units.size(),
+                world > 1 ? fmt::format("on N = {} a step sent at most {:.4f}x DDP's all-reduce "
+                                        "bytes (the budget: 1.5x plus the padding)",
                                         world, ratio)
                           : std::string("on N = 1 nothing crosses a link")));
         },
@@ -1496,12 +1314,15 @@ TEST(Lab7Communication, PrefetchAndReduceScatterPerUnit) {
 // --- Lab7Speed -----------------------------------------------------------------------------
 
 /// A communicator that passes every call on and measures, on the rank's clock, how long
-/// the waits on all-gathers blocked: the gather time the prefetch did not hide.
-class GatherWaitTimer final : public Communicator {
+/// the waits on all-gathers and on reduce-scatters blocked: the time the lab's design did
+/// not hide.
+class WaitTimer final : public Communicator {
  public:
-  explicit GatherWaitTimer(Communicator& inner) : inner_(inner) {}
-  double exposed = 0;       ///< seconds spent in waits and tests of all-gathers
-  std::size_t gathers = 0;  ///< all-gathers issued
+  explicit WaitTimer(Communicator& inner) : inner_(inner) {}
+  double gathers_exposed = 0;   ///< seconds spent in waits and tests of all-gathers
+  double scatters_exposed = 0;  ///< seconds spent in waits and tests of reduce-scatters
+  std::size_t gathers = 0;      ///< all-gathers issued
+  std::size_t scatters = 0;     ///< reduce-scatters issued
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -1516,11 +1337,12 @@ class GatherWaitTimer final : public Communicator {
     return inner_.allreduce(d, op);
   }
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    return inner_.reduce_scatter(in, out, op);
+    ++scatters;
+    return std::make_unique<Timed>(inner_.reduce_scatter(in, out, op), *this, scatters_exposed);
   }
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
     ++gathers;
-    return std::make_unique<Timed>(inner_.allgather(in, out), *this);
+    return std::make_unique<Timed>(inner_.allgather(in, out), *this, gathers_exposed);
   }
   std::unique_ptr<Work> broadcast(MutableBuffer d, int root) override {
     return inner_.broadcast(d, root);
@@ -1532,34 +1354,75 @@ class GatherWaitTimer final : public Communicator {
  private:
   class Timed final : public Work {
    public:
-    Timed(std::unique_ptr<Work> inner, GatherWaitTimer& timer)
-        : inner_(std::move(inner)), timer_(timer) {}
+    Timed(std::unique_ptr<Work> inner, WaitTimer& timer, double& exposed)
+        : inner_(std::move(inner)), timer_(timer), exposed_(exposed) {}
     void wait() override {
       const double start = timer_.clock().now();
       inner_->wait();
-      timer_.exposed += timer_.clock().now() - start;
+      exposed_ += timer_.clock().now() - start;
     }
     bool test() override {
       const double start = timer_.clock().now();
       const bool done = inner_->test();
-      timer_.exposed += timer_.clock().now() - start;
+      exposed_ += timer_.clock().now() - start;
       return done;
     }
 
    private:
     std::unique_ptr<Work> inner_;
-    GatherWaitTimer& timer_;
+    WaitTimer& timer_;
+    double& exposed_;
   };
 
   Communicator& inner_;
 };
 
-TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
-  Draws draws("Lab7Speed.PrefetchHidesHalfTheGathers");
+/// Seconds of the `op` calls' time on the link (rank `trace`'s) that overlap the model's own
+/// compute: the forward and backward of its layers and of the loss, each counted once (the
+/// first event of its name). Compute the lab adds (copies, reductions, anything it runs to
+/// pass the time) hides nothing: a prefetch hides a gather behind the layers that need the
+/// unit before it, and a reduce-scatter hides behind the layers whose backward follows.
+double behind_model_compute(const RankTrace& trace, std::string_view op) {
+  std::vector<std::pair<double, double>> model;  // (start, end) of the model's own ops
+  std::vector<std::string> seen;
+  for (const TraceEvent& event : trace.events) {
+    if (event.lane != TraceLane::kCompute) continue;
+    const bool layer_op = event.name.ends_with(" forward") || event.name.ends_with(" backward");
+    if (!layer_op || std::find(seen.begin(), seen.end(), event.name) != seen.end()) continue;
+    seen.push_back(event.name);
+    model.emplace_back(event.start, event.start + event.duration);
+  }
+  double overlap = 0;
+  for (const TraceEvent& event : trace.events) {
+    if (event.name != op || event.lane == TraceLane::kCompute) continue;
+    for (const auto& [start, end] : model)  // compute ops of one rank never overlap each other
+      overlap +=
+          std::max(0.0, std::min(end, event.start + event.duration) - std::max(start, event.start));
+  }
+  return overlap;
+}
+
+/// The speed budget: at least this fraction of each kind of call's time on the link hidden
+/// (the waits on it block for at most the rest) and overlapping the model's own compute.
+constexpr double kHiddenFraction = 0.5;
+
+/// What the speed check measured for one kind of call on rank 0.
+struct Hiding {
+  std::size_t calls = 0;
+  double on_link = 0;       ///< seconds on the link
+  double exposed = 0;       ///< seconds the waits on them blocked
+  double behind_model = 0;  ///< seconds on the link that overlap the model's own compute
+  double hidden() const { return std::max(0.0, 1.0 - exposed / on_link); }
+  double behind() const { return behind_model / on_link; }
+};
+
+TEST(Lab7Speed, HidesHalfTheCommunication) {
+  Draws draws("Lab7Speed.HidesHalfTheCommunication");
   // 8 ranks on InfiniBand NDR, a CPU-class device, an MLP of 8 hidden layers 64-h-...-h-10
   // (h in [512, 768]) and 2 to 4 rows per rank: a hidden layer's forward (its weight read
   // once, 4 h^2 bytes at 20 GB/s) takes about as long as its ring all-gather on 8 ranks
-  // (7 (alpha + h^2 / 2 bytes at 50 GB/s)), so only a prefetch hides the gathers.
+  // (7 (alpha + h^2 / 2 bytes at 50 GB/s)), so only a prefetch hides the gathers, and only
+  // reduce-scatters left to travel while the next layers compute hide themselves.
   const int world = 8;
   std::string spec = "64";
   const std::int64_t hidden = draws.integer("hidden", 512, 768);
@@ -1583,14 +1446,13 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
   launch_options.simulation.enabled = true;
   launch_options.simulation.network = NetworkModel::preset("ib-ndr");
   launch_options.simulation.device = DeviceModel::preset("cpu");
-  double exposed = 0;
-  double total = 0;
+  Hiding gathers;
+  Hiding scatters;
   double step_seconds = 0;
-  std::size_t gathers = 0;
   try {
     launch(launch_options, [&](Communicator& comm) {
       Model model = grading::make_check_model(options);
-      GatherWaitTimer timer(comm);
+      WaitTimer timer(comm);
       ZeroThreeOptimizer zero(model, timer, factory_for(options));
       const Batch batch =
           grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
@@ -1600,10 +1462,17 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
       detail::charging_clock(comm).mark_step();
       if (comm.rank() != 0) return;
       const RankTrace trace = comm.clock().trace();
-      for (const TraceEvent& event : trace.events)
-        if (event.name == "allgather" && event.lane != TraceLane::kCompute) total += event.duration;
-      exposed = timer.exposed;
-      gathers = timer.gathers;
+      for (const TraceEvent& event : trace.events) {
+        if (event.lane == TraceLane::kCompute) continue;
+        if (event.name == "allgather") gathers.on_link += event.duration;
+        if (event.name == "reduce_scatter") scatters.on_link += event.duration;
+      }
+      gathers.calls = timer.gathers;
+      gathers.exposed = timer.gathers_exposed;
+      gathers.behind_model = behind_model_compute(trace, "allgather");
+      scatters.calls = timer.scatters;
+      scatters.exposed = timer.scatters_exposed;
+      scatters.behind_model = behind_model_compute(trace, "reduce_scatter");
       step_seconds = summarize_steps(trace).back().total;
     });
   } catch (const NotImplemented&) {
@@ -1612,23 +1481,52 @@ TEST(Lab7Speed, PrefetchHidesHalfTheGathers) {
     FAIL() << fmt::format("on 8 simulated ranks a rank failed with {}: {}\n  drawn: {}",
                           grading::type_name(error), error.what(), draws.describe());
   }
-  ASSERT_GT(total, 0.0) << "no all-gather reached the simulated clock";
-  // A wait can block longer than its gather's time on the link: it also waits for the other
-  // ranks to issue theirs. Then nothing was hidden.
-  const double hidden_fraction = std::max(0.0, 1.0 - exposed / total);
-  if (hidden_fraction < 0.5)
-    ADD_FAILURE() << fmt::format(
-        "on 8 ranks (ib-ndr, cpu), {}: {} all-gathers took {:.3f} ms on the link and the waits "
-        "on them blocked {:.3f} ms: {:.0f}% hidden; expected at least 50% (prefetch unit u + 1 "
-        "in unit u's pre-forward, u - 1 in u's pre-backward, so that it travels while u "
-        "computes)\n  drawn: {}",
-        options.model, gathers, total * 1e3, exposed * 1e3, 100 * hidden_fraction,
-        draws.describe());
-  else
+  ASSERT_GT(gathers.on_link, 0.0) << "no all-gather reached the simulated clock";
+  ASSERT_GT(scatters.on_link, 0.0) << "no reduce-scatter reached the simulated clock";
+  // A wait can block longer than its call's time on the link: it also waits for the other
+  // ranks to issue theirs. Then nothing was hidden. The all-gathers must also overlap the
+  // model's own compute (a lab once burned compute before each wait to hide them); a
+  // reduce-scatter travels mostly while the next unit is materialised (a copy every design
+  // makes), so for the reduce-scatters only the waits are judged.
+  const auto judge = [&](const Hiding& h, const char* what, const char* how, bool behind_model) {
+    if (h.hidden() < kHiddenFraction)
+      return fmt::format(
+          "on 8 ranks (ib-ndr, cpu), {}: {} {} took {:.3f} ms on the link and the waits on "
+          "them blocked {:.3f} ms: {:.0f}% hidden; expected at least {:.0f}% ({})\n  drawn: {}",
+          options.model, h.calls, what, h.on_link * 1e3, h.exposed * 1e3, 100 * h.hidden(),
+          100 * kHiddenFraction, how, draws.describe());
+    if (behind_model && h.behind() < kHiddenFraction)
+      return fmt::format(
+          "on 8 ranks (ib-ndr, cpu), {}: the waits on {} {} blocked {:.3f} ms of their "
+          "{:.3f} ms on the link, but only {:.3f} ms ({:.0f}%) of that time overlapped the "
+          "model's own forward and backward; expected at least {:.0f}%. Compute your code "
+          "adds (copies, reductions, work to pass the time) makes the step longer and hides "
+          "nothing: {}\n  drawn: {}",
+          options.model, h.calls, what, h.exposed * 1e3, h.on_link * 1e3, h.behind_model * 1e3,
+          100 * h.behind(), 100 * kHiddenFraction, how, draws.describe());
+    return std::string();
+  };
+  const std::string gathers_finding =
+      judge(gathers, "all-gathers",
+            "issue each unit's all-gather early enough that it travels while the layers before "
+            "it compute",
+            true);
+  const std::string scatters_finding =
+      judge(scatters, "reduce-scatters",
+            "wait for a reduce-scatter only when its buffer is needed again or in step(), so "
+            "that it travels while the next layers' backward computes",
+            false);
+  if (!gathers_finding.empty()) ADD_FAILURE() << gathers_finding;
+  if (!scatters_finding.empty()) ADD_FAILURE() << scatters_finding;
+  if (gathers_finding.empty() && scatters_finding.empty())
     grading::note_measured(fmt::format(
         "8 ranks on ib-ndr, {}: {} all-gathers, {:.3f} ms on the link, {:.3f} ms exposed: "
-        "{:.0f}% hidden by the prefetch (step {:.3f} ms)",
-        options.model, gathers, total * 1e3, exposed * 1e3, 100 * hidden_fraction,
+        "{:.0f}% hidden, {:.0f}% behind the model's own compute; {} reduce-scatters, {:.3f} ms "
+        "on the link, {:.3f} ms exposed: {:.0f}% hidden ({:.0f}% behind the model's own compute, "
+        "the rest behind the copies) (step {:.3f} ms)",
+        options.model, gathers.calls, gathers.on_link * 1e3, gathers.exposed * 1e3,
+        100 * gathers.hidden(), 100 * gathers.behind(), scatters.calls, scatters.on_link * 1e3,
+        scatters.exposed * 1e3, 100 * scatters.hidden(), 100 * scatters.behind(),
         step_seconds * 1e3));
 }
 
@@ -1640,24 +1538,27 @@ struct WrongFormula {
   std::size_t bytes = 0;
 };
 
-/// The design question's answer by the contract's memory rule, 4 S + 4 max_u E_u +
-/// (1 + min(2, U)) x 4 max_u(N C_u), and the plausible wrong formulas, for `model` on
-/// `world` ranks.
+/// The design question's answer for the reference design (one gather buffer, min(2, U)
+/// gradient buffers), 4 S + 4 max_u E_u + (1 + min(2, U)) x 4 max_u(N C_u), and the
+/// plausible wrong formulas for it, for `model` on `world` ranks. The check compares each
+/// prediction with the student's own optimizer's peaks; these tell whether the draws can
+/// catch a wrong formula, and name the one a wrong prediction matches.
 std::pair<std::size_t, std::vector<WrongFormula>> design_formulas(Model& model, int world) {
   const std::vector<Unit> units = contract_units(model, world);
   const auto n = static_cast<std::size_t>(world);
   const std::size_t shard = 4 * contract_shard(units);
   const std::size_t values = 4 * largest_unit(units);
-  const std::size_t buffers = contract_buffer_bytes(units, world);
-  const std::size_t count = kGatherBuffers + std::min(kGradientBuffers, units.size());
+  const std::size_t buffers = reference_buffer_bytes(units, world);
+  const std::size_t count =
+      kReferenceGatherBuffers + std::min(kReferenceGradientBuffers, units.size());
   const std::size_t buffer = buffers / count;  // 4 max_u N C_u
   const std::size_t psi = model.num_parameters();
   return {
       shard + values + buffers,
       {
           {"two gradient buffers whatever the number of units (one unit needs one)",
-           shard + values + (kGatherBuffers + kGradientBuffers) * buffer},
-          {"no gradient buffers", shard + values + kGatherBuffers * buffer},
+           shard + values + (kReferenceGatherBuffers + kReferenceGradientBuffers) * buffer},
+          {"no gradient buffers", shard + values + kReferenceGatherBuffers * buffer},
           {"two gather buffers", shard + values + (count + 1) * buffer},
           {"lab 5's shard, ceil(Psi / N), instead of the sum of the units' chunks",
            4 * ((psi + n - 1) / n) + values + buffers},
@@ -1693,22 +1594,30 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
       layer_norm = draws.coin("layer norm");
       // The first MLP pads where lab 5's shard and the unpadded buffers part from the rule:
       // the next widths in order, h2 first, until some drawn N shows both.
+      // Without LayerNorm two of the three units hold 65 h1 and 10 (h2 + 1) elements, which
+      // N = 5 always divides and N = 2 leaves at most one odd: on those N only LayerNorm's
+      // units can pad, so the search tries the other LayerNorm setting after every width.
       if (m == 0) {
         const std::int64_t drawn1 = h1;
         const std::int64_t drawn2 = h2;
+        const bool drawn_norm = layer_norm;
         const auto shows_padding = [&] {
           std::vector<bool> seen(separated.size(), false);
           separates(fmt::format("64-{}-{}-10", h1, h2), layer_norm, seen);
           return seen[3] && seen[4];
         };
-        for (int tries = 0; worlds.back() > 1 && !shows_padding() && tries < 89 * 57; ++tries) {
+        for (int tries = 0; worlds.back() > 1 && !shows_padding() && tries < 2 * 89 * 57; ++tries) {
           h2 = h2 < 64 ? h2 + 1 : 8;
           if (h2 == drawn2) h1 = h1 < 96 ? h1 + 1 : 8;
+          if (h1 == drawn1 && h2 == drawn2) layer_norm = !layer_norm;
         }
         if (h1 != drawn1)
           draws.overrule("h1", fmt::format("h1={} (drawn {}; set by the check)", h1, drawn1));
         if (h2 != drawn2)
           draws.overrule("h2", fmt::format("h2={} (drawn {}; set by the check)", h2, drawn2));
+        if (layer_norm != drawn_norm)
+          draws.overrule("layer norm", fmt::format("layer norm={} (drawn {}; set by the check)",
+                                                   layer_norm, drawn_norm));
       }
       spec = fmt::format("64-{}-{}-10", h1, h2);
     }
@@ -1726,7 +1635,7 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
                                             .device = grading::check_device()});
             const std::size_t psi = model.num_parameters();
             const std::size_t units = contract_units(model, world).size();
-            const std::vector<WrongFormula> wrong = design_formulas(model, world).second;
+            const auto [reference, wrong] = design_formulas(model, world);
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
             std::size_t bytes = 0;
             {
@@ -1746,8 +1655,12 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
             if (!verdict.passed()) return;
             std::string wrong_one;
             for (const WrongFormula& formula : wrong)
-              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes)
-                wrong_one = fmt::format("; that is the prediction of {}", formula.what);
+              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes &&
+                  formula.bytes != reference)
+                wrong_one = fmt::format(
+                    "; that is the reference design (one gather buffer, min(2, U) gradient "
+                    "buffers) counted with {}",
+                    formula.what);
             if (predicted != bytes)
               verdict.fail(fmt::format(
                   "{}{} on N = {} ({} unit{}): predicted {} bytes; the MemoryTracker's peaks of "

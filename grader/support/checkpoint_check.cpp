@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/sharded_checkpoint.h"
 #include "ground_truth.h"
@@ -50,7 +51,7 @@ std::filesystem::path shared_directory(Communicator& comm) {
     DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
     std::copy(made.begin(), made.end(), name.begin());
   }
-  comm.broadcast(MutableBuffer{name.data(), name.size(), DataType::kUInt8}, 0)->wait();
+  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
   return std::string(reinterpret_cast<const char*>(name.data()));
 }
 
@@ -354,10 +355,37 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
             const TrainOptions options = training.for_world(world);
             Model model = training.model();
             const std::unique_ptr<CheckpointSubject> subject = (*load.make)(model, comm, options);
+            // What the load holds beyond the optimizer it fills: a sharded load reads the
+            // saved pieces of its own shard, never the whole model (lab 7's trial loaded the
+            // whole checkpoint on every rank and kept full marks).
+            MemoryTracker& tracker = this_rank_memory().tracker();
+            const std::size_t held_before = tracker.current_total();
+            tracker.reset_peaks();
             subject->load(directory);
+            const std::size_t load_extra = tracker.peak_total() - held_before;
             const ShardLayout& layout = (*load.layouts)[static_cast<std::size_t>(comm.rank())];
             const std::string what =
                 fmt::format("saved on 4 ranks after step {}, loaded on {}{}", k, world, load.how);
+            // Each state of the shard (its parameters and each optimizer state) once for the
+            // shard being filled and once for the saved piece being read, and 4 KiB for small
+            // tensors: about half of what a whole model's state takes on 2 ranks, a third on 4.
+            const std::size_t states = 1 + subject->inner().state().size();
+            std::size_t saved_shard = 0;
+            for (const ShardLayout& saved : expected.layouts.at(kSavedWorld))
+              saved_shard = std::max(saved_shard, saved.shard_elements);
+            const std::size_t own_shard = subject->shard_parameters().size();
+            const std::size_t load_budget =
+                states * (own_shard + saved_shard) * sizeof(float) + 4096;
+            // (Lab 6's load with other buckets at the saved world size is left out: its
+            // reference reads whole tensors there, which the contract does not forbid.)
+            if (load.how.empty() && load_extra > load_budget)
+              verdict.fail(fmt::format(
+                  "{}: load_checkpoint held {} bytes beyond the optimizer at its peak; expected "
+                  "at most {} x ({} + {}) elements x 4 bytes + 4 KiB = {} bytes (the {} states "
+                  "of the shard it fills and of one saved piece it reads at a time), not the "
+                  "whole model's",
+                  what, load_extra, states, own_shard, saved_shard, load_budget, states));
+
             if (subject->inner().step_count() != k)
               verdict.fail(fmt::format(
                   "{}: the inner optimizer's step count is {}; expected the checkpoint's {} "

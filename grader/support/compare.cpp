@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 
+#include "dp/host_collectives.h"
+
 namespace dp::grading {
 namespace {
 
@@ -153,7 +155,7 @@ std::vector<float> difference(std::span<const float> after, std::span<const floa
 std::string compare_with_rank0(const Model& model, Communicator& comm) {
   std::vector<float> mine = model.flat_parameters();
   std::vector<float> rank0 = mine;
-  comm.broadcast(std::span<float>(rank0), 0)->wait();
+  broadcast_host_values(std::span<float>(rank0), 0, comm);
   for (const Parameter* parameter : model.parameters()) {
     for (std::size_t i = 0; i < parameter->value.size(); ++i) {
       const std::size_t flat = parameter->offset + i;

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/tensor.h"
 #include "result_reporter.h"
 
@@ -37,16 +38,16 @@ std::vector<std::string> measured_notes;
 }  // namespace
 
 Backend check_backend() {
-  const char* name = grading_variable("DPLAB_TEST_BACKEND");
-  return name == nullptr || *name == '\0' ? Backend::kLocal : parse_backend(name);
+  const std::optional<std::string> name = grading_variable("DPLAB_TEST_BACKEND");
+  return !name || name->empty() ? Backend::kLocal : parse_backend(*name);
 }
 
 namespace {
 
 /// $DPLAB_TEST_DEVICE, "host" when unset.
 std::string check_device_name() {
-  const char* name = grading_variable("DPLAB_TEST_DEVICE");
-  const std::string device = name == nullptr || *name == '\0' ? "host" : name;
+  const std::optional<std::string> name = grading_variable("DPLAB_TEST_DEVICE");
+  const std::string device = !name || name->empty() ? "host" : *name;
   if (device != "host" && device != "cuda" && device != "emulated")
     throw Error(
         fmt::format("DPLAB_TEST_DEVICE is '{}': expected 'host', 'cuda' or 'emulated'", device));
@@ -64,26 +65,27 @@ void use_check_device() {
 }
 
 std::uint64_t grade_seed() {
-  const char* text = grading_variable("DPLAB_GRADE_SEED");
-  if (text == nullptr || *text == '\0') return 1;
+  std::optional<std::string> text = grading_variable("DPLAB_GRADE_SEED");
+  if (!text || text->empty()) return 1;
   char* end = nullptr;
   errno = 0;
-  const unsigned long long seed = std::strtoull(text, &end, 10);
-  if (errno != 0 || *end != '\0' || *text == '-')
+  const unsigned long long seed = std::strtoull(text->c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || text->front() == '-')
     throw Error(fmt::format(
-        "DPLAB_GRADE_SEED must be a non-negative decimal integer below 2^64, got '{}'", text));
+        "DPLAB_GRADE_SEED must be a non-negative decimal integer below 2^64, got '{}'", *text));
+  std::fill(text->begin(), text->end(), '\0');  // no copy of the digits left in memory
   return seed;
 }
 
 int calibration_draws(int full) {
-  const char* text = grading_variable("DPLAB_CALIBRATION_DRAWS");
-  if (text == nullptr || *text == '\0') return full;
+  const std::optional<std::string> text = grading_variable("DPLAB_CALIBRATION_DRAWS");
+  if (!text || text->empty()) return full;
   char* end = nullptr;
   errno = 0;
-  const long draws = std::strtol(text, &end, 10);
+  const long draws = std::strtol(text->c_str(), &end, 10);
   if (errno != 0 || *end != '\0' || draws < 1 || draws > 1000000)
     throw Error(fmt::format(
-        "DPLAB_CALIBRATION_DRAWS must be a whole number from 1 to 1000000, got '{}'", text));
+        "DPLAB_CALIBRATION_DRAWS must be a whole number from 1 to 1000000, got '{}'", *text));
   return static_cast<int>(draws);
 }
 
@@ -137,9 +139,10 @@ std::vector<int> Draws::world_sizes(int largest) {
       sizes.push_back(world);
   } else if (check_backend() == Backend::kNccl) {
     // Threads of this process driving its GPUs, one rank per GPU (NCCL refuses two ranks on
-    // one GPU), at most 2: NCCL adds the floats of 3 or more ranks in its ring's order, not
-    // in the rank order the checks compare bit for bit (a + b is b + a, so 2 ranks agree).
-    for (int world = 1; world <= std::min({largest, cuda_device_count(), 2}); ++world)
+    // one GPU; the emulated device stands for kEmulatedGpuCount GPUs), at most 2: NCCL adds
+    // the floats of 3 or more ranks in its ring's order, not in the rank order the checks
+    // compare bit for bit (a + b is b + a, so 2 ranks agree).
+    for (int world = 1; world <= std::min({largest, nccl_gpu_count(), 2}); ++world)
       sizes.push_back(world);
   } else {
     sizes.push_back(1);
@@ -243,7 +246,7 @@ std::uint64_t allreduce_bytes_sent(Communicator& comm,
   const CommCounters before = comm.counters();
   for (std::size_t count : element_counts) {
     std::vector<float> scratch(count, 0.0f);
-    comm.allreduce(std::span<float>(scratch), ReduceOp::kSum)->wait();
+    allreduce_host_values(std::span<float>(scratch), ReduceOp::kSum, comm);
   }
   return comm.counters().since(before).total_bytes_sent();
 }

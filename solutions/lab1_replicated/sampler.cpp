@@ -1,7 +1,6 @@
 // sampler.cpp: lab 1's DistributedSampler. Your part: num_samples() and indices().
 #include <fmt/format.h>
 
-#include <numeric>
 #include <utility>
 
 #include "dp/error.h"
@@ -42,7 +41,7 @@ std::vector<std::size_t> DistributedSampler::indices() const {
   // SKELETON: throw NotImplemented("lab1::DistributedSampler::indices");
   // The whole list, identical on every rank: 0..n-1, shuffled by (seed, epoch) alone.
   std::vector<std::size_t> order(dataset_size_);
-  std::iota(order.begin(), order.end(), std::size_t{0});
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
   if (options_.shuffle) {
     CounterRng rng(options_.seed, epoch_);
     for (std::size_t i = dataset_size_ - 1; i > 0; --i)

@@ -19,7 +19,11 @@
 //     simulated clock sees its cost.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a message reaches your buffer only when its own
-//     `Work` is waited on, and a send's buffer must stay unchanged until then.
+//     `Work` is waited on, and a send's buffer must stay unchanged until then. Nor may
+//     your code assume that a send moves while it waits for something else: on nccl the
+//     messages a rank issues between two waits go out as one group at the second, and
+//     complete only together, once every peer has posted the matching calls, so post an
+//     exchange's receives before its first wait (README.md, "Deadlocks").
 //   * Every size. N = 1 rank, buffers of 0 and 1 element, fewer elements than ranks and
 //     sizes N does not divide are drawn as often as the easy cases.
 //   * Exact arithmetic where this header fixes the order of additions (the ring, the
@@ -82,21 +86,26 @@ Range chunk_of(std::size_t elements, int parts, int index);
 ///   * The traffic. Messages go from rank r to rank r+1 (mod N) only. In each of the two
 ///     phases rank r sends every chunk but one, exactly once: (n - |chunk r+1|) +
 ///     (n - |chunk r+2|) elements in all, 2(N-1)/N of the buffer when N divides n. Checked
-///     to the byte, per peer, from the communicator's counters.
+///     to the byte, per peer, from the communicator's counters, and message by message:
+///     each one chunk's sum in the order above (partial in the reduce-scatter, complete in
+///     the all-gather); only an empty chunk's message may be empty.
 ///   * The time. On the simulated network (dp/clock.h) with free compute, 8 ranks and
-///     64 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
+///     1 to 4 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
 void ring_allreduce(TensorView data, Communicator& comm);
 
-/// A latency-optimal all-reduce, recursive doubling or a binomial tree (your choice, for
-/// every N, powers of two or not): replaces `data` on every rank by the element-wise sum
-/// over all ranks.
+/// An all-reduce for small messages in O(lg N) rounds, recursive doubling or a binomial
+/// tree (your choice, for every N, powers of two or not): replaces `data` on every rank by
+/// the element-wise sum over all ranks. The name is recursive doubling's: lg N rounds for a
+/// power of two, the fewest possible; a binomial tree (reduce, then broadcast, whole
+/// buffers without pipelining) takes 2 lg N and is accepted too.
 ///
 /// Invariants: every rank ends with the same bits; with values whose sums are exact in
 /// float32 the result is the exact sum; otherwise the order of additions is yours, and the
 /// result must be within the tolerance of rubric.json of the rank-order sum. Only `isend`
-/// and `irecv`, and no rank sends or receives more than ceil(lg N) + 1 buffers of n
-/// elements. On the simulated network, ib-ndr preset, 4 KiB on 8 ranks and on a drawn N of
-/// 5 to 7: faster than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
+/// and `irecv`, and no rank sends or receives more than ceil(lg N) + 1 messages, each a
+/// whole buffer of n elements holding a sum of values that had reached its sender. On the
+/// simulated network, ib-ndr preset, 1 to 4 KiB on 8 ranks and on a drawn N of 5 to 7:
+/// faster than a ring all-reduce, 2(N-1) (alpha + n/N / bandwidth).
 void latency_optimal_allreduce(TensorView data, Communicator& comm);
 
 /// Where a parameter server's servers run, how many there are, and how far its workers may
@@ -151,9 +160,13 @@ struct StalenessRecord {
 ///     server's shard of its gradients, each server sends each worker (other than itself)
 ///     the shard's new version, and nothing else moves. The one-server link therefore
 ///     carries (N-1) models each way per step when co-located; S servers divide it by S.
-///     Checked to the byte, per peer, from the communicator's counters.
+///     Checked to the byte, per peer, from the communicator's counters, and message by
+///     message: a push is one message holding shard j of the gradients the worker holds
+///     when the step begins, a pull one message holding the shard's next version (1, 2,
+///     ..., T in order), each sent once; no other message, no empty one.
 ///   * The optimizer state. Server j keeps the state of one optimizer made by
-///     `make_optimizer(|shard j|)`, and nothing more: S servers divide the state a single
+///     `make_optimizer(|shard j|)`, called once, in the constructor (and never on a rank
+///     that serves no shard), and nothing more: S servers divide the state a single
 ///     server keeps by S, as they divide its link. A rank that serves no shard keeps no
 ///     optimizer state. Checked exactly, per rank, from the rank's MemoryTracker
 ///     (`MemoryCategory::kOptimizerState`) after the constructor, after the steps and at its

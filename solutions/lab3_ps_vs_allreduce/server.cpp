@@ -81,8 +81,9 @@ struct ParameterServer::State {
   std::vector<Tensor> pushed;                // per worker: its gradient shard of this step
   std::vector<std::unique_ptr<Work>> sends;  // the newest version on its way to the workers
 
-  /// The server's part of step `t`: receive the workers' gradients of its shard, average
-  /// them in worker order, step the optimizer, send the new version to every worker.
+  /// The server's part of step `t`, once the sends of the previous version are done:
+  /// receive the workers' gradients of its shard, average them in worker order, step the
+  /// optimizer, send the new version to every worker.
   void serve(int t, Model& model, Communicator& comm);
 
   int worker_rank(int worker) const { return first_worker + worker; }
@@ -93,9 +94,6 @@ struct ParameterServer::State {
 };
 
 void ParameterServer::State::serve(int t, Model& model, Communicator& comm) {
-  // The shard is about to change: the sends of its previous version must be done.
-  for (auto& send : sends) send->wait();
-  sends.clear();
   const Range own = own_shard();
   std::vector<std::unique_ptr<Work>> receives;
   for (int worker = 0; worker < workers; ++worker)
@@ -195,6 +193,15 @@ void ParameterServer::step(Model& model, Communicator& comm) {
   // SKELETON: throw NotImplemented("lab3::ParameterServer::step");
   State& s = *state_;
   const int t = s.steps;
+  // The shard changes in this step: the sends of its previous version must be done first.
+  // Wait for them before the pushes, not after: on nccl a wait launches every message issued
+  // since the rank's previous wait as one group, which completes only as a whole (lab3.h).
+  // Waited for after the pushes, it would launch them alone, ahead of this server's
+  // receives, and two co-located servers would each wait for the other's receive.
+  if (s.serves) {
+    for (auto& send : s.sends) send->wait();
+    s.sends.clear();
+  }
   std::vector<std::unique_ptr<Work>> pushes;
   if (s.works) {
     s.log.push_back({t, s.model_version});

@@ -100,17 +100,6 @@ const std::vector<Bucket>& BucketedDDP::buckets() const {
   // END SOLUTION
 }
 
-const Tensor& BucketedDDP::bucket_buffer(std::size_t bucket) const {
-  // BEGIN SOLUTION
-  // SKELETON: (void)bucket;
-  // SKELETON: throw NotImplemented("lab4::BucketedDDP::bucket_buffer");
-  if (bucket >= state_->buffers.size())
-    throw Error(
-        fmt::format("BucketedDDP: no bucket {}; there are {}", bucket, state_->buffers.size()));
-  return state_->buffers[bucket];
-  // END SOLUTION
-}
-
 void BucketedDDP::finish_gradient_sync() {
   // BEGIN SOLUTION
   // SKELETON: throw NotImplemented("lab4::BucketedDDP::finish_gradient_sync");

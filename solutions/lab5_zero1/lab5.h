@@ -7,15 +7,20 @@
 // largest part of the training state (AdamW's two moments are twice the parameters). ZeRO
 // stage 1 (Rajbhandari et al., SC20) cuts the flat parameter index space into N equal
 // shards; rank r keeps the optimizer state of shard r only, updates shard r only, and the
-// ranks then all-gather the updated parameters. README.md beside this file poses the
-// problem; its Hints section, at the end, helps if you are stuck. Do not change this
-// header: the grader is compiled against it.
+// ranks then all-gather the updated parameters. How you pack the gradients, in how many
+// pieces you reduce-scatter and all-gather them, which buffers you keep and when you wait are
+// your design: this header states the interfaces, the arithmetic that fixes the bits, and
+// the budgets of memory and communication your design must meet. README.md beside this file
+// poses the problem; its Hints section, at the end, helps if you are stuck. Do not change
+// this header: the grader is compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
 //     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order,
-//     which the native reduce-scatter shares with the native all-reduce on every backend),
-//     then a division by N (not a multiplication by 1/N). The optimizer's update is
+//     which the native reduce-scatter shares with the native all-reduce on the local and
+//     mpi backends; NCCL at 3 or more ranks adds in an order that depends on the chunk, see
+//     "Which backends promise an order" in docs/reference.md, so grading on nccl takes at
+//     most 2 ranks), then a division by N (not a multiplication by 1/N). The optimizer's update is
 //     element-wise, so updating a shard gives the bits a whole-model step gives: the grader
 //     compares every rank's parameters bitwise with an emulation of lab 2 after every step.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
@@ -87,35 +92,41 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// inner optimizer with `make_inner(S)` (once), and allocates every buffer the steps need.
 /// `model` and `comm` must outlive the object.
 ///
-/// A step is one `Model::backward` on the rank's local batch, then one `step()`, which:
-/// reduce-scatters the local gradients so that rank r holds the sum of shard r over all
-/// ranks, divides it by N, clips it (when `max_norm > 0`), updates shard r of the
-/// parameters with the inner optimizer, all-gathers the shards and writes every
-/// parameter's value. Every rank then holds the same parameters: bitwise lab 2's.
+/// A step is one `Model::backward` on the rank's local batch, then one `step()`: rank r
+/// gets the sum over all ranks of shard r of the local gradients, divides it by N, clips it
+/// (when `max_norm > 0`), updates shard r of the parameters with the inner optimizer, and
+/// every rank gets every updated shard and writes every parameter's value. Every rank then
+/// holds the same parameters: bitwise lab 2's.
 ///
-/// Invariants, each checked:
-///   * Memory, from the `MemoryTracker` (bytes, float32), each category checked exactly,
-///     after the constructor, at its peak and around every step, beyond what the model
-///     itself holds (its parameters and gradients, 4 Psi each, and what its forward and
-///     backward make):
-///       - `kOptimizerState`: the inner optimizer's state only, for S elements (AdamW:
+/// Budgets, per step and rank, each checked (S and N S as `Partition` states them):
+///   * Communication. The gradients are summed by reduce-scatters (`ReduceOp::kSum`), the
+///     updated parameters spread by all-gathers: 1 to 4 of each per step, each
+///     reduce-scatter giving this rank a piece of its shard (its input N times its output),
+///     each all-gather taking a piece of the shard (its output N times its input), the
+///     pieces covering the shard once (S elements in all, each way). With clipping, one
+///     `allreduce` (kSum) of one float; nothing else, and no all-reduce of the gradients:
+///     it gives every rank the whole sum, of which it uses one shard (N copies of the work,
+///     and with the all-gather the parameters still need, 1.5 times DDP's bytes). The
+///     backend's bytes sent by the reduce-scatters and all-gathers are then DDP's: those of
+///     one all-reduce of Psi floats, 2 (N-1)/N x 4 Psi, within 1% (the padding). Four pieces
+///     leave room to pack one while another travels; a call per parameter pays the
+///     collective's latency once per parameter and exceeds the budget.
+///   * Memory, from the `MemoryTracker` (bytes, float32), after the constructor, at its peak
+///     and around every step, beyond what the model itself holds (its parameters and
+///     gradients, 4 Psi each, and what its forward and backward make):
+///       - `kOptimizerState`: exactly the inner optimizer's state for S elements (AdamW:
 ///         2 x 4 x S), at its peak too: no optimizer over the whole model or the padded
-///         space is ever made, not even for a moment.
-///       - `kCommunication`: one padded flat buffer of N S floats, 4 N S bytes, which the
-///         reduce-scatter reads and the all-gather writes (`flat_parameters()`: one buffer
-///         serves both), and with clipping one float for the norm. Nothing else.
-///       - `kGradients`: the shard of the averaged gradient, 4 S.
-///       - `kParameters`: the shard of the parameters (`shard_parameters()`), 4 S.
+///         space is ever made, not even for a moment. This is the lesson.
+///       - `kCommunication`: at most 4 N S bytes (one padded flat buffer's), plus 4 with
+///         clipping (one float for the norm): the buffers your calls read and write.
+///       - `kGradients`: at most 4 S: the shard of the averaged gradient.
+///       - `kParameters`: at most 4 S: the shard of the parameters (`shard_parameters()`).
 ///       - `kActivations` and `kOther`: nothing.
-///     `step()` changes none of them, not even for a moment.
-///   * Communication. A step calls, on the communicator and in this order: one
-///     `reduce_scatter` (`ReduceOp::kSum`) of the N S padded flat gradients into S
-///     elements; with clipping one `allreduce` (`ReduceOp::kSum`) of one float; one
-///     `allgather` of the S updated elements into N S. Nothing else: no all-reduce of the
-///     gradients (that moves the same bytes as this step and keeps N copies of the work).
-///     Per rank a step sends (N-1)/N x 4 N S bytes twice: 2 x 4 Psi-ish, DDP's volume.
-///   * Padding is zero: in the gradients reduce-scattered, in the parameters all-gathered,
-///     in `shard_parameters()` and `flat_parameters()`; it never counts in the norm.
+///     Each buffer is charged to the category of what it holds; fewer or smaller buffers
+///     pass. `step()` changes none of them, not even for a moment.
+///   * Padding is zero: in the gradients reduce-scattered (checked at each call's issue), in
+///     the parameters all-gathered, in `shard_parameters()` and `flat_parameters()`; it
+///     never counts in the norm.
 ///   * Buffers allocated once. The constructor allocates every tensor; `step()` allocates
 ///     none (`MemoryTracker::allocations_total`) and takes no block of 1 KiB or more from
 ///     the heap (no staging copy in a `std::vector`).
@@ -159,7 +170,8 @@ class ZeroOneOptimizer {
   /// space, its padding zero. The inner optimizer updates it in place.
   const Tensor& shard_parameters() const;
   /// The padded flat parameters after the latest `step()`: (N S), every rank's shard
-  /// all-gathered, equal to `Model::flat_parameters()` followed by zero padding.
+  /// in rank order, equal to `Model::flat_parameters()` followed by zero padding. Its 4 N S
+  /// bytes count in the communication budget.
   const Tensor& flat_parameters() const;
   /// The optimizer `make_inner` made.
   Optimizer& inner();
@@ -215,9 +227,9 @@ class ZeroOneOptimizer {
 /// Count what the tracker holds, over all its categories, on one rank once the model, its
 /// gradients and your optimizer exist and
 /// one step has run: the model's own parameters and gradients (4 bytes per element each),
-/// the inner optimizer's state, and every buffer your implementation keeps (the memory
-/// rule of `ZeroOneOptimizer` above). Compare it with DDP's 16 Psi for AdamW (README.md
-/// derives both).
+/// the inner optimizer's state, and every buffer your implementation keeps (within the
+/// memory budget of `ZeroOneOptimizer` above: your design's buffers, not the budget). Compare it
+/// with DDP's 16 Psi for AdamW (README.md derives both).
 ///
 /// The grader draws models and world sizes (rubric.json lists the ranges), runs your
 /// optimizer for one step on each rank and expects your prediction exactly, for each

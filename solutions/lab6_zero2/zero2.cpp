@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -250,9 +251,9 @@ std::optional<float> ZeroTwoOptimizer::step() {
     fill(s.norm_buffer.view(), static_cast<float>(dot(g, g)));
     s.comm.allreduce(s.norm_buffer.view(), ReduceOp::kSum)->wait();
     // The sum may live on a GPU: copy it into a host float (no allocation) to read it.
-    float sum = 0;
-    copy(std::as_const(s.norm_buffer).view(), TensorView(&sum, 1));
-    norm = std::sqrt(sum);
+    std::array<float, 1> sum{};
+    copy(std::as_const(s.norm_buffer).view(), TensorView(std::span<float>(sum)));
+    norm = std::sqrt(sum[0]);
     const float coefficient = s.max_norm / (*norm + 1e-6f);
     if (coefficient < 1.0f) scale(s.shard_grad.view(), coefficient);
   }

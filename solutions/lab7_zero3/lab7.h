@@ -6,14 +6,15 @@
 // Lab 6 sharded the optimizer state and the gradients, but every rank still held the whole
 // model (4 Psi bytes of parameters). ZeRO stage 3 (Rajbhandari et al., SC20), PyTorch
 // FSDP's FULL_SHARD, keeps only the rank's shard of the parameters too: each layer with
-// parameters is a unit (FSDP's flat parameter of one wrapped module); a unit's parameters
-// are all-gathered just before its forward and freed after it, all-gathered again before
-// its backward and freed after it, and its gradients are reduce-scattered into the shard of
-// the gradient as soon as its backward has made them. The all-gather of the next unit is
-// issued ahead (prefetch) so that it travels while this unit computes, with at most two
-// units at once, one materialised and one arriving (FSDP's limit_all_gathers). README.md
-// beside this file poses the problem; its Hints section, at the end, helps if you are
-// stuck. Do not change this header: the grader is compiled against it.
+// parameters is a unit whose parameters are all-gathered when its layer needs them and
+// freed when it no longer does, and whose gradients are reduce-scattered into the shard of
+// the gradient once its backward has made them. Like FSDP2, each unit's chunk is copied out
+// of the all-gather's buffer into the parameters' own tensors. How many buffers you keep,
+// when each all-gather is issued (and how far ahead), when each call is waited on, are your
+// design: this header states the interfaces, the arithmetic that fixes the bits, and the
+// budgets of memory, communication and time your design must meet. README.md beside this
+// file poses the problem; its Hints section, at the end, helps if you are stuck. Do not
+// change this header: the grader is compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
@@ -54,16 +55,6 @@
 #include "dp/tensor.h"
 
 namespace dp::lab7 {
-
-/// How many gather buffers a `ZeroThreeOptimizer` keeps: one. Every unit is gathered into
-/// it; a unit's values are copied out of it (materialised) before the next unit's
-/// all-gather is issued into it, so one buffer gives the same overlap as two.
-inline constexpr std::size_t kGatherBuffers = 1;
-
-/// How many gradient buffers a `ZeroThreeOptimizer` keeps (fewer when there are fewer
-/// units): unit u's gradients are reduce-scattered from gradient buffer u mod 2, so that
-/// unit u - 1 can fill the other while unit u's reduce-scatter still reads its own.
-inline constexpr std::size_t kGradientBuffers = 2;
 
 /// One unit: the parameters of one layer, gathered, freed and reduce-scattered together.
 struct Unit {
@@ -120,62 +111,63 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// backward before `step()` throws `dp::Error` from your hook (its gradients would otherwise
 /// overwrite the first's in the shard, and half a step would be lost silently).
 ///
-/// Forward, at the pre-forward of unit u's layer: unless unit u's all-gather is already in
-/// flight (prefetched), issue it; wait for it; materialise the unit's parameters (allocate
-/// each `Parameter::value`, its shape as at construction, under `kParameters`, and copy it
-/// from the gathered buffer); then prefetch: issue the all-gather of unit u + 1 (if any).
-/// At the post-forward of unit u, release its values. Only unit 0's all-gather is issued
-/// at its own pre-forward; every other unit's was issued at its predecessor's, after that
-/// predecessor's wait and materialisation and before its layer's forward runs.
-///
-/// Backward, the same in reverse unit order: at the pre-backward of unit u, unless it is
-/// in flight (only unit U-1's is not: the forward prefetches nothing past U-1), issue its
-/// all-gather; wait; materialise; prefetch unit u - 1 (if any). Once the layer's backward
-/// has made the unit's gradients (its gradient-ready hooks or its post-backward), copy them
-/// to their places in the unit's gradient buffer, release every `Parameter::grad`, zero
-/// the buffer's padding and launch the asynchronous
-/// `reduce_scatter(buffer [N C elements], ReduceOp::kSum)` into elements
-/// [shard_offset, shard_offset + C) of `shard_gradients()`, all before the next unit's
-/// backward starts; at the post-backward of unit u, release its values.
-///
-/// Unit u's all-gather is `allgather(shard_parameters() [shard_offset, +C) -> N C
-/// elements)` into the one gather buffer, so a prefetch is issued only after the unit
-/// before it was materialised from that buffer (the grader checks, at the prefetch's
-/// issue, that that unit's values exist and hold the buffer's contents). Unit u's
-/// reduce-scatter reads gradient buffer u mod 2. Before the first gradient of unit u is
-/// copied into its gradient buffer, the reduce-scatter of unit u + 2, which used the same
-/// buffer, is waited on, once unit u's layer has made its gradients (not before: it travels
-/// while the layer computes); no other wait on a reduce-scatter happens during backward.
+/// What a step must do, in whatever order and with whatever buffers you design:
+///   * Before a unit's layer runs its forward or its backward, every parameter of the unit
+///     holds its value (allocated under `kParameters`, its shape as at construction),
+///     copied from the unit's all-gather: `allgather(shard_parameters() [shard_offset, +C)
+///     -> N C elements)`, the unit's flat range with its padding. Values exist only where a
+///     layer needs them (the memory budget below counts them).
+///   * Once a unit's layer has made its gradients in backward, they go to their places in a
+///     buffer of N C elements, its padding [E, N C) zero, which is reduce-scattered
+///     (`reduce_scatter(buffer [N C elements], ReduceOp::kSum)`) into elements
+///     [shard_offset, shard_offset + C) of `shard_gradients()`; each `Parameter::grad` is
+///     released once copied.
+///   * A call's buffers are neither written (inputs) nor read or written (outputs) by you
+///     while the call is in flight: wait for it first (the adversarial completion mode
+///     reports such a buffer at the call's wait, naming the call).
 ///
 /// `step()` then waits for the reduce-scatters still running, divides the shard of the
 /// gradient by N, clips it (when `max_norm > 0`) and updates the shard of the parameters
-/// with the inner optimizer. No all-gather: the parameters stay sharded until the next
-/// forward gathers them.
+/// with the inner optimizer. The parameters stay sharded until the next forward gathers
+/// them.
 ///
-/// Memory, from the `MemoryTracker` (bytes, float32), each checked:
-///   * `kParameters`: the shard of the parameters, 4 S bytes, at all times; during a
-///     unit's forward or backward also that unit's values: at the peak 4 S + 4 max_u E_u.
-///     No value exists between units, after the constructor or after backward.
-///   * `kGradients`: the shard of the gradient, 4 S, at all times; during a unit's backward
-///     also its gradients until you release them: at the peak 4 S + 4 max_u E_u.
-///   * `kCommunication`: one gather buffer and min(kGradientBuffers, U) gradient buffers of
-///     4 max_u(N C_u) bytes each, and with clipping one float for the norm. Nothing else.
-///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
-///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
-///   * After the constructor no tensor is allocated but the values you materialise and the
-///     gradients backward makes; `step()` allocates none. Every buffer is a `Tensor`: the
-///     constructor, your hooks and `step()` take no block of 1 KiB or more from the heap.
-///   * Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in which
-///     replicated training (16 Psi of parameters, gradients and AdamW state plus lab 2's
-///     4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of eight equal
-///     hidden layers with AdamW, bitwise lab 2's.
-///
-/// Communication per step: U all-gathers (C_u -> N C_u) in unit order during forward, U
-/// all-gathers in reverse unit order during backward and U reduce-scatters (kSum) in
-/// reverse unit order, each launched in its unit's backward, their padding zero at issue;
-/// in `step()`, with clipping one `allreduce` (kSum) of one float, and nothing else. Per
-/// rank that is 1.5 times DDP's volume (two all-gathers and one reduce-scatter, each half
-/// of an all-reduce), plus the padding.
+/// Budgets, per step (one forward, one backward, one `step()`) and rank, each checked;
+/// U is the number of units, S the shard's elements, E_(1) and E_(2) the elements of the
+/// two largest units (E_(2) = 0 when U = 1), P = max_u N C_u the largest unit padded:
+///   * Communication: each unit all-gathered at most twice (2 U all-gathers at most: once
+///     for its forward, once for its backward, fewer if you keep a unit's values), each
+///     unit's gradients reduce-scattered exactly once, and with clipping one
+///     `allreduce` (kSum) of one float in `step()`; nothing else. The backend's bytes sent
+///     are then at most those of two all-gathers and one reduce-scatter per unit: 1.5 times
+///     DDP's volume (each half of an all-reduce), plus the padding.
+///   * Memory, from the `MemoryTracker` (bytes, float32):
+///       - `kParameters`: the shard of the parameters, 4 S, at all times, plus the values
+///         allocated at that moment, and nothing else: at the peak at most the shard and two
+///         units' values, 4 S + 4 (E_(1) + E_(2)).
+///       - `kGradients`: the shard of the gradient, 4 S, at all times, plus the gradients
+///         backward made that you have not released yet: at most 4 S + 4 (E_(1) + E_(2)).
+///       - `kCommunication`: your buffers (allocated in the constructor) and, with clipping,
+///         one float for the norm. With the parameters, peak(`kParameters`) +
+///         peak(`kCommunication`) <= 4 S + 4 x 4 P (+ 4 with clipping): the shard plus two
+///         units and their buffers, each unit a gathered copy (a buffer or its values) and a
+///         gradient buffer, each counted as the largest padded unit.
+///       - `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak
+///         too. `kOther`: nothing; `kActivations`: only what the model's forward and backward
+///         make.
+///       - After the constructor no tensor is allocated but the values you materialise (at
+///         most two per parameter and step: one per all-gather) and the gradients backward
+///         makes; `step()` allocates none. Every buffer is a `Tensor`: the constructor, your
+///         hooks and `step()` take no block of 1 KiB or more from the heap. Between steps
+///         every category holds what it held after the constructor.
+///       - Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in
+///         which replicated training (16 Psi of parameters, gradients and AdamW state plus
+///         lab 2's 4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of
+///         eight equal hidden layers with AdamW, bitwise lab 2's.
+///   * Time, on the simulated clock (8 ranks on ib-ndr, a CPU-class device, an MLP of eight
+///     equal hidden layers whose per-layer compute is comparable to its all-gather): the
+///     waits on all-gathers block for at most half of the all-gathers' time on the link, and
+///     at least half of that time overlaps the model's own forward and backward (compute
+///     your code adds hides nothing); the same for the reduce-scatters.
 class ZeroThreeOptimizer {
  public:
   /// Sets up ZeRO-3 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on.

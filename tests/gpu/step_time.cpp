@@ -12,6 +12,10 @@
 //   dp_gpu_step_time 4096-4096-4096-4096-10 1024 [STEPS]
 //   -> dplab  model 4096-4096-4096-4096-10  batch 1024: 5.123 ms/step (mean of 20 steps)
 //
+// `dp_gpu_step_time --probe` is tools/gpu-check's first step: it loads what a GPU run needs
+// and says what it found, before any long step: the devices, cuBLAS (loaded on the first
+// product, so a one-element product on the device) and NCCL (a one-rank all-reduce).
+//
 // Exit status: 0, 1 on an error, 77 without a CUDA device (as the GPU tests).
 #include <fmt/format.h>
 
@@ -22,11 +26,15 @@
 #include <string>
 #include <vector>
 
+#include "dp/comm.h"
 #include "dp/error.h"
+#include "dp/launch.h"
 #include "dp/model.h"
+#include "dp/ops.h"
 #include "dp/optimizer.h"
 #include "dp/rng.h"
 #include "dp/tensor.h"
+#include "dp/tensor_ops.h"
 
 namespace {
 
@@ -62,11 +70,45 @@ double seconds_per_step(const std::string& spec, std::int64_t batch, int steps) 
   return elapsed.count() / steps;
 }
 
+/// The probe (see the top): throws dp::Error naming what could not be loaded or run.
+void probe() {
+  fmt::print("CUDA devices: {}\n", dp::cuda_device_count());
+  dp::Tensor one = dp::Tensor::from(std::vector<float>{3.0f}, dp::MemoryCategory::kActivations,
+                                    dp::Device::kCuda);
+  one.reshape({1, 1});
+  const dp::Tensor product = dp::matmul(one, dp::Transpose::kNo, one, dp::Transpose::kNo);
+  const float nine = product.to(dp::Device::kHost).span()[0];
+  if (nine != 9.0f) throw dp::Error(fmt::format("cuBLAS: 3 x 3 gave {}, expected 9", nine));
+  fmt::print("cuBLAS: loaded, a product on the device is right\n");
+  dp::launch({.world_size = 1, .backend = dp::Backend::kNccl}, [](dp::Communicator& comm) {
+    dp::Tensor value = dp::Tensor::from(std::vector<float>{2.0f}, dp::MemoryCategory::kActivations,
+                                        dp::Device::kCuda);
+    comm.allreduce(value.view(), dp::ReduceOp::kSum)->wait();
+    const float two = value.to(dp::Device::kHost).span()[0];
+    if (two != 2.0f) throw dp::Error(fmt::format("NCCL: a one-rank sum of 2 gave {}", two));
+  });
+  fmt::print("NCCL: loaded, a one-rank all-reduce is right\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  const bool probing = argc == 2 && std::string(argv[1]) == "--probe";
+  if (probing) {
+    if (dp::cuda_device_count() == 0) {
+      std::fprintf(stderr, "no CUDA device: nothing to probe (exit code 77)\n");
+      return 77;
+    }
+    try {
+      probe();
+      return 0;
+    } catch (const std::exception& error) {
+      std::fprintf(stderr, "dp_gpu_step_time --probe: error: %s\n", error.what());
+      return 1;
+    }
+  }
   if (argc < 3 || argc > 4) {
-    std::fprintf(stderr, "usage: dp_gpu_step_time MLP-SPEC BATCH [STEPS (default 20)]\n");
+    std::fprintf(stderr, "usage: dp_gpu_step_time MLP-SPEC BATCH [STEPS (default 20)] | --probe\n");
     return 1;
   }
   if (dp::cuda_device_count() == 0) {

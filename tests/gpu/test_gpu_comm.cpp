@@ -7,6 +7,7 @@
 // Nccl backend (one rank per GPU: 1 rank here, more on a machine with more GPUs): every
 // collective and a ring of messages against the local host path, on integer-valued floats,
 // whose sums are exact in any order (NCCL adds in its ring's order).
+#include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -232,6 +233,50 @@ TEST(GpuLocalComm, ACollectiveWaitsForTheKernelsThatWroteItsBuffer) {
   });
 }
 
+// A rank's last kernels (an optimizer step, say) are queued on its thread's stream when its
+// function returns; the caller reads the tensors they write as soon as launch() returns, on
+// its own stream. launch() must have waited for them. Many kernels queued, so that a missing
+// wait would show.
+TEST(GpuLaunch, ARanksDeviceWorkHasFinishedWhenLaunchReturns) {
+  constexpr std::int64_t kN = 1 << 22;
+  constexpr int kRounds = 200;
+  Tensor written({kN}, MemoryCategory::kActivations, Device::kCuda);
+  const Tensor ones =
+      Tensor::from(std::vector<float>(kN, 1.0f), MemoryCategory::kActivations, Device::kCuda);
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    fill(written.view(), 0.0f);
+    synchronize_device();
+    launch({.world_size = 1}, [&](Communicator&) {
+      for (int round = 0; round < kRounds; ++round) add(ones.view(), written.view());
+    });
+    const Tensor host = written.to(Device::kHost);
+    ASSERT_TRUE(std::all_of(host.span().begin(), host.span().end(),
+                            [](float x) { return x == static_cast<float>(kRounds); }))
+        << "attempt " << attempt << ": launch() returned before the rank's " << kRounds
+        << " additions had finished";
+  }
+}
+
+// Ranks of the local backend on two GPUs (each thread makes its own current): the thread
+// that moves the other rank's data works on that rank's GPU for the move and must leave its
+// own GPU current, or its next kernels run on the other GPU. Needs 2 GPUs.
+TEST(GpuLocalComm, MovingAnotherGpusDataLeavesTheRanksOwnGpuCurrent) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (a rank on each)";
+  launch({.world_size = 2}, [](Communicator& comm) {
+    const int own = comm.rank();
+    ASSERT_EQ(cudaSetDevice(own), cudaSuccess);
+    Tensor data({1 << 16}, MemoryCategory::kGradients, Device::kCuda);
+    for (int round = 1; round <= 4; ++round) {
+      fill(data.view(), 1.0f);
+      comm.allreduce(data.view(), ReduceOp::kSum)->wait();
+      int current = -1;
+      ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+      ASSERT_EQ(current, own) << "rank " << own << ", round " << round
+                              << ": the all-reduce left another GPU current";
+    }
+  });
+}
+
 TEST(GpuLocalComm, RanksPassingHostAndDeviceBuffersFailLikeMismatchedSizes) {
   std::mutex mutex;
   std::string message;
@@ -294,6 +339,38 @@ TEST(GpuNcclComm, MoreRanksThanGpusIsAClearError) {
     message = error.what();
   }
   EXPECT_NE(message.find("the nccl backend runs one rank per GPU"), std::string::npos) << message;
+}
+
+// Rank 0 sends tag 2 then tag 1; rank 1 receives tag 1 then tag 2: each receive gets the
+// message of its tag, on nccl (which knows no tags) as on the local backend.
+TEST(GpuNcclComm, MessagesAreMatchedByTagAsOnTheLocalBackend) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs (one rank per GPU)";
+  for (const Backend backend : {Backend::kLocal, Backend::kNccl}) {
+    launch({.world_size = 2, .backend = backend}, [&](Communicator& comm) {
+      constexpr std::int64_t kN = 1000;
+      if (comm.rank() == 0) {
+        const Tensor twos =
+            Tensor::from(std::vector<float>(kN, 2.0f), MemoryCategory::kActivations, Device::kCuda);
+        const Tensor ones =
+            Tensor::from(std::vector<float>(kN, 1.0f), MemoryCategory::kActivations, Device::kCuda);
+        auto second = comm.isend(twos.view(), 1, /*tag=*/2);
+        auto first = comm.isend(ones.view(), 1, /*tag=*/1);
+        first->wait();
+        second->wait();
+        return;
+      }
+      Tensor tagged_one({kN}, MemoryCategory::kActivations, Device::kCuda);
+      Tensor tagged_two({kN}, MemoryCategory::kActivations, Device::kCuda);
+      auto first = comm.irecv(tagged_one.view(), 0, /*tag=*/1);
+      auto second = comm.irecv(tagged_two.view(), 0, /*tag=*/2);
+      first->wait();
+      second->wait();
+      const Tensor one = tagged_one.to(Device::kHost);
+      const Tensor two = tagged_two.to(Device::kHost);
+      EXPECT_EQ(one.span()[0], 1.0f) << comm.backend() << ": the receive of tag 1";
+      EXPECT_EQ(two.span()[0], 2.0f) << comm.backend() << ": the receive of tag 2";
+    });
+  }
 }
 
 TEST(GpuNcclComm, AMissingBarrierIsReportedAfterTheHangTimeout) {

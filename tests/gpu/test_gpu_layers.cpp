@@ -142,6 +142,26 @@ TEST(GpuMatmul, EveryTransposeCombinationAgreesWithTheHostWithinTheFloat32Bound)
   }
 }
 
+TEST(GpuMatmul, AnEmptyInnerDimensionScalesTheOutputByBeta) {
+  // k = 0 gives a leading dimension of 0 to a row-major operand of no columns, which cuBLAS
+  // refuses unless the call raises it to 1; the product is then c = beta c.
+  for (const Transpose ta : {Transpose::kNo, Transpose::kYes}) {
+    for (const Transpose tb : {Transpose::kNo, Transpose::kYes}) {
+      const Tensor a(
+          ta == Transpose::kNo ? std::vector<std::int64_t>{2, 0} : std::vector<std::int64_t>{0, 2},
+          MemoryCategory::kActivations, Device::kCuda);
+      const Tensor b(
+          tb == Transpose::kNo ? std::vector<std::int64_t>{0, 3} : std::vector<std::int64_t>{3, 0},
+          MemoryCategory::kActivations, Device::kCuda);
+      Tensor c_host({2, 3});
+      for (float& value : c_host.span()) value = 4.0f;
+      Tensor c = c_host.to(Device::kCuda);
+      matmul_into(a, ta, b, tb, c, 1.0f, 0.5f);
+      for (const float value : c.to(Device::kHost).span()) EXPECT_EQ(value, 2.0f);
+    }
+  }
+}
+
 TEST(GpuMatmul, OperandsOnTwoDevicesAreRefusedWithBothNamed) {
   const Tensor host({4, 4});
   const Tensor device({4, 4}, MemoryCategory::kActivations, Device::kCuda);

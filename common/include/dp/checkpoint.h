@@ -6,6 +6,13 @@
 // no code, so loading a checkpoint cannot run anything, and other tools (Python's
 // `safetensors`, `numpy`) read dplab's checkpoints directly. dplab writes and reads F32.
 //
+// Integrity: with `Checksums::kWrite`, the file also records CRC-32 checksums in the
+// metadata entry "dplab.crc32" (see `kChecksumKey`): one of the header and one of each
+// tensor's data, so that a flipped bit anywhere (a step count, a weight) is refused on load
+// with the part that changed named, instead of being trained on. Files without the entry
+// (older dplab files, other tools' files) are read as before; a loader that needs the
+// guarantee checks `Checkpoint::checksummed`.
+//
 // Example:
 //
 //   std::vector<dp::NamedTensor> state = {{"fc1.weight", &w1}, {"fc1.bias", &b1}};
@@ -15,6 +22,8 @@
 //   loaded.metadata.at("step");                             // "100"
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <span>
@@ -33,24 +42,45 @@ struct NamedTensor {
   const Tensor* tensor = nullptr;
 };
 
+/// Whether `save_safetensors` records checksums (see the top of this file).
+enum class Checksums {
+  kNone,   ///< a plain safetensors file
+  kWrite,  ///< the header's and every tensor's CRC-32 in the metadata
+};
+
+/// The metadata key of the checksums: a JSON object {"header": "<8 hex digits>", "data":
+/// {tensor name: "<8 hex digits>"}}. "header" is the CRC-32 (the polynomial of zlib and
+/// PNG) of the header as compact JSON with sorted keys and without this entry; each "data"
+/// value is the CRC-32 of that tensor's bytes. Reserved: a caller's metadata may not use it.
+inline constexpr const char* kChecksumKey = "dplab.crc32";
+
+/// The CRC-32 of `bytes` (the polynomial 0xEDB88320 of zlib, PNG and Ethernet), continuing
+/// from `crc` (0 for a new sum): what the checksums of a checkpoint are.
+std::uint32_t crc32(const void* bytes, std::size_t count, std::uint32_t crc = 0);
+
 /// Writes `tensors` and `metadata` to a safetensors file at `path`: an 8-byte
 /// little-endian header length, a JSON header {name: {"dtype": "F32", "shape": [...],
 /// "data_offsets": [begin, end]}, "__metadata__": {key: value}} padded with spaces to a
 /// multiple of 8 bytes, then each tensor's float32 data in the order given. The metadata
-/// entry is left out when `metadata` is empty. The file is written as dp/output_file.h
-/// describes: `path` must be a regular file or absent, and a unique temporary file is
-/// flushed and renamed onto it, so a crash never leaves a half-written checkpoint at
-/// `path`. Throws `dp::Error` on a duplicate or reserved name, a null or empty tensor, a
-/// target that is not a regular file, or an I/O failure (with the system's reason).
+/// entry is left out when `metadata` is empty and no checksums are asked for. With
+/// `Checksums::kWrite` the metadata also holds the checksums (`kChecksumKey`). The file is written
+/// as dp/output_file.h describes: `path` must be a regular file or absent, and a unique temporary
+/// file is flushed and renamed onto it, so a crash never leaves a half-written checkpoint at
+/// `path`. Throws `dp::Error` on a duplicate or reserved name or metadata key, a null or empty
+/// tensor, a target that is not a regular file, or an I/O failure (with the system's reason).
 void save_safetensors(const std::filesystem::path& path, std::span<const NamedTensor> tensors,
-                      const std::map<std::string, std::string>& metadata = {});
+                      const std::map<std::string, std::string>& metadata = {},
+                      Checksums checksums = Checksums::kNone);
 
 /// What a safetensors file holds.
 struct Checkpoint {
   /// The tensors by name.
   std::map<std::string, Tensor> tensors;
-  /// The string pairs of the header's "__metadata__" entry (empty if it has none).
+  /// The string pairs of the header's "__metadata__" entry (empty if it has none), without
+  /// the checksums' entry.
   std::map<std::string, std::string> metadata;
+  /// True when the file recorded checksums and every one matched (a mismatch throws).
+  bool checksummed = false;
 };
 
 /// Reads a safetensors file written by any tool. Only F32 tensors are supported; another
@@ -58,7 +88,10 @@ struct Checkpoint {
 /// against the file size, the JSON (a syntax error names its byte offset), each entry's
 /// fields, that each tensor's byte range lies in the data section and holds shape x 4
 /// bytes, and that the ranges tile the data section without gaps or overlaps. Every error
-/// names the file and a byte offset. Loaded tensors are charged under `category`.
+/// names the file and a byte offset. When the file records checksums (`kChecksumKey`), the
+/// header's and every tensor's are verified: a mismatch throws `dp::Error` naming the header
+/// or the tensor whose bytes changed since the file was written. Loaded tensors are charged under
+/// `category`.
 Checkpoint load_safetensors(const std::filesystem::path& path,
                             MemoryCategory category = MemoryCategory::kOther);
 

@@ -16,7 +16,10 @@
 // states which devices it accepts: local takes host and CUDA buffers, mpi host buffers
 // only, nccl CUDA buffers only. A buffer a backend does not accept throws `dp::Error` at
 // the call, and ranks that pass one collective buffers on different devices fail as they
-// would with different sizes.
+// would with different sizes. Host values the runtime itself reduces go through
+// dp/host_collectives.h, which stages them on the device where the backend needs it. On the
+// emulated CUDA device the nccl backend is emulated with NCCL's contract (dp/launch.h,
+// `kEmulatedGpuCount`).
 //
 // Example (gradient averaging, lab 2):
 //
@@ -117,7 +120,7 @@ struct MutableBuffer {
 
 /// How a collective combines the ranks' values.
 enum class ReduceOp {
-  kSum,  ///< element-wise sum, added in rank order 0, 1, ..., size-1
+  kSum,  ///< element-wise sum in rank order 0, 1, ..., size-1 (nccl: on 1 or 2 ranks only)
   kAvg,  ///< the sum divided by size() (a post-divide)
   kMax,  ///< element-wise maximum
 };

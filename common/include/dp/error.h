@@ -49,6 +49,22 @@ class CommError : public Error {
   using Error::Error;
 };
 
+/// A hang: a rank waited past the hang timeout, or every rank waits and nothing can move (a
+/// deadlock). The message is the hang report, which says which rank waits on which call.
+/// `dplab` exits with status 3 on it.
+class HangError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+/// The work was done but a result could not be written (a full disk, a file size limit, a
+/// closed output). `dplab` exits with status 4 on it, so that a result not written never
+/// reads as a result that was bad.
+class OutputError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Thrown by lab skeletons where the student has not written code yet.
 class NotImplemented : public Error {
  public:

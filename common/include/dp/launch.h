@@ -70,8 +70,22 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
 
 /// True when dplab was built with Open MPI.
 bool mpi_built();
-/// True when dplab was built with CUDA and NCCL (the nccl backend exists).
+/// True when dplab was built with CUDA and NCCL (the nccl backend exists on GPUs; on the
+/// emulated CUDA device it is emulated in every build, see `kEmulatedGpuCount`).
 bool nccl_built();
+
+/// The GPUs of the machine the emulated CUDA device stands for (dp::set_cuda_device_emulated)
+/// when the nccl backend runs on it: NCCL runs one rank per GPU, so the emulation refuses
+/// more ranks than an 8-GPU node has, as the nccl backend refuses more ranks than GPUs.
+/// There the nccl backend is emulated on the local backend's threads, with NCCL's contract
+/// (comm/emulated_nccl.cpp): device buffers only, no validation across ranks (a mismatch
+/// hangs), sums of 3 or more ranks in the order of NCCL's ring, messages held until the
+/// next wait.
+inline constexpr int kEmulatedGpuCount = 8;
+
+/// The most ranks the nccl backend runs as threads of this process, one per GPU: the CUDA
+/// devices this process sees, or `kEmulatedGpuCount` while the emulated device is on.
+int nccl_gpu_count();
 /// True when this process was started by mpirun or mpiexec.
 bool started_by_mpi();
 /// Under mpi, this process's rank in MPI_COMM_WORLD (0 when not started by MPI).

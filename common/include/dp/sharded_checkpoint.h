@@ -18,12 +18,17 @@
 // On disk, in one directory:
 //
 //   shard-<r>-of-<N>.safetensors   rank r's flat shard tensors ("params", "exp_avg", ...),
-//                                  each of the shard's size, and metadata: the format, the
-//                                  rank, the world size, the rank's layout, the caller's
-//                                  metadata (step, ...)
-//   index.json                     written by rank 0: the world size, the shard files, each
-//                                  parameter's name and shape, each rank's ranges and shard
-//                                  size, the tensor names, the caller's metadata
+//                                  each of the shard's size, and metadata: the format and
+//                                  version, the rank, the world size, the rank's layout, the
+//                                  caller's metadata (step, ...), and checksums of the header
+//                                  and of every tensor (dp/checkpoint.h)
+//   index.json                     written by rank 0: the format and version, the world size,
+//                                  the shard files, each parameter's name and shape, each
+//                                  rank's ranges and shard size, the tensor names, the
+//                                  caller's metadata
+//
+// Version 2 (this one) added the shard files' "version" entry and checksums, required when a
+// shard says version 2; version 1 checkpoints (no checksums) are still read.
 //
 // Every file is written as dp/output_file.h describes (a temporary file, fsync, rename; only
 // regular files are replaced). Loading checks everything against the index and names what
@@ -116,7 +121,8 @@ struct ShardedCheckpointPlan {
   /// "exp_avg_sq"}: each laid out as the parameter shard.
   std::vector<std::string> tensors;
   /// The caller's string pairs (step, optimizer counter, options), saved in the index and in
-  /// every shard file. Keys "format", "rank", "world_size" and "layout" are reserved.
+  /// every shard file. Keys "format", "version", "rank", "world_size", "layout" and
+  /// "dplab.crc32" are reserved.
   std::map<std::string, std::string> metadata;
 };
 

@@ -91,6 +91,9 @@ class TensorView {
   /// Views `size` elements starting at `data` on `device`.
   TensorView(float* data, std::size_t size, Device device = Device::kHost)
       : data_(data), size_(size), device_(device) {}
+  /// Views the host elements of `host` (a std::vector's or a std::array's): its bounds are
+  /// the container's, which is how lab code views host memory of its own.
+  explicit TensorView(std::span<float> host) : TensorView(host.data(), host.size()) {}
 
   /// The first element: on a device, a device address to hand to kernels and communicators,
   /// never to dereference on the host (the emulated device cannot catch that: its memory is
@@ -132,6 +135,9 @@ class ConstTensorView {
   /// Views `size` elements starting at `data` on `device`.
   ConstTensorView(const float* data, std::size_t size, Device device = Device::kHost)
       : data_(data), size_(size), device_(device) {}
+  /// Views the host elements of `host` (a std::vector's or a std::array's), read-only.
+  explicit ConstTensorView(std::span<const float> host)
+      : ConstTensorView(host.data(), host.size()) {}
   /// The same elements, read-only.
   ConstTensorView(const TensorView& view)  // NOLINT(google-explicit-constructor)
       : data_(view.data()), size_(view.size()), device_(view.device()) {}
@@ -298,7 +304,13 @@ class Tensor {
   std::shared_ptr<RankMemory> owner_;  // the rank charged for this tensor
 };
 
-/// The number of elements of `shape`; throws `dp::Error` on a negative extent.
+/// The most elements a tensor may have (2^60): its bytes, four per element, then fit in 64
+/// bits with room to add, so no size computed from a shape can wrap around.
+inline constexpr std::size_t kMaxTensorElements = std::size_t{1} << 60;
+
+/// The number of elements of `shape`; throws `dp::Error` on a negative extent and on more
+/// than `kMaxTensorElements` (checked without overflow: extents near 2^63 are refused, not
+/// multiplied into a small number).
 std::size_t element_count(const std::vector<std::int64_t>& shape);
 /// `shape` as text, e.g. "(32, 64)".
 std::string shape_to_string(const std::vector<std::int64_t>& shape);

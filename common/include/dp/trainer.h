@@ -193,7 +193,9 @@ struct TrainingCheckpointInfo {
 /// and data position (epoch and batch within it), the optimizer's counter, every option
 /// that decides the trajectory (model, activation, layer_norm, dataset and its size, batch,
 /// seed, optimizer, lr, momentum, weight_decay, exactly as text), the world size and
-/// backend. Other tools read it as an ordinary checkpoint of the parameters. Throws
+/// backend, and checksums of the header and of every tensor (format "dplab-train-2";
+/// "dplab-train-1", the format before checksums, is still read). Other tools read it as an
+/// ordinary checkpoint of the parameters. Throws
 /// `dp::Error` when a value is NaN or infinite (naming it; a diverged run is not worth
 /// resuming) unless `info.allow_non_finite`, or when the file cannot be written.
 void save_training_checkpoint(const std::filesystem::path& path, const TrainOptions& options,
@@ -203,7 +205,10 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
 /// Reads a checkpoint `save_training_checkpoint` wrote and checks that `options` continue
 /// it: the same trajectory options (each difference is named, with both values), the same
 /// data set size, a step not past `options.steps`, and a tensor of the right shape for
-/// every parameter and optimizer state. Throws `dp::Error` otherwise.
+/// every parameter and optimizer state. It also checks that the file is as it was written
+/// (the checksums, required in "dplab-train-2"), that the optimizer's step count is at most
+/// the step, and that every value is finite and every `optimizer.exp_avg_sq` value >= 0.
+/// Throws `dp::Error` naming the file and the tensor or entry otherwise.
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
                                             const TrainOptions& options, std::size_t dataset_size);
 
@@ -222,6 +227,18 @@ TrainResult train_single_process(const TrainOptions& options, const Dataset& dat
 TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data,
                                 Communicator& comm, const ReportCallback& on_report = {},
                                 const TrainCheckpointing& checkpointing = {});
+
+/// Trains in one process the way `world_size` ranks train on a backend that adds in rank
+/// order (local, mpi, and nccl at 1 or 2 ranks): every step computes each rank's gradient on
+/// its slice of the global batch, adds them in rank order, ((g_0 + g_1) + g_2) + ..., and
+/// divides the sum by the rank count, then steps. Its parameters are then bitwise those of
+/// `train_data_parallel` on `world_size` ranks, for any number of steps, optimizer and data:
+/// the same arithmetic in the same order, with none of the communication. `dplab train
+/// --verify` compares with it. Continues from `checkpointing.resume_from` when set; saves
+/// nothing.
+TrainResult train_emulating_data_parallel(const TrainOptions& options, const Dataset& data,
+                                          int world_size,
+                                          const TrainCheckpointing& checkpointing = {});
 
 /// An absolute tolerance for comparing data-parallel with single-process parameters.
 ///
@@ -242,7 +259,9 @@ TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data
 /// README's digits example differs by 3.0e-6 against 4.6e-5). Over long runs with a large
 /// learning rate the two can legitimately drift apart chaotically: an element whose
 /// gradient is within float32 noise of zero can flip the sign of its normalised step (a
-/// difference of 2 lr), and later steps amplify that. Check AdamW over short runs.
+/// difference of 2 lr), and later steps amplify that. Check AdamW over short runs. `dplab
+/// train --verify` therefore checks against `train_emulating_data_parallel`, bitwise, and
+/// prints this comparison for information only.
 float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient);
 
 }  // namespace dp

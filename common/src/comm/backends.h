@@ -19,6 +19,12 @@ namespace dp::detail {
 /// Runs `rank_main` on `options.world_size` threads of this process (local backend).
 void run_local(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);
 
+/// Runs `rank_main` on `options.world_size` threads of this process with the nccl backend's
+/// contract emulated over the local backend (comm/emulated_nccl.cpp): the nccl backend while
+/// the emulated CUDA device is on, in every build.
+void run_emulated_nccl(const LaunchOptions& options,
+                       const std::function<void(Communicator&)>& rank_main);
+
 #ifdef DP_HAVE_MPI
 /// Runs `rank_main` on this process's rank of MPI_COMM_WORLD (mpi backend).
 void run_mpi(const LaunchOptions& options, const std::function<void(Communicator&)>& rank_main);

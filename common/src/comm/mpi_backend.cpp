@@ -42,7 +42,7 @@
 // Point-to-point calls count their message sizes exactly.
 //
 // Order of additions. comm.h promises that a sum adds the ranks' values in rank order,
-// ((x0 + x1) + x2) + ..., so that every backend gives the same bits and graders can emulate
+// ((x0 + x1) + x2) + ..., so that local and mpi give the same bits and graders can emulate
 // a data-parallel step in one process. Open MPI adds in whatever order its algorithm
 // picks; for two ranks that cannot matter (a + b == b + a), so MPI_Allreduce serves them,
 // but float32 sums over three or more ranks go through `rank_order_allreduce` and

@@ -19,8 +19,12 @@
 // isend/irecv, each on one stream in issue order, would deadlock. The calls are therefore
 // held back and launched together in one ncclGroupStart/End when the rank next waits,
 // tests, issues a collective or drops a handle: the exchange a lab writes between two waits
-// runs as one group, whatever the order of its calls. Like the local backend's, a send is
-// a rendezvous: waiting for a send before posting the receive its peer waits for hangs.
+// runs as one group, whatever the order of its calls. NCCL matches a pair of ranks' messages
+// in the order they were posted and knows no tags, so a group is posted sorted by tag (issue
+// order within a tag): the messages of an exchange are matched by tag, as the local and mpi
+// backends match them, when both ranks' exchanges hold the same tags. Like the local
+// backend's, a send is a rendezvous: waiting for a send before posting the receive its peer
+// waits for hangs.
 //
 // Counters record what a ring moves, the formulas of the local and mpi backends
 // (comm/ring_counts.h); point-to-point calls count their message sizes.
@@ -36,6 +40,12 @@
 //   - under Completion::kAdversarial the decorator (comm/adversarial.cpp) stages device
 //     buffers on the device and copies them on the caller's compute stream (cuda::copy_bytes),
 //     after its kernels and after the calls `wait()` ordered that stream behind.
+//
+// One thread at a time on a communicator (NCCL's rule): the rank's thread makes its NCCL
+// calls, and the watchdog polls and aborts, under one lock (`with_comm`). The communicator
+// is non-blocking (ncclConfig_t::blocking = 0), so no call holds the lock while it waits for
+// a peer: a call still in progress returns at once and is polled with the lock released, so
+// an abort never frees the communicator under a call and can still end one that waits.
 //
 // Hangs. A watchdog thread per rank polls the pending calls' events and
 // ncclCommGetAsyncError. A call pending longer than the hang timeout, or an asynchronous
@@ -80,6 +90,8 @@ using WallTime = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kWatchdogPoll{2};
 /// How long `barrier()` sleeps between looks at its call.
 constexpr std::chrono::microseconds kBarrierPoll{50};
+/// How long a rank's thread sleeps between looks at an NCCL call still in progress.
+constexpr std::chrono::microseconds kProgressPoll{50};
 
 void check_cuda(cudaError_t status, std::string_view what) {
   if (status != cudaSuccess)
@@ -130,6 +142,7 @@ struct HeldMessage {
   std::size_t count = 0;
   DataType type = DataType::kFloat32;
   int peer = 0;
+  int tag = 0;
   bool send = true;
 };
 
@@ -225,6 +238,12 @@ class NcclCommunicator final : public Communicator {
   void run_watchdog();
   /// Aborts the communicator once, prints `report` and remembers it for later calls.
   void abort_with(const std::string& report);
+  /// Runs `calls` (NCCL calls on comm_ that return the last one's result) with the
+  /// communicator to this thread, then polls while NCCL says the work is in progress, the
+  /// lock released between looks (see the top); throws dp::CommError naming `what` when
+  /// NCCL fails or the communicator was aborted.
+  template <typename Calls>
+  void with_comm(std::string_view what, Calls&& calls);
 
   int rank_;
   int size_;
@@ -238,6 +257,7 @@ class NcclCommunicator final : public Communicator {
   WallClock clock_;
   CallLog log_;
 
+  std::mutex comm_mutex_;     // comm_: one thread at a time, the abort included
   mutable std::mutex mutex_;  // counters_, pending_, held_, failure_, stop_
   std::condition_variable changed_;
   CommCounters counters_;
@@ -300,7 +320,21 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, i
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
              "cudaStreamCreateWithFlags (nccl stream)");
   check_cuda(cudaMalloc(&barrier_scratch_, sizeof(int)), "cudaMalloc (barrier scratch)");
-  check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t status = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+  // Non-blocking: the ranks meet while this polls, for at most the hang timeout.
+  const WallTime::time_point started = WallTime::now();
+  while (status == ncclInProgress) {
+    if (WallTime::now() - started > options_.hang_timeout)
+      throw CommError(fmt::format(
+          "rank {} (nccl, GPU {}): the communicator was not set up within the hang timeout "
+          "({} ms): a rank of the launch did not start or could not be reached",
+          rank, device, options_.hang_timeout.count()));
+    std::this_thread::sleep_for(kProgressPoll);
+    (void)ncclCommGetAsyncError(comm_, &status);
+  }
+  check_nccl(status, "ncclCommInitRankConfig");
   group_.join(slot_, this);
   watchdog_ = std::thread([this] { run_watchdog(); });
 }
@@ -377,6 +411,22 @@ std::shared_ptr<NcclCall> NcclCommunicator::begin(CallRecord record) {
   return call;
 }
 
+template <typename Calls>
+void NcclCommunicator::with_comm(std::string_view what, Calls&& calls) {
+  std::unique_lock lock(comm_mutex_);
+  throw_if_failed();  // after an abort comm_ is gone
+  ncclResult_t status = calls();
+  while (status == ncclInProgress) {
+    lock.unlock();  // where the watchdog may abort
+    std::this_thread::sleep_for(kProgressPoll);
+    lock.lock();
+    throw_if_failed();
+    if (const ncclResult_t query = ncclCommGetAsyncError(comm_, &status); query != ncclSuccess)
+      status = query;
+  }
+  check_nccl(status, what);
+}
+
 void NcclCommunicator::gate_on_compute_stream() {
   cuda::ReadyEvent ready = cuda::ReadyEvent::record_on_compute_stream();
   check_cuda(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready.handle()), 0),
@@ -399,22 +449,33 @@ void NcclCommunicator::flush() {
     held.swap(held_);
   }
   if (held.empty()) return;
-  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  gate_on_compute_stream();
-  check_nccl(ncclGroupStart(), "ncclGroupStart");
-  for (const HeldMessage& message : held) {
-    const ncclResult_t status = message.send
-                                    ? ncclSend(message.data, message.count, nccl_type(message.type),
-                                               message.peer, comm_, stream_)
-                                    : ncclRecv(message.data, message.count, nccl_type(message.type),
-                                               message.peer, comm_, stream_);
-    if (status != ncclSuccess) {
-      (void)ncclGroupEnd();
-      check_nccl(status, message.send ? "ncclSend" : "ncclRecv");
-    }
+  // Matched by tag as on the other backends (see the top).
+  std::stable_sort(held.begin(), held.end(),
+                   [](const HeldMessage& a, const HeldMessage& b) { return a.tag < b.tag; });
+  try {
+    check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+    gate_on_compute_stream();
+    with_comm("ncclGroupEnd (messages)", [&] {
+      ncclResult_t status = ncclGroupStart();
+      for (const HeldMessage& message : held) {
+        if (status != ncclSuccess) break;
+        status = message.send ? ncclSend(message.data, message.count, nccl_type(message.type),
+                                         message.peer, comm_, stream_)
+                              : ncclRecv(message.data, message.count, nccl_type(message.type),
+                                         message.peer, comm_, stream_);
+      }
+      const ncclResult_t ended = ncclGroupEnd();
+      return status != ncclSuccess ? status : ended;
+    });
+    for (const HeldMessage& message : held) end(message.call);
+  } catch (const std::exception& error) {
+    // The messages left the queue unlaunched: their end events will never be recorded, and
+    // a wait on an event never recorded returns at once, as if they had arrived. Fail the
+    // communicator instead, so that every later wait and test throws.
+    abort_with(fmt::format("rank {} (nccl, GPU {}): {} held message{} could not be launched: {}",
+                           rank_, device_, held.size(), held.size() == 1 ? "" : "s", error.what()));
+    throw;
   }
-  check_nccl(ncclGroupEnd(), "ncclGroupEnd (messages)");
-  for (const HeldMessage& message : held) end(message.call);
 }
 
 template <typename Enqueue>
@@ -459,7 +520,7 @@ std::unique_ptr<Work> NcclCommunicator::hold_message(CommOp op, MutableBuffer da
                      .tag = tag});
   {
     const std::lock_guard lock(mutex_);
-    held_.push_back({call, data.data, data.count, data.type, peer, send});
+    held_.push_back({call, data.data, data.count, data.type, peer, tag, send});
   }
   return std::make_unique<NcclWork>(*this, std::move(call));
 }
@@ -496,9 +557,10 @@ std::unique_ptr<Work> NcclCommunicator::allreduce(MutableBuffer data, ReduceOp o
                           .device = data.device,
                           .reduce = op};
   return collective(record, [&] {
-    check_nccl(ncclAllReduce(data.data, data.data, data.count, nccl_type(data.type), nccl_op(op),
-                             comm_, stream_),
-               "ncclAllReduce");
+    with_comm("ncclAllReduce", [&] {
+      return ncclAllReduce(data.data, data.data, data.count, nccl_type(data.type), nccl_op(op),
+                           comm_, stream_);
+    });
     divide_if_average(data, op);
   });
 }
@@ -520,9 +582,10 @@ std::unique_ptr<Work> NcclCommunicator::reduce_scatter(ConstBuffer in, MutableBu
                           .device = in.device,
                           .reduce = op};
   return collective(record, [&] {
-    check_nccl(ncclReduceScatter(in.data, out.data, out.count, nccl_type(in.type), nccl_op(op),
-                                 comm_, stream_),
-               "ncclReduceScatter");
+    with_comm("ncclReduceScatter", [&] {
+      return ncclReduceScatter(in.data, out.data, out.count, nccl_type(in.type), nccl_op(op), comm_,
+                               stream_);
+    });
     divide_if_average(out, op);
   });
 }
@@ -538,8 +601,9 @@ std::unique_ptr<Work> NcclCommunicator::allgather(ConstBuffer in, MutableBuffer 
   const CallRecord record{
       .op = CommOp::kAllGather, .count = in.count, .type = in.type, .device = in.device};
   return collective(record, [&] {
-    check_nccl(ncclAllGather(in.data, out.data, in.count, nccl_type(in.type), comm_, stream_),
-               "ncclAllGather");
+    with_comm("ncclAllGather", [&] {
+      return ncclAllGather(in.data, out.data, in.count, nccl_type(in.type), comm_, stream_);
+    });
   });
 }
 
@@ -552,9 +616,10 @@ std::unique_ptr<Work> NcclCommunicator::broadcast(MutableBuffer data, int root) 
                           .device = data.device,
                           .peer = root};
   return collective(record, [&] {
-    check_nccl(
-        ncclBroadcast(data.data, data.data, data.count, nccl_type(data.type), root, comm_, stream_),
-        "ncclBroadcast");
+    with_comm("ncclBroadcast", [&] {
+      return ncclBroadcast(data.data, data.data, data.count, nccl_type(data.type), root, comm_,
+                           stream_);
+    });
   });
 }
 
@@ -565,9 +630,10 @@ void NcclCommunicator::barrier() {
     flush();
     call = begin({.op = CommOp::kBarrier, .device = Device::kCuda});
     check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-    check_nccl(
-        ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, comm_, stream_),
-        "ncclAllReduce (barrier)");
+    with_comm("ncclAllReduce (barrier)", [&] {
+      return ncclAllReduce(barrier_scratch_, barrier_scratch_, 1, ncclInt32, ncclSum, comm_,
+                           stream_);
+    });
     end(call);
   }
   while (!test(*call)) std::this_thread::sleep_for(kBarrierPoll);
@@ -581,10 +647,10 @@ void NcclCommunicator::abort_with(const std::string& report) {
     failure_ = report;
   }
   group_.fail(report);
-  // Ends NCCL's kernels of this communicator, so that streams waiting for them move on. The
-  // rank's own thread may be inside an NCCL call at this moment; NCCL allows an abort from
-  // another thread for exactly this (a blocking call returns with an error), and every call
-  // after it throws at throw_if_failed() before it reaches NCCL.
+  // Ends NCCL's kernels of this communicator, so that streams waiting for them move on. Under
+  // the communicator's lock, which a call never holds while it waits (see the top): every
+  // call after it throws at throw_if_failed() before it reaches the freed communicator.
+  const std::lock_guard calls(comm_mutex_);
   (void)ncclCommAbort(comm_);
 }
 
@@ -604,7 +670,9 @@ void NcclCommunicator::run_watchdog() {
     }
     std::string headline;
     ncclResult_t async_error = ncclSuccess;
-    (void)ncclCommGetAsyncError(comm_, &async_error);
+    // The rank's thread may hold the communicator for a moment: look again next round.
+    if (std::unique_lock calls(comm_mutex_, std::try_to_lock); calls.owns_lock())
+      (void)ncclCommGetAsyncError(comm_, &async_error);
     if (async_error != ncclSuccess && async_error != ncclInProgress) {
       headline = fmt::format("rank {} (nccl, GPU {}): NCCL reported an asynchronous error: {}",
                              rank_, device_, ncclGetErrorString(async_error));

@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -121,12 +122,15 @@ void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, st
           float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
           float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;  // nothing to write
+  // With k = 0 a row of A or B may hold no element and its leading dimension be 0, which
+  // cuBLAS refuses (it asks for at least 1); the product is then C = beta C, as BLAS defines it.
+  const auto leading = [](std::int64_t ld) { return std::max<std::int64_t>(ld, 1); };
   // C^T (n, m) = op(B)^T (n, k) op(A)^T (k, m), column-major: see the top of this file.
-  check_cublas(
-      cublas().sgemm(thread_handle(), to_cublas(transpose_b), to_cublas(transpose_a),
-                     to_int(n, "n"), to_int(m, "m"), to_int(k, "k"), &alpha, b, to_int(ldb, "ldb"),
-                     a, to_int(lda, "lda"), &beta, c, to_int(ldc, "ldc")),
-      "cublasSgemm");
+  check_cublas(cublas().sgemm(thread_handle(), to_cublas(transpose_b), to_cublas(transpose_a),
+                              to_int(n, "n"), to_int(m, "m"), to_int(k, "k"), &alpha, b,
+                              to_int(leading(ldb), "ldb"), a, to_int(leading(lda), "lda"), &beta, c,
+                              to_int(ldc, "ldc")),
+               "cublasSgemm");
 }
 
 }  // namespace dp::cuda

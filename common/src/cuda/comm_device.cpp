@@ -47,7 +47,7 @@ class ThreadStreams {
                               kMaxDevices, device));
     cudaStream_t& stream = streams_[static_cast<std::size_t>(device)];
     if (stream == nullptr) {
-      check(cudaSetDevice(device), "cudaSetDevice");
+      const DeviceScope on_device(device);
       check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
             "cudaStreamCreateWithFlags (communication stream)");
     }
@@ -73,14 +73,6 @@ ThreadStreams& thread_streams() {
   return streams;
 }
 
-/// Makes `device` current on the calling thread (a thread moving another rank's data may
-/// be on another device).
-void use_device(int device) {
-  int current = 0;
-  check(cudaGetDevice(&current), "cudaGetDevice");
-  if (current != device) check(cudaSetDevice(device), "cudaSetDevice");
-}
-
 }  // namespace
 
 int device_of(const void* pointer) {
@@ -97,8 +89,20 @@ int device_of(const void* pointer) {
   return attributes.device;
 }
 
+DeviceScope::DeviceScope(int device) {
+  int current = 0;
+  check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current == device) return;
+  check(cudaSetDevice(device), "cudaSetDevice");
+  previous_ = current;
+}
+
+DeviceScope::~DeviceScope() {
+  // A destructor cannot throw: a failure here shows at the thread's next CUDA call.
+  if (previous_ >= 0) (void)cudaSetDevice(previous_);
+}
+
 void* comm_stream(int device) {
-  use_device(device);
   return thread_streams().get(device);
 }
 
@@ -126,7 +130,7 @@ ReadyEvent& ReadyEvent::operator=(ReadyEvent&& other) noexcept {
 
 void comm_stream_wait(const ReadyEvent& event, int device) {
   if (event.handle() == nullptr) return;
-  use_device(device);
+  const DeviceScope on_device(device);
   check(cudaStreamWaitEvent(thread_streams().get(device), static_cast<cudaEvent_t>(event.handle()),
                             0),
         "cudaStreamWaitEvent (communication stream)");
@@ -134,7 +138,7 @@ void comm_stream_wait(const ReadyEvent& event, int device) {
 
 void comm_copy(void* destination, const void* source, std::size_t bytes, int device) {
   if (bytes == 0 || destination == source) return;
-  use_device(device);
+  const DeviceScope on_device(device);
   // cudaMemcpyDefault: unified addressing tells host from device and one device from
   // another (a peer copy where the devices can reach each other, staged otherwise).
   check(

@@ -58,8 +58,23 @@ class ReadyEvent {
   void* event_ = nullptr;
 };
 
+/// Makes `device` current on the calling thread for the scope's life, then restores the
+/// device that was current: a rank's thread that moves another rank's data on another GPU
+/// must find its own device current again for the kernels it launches next.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;  // -1: nothing to restore
+};
+
 /// The calling thread's communication stream on `device` (a cudaStream_t), created
-/// non-blocking on first use and kept until the thread ends.
+/// non-blocking on first use and kept until the thread ends. A kernel launched on it needs
+/// `device` current: hold a `DeviceScope` across the launch.
 void* comm_stream(int device);
 
 /// Makes the calling thread's communication stream on `device` wait for `event` (no host

@@ -111,6 +111,7 @@ void comm_reduce(const ReduceJob& job, int device) {
   parameters.source_count = static_cast<int>(job.source_count);
   parameters.destination_count = static_cast<int>(job.destination_count);
   parameters.count = job.count;
+  const DeviceScope on_device(device);
   const auto stream = static_cast<cudaStream_t>(comm_stream(device));
   const int blocks = blocks_for(job.count);
   switch (job.type) {

@@ -18,6 +18,9 @@ namespace {
 
 }  // namespace
 
+DeviceScope::DeviceScope(int /*device*/) {}
+DeviceScope::~DeviceScope() = default;
+
 int device_of(const void* /*pointer*/) {
   no_cuda("the device");
 }

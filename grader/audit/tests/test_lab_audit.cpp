@@ -85,7 +85,6 @@ constexpr const char* kHonest =
     "#include \"lab1.h\"\n"
     "#include <fmt/format.h>\n"
     "#include <cstdio>\n"
-    "#include <numeric>\n"
     "#include <vector>\n"
     "#include \"dp/tensor_ops.h\"\n"
     "namespace dp::lab1 {\n"
@@ -99,7 +98,9 @@ constexpr const char* kHonest =
     "  if (parts.empty()) throw dp::Error(fmt::format(\"no parts of {}\", values.size()));\n"
     "  std::printf(\"total\\n\");\n"
     "  fmt::print(\"{} parts\\n\", parts.size());\n"
-    "  return twice(static_cast<float>(std::accumulate(parts.begin(), parts.end(), 0.0)));\n"
+    "  double sum = 0.0;\n"
+    "  for (const double part : parts) sum += part;\n"
+    "  return twice(static_cast<float>(sum));\n"
     "}\n"
     "}  // namespace dp::lab1\n";
 

@@ -70,6 +70,10 @@ TEST(ObjectInspection, ParsesSectionHeaders) {
   // Of any name: a section of one's own is writable by its flags.
   EXPECT_TRUE((ObjectSection{"a.o", "lab7_shared", 4, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
   EXPECT_FALSE((ObjectSection{"a.o", ".data.rel.ro", 8, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
+  EXPECT_FALSE(
+      (ObjectSection{"a.o", ".data.rel.ro.local", 8, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
+  EXPECT_TRUE(
+      (ObjectSection{"a.o", ".data.rel.ro_lab7", 4, "CONTENTS, ALLOC, LOAD, DATA"}).writable());
 }
 
 TEST(ObjectInspection, FindsInstructionsThatEnterTheKernel) {

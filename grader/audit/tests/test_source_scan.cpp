@@ -113,6 +113,10 @@ TEST(SourceScan, FindsPreprocessorTricks) {
   EXPECT_EQ(found("#define private public\n#undef private\n"), Found({"1:#define", "2:#undef"}));
   EXPECT_EQ(found("[[maybe_unused, gnu::section(\"shared\")]] int x;\n"), Found{"1:[[gnu::...]]"});
   EXPECT_EQ(found("[[nodiscard, maybe_unused]] int f();\n"), Found{});
+  // "[" "[" is an attribute whatever lies between the brackets.
+  EXPECT_EQ(found("[ [gnu::section(\".data.rel.ro_lab\")] ] int x;\n"), Found{"1:[[gnu::...]]"});
+  EXPECT_EQ(found("[/* */[gnu::used]] int y;\n"), Found{"1:[[gnu::...]]"});
+  EXPECT_EQ(found("int z = a[b[c]];\n"), Found{});
 }
 
 TEST(SourceScan, IncludesOnlyTheStandardLibraryTheRuntimeTheContractAndFmt) {

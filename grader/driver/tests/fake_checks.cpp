@@ -11,10 +11,10 @@
 // grandchild in its own session that sleeps (its argv[0] is $FAKE_CHECKS_MARKER) and then
 // passes, "race" lets two threads increment one int (a data race for ThreadSanitizer, in
 // the fake_checks_tsan build), "tsan_report" prints what ThreadSanitizer prints then, and
-// "forged_then_abort" and "forged_then_exit" play the forger an adversarial student wrote:
-// with the stolen token they send "passed" for this test and every later one and the
-// program's end, in the protocol's order, then abort() or _Exit(0) before the real reporter
-// can send anything else. Some
+// "forged_then_abort", "forged_then_exit" and "forged_without_end_then_abort" play the
+// forgers adversarial students wrote: with the stolen token they send "passed" for this test
+// and every later one (and the program's end, but for the last), in the protocol's order,
+// then abort() or _Exit(0) before the real reporter can send anything else. Some
 // modes act before any test: "no_report" exits 3; "forged" sends nothing on the channel but writes
 // a GoogleTest JSON report that says every test passed (to the file of
 // --gtest_output) and prints gtest's "[       OK ]" lines, then exits 0; "untokened" first
@@ -32,6 +32,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -75,17 +76,17 @@ TEST(FakeChecks, IsSkipped) {
 }
 
 TEST(FakeChecks, NotesWhatItMeasured) {
-  const char* seed = dp::grading::grading_variable("DPLAB_GRADE_SEED");
-  dp::grading::note_measured(std::string("saw DPLAB_GRADE_SEED=") + (seed ? seed : "(unset)"));
+  const std::optional<std::string> seed = dp::grading::grading_variable("DPLAB_GRADE_SEED");
+  dp::grading::note_measured("saw DPLAB_GRADE_SEED=" + seed.value_or("(unset)"));
   dp::grading::note_measured("grade_seed() = " + std::to_string(dp::grading::grade_seed()));
 }
 
 TEST(FakeChecks, ReportsTheBackend) {
   // Taken out of the environment before main(), where lab code could have read it.
   EXPECT_EQ(std::getenv("DPLAB_TEST_BACKEND"), nullptr);
-  const char* backend = dp::grading::grading_variable("DPLAB_TEST_BACKEND");
-  ASSERT_NE(backend, nullptr);
-  EXPECT_STREQ(backend, "local");
+  const std::optional<std::string> backend = dp::grading::grading_variable("DPLAB_TEST_BACKEND");
+  ASSERT_TRUE(backend.has_value());
+  EXPECT_EQ(*backend, "local");
 }
 
 TEST(FakeChecks, SeesNoChannelVariables) {
@@ -113,7 +114,7 @@ TEST(FakeOrder, First) {
 
 /// Sends, with the stolen token and in the protocol's order, "passed" for the running test
 /// and every later one, then the program's end: a forgery the channel's order cannot show.
-void forge_the_rest_of_the_run() {
+void forge_the_rest_of_the_run(bool with_the_end) {
   const std::string fifo = dp::grader::channel::fifo_path(stolen_directory, rank());
   const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
   if (fd < 0) return;
@@ -140,7 +141,7 @@ void forge_the_rest_of_the_run() {
            "\", \"result\": \"passed\", \"failure\": \"\", \"notes\": [], \"seconds\": 0}");
     }
   }
-  line("{\"event\": \"program_end\"}");
+  if (with_the_end) line("{\"event\": \"program_end\"}");
   if (write(fd, lines.data(), lines.size()) != static_cast<ssize_t>(lines.size()))
     std::perror("fake_checks: write");
   close(fd);
@@ -148,11 +149,12 @@ void forge_the_rest_of_the_run() {
 
 TEST(FakeOrder, Second) {
   const std::string how = mode();
-  if (how == "forged_then_abort" || how == "forged_then_exit") {
-    forge_the_rest_of_the_run();
+  if (how == "forged_then_abort" || how == "forged_then_exit" ||
+      how == "forged_without_end_then_abort") {
+    forge_the_rest_of_the_run(how != "forged_without_end_then_abort");
     std::fflush(stdout);
-    if (how == "forged_then_abort") std::abort();
-    std::_Exit(0);
+    if (how == "forged_then_exit") std::_Exit(0);
+    std::abort();
   }
   if (how == "crash") {
     // Sanitizers catch SIGSEGV to print a report and exit with 1: restore the default

@@ -53,6 +53,34 @@ GradeReport report_of(const LabResult& lab) {
   return report;
 }
 
+TEST(Score, ARubricThatLeavesOutAProgramsCheckIsRefused) {
+  // Issue 32: a rubric listing 1 of lab 1's 7 checks scored "10/10 (full marks)".
+  Rubric rubric;
+  rubric.lab = 1;
+  rubric.title = "one of three";
+  rubric.checks = {{"Lab1.Good", 10, Visibility::kVisible, "passes"}};
+  RunResult run = finished_run();
+  run.ranks[0].registered["DISABLED_Lab1.Later"] = false;  // gtest keeps it out: no entry
+  run.ranks[0].registered["Lab1.DISABLED_Later"] = false;
+  EXPECT_EQ(checks_the_rubric_leaves_out(rubric, run),
+            (std::vector<std::string>{"Lab1.Ungraded", "WorldSizes/Lab1.Bad/ranks3"}));
+  LabResult lab = score_lab(rubric, run);
+  ASSERT_TRUE(lab.checks[0].passed);
+  refuse_an_incomplete_rubric(lab, run);
+  EXPECT_FALSE(lab.checks[0].passed);
+  EXPECT_DOUBLE_EQ(lab.checks[0].earned, 0);
+  EXPECT_NE(lab.problem.find("the program registers 2 check(s) the rubric does not list "
+                             "(Lab1.Ungraded, WorldSizes/Lab1.Bad/ranks3)"),
+            std::string::npos)
+      << lab.problem;
+  // Every check listed (Lab1.Missing, listed but not in the program, fails on its own).
+  rubric = two_check_rubric();
+  rubric.checks.push_back({"Lab1.Ungraded", 1, Visibility::kVisible, ""});
+  lab = score_lab(rubric, run);
+  refuse_an_incomplete_rubric(lab, run);
+  EXPECT_TRUE(lab.checks[0].passed) << lab.problem;
+}
+
 TEST(Score, EachCheckEarnsItsPointsOnlyWhenItPassed) {
   const LabResult lab = score_lab(two_check_rubric(), finished_run());
   ASSERT_EQ(lab.checks.size(), 3u);

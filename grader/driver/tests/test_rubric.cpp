@@ -96,12 +96,18 @@ TEST(Rubric, MissingFieldIsNamed) {
       << message;
 }
 
-TEST(Rubric, PointsMustBeANonNegativeNumber) {
+TEST(Rubric, PointsMustBeANumberFrom0To1000) {
   const std::string negative = error_of(
       R"({"lab": 1, "title": "x", "checks": [{"test": "A.B", "points": -1, "visibility": "visible", "description": "d"}]})");
-  EXPECT_NE(negative.find("\"points\" must be a non-negative number, got the number -1"),
+  EXPECT_NE(negative.find("\"points\" must be a number from 0 to 1000, got the number -1"),
             std::string::npos)
       << negative;
+  // Issue 32: 1e308 points made the lab's total inf ("inf/inf (full marks)", "score": null).
+  const std::string huge = error_of(
+      R"({"lab": 1, "title": "x", "checks": [{"test": "A.B", "points": 1e308, "visibility": "visible", "description": "d"}]})");
+  EXPECT_NE(huge.find("\"points\" must be a number from 0 to 1000, got the number 1e+308"),
+            std::string::npos)
+      << huge;
   const std::string text = error_of(
       R"({"lab": 1, "title": "x", "checks": [{"test": "A.B", "points": "10", "visibility": "visible", "description": "d"}]})");
   EXPECT_NE(text.find("got the string \"10\""), std::string::npos) << text;

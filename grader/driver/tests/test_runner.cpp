@@ -36,9 +36,12 @@ class RunnerTest : public ::testing::Test {
     unsetenv("FAKE_CHECKS_MARKER");
   }
 
-  RunResult run_in_mode(const char* mode) {
+  RunResult run_in_mode(const char* mode) { return run_check_program(request_in_mode(mode)); }
+
+  /// The request, with fake_checks set to behave as `mode` says.
+  RunRequest request_in_mode(const char* mode) {
     setenv("FAKE_CHECKS_MODE", mode, 1);
-    return run_check_program(request_);
+    return request_;
   }
 
   RunRequest request_;
@@ -200,6 +203,40 @@ TEST_F(RunnerTest, AForgedEndWithTheWrongExitStatusFailsEveryCheck) {
       << result.contradiction();
   const LabResult lab = score_lab(rubric_of({"FakeChecks.Passes", "FakeOrder.Third"}), result);
   for (const CheckResult& check : lab.checks) EXPECT_FALSE(check.passed) << check.check.test;
+}
+
+TEST_F(RunnerTest, ARunThatBreaksCountsNothingAndEveryOtherCheckRunsAlone) {
+  // A crash in FakeOrder.Second: the run's results do not count (the code that broke it could
+  // have forged them), and every other check runs again on its own, so the crash costs the
+  // check that crashes and nothing else.
+  const RunRequest request = request_in_mode("crash");
+  const std::vector<std::string> checks = {"FakeChecks.Passes", "FakeChecks.FailsWithFeedback",
+                                           "FakeOrder.Second", "FakeOrder.Third"};
+  const RunResult result = run_checks(request, checks);
+  EXPECT_NE(result.rerun_note.find("while running FakeOrder.Second: no result of that run "
+                                   "counts; every other check ran again"),
+            std::string::npos)
+      << result.rerun_note;
+  const LabResult lab = score_lab(rubric_of(checks), result);
+  EXPECT_TRUE(lab.checks[0].passed) << lab.checks[0].feedback;
+  EXPECT_FALSE(lab.checks[1].passed);
+  EXPECT_NE(lab.checks[1].feedback.find("rank 2 parameter fc1.weight differs"), std::string::npos)
+      << lab.checks[1].feedback;
+  EXPECT_FALSE(lab.checks[2].passed);
+  EXPECT_NE(lab.checks[2].feedback.find("crashed"), std::string::npos) << lab.checks[2].feedback;
+  EXPECT_TRUE(lab.checks[3].passed) << lab.checks[3].feedback;
+  EXPECT_EQ(lab.problem, result.rerun_note);
+}
+
+TEST_F(RunnerTest, AForgedRunWithoutItsEndCountsNothingOfWhatItForged) {
+  // The second trial's forgery: passes for the rest of the run without the program's end,
+  // then abort(). Nothing of the run counts; alone, each check reports what it is.
+  const RunRequest request = request_in_mode("forged_without_end_then_abort");
+  const std::vector<std::string> checks = {"FakeChecks.FailsWithFeedback", "FakeOrder.Second",
+                                           "FakeOrder.Third"};
+  const LabResult lab = score_lab(rubric_of(checks), run_checks(request, checks));
+  EXPECT_FALSE(lab.checks[0].passed) << "the forged pass of a failing check counted";
+  EXPECT_FALSE(lab.checks[1].passed) << "the check that forged counted";
 }
 
 TEST_F(RunnerTest, AnExitInsideATestFailsItAndEveryLaterOne) {
@@ -373,6 +410,47 @@ TEST_F(RunnerTest, AMissingProgramIsReportedNotThrown) {
   const RunResult result = run_check_program(request_);
   EXPECT_EQ(result.status, RunStatus::kMissing);
   EXPECT_NE(result.summary().find("grade_lab99 not found"), std::string::npos) << result.summary();
+}
+
+TEST_F(RunnerTest, AProgramWithoutItsExecuteBitIsNotCalledMissing) {
+  // Issue 32: it was "not found (build it)", which a build does not fix.
+  const std::filesystem::path copy =
+      std::filesystem::path(::testing::TempDir()) / "grade_lab98_not_executable";
+  std::filesystem::copy_file(DP_FAKE_CHECKS, copy,
+                             std::filesystem::copy_options::overwrite_existing);
+  std::filesystem::permissions(copy, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::owner_write |
+                                         std::filesystem::perms::group_read);
+  request_.program = copy;
+  const RunResult result = run_check_program(request_);
+  EXPECT_EQ(result.status, RunStatus::kMissing);
+  EXPECT_NE(result.summary().find("grade_lab98_not_executable is not executable (no execute "
+                                  "permission for this user: chmod +x it"),
+            std::string::npos)
+      << result.summary();
+  EXPECT_EQ(result.summary().find("not found"), std::string::npos) << result.summary();
+  std::filesystem::remove(copy);
+}
+
+TEST_F(RunnerTest, ATemporaryDirectoryThatDoesNotExistIsNamed) {
+  // Issue 32: std::filesystem's exception ended as an internal error.
+  const char* saved = std::getenv("TMPDIR");
+  const std::string before = saved != nullptr ? saved : "";
+  setenv("TMPDIR", "/nonexistent-dplab-tmp", 1);
+  std::string message;
+  try {
+    run_in_mode("normal");
+  } catch (const Error& error) {
+    message = error.what();
+  }
+  if (saved != nullptr)
+    setenv("TMPDIR", before.c_str(), 1);
+  else
+    unsetenv("TMPDIR");
+  EXPECT_NE(message.find("no directory for temporary files: TMPDIR is '/nonexistent-dplab-tmp', "
+                         "which is not a directory"),
+            std::string::npos)
+      << message;
 }
 
 TEST_F(RunnerTest, AnExitBeforeAnyTestSaysSo) {

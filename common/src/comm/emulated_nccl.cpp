@@ -1,0 +1,758 @@
+// The nccl backend emulated on the emulated CUDA device, so that every path a GPU run takes
+// on nccl runs in CI, where there is no GPU (`launch` with Backend::kNccl while
+// dp::set_cuda_device_emulated is on).
+//
+// Design. A decorator over the local backend's communicator: `run_local` provides the rank
+// threads, their wall clocks, the rethrow of the first failure and the end of a process
+// whose rank is stuck, and the decorator takes every call. It does not hand the calls on:
+// on every point where NCCL's contract differs, the local backend does the opposite (it
+// validates each collective across ranks, adds in rank order, matches messages by tag as
+// they arrive and completes calls on its own threads), so a mode of the local world would
+// be a second backend threaded through its 1.7k lines. Here the decorator's shared
+// `EmulatedNcclWorld` is a small model of what nccl_backend.cpp drives instead: one
+// communication stream per rank, on which a rank's calls run one after the other. Its
+// contract, point by point as nccl_backend.cpp's:
+//
+//   * backend() is "nccl"; buffers must be device memory (here the emulated device's): a
+//     host buffer is refused with the nccl backend's own message (require_device), and so
+//     are uint8 reductions and output sizes that do not fit;
+//   * one rank per GPU: the emulated machine has kEmulatedGpuCount (8) GPUs, so at most 8
+//     ranks, and never under mpirun (the ranks are threads of this process);
+//   * streams: a rank's calls run in issue order on its stream; a call starts once every
+//     call before it on the rank's stream has finished;
+//   * collectives are not validated across ranks: the n-th collective of every rank meets
+//     the others' n-th; when their signatures (call, count, type, operation, root) differ
+//     nothing moves and every rank waiting for it hangs, and a rank waiting longer than the
+//     hang timeout reports it in the nccl backend's words (its watchdog's "hang: rank R
+//     (nccl, GPU G) has waited ...") and aborts every rank; a collective no peer issues
+//     hangs the same way;
+//   * sums and averages of float32 over 3 or more ranks are added in the order of NCCL's
+//     ring all-reduce with one channel (below); an average is that sum divided afterwards,
+//     as nccl_backend.cpp divides on its stream;
+//   * messages: isend and irecv are held and launched together as one group (one entry of
+//     the stream) at the rank's next wait, test, collective, barrier or dropped handle,
+//     posted sorted by tag (issue order within a tag), as nccl_backend.cpp's flush posts
+//     them. Like NCCL, the emulation knows no tags: the sends from rank a to rank b and the
+//     receives of b from a are matched in the order they were posted. A matched pair whose
+//     sizes or types differ never moves (NCCL does not check them: it hangs), and every
+//     message of a group completes when the whole group has (one end event per group).
+//     A send completes only once its receive is posted and has run (NCCL's documentation,
+//     "Point-to-point communication" and ncclSend: "blocking for the GPU"; calls that must
+//     progress together belong in one group): real NCCL may buffer a small send in its
+//     connection's FIFO, but nothing promises it, so code whose groups wait on each other
+//     across ranks hangs here as it may on a GPU with larger messages;
+//   * counters: a collective counts what a ring moves (count_ring_collective, as nccl),
+//     a message its size, both when issued.
+//
+// The ring order. NCCL's ring all-reduce (NCCL_ALGO=Ring; NCCL's documentation: user guide,
+// "Environment Variables", NCCL_ALGO and NCCL_MAX_NCHANNELS; its kernel runRing in
+// src/device/all_reduce.h) cuts the buffer into one chunk per rank and moves each chunk
+// round the ring: at the first step the rank at ring position i sends chunk i-1 to its
+// successor, each following rank adds its own elements to what it received and sends the
+// sum on, and rank c adds last to chunk c, then the finished chunk goes round once more.
+// The emulation takes the ring 0 -> 1 -> ... -> p-1 -> 0, one channel and chunk c =
+// elements [n c/p, n (c+1)/p) (the chunks of comm/ring_counts.h), so element k of chunk c is
+//
+//     ((x[c+1] + x[c+2]) + ...) + x[c]            (rank indices mod p)
+//
+// and shard d of a reduce-scatter is summed in the same order, starting at rank d+1 and
+// ending at rank d (NCCL's ring reduce-scatter, src/device/reduce_scatter.h). Two ranks
+// give x[1] + x[0] or x[0] + x[1], bitwise the local backend's x[0] + x[1]. A real NCCL run
+// adds in this order only with NCCL_ALGO=Ring, one channel, the ring in rank order and a
+// buffer of one pipeline step; otherwise its chunk boundaries (aligned, per channel and per
+// step), its ring (the topology's) and its algorithm (tree, NVLS) differ, so its bits from 3
+// ranks on may differ from these in the last place: the emulation shows that a caller does
+// not depend on rank order, not NCCL's exact bits.
+//
+// What differs from a GPU, and why: the emulated device computes synchronously on the
+// calling thread, so `Work::wait()` blocks the host until the call has finished (on a GPU it
+// only orders the compute stream; a later copy to the host blocks instead), the data moves
+// under the world's lock on whichever rank's thread completes a call, and the hang check
+// runs in the waiting rank's `wait()`, `test()` and `barrier()` instead of a watchdog thread.
+// A rank that fails, or that the hang report aborts, makes every other rank's calls throw
+// the local backend's "dplab: aborted because rank R failed: ...", so that `launch` rethrows
+// the first failure as it does on the local backend.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/backends.h"
+#include "comm/buffer_checks.h"
+#include "comm/call_log.h"
+#include "comm/ring_counts.h"
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/memory.h"
+#include "dp/tensor.h"
+
+namespace dp::detail {
+namespace {
+
+using WallTime = std::chrono::steady_clock;
+
+/// One call of one rank, as its `Work` sees it.
+struct EmulatedCall {
+  CallRecord record;  // with its index in the rank's log
+  WallTime::time_point issued = WallTime::now();
+  bool done = false;  // under the world's lock
+};
+
+/// A point-to-point call, held until the rank's next flush and then part of a group.
+struct HeldMessage {
+  std::shared_ptr<EmulatedCall> call;
+  MutableBuffer data;  // a send only reads it
+  int peer = 0;
+  int tag = 0;
+  bool send = true;
+};
+
+struct StreamItem;
+
+/// A message of a launched group, waiting in its channel for its match.
+struct PostedMessage {
+  HeldMessage message;
+  StreamItem* group = nullptr;
+  int owner = 0;  // the rank that posted it
+};
+
+/// One entry of a rank's communication stream: one collective, or one group of messages.
+struct StreamItem {
+  // A collective: its call and buffers (kept apart from the record, which ranks compare).
+  std::shared_ptr<EmulatedCall> collective;
+  ConstBuffer input;
+  MutableBuffer output;
+  // A group: its messages in posted order, and how many have not moved yet.
+  std::vector<HeldMessage> messages;
+  std::size_t messages_left = 0;
+  bool started = false;  // at the front of its stream and handed to the peers
+  /// The call the hang report names for this entry: the collective, or the group's first
+  /// message (the front of the nccl backend's pending calls).
+  const EmulatedCall& first_call() const {
+    return collective ? *collective : *messages.front().call;
+  }
+};
+
+/// Sends from one rank to another and the receives posted for them, in posted order.
+struct Channel {
+  std::vector<PostedMessage> sends;
+  std::vector<PostedMessage> receives;
+};
+
+/// Element k of chunk (or shard) `chunk` over `p` ranks, added in the ring's order: rank
+/// chunk+1 first, then round the ring, rank `chunk` last (see the top).
+template <typename T>
+T ring_combine(const std::vector<const T*>& sources, std::size_t k, int chunk, ReduceOp op) {
+  const int p = static_cast<int>(sources.size());
+  T value = sources[static_cast<std::size_t>((chunk + 1) % p)][k];
+  for (int step = 2; step <= p; ++step) {
+    const T next = sources[static_cast<std::size_t>((chunk + step) % p)][k];
+    value = op == ReduceOp::kMax ? std::max(value, next) : static_cast<T>(value + next);
+  }
+  if (op == ReduceOp::kAvg) value /= static_cast<T>(p);  // the post-divide
+  return value;
+}
+
+/// All-reduce of `inputs` into `outputs` (by rank; an output may be its rank's input).
+template <typename T>
+void ring_allreduce(const std::vector<ConstBuffer>& inputs,
+                    const std::vector<MutableBuffer>& outputs, ReduceOp op) {
+  const int p = static_cast<int>(inputs.size());
+  const std::size_t n = inputs.front().count;
+  std::vector<const T*> sources;
+  for (const ConstBuffer& input : inputs) sources.push_back(static_cast<const T*>(input.data));
+  for (int chunk = 0; chunk < p; ++chunk) {
+    const std::size_t begin = n * static_cast<std::size_t>(chunk) / static_cast<std::size_t>(p);
+    const std::size_t end = n * static_cast<std::size_t>(chunk + 1) / static_cast<std::size_t>(p);
+    // Every rank's element k is read before any is written: the buffers are in place.
+    for (std::size_t k = begin; k < end; ++k) {
+      const T value = ring_combine<T>(sources, k, chunk, op);
+      for (const MutableBuffer& output : outputs) static_cast<T*>(output.data)[k] = value;
+    }
+  }
+}
+
+/// Reduce-scatter: shard d (elements [d m, (d+1) m) of every input) into rank d's output.
+template <typename T>
+void ring_reduce_scatter(const std::vector<ConstBuffer>& inputs,
+                         const std::vector<MutableBuffer>& outputs, ReduceOp op) {
+  const int p = static_cast<int>(inputs.size());
+  const std::size_t m = outputs.front().count;
+  for (int shard = 0; shard < p; ++shard) {
+    std::vector<const T*> sources;
+    for (const ConstBuffer& input : inputs)
+      sources.push_back(static_cast<const T*>(input.data) + m * static_cast<std::size_t>(shard));
+    T* out = static_cast<T*>(outputs[static_cast<std::size_t>(shard)].data);
+    for (std::size_t k = 0; k < m; ++k) out[k] = ring_combine<T>(sources, k, shard, op);
+  }
+}
+
+/// The ranks of one launch on the emulated nccl: their streams, the collectives that meet,
+/// the message channels, each rank's log and counters. One lock for all of it.
+class EmulatedNcclWorld {
+ public:
+  EmulatedNcclWorld(int size, CommOptions options)
+      : size_(size),
+        options_(options),
+        ranks_(static_cast<std::size_t>(size)),
+        channels_(static_cast<std::size_t>(size) * static_cast<std::size_t>(size)) {
+    for (Rank& rank : ranks_) {
+      rank.counters.bytes_sent_to.assign(static_cast<std::size_t>(size), 0);
+      rank.counters.bytes_received_from.assign(static_cast<std::size_t>(size), 0);
+    }
+  }
+
+  int size() const { return size_; }
+
+  /// Throws dp::CommError once any rank failed or a hang was reported.
+  void throw_if_failed(int rank) const {
+    const std::lock_guard lock(mutex_);
+    throw_if_failed_locked(rank);
+  }
+
+  /// Logs and counts a call of `rank` (as nccl_backend.cpp's begin()).
+  std::shared_ptr<EmulatedCall> begin(int rank, CallRecord record) {
+    const std::lock_guard lock(mutex_);
+    throw_if_failed_locked(rank);
+    Rank& state = ranks_[static_cast<std::size_t>(rank)];
+    auto call = std::make_shared<EmulatedCall>();
+    record.index = state.log.record(record);
+    call->record = record;
+    if (is_collective(record.op)) {
+      count_ring_collective(state.counters, record, rank, size_);
+    } else {
+      const std::uint64_t bytes = record.count * element_size(record.type);
+      OpCounters& counted = state.counters.of(record.op);
+      ++counted.calls;
+      const auto peer = static_cast<std::size_t>(record.peer);
+      if (record.op == CommOp::kSend) {
+        counted.bytes_sent += bytes;
+        ++counted.messages_sent;
+        state.counters.bytes_sent_to[peer] += bytes;
+      } else {
+        counted.bytes_received += bytes;
+        ++counted.messages_received;
+        state.counters.bytes_received_from[peer] += bytes;
+      }
+    }
+    return call;
+  }
+
+  /// Appends `item` to `rank`'s stream; it starts once everything before it has finished.
+  void launch_on_stream(int rank, std::shared_ptr<StreamItem> item) {
+    const std::lock_guard lock(mutex_);
+    throw_if_failed_locked(rank);
+    ranks_[static_cast<std::size_t>(rank)].stream.push_back(std::move(item));
+    advance({rank});
+  }
+
+  /// Blocks until `call` of `rank` is done; reports a hang after the hang timeout.
+  void wait(int rank, const EmulatedCall& call) {
+    std::unique_lock lock(mutex_);
+    Rank& state = ranks_[static_cast<std::size_t>(rank)];
+    state.blocked_on = call.record.index;
+    try {
+      while (!call.done) {
+        throw_if_failed_locked(rank);
+        const std::optional<WallTime::time_point> deadline = hang_deadline(state);
+        if (deadline && WallTime::now() >= *deadline) report_hang(rank);
+        if (deadline)
+          changed_.wait_until(lock, *deadline);
+        else
+          changed_.wait(lock);
+      }
+    } catch (...) {
+      state.blocked_on.reset();
+      throw;
+    }
+    state.blocked_on.reset();
+  }
+
+  /// True once `call` is done; the hang check of `wait` (a rank may poll forever).
+  bool test(int rank, const EmulatedCall& call) {
+    const std::lock_guard lock(mutex_);
+    throw_if_failed_locked(rank);
+    if (call.done) return true;
+    const std::optional<WallTime::time_point> deadline =
+        hang_deadline(ranks_[static_cast<std::size_t>(rank)]);
+    if (deadline && WallTime::now() >= *deadline) report_hang(rank);
+    return false;
+  }
+
+  /// True once `call` has finished (no hang check, no failure check).
+  bool is_done(const EmulatedCall& call) const {
+    const std::lock_guard lock(mutex_);
+    return call.done;
+  }
+
+  CommCounters counters(int rank) const {
+    const std::lock_guard lock(mutex_);
+    return ranks_[static_cast<std::size_t>(rank)].counters;
+  }
+
+  /// Rank `rank` failed with `reason`: every rank's calls throw from now on.
+  void fail(int rank, const std::string& reason) {
+    {
+      const std::lock_guard lock(mutex_);
+      fail_locked(rank, reason);
+    }
+    changed_.notify_all();
+  }
+
+  /// Rank `rank` returned from its function (a hang report says so).
+  void mark_finished(int rank) {
+    const std::lock_guard lock(mutex_);
+    ranks_[static_cast<std::size_t>(rank)].finished = true;
+  }
+
+ private:
+  struct Rank {
+    CallLog log;
+    CommCounters counters;
+    std::deque<std::shared_ptr<StreamItem>> stream;  // front: running or waiting for peers
+    std::uint64_t collectives_started = 0;
+    std::optional<std::uint64_t> blocked_on;
+    bool finished = false;
+  };
+
+  void throw_if_failed_locked(int rank) const {
+    if (!failed_) return;
+    if (rank == failed_rank_) throw CommError(failure_);
+    throw CommError(
+        fmt::format("dplab: aborted because rank {} failed: {}", failed_rank_, failure_));
+  }
+
+  void fail_locked(int rank, const std::string& reason) {
+    if (failed_) return;
+    failed_ = true;
+    failed_rank_ = rank;
+    failure_ = reason;
+  }
+
+  /// When the oldest unfinished call of the rank's stream passes the hang timeout (the
+  /// nccl backend's watchdog looks at the same call); none when the stream is empty.
+  std::optional<WallTime::time_point> hang_deadline(const Rank& state) const {
+    if (state.stream.empty()) return std::nullopt;
+    return state.stream.front()->first_call().issued + options_.hang_timeout;
+  }
+
+  /// Prints the nccl backend's hang report for `rank`, aborts every rank, throws it.
+  [[noreturn]] void report_hang(int rank) {
+    const Rank& state = ranks_[static_cast<std::size_t>(rank)];
+    const EmulatedCall& oldest = state.stream.front()->first_call();
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::seconds>(WallTime::now() - oldest.issued);
+    const std::string headline = fmt::format(
+        "hang: rank {} (nccl, GPU {}) has waited {} s (hang timeout {} ms) for {}: a peer "
+        "has not issued the matching call, or issued calls in another order or with "
+        "other sizes (nccl does not validate them)",
+        rank, rank, waited.count(), options_.hang_timeout.count(), oldest.record.describe());
+    std::vector<RankCallState> states;
+    for (int r = 0; r < size_; ++r) {
+      const Rank& other = ranks_[static_cast<std::size_t>(r)];
+      states.push_back(other.log.snapshot(r, other.blocked_on, other.finished));
+    }
+    const std::string report = format_hang_report(headline, states);
+    std::fprintf(stderr, "%s\n", report.c_str());
+    std::fflush(stderr);
+    fail_locked(rank, report);
+    changed_.notify_all();
+    throw CommError(report);
+  }
+
+  Channel& channel(int from, int to) {
+    return channels_[static_cast<std::size_t>(from) * static_cast<std::size_t>(size_) +
+                     static_cast<std::size_t>(to)];
+  }
+
+  /// Starts the front entry of each rank in `ranks` and of every rank whose stream moves on
+  /// as a result, until no stream can move (caller holds the lock).
+  void advance(std::vector<int> ranks) {
+    bool any_finished = false;
+    while (!ranks.empty()) {
+      const int rank = ranks.back();
+      ranks.pop_back();
+      Rank& state = ranks_[static_cast<std::size_t>(rank)];
+      if (state.stream.empty() || state.stream.front()->started) continue;
+      StreamItem& item = *state.stream.front();
+      item.started = true;
+      std::vector<int> finished;
+      if (item.collective)
+        start_collective(rank, item, finished);
+      else
+        start_group(rank, item, finished);
+      for (int owner : finished) {
+        finish_front(owner);
+        ranks.push_back(owner);
+        any_finished = true;
+      }
+    }
+    if (any_finished) changed_.notify_all();
+  }
+
+  /// Marks the front entry of `rank`'s stream done and removes it.
+  void finish_front(int rank) {
+    Rank& state = ranks_[static_cast<std::size_t>(rank)];
+    const std::shared_ptr<StreamItem> item = state.stream.front();
+    state.stream.pop_front();
+    if (item->collective) {
+      item->collective->done = true;
+      state.log.complete(item->collective->record.index);
+    }
+    for (const HeldMessage& message : item->messages) {
+      message.call->done = true;
+      state.log.complete(message.call->record.index);
+    }
+  }
+
+  /// The n-th collective of `rank` meets the n-th of the others; once every rank's is there
+  /// and they agree, it runs and every rank's stream moves on. Mismatched: it never runs.
+  void start_collective(int rank, StreamItem& item, std::vector<int>& finished) {
+    Rank& state = ranks_[static_cast<std::size_t>(rank)];
+    const std::uint64_t sequence = state.collectives_started++;
+    std::vector<StreamItem*>& members = meeting_[sequence];
+    if (members.empty()) members.assign(static_cast<std::size_t>(size_), nullptr);
+    members[static_cast<std::size_t>(rank)] = &item;
+    if (std::count(members.begin(), members.end(), nullptr) != 0) return;
+    const std::string signature = members.front()->collective->record.signature();
+    for (const StreamItem* member : members)
+      if (member->collective->record.signature() != signature) return;  // a hang, as on NCCL
+    run_collective(members);
+    meeting_.erase(sequence);
+    for (int r = 0; r < size_; ++r) finished.push_back(r);
+  }
+
+  void run_collective(const std::vector<StreamItem*>& members) {
+    const CallRecord& record = members.front()->collective->record;
+    std::vector<ConstBuffer> inputs;
+    std::vector<MutableBuffer> outputs;
+    for (const StreamItem* member : members) {
+      inputs.push_back(member->input);
+      outputs.push_back(member->output);
+    }
+    const bool floats = record.type == DataType::kFloat32;
+    switch (record.op) {
+      case CommOp::kAllReduce:
+        if (floats)
+          ring_allreduce<float>(inputs, outputs, record.reduce);
+        else
+          ring_allreduce<std::int32_t>(inputs, outputs, record.reduce);
+        break;
+      case CommOp::kReduceScatter:
+        if (floats)
+          ring_reduce_scatter<float>(inputs, outputs, record.reduce);
+        else
+          ring_reduce_scatter<std::int32_t>(inputs, outputs, record.reduce);
+        break;
+      case CommOp::kAllGather: {
+        const std::size_t bytes = inputs.front().bytes();
+        for (std::size_t to = 0; to < outputs.size(); ++to)
+          for (std::size_t from = 0; from < inputs.size(); ++from)
+            if (bytes > 0)
+              std::memmove(static_cast<char*>(outputs[to].data) + from * bytes, inputs[from].data,
+                           bytes);
+        break;
+      }
+      case CommOp::kBroadcast: {
+        const ConstBuffer root = inputs[static_cast<std::size_t>(record.peer)];
+        for (std::size_t to = 0; to < outputs.size(); ++to)
+          if (to != static_cast<std::size_t>(record.peer) && root.bytes() > 0)
+            std::memcpy(outputs[to].data, root.data, root.bytes());
+        break;
+      }
+      default: break;  // a barrier moves nothing
+    }
+  }
+
+  /// Posts the messages of a launched group to their channels and moves every pair that
+  /// matches; `finished` gets each rank whose group has completed.
+  void start_group(int rank, StreamItem& item, std::vector<int>& finished) {
+    for (const HeldMessage& message : item.messages) {
+      Channel& pair = message.send ? channel(rank, message.peer) : channel(message.peer, rank);
+      (message.send ? pair.sends : pair.receives).push_back({message, &item, rank});
+      match(pair, finished);
+    }
+  }
+
+  /// Moves the channel's sends into its receives in posted order (tags play no part, as
+  /// on NCCL), stopping at a pair whose sizes differ: it never moves, and its ranks hang.
+  void match(Channel& pair, std::vector<int>& finished) {
+    std::size_t moved = 0;
+    while (moved < pair.sends.size() && moved < pair.receives.size()) {
+      const PostedMessage& send = pair.sends[moved];
+      const PostedMessage& receive = pair.receives[moved];
+      if (send.message.data.count != receive.message.data.count ||
+          send.message.data.type != receive.message.data.type)
+        break;
+      if (send.message.data.bytes() > 0)
+        std::memcpy(receive.message.data.data, send.message.data.data, send.message.data.bytes());
+      for (const PostedMessage* posted : {&send, &receive})
+        if (--posted->group->messages_left == 0) finished.push_back(posted->owner);
+      ++moved;
+    }
+    pair.sends.erase(pair.sends.begin(), pair.sends.begin() + static_cast<std::ptrdiff_t>(moved));
+    pair.receives.erase(pair.receives.begin(),
+                        pair.receives.begin() + static_cast<std::ptrdiff_t>(moved));
+  }
+
+  const int size_;
+  const CommOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;  // a call finished, or the ranks were aborted
+  std::vector<Rank> ranks_;
+  std::vector<Channel> channels_;                              // by (from, to)
+  std::map<std::uint64_t, std::vector<StreamItem*>> meeting_;  // by collective sequence
+  bool failed_ = false;
+  int failed_rank_ = -1;
+  std::string failure_;
+};
+
+class EmulatedNcclCommunicator;
+
+/// A handle on one call; dropping it unwaited waits (the buffers may go right after).
+class EmulatedNcclWork final : public Work {
+ public:
+  EmulatedNcclWork(EmulatedNcclCommunicator& owner, std::shared_ptr<EmulatedCall> call)
+      : owner_(owner), call_(std::move(call)), exceptions_at_issue_(std::uncaught_exceptions()) {}
+  ~EmulatedNcclWork() override;
+  EmulatedNcclWork(const EmulatedNcclWork&) = delete;
+  EmulatedNcclWork& operator=(const EmulatedNcclWork&) = delete;
+  void wait() override;
+  bool test() override;
+
+ private:
+  EmulatedNcclCommunicator& owner_;
+  std::shared_ptr<EmulatedCall> call_;
+  int exceptions_at_issue_;
+  bool waited_ = false;
+};
+
+/// The communicator of one rank: the local backend's rank, thread and clock, and NCCL's
+/// contract through the world (see the top).
+class EmulatedNcclCommunicator final : public Communicator {
+ public:
+  EmulatedNcclCommunicator(EmulatedNcclWorld& world, Communicator& local)
+      : world_(world), local_(local) {}
+
+  int rank() const override { return local_.rank(); }
+  int size() const override { return local_.size(); }
+  std::string_view backend() const override { return "nccl"; }
+
+  std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
+    // Sends only read the buffer; the cast lets sends and receives share one queue.
+    return hold(CommOp::kSend, {const_cast<void*>(data.data), data.count, data.type, data.device},
+                peer, tag);
+  }
+  std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
+    return hold(CommOp::kRecv, data, peer, tag);
+  }
+
+  std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
+    check_buffer(data, "allreduce");
+    check_reducible(data, "allreduce");
+    return collective({.op = CommOp::kAllReduce,
+                       .count = data.count,
+                       .type = data.type,
+                       .device = data.device,
+                       .reduce = op},
+                      data, data);
+  }
+
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    check_buffer(in, "reduce_scatter");
+    check_buffer(out, "reduce_scatter");
+    check_reducible(in, "reduce_scatter");
+    if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size()))
+      throw Error(fmt::format(
+          "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got "
+          "{} {}",
+          size(), out.count, out.count * static_cast<std::size_t>(size()), to_string(out.type),
+          in.count, to_string(in.type)));
+    return collective({.op = CommOp::kReduceScatter,
+                       .count = in.count,
+                       .type = in.type,
+                       .device = in.device,
+                       .reduce = op},
+                      in, out);
+  }
+
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    check_buffer(in, "allgather");
+    check_buffer(out, "allgather");
+    if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size()))
+      throw Error(fmt::format(
+          "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
+          size(), in.count, in.count * static_cast<std::size_t>(size()), to_string(in.type),
+          out.count, to_string(out.type)));
+    return collective(
+        {.op = CommOp::kAllGather, .count = in.count, .type = in.type, .device = in.device}, in,
+        out);
+  }
+
+  std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    check_buffer(data, "broadcast");
+    check_peer(root, "broadcast root");
+    return collective({.op = CommOp::kBroadcast,
+                       .count = data.count,
+                       .type = data.type,
+                       .device = data.device,
+                       .peer = root},
+                      data, data);
+  }
+
+  void barrier() override {
+    // As nccl_backend.cpp: an all-reduce of one int on the stream, waited for on the host.
+    collective({.op = CommOp::kBarrier, .device = Device::kCuda}, {}, {})->wait();
+  }
+
+  CommCounters counters() const override { return world_.counters(rank()); }
+  Clock& clock() override { return local_.clock(); }
+
+  /// Launches the held messages as one group on the stream, posted sorted by tag.
+  void flush() {
+    if (held_.empty()) return;
+    const UncountedHeapAllocations bookkeeping;  // the backend's, not the lab's
+    std::stable_sort(held_.begin(), held_.end(),
+                     [](const HeldMessage& a, const HeldMessage& b) { return a.tag < b.tag; });
+    auto group = std::make_shared<StreamItem>();
+    group->messages.swap(held_);
+    group->messages_left = group->messages.size();
+    world_.launch_on_stream(rank(), std::move(group));
+  }
+  void wait(const EmulatedCall& call) {
+    flush();
+    world_.wait(rank(), call);
+  }
+  bool test(const EmulatedCall& call) {
+    flush();
+    return world_.test(rank(), call);
+  }
+  /// An exception unwinds this rank's stack past `call`, unfinished: every rank fails.
+  void abandon(const EmulatedCall& call) {
+    if (world_.is_done(call)) return;
+    world_.fail(rank(), fmt::format("rank {} (nccl): an exception left its code while {} was in "
+                                    "flight",
+                                    rank(), call.record.describe()));
+  }
+
+ private:
+  void check_buffer(ConstBuffer data, std::string_view call) const {
+    require_device(data.device, Device::kCuda, "nccl", call);
+  }
+  void check_peer(int peer, std::string_view call) const {
+    if (peer < 0 || peer >= size())
+      throw Error(
+          fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size()));
+  }
+  static void check_reducible(ConstBuffer data, std::string_view call) {
+    if (data.type == DataType::kUInt8)
+      throw Error(fmt::format("{}: cannot reduce uint8 elements; expected float32 or int32", call));
+  }
+
+  std::unique_ptr<Work> hold(CommOp op, MutableBuffer data, int peer, int tag) {
+    const bool send = op == CommOp::kSend;
+    check_buffer(data, send ? "isend" : "irecv");
+    check_peer(peer, send ? "isend" : "irecv");
+    std::shared_ptr<EmulatedCall> call = world_.begin(rank(), {.op = op,
+                                                               .count = data.count,
+                                                               .type = data.type,
+                                                               .device = data.device,
+                                                               .peer = peer,
+                                                               .tag = tag});
+    {
+      const UncountedHeapAllocations bookkeeping;  // the backend's, not the lab's
+      held_.push_back({call, data, peer, tag, send});
+    }
+    return std::make_unique<EmulatedNcclWork>(*this, std::move(call));
+  }
+
+  std::unique_ptr<Work> collective(CallRecord record, ConstBuffer input, MutableBuffer output) {
+    flush();  // messages issued before keep their place before this collective
+    auto item = std::make_shared<StreamItem>();
+    item->collective = world_.begin(rank(), record);
+    item->input = input;
+    item->output = output;
+    std::shared_ptr<EmulatedCall> call = item->collective;
+    world_.launch_on_stream(rank(), std::move(item));
+    return std::make_unique<EmulatedNcclWork>(*this, std::move(call));
+  }
+
+  EmulatedNcclWorld& world_;
+  Communicator& local_;
+  std::vector<HeldMessage> held_;  // only this rank's thread touches it
+};
+
+EmulatedNcclWork::~EmulatedNcclWork() {
+  if (waited_) return;
+  if (std::uncaught_exceptions() > exceptions_at_issue_) {
+    // An exception leaves the rank's code with this call in flight. NCCL's handle does not
+    // block here, and the exception fails the launch once it leaves the rank (run_nccl);
+    // waiting instead could take the whole hang timeout. Fail every rank now: nothing
+    // moves any more, so the buffers can go.
+    owner_.abandon(*call_);
+    return;
+  }
+  try {
+    owner_.wait(*call_);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor cannot report it; the
+                   // failure reached every rank's next call already
+  }
+}
+
+void EmulatedNcclWork::wait() {
+  if (waited_) return;
+  owner_.wait(*call_);
+  waited_ = true;
+}
+
+bool EmulatedNcclWork::test() {
+  return owner_.test(*call_);
+}
+
+}  // namespace
+
+void run_emulated_nccl(const LaunchOptions& options,
+                       const std::function<void(Communicator&)>& rank_main) {
+  if (started_by_mpi())
+    throw Error(
+        "the nccl backend on the emulated CUDA device runs its ranks as threads of one process, "
+        "one per emulated GPU; run it without mpirun");
+  if (options.world_size > kEmulatedGpuCount)
+    throw Error(fmt::format(
+        "the nccl backend runs one rank per GPU: asked for {} ranks, the emulated CUDA device "
+        "stands for a machine of {} GPUs; run fewer ranks, or several ranks on one GPU with the "
+        "local backend",
+        options.world_size, kEmulatedGpuCount));
+  if (options.simulation.enabled)
+    throw Error(
+        "the nccl backend runs on the wall clock: the simulated network is the local "
+        "backend's");
+  EmulatedNcclWorld world(options.world_size, options.comm);
+  run_local(options, [&](Communicator& local) {
+    EmulatedNcclCommunicator communicator(world, local);
+    try {
+      rank_main(communicator);
+    } catch (const std::exception& error) {
+      world.fail(local.rank(), error.what());
+      world.mark_finished(local.rank());
+      throw;
+    } catch (...) {
+      world.fail(local.rank(), "an exception that is not a std::exception");
+      world.mark_finished(local.rank());
+      throw;
+    }
+    world.mark_finished(local.rank());
+  });
+}
+
+}  // namespace dp::detail
