@@ -29,6 +29,8 @@
 #include "dp/error.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
+#include "dp/tensor.h"
+#include "dp/tensor_ops.h"
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
@@ -713,7 +715,8 @@ TEST(Lab2Accumulation, ReturnsTheMeanLossOfTheMicroBatches) {
   }
 }
 
-// --- the design question ------------------------------------------------------------------
+// --- design question 1: what the flat buffer saves
+// ------------------------------------------------------------------
 
 /// A plausible wrong answer to the design question, and what it predicts.
 struct WrongFormula {
@@ -886,6 +889,226 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
           which_wrong_formula(predicted, expected, bytes.size(), world, link.alpha_seconds),
           draws.describe());
   }
+}
+
+// --- design question 2: the flat buffer's break-even size -----------------------------------
+
+/// One simulated fabric and device, drawn for design question 2.
+struct BreakEvenNetwork {
+  int world = 1;
+  std::size_t parameters = 1;
+  LinkModel link;
+  DeviceModel device;
+  std::string fabric;  // what the draw was, for messages
+};
+
+/// The break-even size of a flat buffer whose time minus the per-gradient time is
+/// `fixed_seconds + seconds_per_byte * S`: where that crosses 0, or 0 when it never does.
+double break_even_of(double fixed_seconds, double seconds_per_byte) {
+  return fixed_seconds < 0 ? -fixed_seconds / seconds_per_byte : 0.0;
+}
+
+/// The plausible wrong answers to design question 2 on `net`. The right one is
+/// break_even_of(2 P launch - 2 (N-1) (P-1) alpha, 2 max(1/rate, 8/bandwidth) / 4).
+std::vector<WrongFormula> wrong_break_even_formulas(const BreakEvenNetwork& net) {
+  const double p = static_cast<double>(net.parameters);
+  const double n = static_cast<double>(net.world);
+  const double alpha = net.link.alpha_seconds;
+  const double launch = net.device.launch_seconds;
+  const double rate = net.device.flops_per_second;
+  const double bandwidth = net.device.bytes_per_second;
+  const double per_float = std::max(1.0 / rate, 8.0 / bandwidth);
+  const double right_per_byte = 2.0 * per_float / 4.0;
+  const double saved = 2.0 * (n - 1) * (p - 1) * alpha;
+  return {
+      {"2 N latencies saved per call instead of the ring's 2 (N-1)",
+       break_even_of(2 * p * launch - 2.0 * n * (p - 1) * alpha, right_per_byte)},
+      {"P calls saved instead of P - 1 (the flat call pays its latencies too)",
+       break_even_of(2 * p * launch - 2.0 * (n - 1) * p * alpha, right_per_byte)},
+      {"the copies counted once instead of twice (into the buffer and back out)",
+       break_even_of(p * launch - saved, per_float / 4.0)},
+      {"a copy moving 4 bytes per float instead of 8 (it reads and writes each)",
+       break_even_of(2 * p * launch - saved, 2.0 * std::max(1.0 / rate, 4.0 / bandwidth) / 4.0)},
+      {"the copies' launch costs left out", break_even_of(-saved, right_per_byte)},
+      {"the roofline's two terms added instead of their maximum",
+       break_even_of(2 * p * launch - saved, 2.0 * (1.0 / rate + 8.0 / bandwidth) / 4.0)},
+  };
+}
+
+/// The flat way's time minus the per-gradient way's, on the simulated clock of `net`, for
+/// gradients of `elements[i]` floats: both timed on every rank from the same instant until
+/// every result is in the gradients, as the contract describes them (neither divides).
+double simulated_flat_minus_per_gradient(const BreakEvenNetwork& net,
+                                         const std::vector<std::size_t>& elements) {
+  LaunchOptions launch_options;
+  launch_options.world_size = net.world;
+  launch_options.simulation.enabled = true;
+  launch_options.simulation.network.name = "custom";
+  launch_options.simulation.network.fabric = net.link;
+  launch_options.simulation.device = net.device;
+  double difference = 0;
+  launch(launch_options, [&](Communicator& comm) {
+    std::size_t total = 0;
+    std::vector<Tensor> gradients;
+    for (std::size_t size : elements) {
+      gradients.emplace_back(std::vector<std::int64_t>{static_cast<std::int64_t>(size)},
+                             MemoryCategory::kGradients);
+      total += size;
+    }
+    Tensor flat({static_cast<std::int64_t>(total)}, MemoryCategory::kCommunication);
+
+    const double start = comm.clock().now();
+    std::vector<std::unique_ptr<Work>> pending;
+    for (Tensor& gradient : gradients)
+      pending.push_back(comm.allreduce(gradient.view(), ReduceOp::kSum));
+    for (auto& work : pending) work->wait();
+    const double per_gradient = comm.clock().now() - start;
+
+    const double flat_start = comm.clock().now();
+    std::size_t offset = 0;
+    for (const Tensor& gradient : gradients) {
+      copy(gradient.view(), flat.view(offset, gradient.size()));
+      offset += gradient.size();
+    }
+    comm.allreduce(flat.view(), ReduceOp::kSum)->wait();
+    offset = 0;
+    for (Tensor& gradient : gradients) {
+      copy(flat.view(offset, gradient.size()), gradient.view());
+      offset += gradient.size();
+    }
+    const double flat_seconds = comm.clock().now() - flat_start;
+    if (comm.rank() == 0) difference = flat_seconds - per_gradient;
+  });
+  return difference;
+}
+
+TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
+  Draws draws("Lab2Design.PredictsTheFlatBufferBreakEven");
+  // Five networks. On every seed (the rubric lists them): 1 rank, where nothing is saved and
+  // the answer is 0 (2 N latencies per call are not 0); 4 to 8 ranks on a memory-bound
+  // preset device and on a compute-bound custom one, with latencies and launches drawn so
+  // that the flat buffer wins at small sizes, where every wrong formula below parts from
+  // the right one (a compute-bound device alone would not see 4 bytes per copied float
+  // instead of 8). Then two networks drawn whole, fabrics and devices from the presets or
+  // custom, where the flat buffer may lose at every size.
+  constexpr int kNetworks = 5;
+  const std::vector<std::string> fabrics = NetworkModel::preset_names();
+  const std::vector<std::string> devices = DeviceModel::preset_names();
+  std::vector<bool> separated(wrong_break_even_formulas(BreakEvenNetwork{}).size(), false);
+  for (int trial = 0; trial < kNetworks; ++trial) {
+    BreakEvenNetwork net;
+    const bool flat_wins = trial == 1 || trial == 2;
+    net.world = trial == 0  ? 1
+                : flat_wins ? static_cast<int>(draws.integer("world (flat wins)", 4, 8))
+                            : static_cast<int>(draws.integer("world", 1, 8));
+    net.parameters = static_cast<std::size_t>(trial < 3 ? draws.integer("parameters", 4, 12)
+                                                        : draws.integer("parameters", 1, 12));
+    if (trial < 3 || draws.coin("custom fabric")) {
+      net.link.alpha_seconds = draws.uniform("alpha us", 5.0f, 50.0f) * 1e-6;
+      net.link.bytes_per_second = draws.uniform("GB/s", 1.0f, 100.0f) * 1e9;
+      net.fabric = "custom";
+    } else {
+      net.fabric = draws.pick("fabric", fabrics);
+      net.link = NetworkModel::preset(net.fabric).fabric;
+    }
+    if (trial == 1 || (trial >= 3 && draws.coin("preset device"))) {
+      net.device = DeviceModel::preset(draws.pick("device", devices));
+    } else {
+      // Compute-bound on trial 2 (1 / rate above 8 / bandwidth); drawn whole otherwise.
+      net.device.name = "custom";
+      net.device.flops_per_second =
+          trial == 2 ? draws.uniform("GFLOP/s", 1.0f, 10.0f) * 1e9
+                     : std::pow(10.0, draws.uniform("log10 FLOP/s", 9.0f, 14.0f));
+      net.device.bytes_per_second =
+          trial == 2 ? draws.uniform("device GB/s", 100.0f, 1000.0f) * 1e9
+                     : std::pow(10.0, draws.uniform("log10 device B/s", 10.0f, 12.6f));
+      net.device.launch_seconds =
+          draws.uniform("launch us", 0.5f, trial == 2 ? 4.0f : 10.0f) * 1e-6;
+    }
+
+    // The difference is affine in the total size S (every term of the clock is linear in
+    // the bytes of each op), so the simulated clock at two sizes gives the line and where it
+    // crosses 0, sizes the grader can simulate even where the crossing lies at gigabytes; a
+    // third size confirms the line.
+    std::vector<double> sizes;
+    std::vector<double> differences;
+    for (const std::int64_t largest : {64, 4096, 65536}) {
+      std::vector<std::size_t> elements(net.parameters);
+      double total = 0;
+      for (std::size_t& size : elements) {
+        size = static_cast<std::size_t>(draws.integer("elements", 1, largest));
+        total += 4.0 * static_cast<double>(size);
+      }
+      sizes.push_back(total);
+      differences.push_back(simulated_flat_minus_per_gradient(net, elements));
+    }
+    const double slope = (differences[1] - differences[0]) / (sizes[1] - sizes[0]);
+    const double fixed = differences[0] - slope * sizes[0];
+    const double on_the_line = fixed + slope * sizes[2];
+    if (!(slope > 0) ||
+        std::abs(on_the_line - differences[2]) > 1e-9 * std::abs(differences[2]) + 1e-15)
+      FAIL() << fmt::format(
+          "grader bug: the flat buffer's time minus the per-gradient time is not affine in the "
+          "size on the simulated clock: {:.9g} s at {} bytes, {:.9g} s at {} bytes, {:.9g} s "
+          "at {} bytes\n({})",
+          differences[0], sizes[0], differences[1], sizes[1], differences[2], sizes[2],
+          draws.describe());
+    const double measured = break_even_of(fixed, slope);
+    if (flat_wins && !(measured > 0))
+      FAIL() << fmt::format(
+          "grader bug: the flat buffer wins at no size on a network drawn "
+          "for it to win\n({})",
+          draws.describe());
+
+    double predicted = 0;
+    try {
+      predicted = flat_buffer_break_even_bytes(net.parameters, net.world, net.link, net.device);
+    } catch (const NotImplemented& error) {
+      FAIL() << error.what();
+    } catch (const std::exception& error) {
+      FAIL() << fmt::format("flat_buffer_break_even_bytes threw {}: {}", grading::type_name(error),
+                            error.what());
+    }
+    const auto near = [](double a, double b) {
+      return std::abs(a - b) <= 1e-6 * std::abs(b) + 1.0;
+    };
+    const std::string where = fmt::format(
+        "world size {}, {} gradients, fabric {} (alpha {:.3g} us, {:.3g} GB/s), device {} "
+        "({:.3g} GFLOP/s, {:.3g} GB/s, launch {:.3g} us)",
+        net.world, net.parameters, net.fabric, net.link.alpha_seconds * 1e6,
+        net.link.bytes_per_second / 1e9, net.device.name, net.device.flops_per_second / 1e9,
+        net.device.bytes_per_second / 1e9, net.device.launch_seconds * 1e6);
+    const std::vector<WrongFormula> wrong = wrong_break_even_formulas(net);
+    if (!near(predicted, measured)) {
+      std::string which;
+      for (const WrongFormula& formula : wrong)
+        if (near(predicted, formula.seconds) && !near(measured, formula.seconds)) {
+          which = fmt::format("; that is the answer of {}", formula.what);
+          break;
+        }
+      FAIL() << fmt::format(
+          "{}: you predict the flat buffer stops paying above {:.9g} bytes; on the simulated "
+          "clock the flat way minus the per-gradient way is {:.6g} us + {:.6g} us per MB, which "
+          "{}{}\n({})",
+          where, predicted, fixed * 1e6, slope * 1e12,
+          measured > 0 ? fmt::format("crosses 0 at {:.9g} bytes", measured)
+                       : std::string("is positive at every size: the answer is 0"),
+          which, draws.describe());
+    }
+    grading::note_measured(fmt::format("{}: predicted {:.6g} bytes, measured {:.6g} bytes", where,
+                                       predicted, measured));
+    for (std::size_t f = 0; f < wrong.size(); ++f)
+      if (!near(wrong[f].seconds, measured)) separated[f] = true;
+  }
+  const auto missed = std::count(separated.begin(), separated.end(), false);
+  if (missed != 0)
+    FAIL() << fmt::format(
+        "grader bug: {} plausible wrong formula(s) for the break-even size matched every "
+        "simulated network\n({})",
+        missed, draws.describe());
+  grading::note_measured(fmt::format(
+      "the simulated networks tell the right break-even size from {} plausible wrong formulas",
+      separated.size()));
 }
 
 // --- calibration of the tolerances (not graded) ---------------------------------------------
