@@ -987,7 +987,9 @@ TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
   // Five networks. On every seed (the rubric lists them): 1 rank, where nothing is saved and
   // the answer is 0 (2 N latencies per call are not 0); 4 to 8 ranks on a memory-bound
   // preset device and on a compute-bound custom one, with latencies and launches drawn so
-  // that the flat buffer wins at small sizes, where every wrong formula below parts from
+  // that the flat buffer wins at small sizes (the latency saved over the launches paid,
+  // (N-1)(P-1) alpha / (P launch), is at least 3 x 3/4 x 5/4 > 1 with N >= 4, P >= 4,
+  // alpha >= 5 us and launches of at most 4 us), where every wrong formula below parts from
   // the right one (a compute-bound device alone would not see 4 bytes per copied float
   // instead of 8). Then two networks drawn whole, fabrics and devices from the presets or
   // custom, where the flat buffer may lose at every size.
