@@ -1,8 +1,11 @@
 // Lab skeleton, generated from the reference by tools/make-skeletons: your code goes where
 // dp::NotImplemented is thrown.
 // average.cpp: lab 2's gradient averaging, one all-reduce per parameter and then one
-// over a flat buffer. Your part: the bodies of average_gradients and
-// FlatGradientAverager::average.
+// over a flat buffer. Your part: the bodies of average_gradients and of the
+// FlatGradientAverager's members, and what its State keeps.
+#include <fmt/format.h>
+
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -19,16 +22,19 @@ void average_gradients(Model& model, Communicator& comm) {
   throw NotImplemented("lab2::average_gradients");
 }
 
-FlatGradientAverager::FlatGradientAverager(const Model& model)
-    : buffer_({static_cast<std::int64_t>(model.num_trainable_parameters())},
-              MemoryCategory::kCommunication, model.device()) {}
+/// What a FlatGradientAverager keeps from its constructor to every average().
+struct FlatGradientAverager::State {
+  // Your members.
+};
+
+FlatGradientAverager::FlatGradientAverager(const Model& model) {
+  (void)model;
+  throw NotImplemented("lab2::FlatGradientAverager::FlatGradientAverager");
+}
+
+FlatGradientAverager::~FlatGradientAverager() = default;
 
 void FlatGradientAverager::average(Model& model, Communicator& comm) {
-  if (buffer_.size() != model.num_trainable_parameters())
-    throw Error(fmt::format(
-        "FlatGradientAverager: the buffer holds {} elements but the model has {} trainable "
-        "ones; make the averager after freezing parameters",
-        buffer_.size(), model.num_trainable_parameters()));
   (void)model;
   (void)comm;
   throw NotImplemented("lab2::FlatGradientAverager::average");

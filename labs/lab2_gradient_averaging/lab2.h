@@ -1,5 +1,8 @@
 // lab2.h: lab 2, gradient averaging. The contract between your code and the grader: the
-// interfaces you implement, the invariants they must keep, and how each is checked.
+// interfaces you implement, the arithmetic that fixes the bits, and the budgets a design
+// must meet. How it meets them (the order of issues and waits, where the division happens,
+// the layout of a buffer, what the averager keeps) is your design: the grader measures
+// what your code achieves, never the steps it takes.
 //
 // Each rank computes the gradient of the mean loss over its own B/N samples of the global
 // batch. Averaging those N gradients makes every replica take the step one process would
@@ -8,21 +11,27 @@
 // header: the grader is compiled against it.
 //
 // What every check holds you to:
-//   * Exact arithmetic. The averaged gradient of every trainable element is
+//   * The arithmetic. The averaged gradient of every trainable element is
 //     (g_0 + g_1 + ... + g_{N-1}) / N: the ranks' gradients added as `ReduceOp::kSum` adds
-//     them (in rank order), then divided by N: a division, rounded once, not a
-//     multiplication by 1/N. The grader emulates exactly this in one process and compares
-//     bitwise after every step, for drawn world sizes, models, batches and steps, with SGD
-//     and AdamW. Every replica therefore holds the same bits.
+//     them, then divided by N: a division, rounded once, not a multiplication by 1/N. The
+//     grader emulates exactly this in one process and compares bitwise after every step,
+//     for drawn world sizes, models, batches and steps, with SGD and AdamW. Every replica
+//     therefore holds the same bits.
 //   * The lesson. The result matches one process trained on the global batch within a
 //     float32 tolerance derived from measured reordering error (rubric.json).
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a call's result reaches your buffer only when its
-//     own `Work` is waited on.
-//   * Arithmetic with the runtime's operations (a rule, not graded here). Work on
-//     gradients and buffers through tensor views and dp/tensor_ops.h (copy, divide, ...),
-//     not loops over raw memory: the simulated clock then sees the work's cost, and the same
-//     code will run on a GPU, where a loop over a device tensor's memory cannot.
+//     own `Work` is waited on, and a buffer changed while its call is in flight is reported.
+//   * The same code on a device. The checks run on the host and on an emulated device,
+//     whose memory the host accessors (`.span()`, `.data()`) refuse: work on gradients and
+//     buffers through tensor views, `dp/tensor_ops.h` and the communicator.
+//
+// The budgets below use: N ranks; P_t trainable parameters (frozen ones excluded) of n_1 ...
+// n_{P_t} elements, T = n_1 + ... + n_{P_t} in all; ring(b) = 2 (N-1)/N b, the bytes a ring
+// all-reduce of b bytes sends from each rank (as the communicator counts it; 0 when N = 1).
+// Calls and bytes are read from the communicator's own counters, memory from the rank's
+// `MemoryTracker` category by category, heap blocks from a count of operator new (and the
+// malloc family) on the calling thread. Lab code can change none of them.
 //
 // Example (one data-parallel step):
 //
@@ -34,6 +43,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <span>
 
 #include "dp/clock.h"
@@ -45,71 +55,92 @@
 
 namespace dp::lab2 {
 
-/// Replaces every trainable gradient of `model` by its average over all ranks (the exact
-/// arithmetic above), with one all-reduce per trainable parameter.
+/// Replaces every trainable gradient of `model` by its average over all ranks (the
+/// arithmetic above), in place in `Parameter::grad`: the baseline the flat buffer is
+/// measured against.
 ///
-/// Also checked: frozen parameters are not communicated and keep their gradients; exactly
-/// one all-reduce per trainable parameter per call, of that parameter's elements (the
-/// communicator's own counters, which lab code cannot change).
+/// Budget of one call, on every rank: P_t all-reduces, one per trainable parameter, of
+/// ring(4 n_i) bytes each, and no other call; frozen parameters are not sent and keep their
+/// gradients; no memory allocated (no tensor, every category of the `MemoryTracker` as it
+/// was).
 void average_gradients(Model& model, Communicator& comm);
 
-/// Averages every trainable gradient with a single all-reduce over one flat buffer.
+/// Averages every trainable gradient with a single collective call per step, through
+/// memory made once, at construction: many small all-reduces each pay the network's
+/// latency, one pays it once. Freeze parameters before constructing it.
 ///
-/// Many small all-reduces each pay the network's latency; one large one pays it once.
+/// Budgets, on every rank:
+///   * Memory: the constructor leaves exactly 4 T bytes of communication memory
+///     (`MemoryCategory::kCommunication`) and nothing in any other category; `average`
+///     leaves every category as it found it and allocates nothing: no tensor, and no heap
+///     block beyond what one communicator call and its wait take.
+///   * Communication per `average`: one call, an all-reduce of ring(4 T) bytes (every
+///     trainable element once, nothing of frozen parameters), and nothing else.
 class FlatGradientAverager {
  public:
-  /// Allocates the flat buffer for `model`'s trainable parameters (frozen ones excluded):
-  /// one element per trainable element, charged as communication memory
-  /// (`MemoryCategory::kCommunication`). Checked category by category on the rank's
-  /// `MemoryTracker`: the constructor adds 4 bytes per trainable element of communication
-  /// memory and nothing in any other category.
+  /// Prepares the averaging of `model`'s trainable gradients (within the memory budget).
   explicit FlatGradientAverager(const Model& model);
+  /// Releases what the constructor made.
+  ~FlatGradientAverager();
+  FlatGradientAverager(const FlatGradientAverager&) = delete;
+  FlatGradientAverager& operator=(const FlatGradientAverager&) = delete;
 
-  /// Replaces every trainable gradient by its average over all ranks (the exact arithmetic
-  /// above), through the buffer: afterwards `buffer()` holds the averaged trainable
-  /// gradients, one after another in definition order. Checked besides: exactly one
-  /// collective call per call, an all-reduce of every trainable element and nothing else;
-  /// and no allocation at all once constructed: no tensor (the rank's `MemoryTracker`) and
-  /// no heap memory (a count of operator new on the calling thread), whatever the step.
+  /// Replaces every trainable gradient of `model` (the model it was made for) by its
+  /// average over all ranks (the arithmetic above), within the budgets.
   void average(Model& model, Communicator& comm);
 
-  /// The flat buffer: (number of trainable parameter elements).
-  const Tensor& buffer() const { return buffer_; }
-
  private:
-  Tensor buffer_;
+  struct State;  // yours: defined in average.cpp
+  std::unique_ptr<State> state_;
 };
 
 /// One optimizer step with gradient accumulation over k = `micro_batches.size()`
 /// micro-batches (this rank's share of the global batch, cut in k equal parts), as
 /// PyTorch's `no_sync()` does it.
 ///
-/// Checked, for drawn k from 1 to 6: `optimizer` steps exactly once, from gradients that
-/// are bitwise what `average_gradients` makes of each rank's G_r, where G_r is what
-/// `Model::backward` accumulates from zeroed gradients over the k micro-batches in order,
-/// each with `loss_scale` = 1.0f / k; the step communicates exactly what one
-/// `average_gradients` does, whatever k; the return value is the mean of the k losses
-/// `Model::backward` returned (within 1e-6, relative). Throws `dp::Error` when there are
-/// no micro-batches.
+/// The arithmetic (checked bitwise, for drawn k from 1 to 6): `optimizer` steps exactly
+/// once, from gradients that are bitwise what `average_gradients` makes of each rank's
+/// G_r, where G_r is what `Model::backward` accumulates from zeroed gradients over the k
+/// micro-batches in order, each with `loss_scale` = 1.0f / k. Returns the mean of the k
+/// losses `Model::backward` returned (within 1e-6, relative). Throws `dp::Error` when
+/// there are no micro-batches.
+///
+/// Budget of one call, on every rank, whatever k: what one `average_gradients` sends
+/// (P_t all-reduces of ring(4 n_i) bytes each) and no other call.
 float accumulation_step(Model& model, Optimizer& optimizer, std::span<const Batch> micro_batches,
                         Communicator& comm);
 
-/// Design question, graded against the simulated network: the seconds of communication
-/// that `FlatGradientAverager` saves per step against `average_gradients`, for trainable
-/// gradients of `parameter_bytes` bytes each (one entry per parameter) on `world_size`
-/// ranks over a network whose every link is `link` (latency `alpha_seconds`, bandwidth
-/// `bytes_per_second` per direction).
+/// Design question 1, graded against the simulated clock: the seconds of communication
+/// that one all-reduce over all trainable gradients saves per step against one all-reduce
+/// per gradient, for trainable gradients of `parameter_bytes` bytes each (one entry per
+/// parameter) on `world_size` ranks over a network whose every link is `link` (latency
+/// `alpha_seconds`, bandwidth `bytes_per_second` per direction).
 ///
-/// Derive it from the cost model of the simulated network (dp/clock.h: each native
-/// collective, in the order issued, occupies every link for its algorithm's time). The
-/// grader draws world sizes, parameter sizes and networks, times both ways of averaging
-/// with native all-reduces on the simulated clock, and expects your prediction within
-/// 1e-6 relative (or 1e-12 s); it also asks about networks of up to 65536 ranks, too
-/// large to simulate, and compares with the cost model itself. The simulated networks
-/// always include 1 rank, 2 ranks, 5 to 7 ranks and a single parameter, where the near
-/// misses (N for N - 1, one round trip or a tree's latency per call, P calls saved for
-/// P - 1) give other answers.
+/// Derive it from the cost model of the simulated network (dp/clock.h). The grader draws
+/// world sizes, gradient sizes and networks, times both with native all-reduces on the
+/// simulated clock, and expects your prediction within 1e-6 relative (or 1e-12 s); it
+/// also asks about networks of up to 65536 ranks, too large to simulate, and compares with
+/// the cost model itself.
 double predicted_flat_saving_seconds(std::span<const std::size_t> parameter_bytes, int world_size,
                                      const LinkModel& link);
+
+/// Design question 2, graded against the simulated clock: the total size S, in bytes, of
+/// `parameters` trainable gradients above which the flat buffer's copies cost more than
+/// the latency it saves, on `world_size` ranks over a network whose every link is `link`,
+/// with devices that compute as `device` (dp/clock.h). The two ways compared, each timed
+/// on every rank from the same instant until every result is in the gradients:
+///   one call per gradient   the gradients all-reduced (`ReduceOp::kSum`) in place, one
+///                           call each, all issued, then all waited on;
+///   flat                    each gradient copied into one buffer of S bytes (one
+///                           `dp::copy` per gradient), one all-reduce of the buffer, waited
+///                           on, then each gradient copied back (one `dp::copy` each).
+/// Neither divides. Returns 0 when the flat buffer is faster at no size at all.
+///
+/// The grader draws world sizes, numbers of gradients, fabrics (the presets and others) and
+/// devices, times both ways on the simulated clock at several sizes, finds where the flat
+/// buffer's time crosses the other's, and expects your size within 1e-6 relative (or 1
+/// byte).
+double flat_buffer_break_even_bytes(std::size_t parameters, int world_size, const LinkModel& link,
+                                    const DeviceModel& device);
 
 }  // namespace dp::lab2
