@@ -12,6 +12,15 @@
 //     sums added as a tree, not in index order; the double result then rounds to the same
 //     float but for the rare value at a rounding boundary), and the exponentials.
 //
+// Column sums (the bias gradient, dgamma, dbeta) give each block a tile of 32 columns, one
+// warp: a (1024, 4096) gradient is then 128 blocks, about one per multiprocessor of an
+// H100, instead of 16 blocks of 256 columns that left most of the GPU idle. A thread still
+// adds its column's rows in order (bitwise the host), but it issues the loads of 8 rows
+// before adding them, so that each warp keeps 8 reads in flight whatever the compiler
+// makes of a plain loop: the sum is latency-bound, and reads in flight hide the latency.
+// Splitting the rows between threads would be faster still, but the sums would no longer
+// be the host's.
+//
 // Row-wise operations (LayerNorm, softmax) give one block to each row: its threads stride
 // over the row's columns and add their partial sums with block_sum. The widths of the labs'
 // models are a few hundred to a few thousand columns, so one block per row is enough work.
@@ -37,6 +46,14 @@ int grid_for(std::size_t n) {
   return blocks_for(n, kMaxBlocks);
 }
 
+constexpr int kColumnTile = 32;   // columns (threads) per block of a column sum: one warp
+constexpr int kRowsInFlight = 8;  // rows a column sum loads before it adds them, in order
+
+/// Blocks of kColumnTile threads for `cols` columns.
+int column_tiles(std::int64_t cols) {
+  return static_cast<int>((cols + kColumnTile - 1) / kColumnTile);
+}
+
 // --- Linear -------------------------------------------------------------------------------
 
 __global__ void broadcast_rows_kernel(const float* row, float* out, std::int64_t rows,
@@ -48,13 +65,22 @@ __global__ void broadcast_rows_kernel(const float* row, float* out, std::int64_t
 }
 
 /// Thread j adds column j over the rows in order, then adds the sum into sums[j]. Adjacent
-/// threads read adjacent columns, so each row is read in coalesced pieces.
-__global__ void add_column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols,
-                                       float* sums) {
+/// threads read adjacent columns, so each row is read in coalesced pieces; the loads of
+/// kRowsInFlight rows are issued before their additions (see the top).
+__global__ void add_column_sums_kernel(const float* __restrict__ x, std::int64_t rows,
+                                       std::int64_t cols, float* __restrict__ sums) {
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= cols) return;
   float sum = 0.0f;
-  for (std::int64_t r = 0; r < rows; ++r) sum = __fadd_rn(sum, x[r * cols + j]);
+  std::int64_t r = 0;
+  for (; r + kRowsInFlight <= rows; r += kRowsInFlight) {
+    float value[kRowsInFlight];
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) value[k] = x[(r + k) * cols + j];
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) sum = __fadd_rn(sum, value[k]);
+  }
+  for (; r < rows; ++r) sum = __fadd_rn(sum, x[r * cols + j]);
   sums[j] = __fadd_rn(sums[j], sum);
 }
 
@@ -149,15 +175,31 @@ __global__ void layer_norm_backward_dx_kernel(const float* dy, const float* xhat
 }
 
 /// dgamma[j] += sum over rows of dy * xhat, dbeta[j] += sum over rows of dy: thread j adds
-/// column j in row order, as the host does (either output may be nullptr).
-__global__ void layer_norm_backward_params_kernel(const float* dy, const float* xhat,
-                                                  std::int64_t rows, std::int64_t width,
-                                                  float* dgamma, float* dbeta) {
+/// column j in row order, as the host does (either output may be nullptr), loading
+/// kRowsInFlight rows before adding them (see the top).
+__global__ void layer_norm_backward_params_kernel(const float* __restrict__ dy,
+                                                  const float* __restrict__ xhat, std::int64_t rows,
+                                                  std::int64_t width, float* dgamma, float* dbeta) {
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= width) return;
   float sum_dy_xhat = 0.0f;
   float sum_dy = 0.0f;
-  for (std::int64_t r = 0; r < rows; ++r) {
+  std::int64_t r = 0;
+  for (; r + kRowsInFlight <= rows; r += kRowsInFlight) {
+    float d[kRowsInFlight];
+    float h[kRowsInFlight];
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) {
+      d[k] = dy[(r + k) * width + j];
+      h[k] = xhat[(r + k) * width + j];
+    }
+#pragma unroll
+    for (int k = 0; k < kRowsInFlight; ++k) {
+      sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d[k], h[k]));
+      sum_dy = __fadd_rn(sum_dy, d[k]);
+    }
+  }
+  for (; r < rows; ++r) {
     const float d = dy[r * width + j];
     sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d, xhat[r * width + j]));
     sum_dy = __fadd_rn(sum_dy, d);
@@ -244,8 +286,7 @@ void broadcast_rows(const float* row, float* out, std::int64_t rows, std::int64_
 
 void add_column_sums(const float* x, std::int64_t rows, std::int64_t cols, float* sums) {
   if (cols == 0) return;
-  const int blocks = static_cast<int>((cols + kThreads - 1) / kThreads);
-  add_column_sums_kernel<<<blocks, kThreads, 0, compute()>>>(x, rows, cols, sums);
+  add_column_sums_kernel<<<column_tiles(cols), kColumnTile, 0, compute()>>>(x, rows, cols, sums);
   check_launch("add_column_sums");
 }
 
@@ -289,9 +330,8 @@ void layer_norm_backward(const float* dy, const float* xhat, const float* inv_st
       dy, xhat, inv_std, gamma, width, dx);
   check_launch("layer norm backward (dx)");
   if (dgamma == nullptr && dbeta == nullptr) return;
-  const int blocks = static_cast<int>((width + kThreads - 1) / kThreads);
-  layer_norm_backward_params_kernel<<<blocks, kThreads, 0, compute()>>>(dy, xhat, rows, width,
-                                                                        dgamma, dbeta);
+  layer_norm_backward_params_kernel<<<column_tiles(width), kColumnTile, 0, compute()>>>(
+      dy, xhat, rows, width, dgamma, dbeta);
   check_launch("layer norm backward (dgamma, dbeta)");
 }
 
