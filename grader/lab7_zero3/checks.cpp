@@ -901,8 +901,8 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
             // the backend's bookkeeping): the hooks may take that much per call they make.
             const grading::HeapUse call_start = grading::heap_use_of_this_thread();
             {
-              Tensor chunk({1}, MemoryCategory::kOther, model.device());
-              Tensor full({world}, MemoryCategory::kOther, model.device());
+              Tensor chunk({1}, MemoryCategory::kOther, grading::check_device());
+              Tensor full({world}, MemoryCategory::kOther, grading::check_device());
               comm.allgather(std::as_const(chunk).view(), full.view())->wait();
             }
             const grading::HeapUse one_call = grading::heap_use_of_this_thread().since(call_start);

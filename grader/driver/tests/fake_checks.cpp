@@ -61,6 +61,19 @@ int rank() {
   return fake_rank_in(environ);
 }
 
+/// Starts `sleep 300`, named `marker`, as a daemon: the new session leaves the check
+/// program's process group and the second fork leaves its parentage, so the grandchild is
+/// an orphan that neither a group kill nor a wait reaches.
+void start_orphaned_sleep(const char* marker) {
+  const pid_t child = fork();
+  if (child == 0) {
+    setsid();
+    if (fork() == 0) execlp("sleep", marker, "300", static_cast<char*>(nullptr));
+    _exit(0);
+  }
+  waitpid(child, nullptr, 0);
+}
+
 TEST(FakeChecks, Passes) {
   EXPECT_EQ(2 + 2, 4);
 }
@@ -187,15 +200,7 @@ TEST(FakeOrder, Second) {
   if (how == "orphan") {
     const char* marker = std::getenv("FAKE_CHECKS_MARKER");
     ASSERT_NE(marker, nullptr);
-    const pid_t child = fork();
-    if (child == 0) {
-      // A new session leaves the check program's process group; the second fork leaves its
-      // parentage: the grandchild is an orphan that neither a group kill nor a wait reaches.
-      setsid();
-      if (fork() == 0) execlp("sleep", marker, "300", static_cast<char*>(nullptr));
-      _exit(0);
-    }
-    waitpid(child, nullptr, 0);
+    start_orphaned_sleep(marker);
   }
   if (how == "stubborn") {
     // Ignores SIGTERM, and so do the two sleeps it starts (an ignored signal stays ignored
@@ -207,13 +212,7 @@ TEST(FakeOrder, Second) {
       execlp("sleep", marker, "300", static_cast<char*>(nullptr));
       _exit(127);
     }
-    const pid_t child = fork();
-    if (child == 0) {
-      setsid();
-      if (fork() == 0) execlp("sleep", marker, "300", static_cast<char*>(nullptr));
-      _exit(0);
-    }
-    waitpid(child, nullptr, 0);
+    start_orphaned_sleep(marker);
     std::puts("fake_checks: stubborn, with a child and a daemon that ignore SIGTERM");
     std::fflush(stdout);
     while (true) std::this_thread::sleep_for(std::chrono::seconds(1));
