@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -111,6 +112,35 @@ TEST_F(EmulatedNccl, IsTheNcclBackendAndRefusesHostBuffersWithItsMessage) {
     });
   });
   EXPECT_TRUE(contains(send, "isend on the nccl backend: expected a buffer in")) << send;
+}
+
+/// The messages of the argument errors of every call on `backend`, with device buffers.
+std::vector<std::string> argument_errors_on(Backend backend) {
+  std::vector<std::string> messages;
+  launch({.world_size = 2, .backend = backend}, [&](Communicator& comm) {
+    Tensor in({10}, MemoryCategory::kCommunication, Device::kCuda);
+    Tensor out({4}, MemoryCategory::kCommunication, Device::kCuda);
+    const std::vector<std::function<void()>> calls = {
+        [&] { comm.reduce_scatter(in.view(), out.view(), ReduceOp::kSum); },
+        [&] { comm.allgather(out.view(), in.view()); },
+        [&] { comm.isend(in.view(), 2, 0); },
+        [&] { comm.irecv(in.view(), -1, 0); },
+        [&] { comm.broadcast(in.view(), 5); },
+    };
+    std::vector<std::string> mine;
+    for (const auto& call : calls) mine.push_back(message_of<Error>(call));
+    if (comm.rank() == 0) messages = mine;
+  });
+  return messages;
+}
+
+TEST_F(EmulatedNccl, ArgumentErrorsReadAsOnTheLocalBackend) {
+  const std::vector<std::string> nccl = argument_errors_on(Backend::kNccl);
+  EXPECT_EQ(nccl, argument_errors_on(Backend::kLocal));
+  ASSERT_EQ(nccl.size(), 5u);
+  EXPECT_TRUE(contains(nccl[0], "reduce_scatter: expected the input to hold size() x output"))
+      << nccl[0];
+  EXPECT_TRUE(contains(nccl[4], "broadcast root: peer 5 is out of range")) << nccl[4];
 }
 
 TEST_F(EmulatedNccl, TwoRankSumsAndAveragesAreBitwiseTheLocalBackends) {

@@ -1,10 +1,15 @@
-// buffer_checks.h (internal): the devices a backend accepts for its buffers.
+// argument_checks.h (internal): the checks every backend makes of a call's arguments.
 //
-// Each backend calls `require_device` for every buffer of every call before it records the
-// call, so a buffer on a device it cannot reach fails at once, on the rank that passed it,
-// with a message naming the call, the backend and both devices:
+// A backend calls these before it records a call, so a bad argument fails at once, on the
+// rank that passed it, with the same message on every backend: a student who moves from
+// `local` to `mpi` or `nccl` reads the same sentence for the same mistake.
 //
 //   detail::require_device(data.device, Device::kHost, "mpi", "allreduce");
+//   detail::require_reducible(in, "reduce_scatter");
+//   detail::require_reduce_scatter_sizes(in, out, size());
+//
+// What only one backend can check (MPI's tag bound, the GPU a buffer lives on) stays in that
+// backend.
 #pragma once
 
 #include <string_view>
@@ -19,5 +24,20 @@ void require_device(Device seen, Device accepted, std::string_view backend, std:
 
 /// Throws `dp::Error` unless `in` and `out` of one call live on the same device.
 void require_same_device(ConstBuffer in, MutableBuffer out, std::string_view call);
+
+/// Throws `dp::Error` unless `0 <= peer < world_size`; `call` names the argument too, as in
+/// "broadcast root".
+void require_peer_in_range(int peer, int world_size, std::string_view call);
+
+/// Throws `dp::Error` unless `buffer`'s elements can be summed: float32 or int32, not uint8.
+void require_reducible(ConstBuffer buffer, std::string_view call);
+
+/// Throws `dp::Error` unless a reduce-scatter's input holds `world_size` times its output's
+/// elements, of the output's type.
+void require_reduce_scatter_sizes(ConstBuffer in, MutableBuffer out, int world_size);
+
+/// Throws `dp::Error` unless an all-gather's output holds `world_size` times its input's
+/// elements, of the input's type.
+void require_allgather_sizes(ConstBuffer in, MutableBuffer out, int world_size);
 
 }  // namespace dp::detail

@@ -1,6 +1,6 @@
 #include "dp/comm.h"
 
-#include "comm/buffer_checks.h"
+#include "comm/argument_checks.h"
 #include "dp/error.h"
 
 namespace dp {
@@ -118,6 +118,34 @@ void require_same_device(ConstBuffer in, MutableBuffer out, std::string_view cal
       fmt::format("{}: expected the input and the output on one device, got the input "
                   "in {} memory and the output in {} memory",
                   call, to_string(in.device), to_string(out.device)));
+}
+
+void require_peer_in_range(int peer, int world_size, std::string_view call) {
+  if (peer >= 0 && peer < world_size) return;
+  throw Error(
+      fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, world_size));
+}
+
+void require_reducible(ConstBuffer buffer, std::string_view call) {
+  if (buffer.type != DataType::kUInt8) return;
+  throw Error(fmt::format("{}: cannot reduce {} elements; expected float32 or int32", call,
+                          to_string(buffer.type)));
+}
+
+void require_reduce_scatter_sizes(ConstBuffer in, MutableBuffer out, int world_size) {
+  const std::size_t expected = out.count * static_cast<std::size_t>(world_size);
+  if (in.type == out.type && in.count == expected) return;
+  throw Error(fmt::format(
+      "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} {}",
+      world_size, out.count, expected, to_string(out.type), in.count, to_string(in.type)));
+}
+
+void require_allgather_sizes(ConstBuffer in, MutableBuffer out, int world_size) {
+  const std::size_t expected = in.count * static_cast<std::size_t>(world_size);
+  if (in.type == out.type && out.count == expected) return;
+  throw Error(fmt::format(
+      "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
+      world_size, in.count, expected, to_string(in.type), out.count, to_string(out.type)));
 }
 
 }  // namespace detail

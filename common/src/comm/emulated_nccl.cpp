@@ -87,8 +87,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/argument_checks.h"
 #include "comm/backends.h"
-#include "comm/buffer_checks.h"
 #include "comm/call_log.h"
 #include "comm/ring_counts.h"
 #include "dp/error.h"
@@ -559,7 +559,7 @@ class EmulatedNcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
     check_buffer(data, "allreduce");
-    check_reducible(data, "allreduce");
+    require_reducible(data, "allreduce");
     return collective({.op = CommOp::kAllReduce,
                        .count = data.count,
                        .type = data.type,
@@ -571,13 +571,8 @@ class EmulatedNcclCommunicator final : public Communicator {
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
     check_buffer(in, "reduce_scatter");
     check_buffer(out, "reduce_scatter");
-    check_reducible(in, "reduce_scatter");
-    if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size()))
-      throw Error(fmt::format(
-          "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got "
-          "{} {}",
-          size(), out.count, out.count * static_cast<std::size_t>(size()), to_string(out.type),
-          in.count, to_string(in.type)));
+    require_reducible(in, "reduce_scatter");
+    require_reduce_scatter_sizes(in, out, size());
     return collective({.op = CommOp::kReduceScatter,
                        .count = in.count,
                        .type = in.type,
@@ -589,11 +584,7 @@ class EmulatedNcclCommunicator final : public Communicator {
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
     check_buffer(in, "allgather");
     check_buffer(out, "allgather");
-    if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size()))
-      throw Error(fmt::format(
-          "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
-          size(), in.count, in.count * static_cast<std::size_t>(size()), to_string(in.type),
-          out.count, to_string(out.type)));
+    require_allgather_sizes(in, out, size());
     return collective(
         {.op = CommOp::kAllGather, .count = in.count, .type = in.type, .device = in.device}, in,
         out);
@@ -601,7 +592,7 @@ class EmulatedNcclCommunicator final : public Communicator {
 
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
     check_buffer(data, "broadcast");
-    check_peer(root, "broadcast root");
+    require_peer_in_range(root, size(), "broadcast root");
     return collective({.op = CommOp::kBroadcast,
                        .count = data.count,
                        .type = data.type,
@@ -649,20 +640,11 @@ class EmulatedNcclCommunicator final : public Communicator {
   void check_buffer(ConstBuffer data, std::string_view call) const {
     require_device(data.device, Device::kCuda, "nccl", call);
   }
-  void check_peer(int peer, std::string_view call) const {
-    if (peer < 0 || peer >= size())
-      throw Error(
-          fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size()));
-  }
-  static void check_reducible(ConstBuffer data, std::string_view call) {
-    if (data.type == DataType::kUInt8)
-      throw Error(fmt::format("{}: cannot reduce uint8 elements; expected float32 or int32", call));
-  }
 
   std::unique_ptr<Work> hold(CommOp op, MutableBuffer data, int peer, int tag) {
     const bool send = op == CommOp::kSend;
     check_buffer(data, send ? "isend" : "irecv");
-    check_peer(peer, send ? "isend" : "irecv");
+    require_peer_in_range(peer, size(), send ? "isend" : "irecv");
     std::shared_ptr<EmulatedCall> call = world_.begin(rank(), {.op = op,
                                                                .count = data.count,
                                                                .type = data.type,

@@ -34,18 +34,6 @@ int LocalCommunicator::size() const {
   return world_.size();
 }
 
-void check_peer(int peer, int size, std::string_view call) {
-  if (peer < 0 || peer >= size)
-    throw Error(
-        fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size));
-}
-
-void check_reducible(ConstBuffer buffer, std::string_view call) {
-  if (buffer.type == DataType::kUInt8)
-    throw Error(fmt::format("{}: cannot reduce {} elements; expected float32 or int32", call,
-                            to_string(buffer.type)));
-}
-
 std::shared_ptr<Operation> make_operation(CommOp op, int rank) {
   auto operation = std::make_shared<Operation>();
   operation->op = op;
@@ -55,7 +43,7 @@ std::shared_ptr<Operation> make_operation(CommOp op, int rank) {
 }
 
 std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int tag) {
-  check_peer(peer, size(), "isend");
+  require_peer_in_range(peer, size(), "isend");
   auto operation = make_operation(CommOp::kSend, rank_);
   operation->input = data;
   operation->gate = DeviceGate::at_issue(data, {});
@@ -68,7 +56,7 @@ std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int t
 }
 
 std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int tag) {
-  check_peer(peer, size(), "irecv");
+  require_peer_in_range(peer, size(), "irecv");
   auto operation = make_operation(CommOp::kRecv, rank_);
   operation->output = data;
   operation->gate = DeviceGate::at_issue({}, data);
@@ -81,7 +69,7 @@ std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int
 }
 
 std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
-  check_reducible(data, "allreduce");
+  require_reducible(data, "allreduce");
   auto operation = make_operation(CommOp::kAllReduce, rank_);
   operation->input = data;
   operation->output = data;
@@ -96,14 +84,9 @@ std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp 
 
 std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableBuffer out,
                                                         ReduceOp op) {
-  check_reducible(in, "reduce_scatter");
+  require_reducible(in, "reduce_scatter");
   require_same_device(in, out, "reduce_scatter");
-  if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size()))
-    throw Error(fmt::format(
-        "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} "
-        "{}",
-        size(), out.count, out.count * static_cast<std::size_t>(size()), to_string(out.type),
-        in.count, to_string(in.type)));
+  require_reduce_scatter_sizes(in, out, size());
   auto operation = make_operation(CommOp::kReduceScatter, rank_);
   operation->input = in;
   operation->output = out;
@@ -118,11 +101,7 @@ std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableB
 
 std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
   require_same_device(in, out, "allgather");
-  if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size()))
-    throw Error(fmt::format(
-        "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}",
-        size(), in.count, in.count * static_cast<std::size_t>(size()), to_string(in.type),
-        out.count, to_string(out.type)));
+  require_allgather_sizes(in, out, size());
   auto operation = make_operation(CommOp::kAllGather, rank_);
   operation->input = in;
   operation->output = out;
@@ -134,7 +113,7 @@ std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer
 }
 
 std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root) {
-  check_peer(root, size(), "broadcast root");
+  require_peer_in_range(root, size(), "broadcast root");
   auto operation = make_operation(CommOp::kBroadcast, rank_);
   operation->input = data;
   operation->output = data;

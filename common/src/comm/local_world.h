@@ -86,7 +86,7 @@
 #include <tuple>
 #include <vector>
 
-#include "comm/buffer_checks.h"
+#include "comm/argument_checks.h"
 #include "comm/call_log.h"
 #include "comm/local_device.h"
 #include "comm/virtual_network.h"

@@ -37,12 +37,6 @@ MpiCommunicator::~MpiCommunicator() {
     MPI_Comm_free(comm);
 }
 
-void MpiCommunicator::check_peer(int peer, std::string_view call) const {
-  if (peer < 0 || peer >= size_)
-    throw Error(
-        fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size_));
-}
-
 void MpiCommunicator::check_tag(int tag, std::string_view call) const {
   const int upper_bound = MpiProcess::get().tag_upper_bound();
   if (tag < 0 || tag > upper_bound)

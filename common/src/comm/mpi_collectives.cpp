@@ -28,19 +28,13 @@ bool overlaps(ConstBuffer in, MutableBuffer out) {
          out_begin < in_begin + in.bytes();
 }
 
-void check_reducible(ConstBuffer buffer, std::string_view call) {
-  if (buffer.type == DataType::kUInt8)
-    throw Error(fmt::format("{}: cannot reduce {} elements; expected float32 or int32", call,
-                            to_string(buffer.type)));
-}
-
 }  // namespace
 
 // --- Collectives -------------------------------------------------------------------------
 
 std::unique_ptr<Work> MpiCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
   require_device(data.device, Device::kHost, "mpi", "allreduce");
-  check_reducible(data, "allreduce");
+  require_reducible(data, "allreduce");
   mpi_count(data.count, "allreduce");
   CallRecord record{.op = CommOp::kAllReduce, .count = data.count, .type = data.type, .reduce = op};
   return std::make_unique<CollectiveWork>(*this, post(record, data, data));
@@ -50,13 +44,8 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter(ConstBuffer in, MutableBuf
                                                       ReduceOp op) {
   require_device(in.device, Device::kHost, "mpi", "reduce_scatter");
   require_device(out.device, Device::kHost, "mpi", "reduce_scatter");
-  check_reducible(in, "reduce_scatter");
-  if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size_))
-    throw Error(fmt::format(
-        "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} "
-        "{}",
-        size_, out.count, out.count * static_cast<std::size_t>(size_), to_string(out.type),
-        in.count, to_string(in.type)));
+  require_reducible(in, "reduce_scatter");
+  require_reduce_scatter_sizes(in, out, size_);
   mpi_count(out.count, "reduce_scatter");
   CallRecord record{.op = CommOp::kReduceScatter, .count = in.count, .type = in.type, .reduce = op};
   return std::make_unique<CollectiveWork>(*this, post(record, in, out));
@@ -65,11 +54,7 @@ std::unique_ptr<Work> MpiCommunicator::reduce_scatter(ConstBuffer in, MutableBuf
 std::unique_ptr<Work> MpiCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
   require_device(in.device, Device::kHost, "mpi", "allgather");
   require_device(out.device, Device::kHost, "mpi", "allgather");
-  if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size_))
-    throw Error(fmt::format(
-        "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}", size_,
-        in.count, in.count * static_cast<std::size_t>(size_), to_string(in.type), out.count,
-        to_string(out.type)));
+  require_allgather_sizes(in, out, size_);
   mpi_count(in.count, "allgather");
   CallRecord record{.op = CommOp::kAllGather, .count = in.count, .type = in.type};
   return std::make_unique<CollectiveWork>(*this, post(record, in, out));
@@ -77,7 +62,7 @@ std::unique_ptr<Work> MpiCommunicator::allgather(ConstBuffer in, MutableBuffer o
 
 std::unique_ptr<Work> MpiCommunicator::broadcast(MutableBuffer data, int root) {
   require_device(data.device, Device::kHost, "mpi", "broadcast");
-  check_peer(root, "broadcast root");
+  require_peer_in_range(root, size_, "broadcast root");
   mpi_count(data.count, "broadcast");
   CallRecord record{.op = CommOp::kBroadcast, .count = data.count, .type = data.type, .peer = root};
   return std::make_unique<CollectiveWork>(*this, post(record, data, data));

@@ -10,7 +10,7 @@ namespace dp::detail::mpi {
 
 std::unique_ptr<Work> MpiCommunicator::isend(ConstBuffer data, int peer, int tag) {
   require_device(data.device, Device::kHost, "mpi", "isend");
-  check_peer(peer, "isend");
+  require_peer_in_range(peer, size_, "isend");
   check_tag(tag, "isend");
   CallRecord record{
       .op = CommOp::kSend, .count = data.count, .type = data.type, .peer = peer, .tag = tag};
@@ -19,7 +19,7 @@ std::unique_ptr<Work> MpiCommunicator::isend(ConstBuffer data, int peer, int tag
 
 std::unique_ptr<Work> MpiCommunicator::irecv(MutableBuffer data, int peer, int tag) {
   require_device(data.device, Device::kHost, "mpi", "irecv");
-  check_peer(peer, "irecv");
+  require_peer_in_range(peer, size_, "irecv");
   check_tag(tag, "irecv");
   CallRecord record{
       .op = CommOp::kRecv, .count = data.count, .type = data.type, .peer = peer, .tag = tag};

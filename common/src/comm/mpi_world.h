@@ -91,7 +91,7 @@
 #include <vector>
 
 #include "comm/backends.h"
-#include "comm/buffer_checks.h"
+#include "comm/argument_checks.h"
 #include "comm/call_log.h"
 #include "comm/ring_counts.h"
 #include "dp/clock.h"
@@ -303,7 +303,6 @@ class MpiCommunicator final : public Communicator {
   [[noreturn]] void report_hang_and_abort(const std::string& headline);
   std::string timeout_headline(const CallRecord& call) const;
 
-  void check_peer(int peer, std::string_view call) const;
   void check_tag(int tag, std::string_view call) const;
 
   const CommOptions options_;

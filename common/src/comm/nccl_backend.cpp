@@ -70,8 +70,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/argument_checks.h"
 #include "comm/backends.h"
-#include "comm/buffer_checks.h"
 #include "comm/call_log.h"
 #include "comm/ring_counts.h"
 #include "cuda/comm_device.h"
@@ -219,9 +219,6 @@ class NcclCommunicator final : public Communicator {
  private:
   /// Checks `data` is device memory of this rank; names `call` otherwise.
   void check_buffer(ConstBuffer data, std::string_view call) const;
-  void check_peer(int peer, std::string_view call) const;
-  /// Throws dp::Error for elements NCCL should not reduce here (uint8, as the other backends).
-  static void check_reducible(ConstBuffer data, std::string_view call);
   /// After a sum on the stream: the average comm.h promises, the sum divided by size().
   void divide_if_average(MutableBuffer result, ReduceOp op);
   /// isend (op kSend) or irecv (kRecv): checks, counts and holds the message (see the top).
@@ -378,12 +375,6 @@ void NcclCommunicator::check_buffer(ConstBuffer data, std::string_view call) con
                     call, device_, device));
 }
 
-void NcclCommunicator::check_peer(int peer, std::string_view call) const {
-  if (peer < 0 || peer >= size_)
-    throw Error(
-        fmt::format("{}: peer {} is out of range: expected 0 <= peer < {}", call, peer, size_));
-}
-
 std::shared_ptr<NcclCall> NcclCommunicator::begin(CallRecord record) {
   throw_if_failed();
   auto call = std::make_shared<NcclCall>();
@@ -511,7 +502,7 @@ std::unique_ptr<Work> NcclCommunicator::hold_message(CommOp op, MutableBuffer da
   const bool send = op == CommOp::kSend;
   const std::string_view name = send ? "isend" : "irecv";
   check_buffer(data, name);
-  check_peer(peer, name);
+  require_peer_in_range(peer, size_, name);
   auto call = begin({.op = op,
                      .count = data.count,
                      .type = data.type,
@@ -535,11 +526,6 @@ std::unique_ptr<Work> NcclCommunicator::irecv(MutableBuffer data, int peer, int 
   return hold_message(CommOp::kRecv, data, peer, tag);
 }
 
-void NcclCommunicator::check_reducible(ConstBuffer data, std::string_view call) {
-  if (data.type == DataType::kUInt8)
-    throw Error(fmt::format("{}: cannot reduce uint8 elements; expected float32 or int32", call));
-}
-
 void NcclCommunicator::divide_if_average(MutableBuffer result, ReduceOp op) {
   if (op != ReduceOp::kAvg) return;
   cuda::comm_divide_on(
@@ -550,7 +536,7 @@ void NcclCommunicator::divide_if_average(MutableBuffer result, ReduceOp op) {
 
 std::unique_ptr<Work> NcclCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
   check_buffer(data, "allreduce");
-  check_reducible(data, "allreduce");
+  require_reducible(data, "allreduce");
   const CallRecord record{.op = CommOp::kAllReduce,
                           .count = data.count,
                           .type = data.type,
@@ -569,13 +555,8 @@ std::unique_ptr<Work> NcclCommunicator::reduce_scatter(ConstBuffer in, MutableBu
                                                        ReduceOp op) {
   check_buffer(in, "reduce_scatter");
   check_buffer(out, "reduce_scatter");
-  check_reducible(in, "reduce_scatter");
-  if (in.type != out.type || in.count != out.count * static_cast<std::size_t>(size_))
-    throw Error(fmt::format(
-        "reduce_scatter: expected the input to hold size() x output = {} x {} = {} {}, got {} "
-        "{}",
-        size_, out.count, out.count * static_cast<std::size_t>(size_), to_string(out.type),
-        in.count, to_string(in.type)));
+  require_reducible(in, "reduce_scatter");
+  require_reduce_scatter_sizes(in, out, size_);
   const CallRecord record{.op = CommOp::kReduceScatter,
                           .count = in.count,
                           .type = in.type,
@@ -593,11 +574,7 @@ std::unique_ptr<Work> NcclCommunicator::reduce_scatter(ConstBuffer in, MutableBu
 std::unique_ptr<Work> NcclCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
   check_buffer(in, "allgather");
   check_buffer(out, "allgather");
-  if (in.type != out.type || out.count != in.count * static_cast<std::size_t>(size_))
-    throw Error(fmt::format(
-        "allgather: expected the output to hold size() x input = {} x {} = {} {}, got {} {}", size_,
-        in.count, in.count * static_cast<std::size_t>(size_), to_string(in.type), out.count,
-        to_string(out.type)));
+  require_allgather_sizes(in, out, size_);
   const CallRecord record{
       .op = CommOp::kAllGather, .count = in.count, .type = in.type, .device = in.device};
   return collective(record, [&] {
@@ -609,7 +586,7 @@ std::unique_ptr<Work> NcclCommunicator::allgather(ConstBuffer in, MutableBuffer 
 
 std::unique_ptr<Work> NcclCommunicator::broadcast(MutableBuffer data, int root) {
   check_buffer(data, "broadcast");
-  check_peer(root, "broadcast root");
+  require_peer_in_range(root, size_, "broadcast root");
   const CallRecord record{.op = CommOp::kBroadcast,
                           .count = data.count,
                           .type = data.type,
