@@ -25,7 +25,7 @@
 namespace dp {
 namespace {
 
-using WallClock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
 
 /// Throws if any gradient holds a NaN or infinity, naming where it is.
 void check_gradients_finite(Model& model, int rank, int step, const char* when) {
@@ -174,7 +174,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
 
   const std::int64_t local_batch = options.global_batch / world;
   GlobalBatches batches(data.size(), options.global_batch, options.seed);
-  auto last_report_time = WallClock::now();
+  auto last_report_time = SteadyClock::now();
   int last_report_step = first_step;
   // After step `done`'s update: the checkpoint and the report that fall on it.
   const auto finish_step = [&](int done, const std::array<float, 2>& metrics) {
@@ -182,7 +182,7 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
         checkpointing.save && rank == 0)
       checkpointing.save(done, model, optimizer);
     if (done % options.log_every != 0 && done != options.steps) return;
-    const auto now = WallClock::now();
+    const auto now = SteadyClock::now();
     const double seconds = std::chrono::duration<double>(now - last_report_time).count();
     StepReport report;
     report.step = done;

@@ -199,7 +199,9 @@ std::string clang_query() {
       "tools/install-deps installs it");
 }
 
-std::string read_file(const fs::path& file) {
+/// The bytes of `file`, or "" when it cannot be read: unlike lab_audit.cpp's reader this one
+/// does not throw, since a source clang cannot read becomes clang's own finding.
+std::string contents_or_empty(const fs::path& file) {
   std::ifstream in(file, std::ios::binary);
   std::ostringstream text;
   text << in.rdbuf();
@@ -228,11 +230,11 @@ std::string cache_key_material(const fs::path& source, const std::vector<std::st
       if (entry.is_regular_file() && entry.path().extension() == ".h")
         headers.insert(entry.path().lexically_relative(directory));
     for (const fs::path& header : headers) {
-      const std::string contents = read_file(directory / header);
+      const std::string contents = contents_or_empty(directory / header);
       material += fmt::format("{} {}\n{}\n", header.string(), contents.size(), contents);
     }
   }
-  material += "--\n" + read_file(source);
+  material += "--\n" + contents_or_empty(source);
   return material;
 }
 
@@ -371,7 +373,7 @@ std::vector<SourceFinding> audit_semantics(const std::filesystem::path& source,
   fs::remove(scratch, error);
   const fs::path cached = cache_dir / (key + ".findings");
   if (fs::is_regular_file(cached))
-    return deserialise(source.filename().string(), read_file(cached));
+    return deserialise(source.filename().string(), contents_or_empty(cached));
   std::vector<SourceFinding> findings = run_matchers(source, compile_args, refused_calls);
   // Written whole or not at all, as a concurrent grade may read it.
   const fs::path partial = cache_dir / fmt::format("{}.{}.partial", key, getpid());
