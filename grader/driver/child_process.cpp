@@ -240,9 +240,9 @@ std::set<int> child_pids() {
 }
 
 std::vector<int> kill_descendants(const std::set<int>& spared) {
-  using Clock = std::chrono::steady_clock;
+  using SteadyClock = std::chrono::steady_clock;
   const int self = getpid();
-  const Clock::time_point deadline = Clock::now() + std::chrono::seconds(1);
+  const SteadyClock::time_point deadline = SteadyClock::now() + std::chrono::seconds(1);
   while (true) {
     const std::vector<ProcessEntry> found = descendants(spared);
     if (found.empty()) return {};
@@ -252,7 +252,7 @@ std::vector<int> kill_descendants(const std::set<int>& spared) {
       if (entry.state != 'Z') kill(entry.pid, SIGKILL);
     for (const ProcessEntry& entry : found)
       if (entry.parent == self) waitpid(entry.pid, nullptr, WNOHANG);
-    if (Clock::now() >= deadline) {
+    if (SteadyClock::now() >= deadline) {
       std::vector<int> left;
       for (const ProcessEntry& entry : descendants(spared)) left.push_back(entry.pid);
       return left;

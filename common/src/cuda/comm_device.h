@@ -69,7 +69,8 @@ class DeviceScope {
   DeviceScope& operator=(const DeviceScope&) = delete;
 
  private:
-  int previous_ = -1;  // -1: nothing to restore
+  // -1: nothing to restore. A build without CUDA has nothing to restore ever.
+  [[maybe_unused]] int previous_ = -1;
 };
 
 /// The calling thread's communication stream on `device` (a cudaStream_t), created
