@@ -37,6 +37,7 @@
 #include "heap_use.h"
 #include "lab2.h"
 #include "memory_check.h"
+#include "recording.h"
 
 namespace dp::lab2 {
 namespace {
@@ -181,8 +182,32 @@ struct StepRecord {
   float loss = 0;                      // accumulation: the returned loss
   std::int64_t optimizer_steps = 0;    // accumulation: optimizer steps during the call
   grading::CategoryBytes constructed;  // flat: what its constructor added, per category
+  grading::HeapUse constructor_heap;   // flat: what its constructor took from the heap
   grading::CategoryBytes kept;         // what the synchronisation left allocated, per category
+  std::string misplaced_buffer;        // a call's buffer not on the model's device, or ""
+  std::size_t activation_growth = 0;   // accumulation: peak activation bytes above the start
+  std::size_t activation_budget = 0;   // ... and one micro-batch's forward and backward
 };
+
+/// Wraps `comm` for lab code: every call it issues is passed on, and `misplaced` becomes
+/// the description of the first call (since it was last cleared) whose input or output is
+/// not on `device`, the model's. The buffers' devices are read from the calls themselves,
+/// which lab code cannot change: a view has its tensor's device, and one of host memory
+/// (a std::vector's) says host (the audit refuses views built from pointers).
+void watch_buffer_devices(grading::RecordingCommunicator& recorder, Device device,
+                          std::string& misplaced) {
+  recorder.set_issue_callback([device, &misplaced](std::size_t, const grading::RecordedCall& call,
+                                                   ConstBuffer in, MutableBuffer out) {
+    if (!misplaced.empty()) return;
+    const auto off_device = [&](std::size_t count, Device where, const char* which) {
+      if (count == 0 || where == device) return false;
+      misplaced = fmt::format("the {} of {} is {} memory, the model's on {}", which,
+                              grading::describe(call), to_string(where), to_string(device));
+      return true;
+    };
+    if (!off_device(in.count, in.device, "input")) off_device(out.count, out.device, "output");
+  });
+}
 
 /// Trains on this rank with the student's per-parameter or flat averaging (the loop of the
 /// handout, run by the grader) and calls `after` after every step.
@@ -197,11 +222,18 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
   const MemoryTracker& tracker = this_rank_memory().tracker();
   std::optional<FlatGradientAverager> flat;
   grading::CategoryBytes constructed;
+  grading::HeapUse constructor_heap;
   if (sync == Sync::kFlat) {
     const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
+    const grading::HeapUse heap_before_constructor = grading::heap_use_of_this_thread();
     flat.emplace(model);
+    constructor_heap = grading::heap_use_of_this_thread().since(heap_before_constructor);
     constructed = grading::current_bytes(tracker) - before_constructor;
   }
+  // Lab code gets a communicator that notes where each call's buffers live.
+  grading::RecordingCommunicator recorder(comm);
+  std::string misplaced;
+  watch_buffer_devices(recorder, model.device(), misplaced);
   // A buffer like the flat one, for the baseline of what one all-reduce allocates.
   Tensor scratch({static_cast<std::int64_t>(model.num_trainable_parameters())},
                  MemoryCategory::kCommunication, model.device());
@@ -209,24 +241,29 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
     StepRecord record;
     record.step = step + 1;
     record.constructed = constructed;
+    record.constructor_heap = constructor_heap;
     const Batch batch = grading::local_batch(*setup.data, options, step, comm.rank(), comm.size());
     model.zero_grad();
     const Tensor logits = model.forward(batch.inputs.to(model.device()));  // (B/N, classes)
     model.backward(logits, batch.labels);
 
     if (sync == Sync::kFlat) {
+      // Through the recorder, as the lab's call goes: its bookkeeping is in the baseline.
       const grading::HeapUse baseline_start = grading::heap_use_of_this_thread();
-      comm.allreduce(scratch.view(), ReduceOp::kSum)->wait();
+      recorder.allreduce(scratch.view(), ReduceOp::kSum)->wait();
       record.heap_baseline = grading::heap_use_of_this_thread().since(baseline_start).bytes;
     }
+    recorder.forget_calls();
+    misplaced.clear();
     const CommCounters before = comm.counters();
     const std::size_t tensors_before = tracker.allocations_total();
     const grading::CategoryBytes held_before = grading::current_bytes(tracker);
     const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
     if (sync == Sync::kFlat)
-      flat->average(model, comm);
+      flat->average(model, recorder);
     else
-      average_gradients(model, comm);
+      average_gradients(model, recorder);
+    record.misplaced_buffer = misplaced;
     record.heap_bytes = grading::heap_use_of_this_thread().since(heap_before).bytes;
     record.tensor_allocations = tracker.allocations_total() - tensors_before;
     record.kept = grading::current_bytes(tracker) - held_before;
@@ -249,6 +286,27 @@ void run_accumulation(const DrawnSetup& setup, Communicator& comm,
   for (const std::string& name : setup.frozen) model.freeze(name);
   grading::RecordingOptimizer optimizer(grading::optimizer_for(options, model.num_parameters()),
                                         model.num_parameters());
+  grading::RecordingCommunicator recorder(comm);
+  std::string misplaced;
+  watch_buffer_devices(recorder, model.device(), misplaced);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  // The activation budget: what one forward and backward of one micro-batch takes, measured
+  // on a model of the same architecture that has run nothing yet (it holds no activations
+  // of an earlier pass), its input copied to the model's device as the grader's own loop
+  // does. A pass keeps its layers' inputs until the next forward replaces them, so passes
+  // one after another on equal micro-batches never hold more than one pass's worth.
+  std::size_t activation_budget = 0;
+  {
+    Model twin = make_model(options);
+    for (const std::string& name : setup.frozen) twin.freeze(name);
+    const std::vector<Batch> micro = grading::micro_batches(*setup.data, options, 0, comm.rank(),
+                                                            comm.size(), setup.micro_batches);
+    const std::size_t start = tracker.current(MemoryCategory::kActivations);
+    tracker.reset_peaks();
+    const Tensor logits = twin.forward(micro.front().inputs.to(twin.device()));
+    twin.backward(logits, micro.front().labels, 1.0f / static_cast<float>(setup.micro_batches));
+    activation_budget = tracker.peak(MemoryCategory::kActivations) - start;
+  }
   for (int step = 0; step < options.steps; ++step) {
     StepRecord record;
     record.step = step + 1;
@@ -256,8 +314,15 @@ void run_accumulation(const DrawnSetup& setup, Communicator& comm,
                                                             comm.size(), setup.micro_batches);
     record.before = model.flat_parameters();
     const std::int64_t steps_before = optimizer.steps();
+    recorder.forget_calls();
+    misplaced.clear();
     const CommCounters before = comm.counters();
-    record.loss = accumulation_step(model, optimizer, micro, comm);
+    const std::size_t activations_before = tracker.current(MemoryCategory::kActivations);
+    tracker.reset_peaks();
+    record.loss = accumulation_step(model, optimizer, micro, recorder);
+    record.activation_growth = tracker.peak(MemoryCategory::kActivations) - activations_before;
+    record.activation_budget = activation_budget;
+    record.misplaced_buffer = misplaced;
     record.during_sync = comm.counters().since(before);
     record.optimizer_steps = optimizer.steps() - steps_before;
     record.gradients = optimizer.last_gradients();
@@ -455,6 +520,11 @@ TEST(Lab2PerParameter, FrozenParametersStayAndAreNeverSent) {
                               record.step, c.total_calls(), c.of(CommOp::kAllReduce).calls,
                               c.total_bytes_sent(), trainable_sizes.size(), expected_bytes,
                               setup.frozen.size(), fmt::join(setup.frozen, ", ")));
+            if (!record.misplaced_buffer.empty())
+              verdict.fail(
+                  fmt::format("step {}: average_gradients: {}; expected every buffer "
+                              "where the model lives",
+                              record.step, record.misplaced_buffer));
             const std::string kept = grading::category_differences(record.kept, {});
             if (record.tensor_allocations != 0 || !kept.empty())
               verdict.fail(fmt::format(
@@ -508,18 +578,32 @@ TEST(Lab2Flat, OneCollectivePerStepOfTheTrainableGradients) {
                               "bytes)",
                               record.step, c.total_calls(), c.of(CommOp::kAllReduce).calls,
                               c.total_bytes_sent(), trainable, expected_bytes));
+            if (!record.misplaced_buffer.empty())
+              verdict.fail(fmt::format(
+                  "step {}: FlatGradientAverager::average: {}; expected the buffer where the "
+                  "model lives (on a GPU, host memory would go through the host or be refused)",
+                  record.step, record.misplaced_buffer));
             verdict.expect_empty(exact_step_finding(layout, record, emulated, world, 1),
                                  "compared bitwise with the emulated N-rank arithmetic");
           });
           if (verdict.passed())
             verdict.note(fmt::format(
-                "1 all-reduce of {} elements ({} bytes sent) per step, against {} "
-                "for one call per parameter",
+                "1 all-reduce of {} elements ({} bytes sent) per step, on the model's device, "
+                "against {} for one call per parameter",
                 trainable, expected_bytes, layout.parameters().size() - setup.frozen.size()));
         },
         draws);
   }
 }
+
+/// Heap bytes the FlatGradientAverager constructor may take per parameter of the model, for
+/// its bookkeeping (a slot per parameter: an index, an offset, a size): generous for any
+/// layout, and far below a buffer of the gradients (4 bytes an element, the graded models'
+/// smallest parameter has 10 elements and all of them together at least 5,370).
+constexpr std::uint64_t kConstructorBytesPerParameter = 512;
+/// Heap bytes the constructor may take whatever the model (the State itself, a vector's
+/// first growth).
+constexpr std::uint64_t kConstructorBytes = 2048;
 
 TEST(Lab2Flat, ReusesItsBufferAndAllocatesNothing) {
   // A little room for what one communicator call allocates beyond the measured baseline
@@ -549,6 +633,19 @@ TEST(Lab2Flat, ReusesItsBufferAndAllocatesNothing) {
                     "nothing in any other category",
                     differs, layout.num_trainable_parameters(),
                     buffer[MemoryCategory::kCommunication]));
+              // The tracker sees tensors only: a buffer in a std::vector or other heap memory
+              // would escape the budget, so the heap is bounded by what bookkeeping needs.
+              const std::uint64_t parameters = layout.parameters().size();
+              const std::uint64_t allowed =
+                  kConstructorBytesPerParameter * parameters + kConstructorBytes;
+              if (record.constructor_heap.bytes > allowed)
+                verdict.fail(fmt::format(
+                    "the FlatGradientAverager constructor took {} bytes from the heap "
+                    "(std::vector, new, ...); bookkeeping for {} parameters needs at most {} "
+                    "({} a parameter + {}): every buffer is a Tensor, so that the memory "
+                    "budget sees it",
+                    record.constructor_heap.bytes, parameters, allowed,
+                    kConstructorBytesPerParameter, kConstructorBytes));
             }
             const std::string kept = grading::category_differences(record.kept, {});
             if (!kept.empty())
@@ -572,8 +669,9 @@ TEST(Lab2Flat, ReusesItsBufferAndAllocatesNothing) {
           if (verdict.passed())
             verdict.note(fmt::format(
                 "the constructor allocated {} bytes of communication memory (4 bytes "
-                "per trainable element) and nothing else; average() left every category as it "
-                "was and allocated no tensor and no heap buffer at any step",
+                "per trainable element), nothing else, and no more heap than bookkeeping "
+                "takes; average() left every category as it was and allocated no tensor and "
+                "no heap buffer at any step",
                 buffer[MemoryCategory::kCommunication]));
         },
         draws);
@@ -643,13 +741,19 @@ TEST(Lab2Accumulation, ExactForAnyNumberOfMicroBatches) {
   }
 }
 
-TEST(Lab2Accumulation, CommunicatesOncePerStepWhateverK) {
-  Draws draws("Lab2Accumulation.CommunicatesOncePerStepWhateverK");
-  // k = 1 cannot tell one sync per step from one per micro-batch; frozen parameters, so that
-  // a synchronisation of its own that sends them too shows.
+/// Activation bytes an accumulation step may hold beyond one micro-batch's forward and
+/// backward (measured): room for a small tensor of its own. Joining the k micro-batches into
+/// one batch holds about k times one micro-batch's activations, at least one micro-batch's
+/// worth (k >= 2) too many.
+constexpr std::size_t kActivationSlackBytes = 256;
+
+TEST(Lab2Accumulation, SendsOnceAndHoldsOneMicroBatchWhateverK) {
+  Draws draws("Lab2Accumulation.SendsOnceAndHoldsOneMicroBatchWhateverK");
+  // k = 1 cannot tell one sync per step from one per micro-batch, nor k micro-batches from
+  // their concatenation; frozen parameters, so that a synchronisation of its own that sends
+  // them too shows.
   const DrawnSetup setup = at_least_two_micro_batches(draws, /*freeze=*/true);
   for (int world : draws.world_sizes()) {
-    if (world == 1) continue;  // one rank sends nothing: no count to tell
     const Model layout = layout_of(setup, world);
     std::vector<std::size_t> sizes;
     for (const Parameter* parameter : layout.parameters())
@@ -658,8 +762,27 @@ TEST(Lab2Accumulation, CommunicatesOncePerStepWhateverK) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const std::uint64_t expected_bytes = grading::allreduce_bytes_sent(comm, sizes);
+          std::size_t largest_growth = 0;
+          std::size_t budget = 0;
           run_accumulation(setup, comm, [&](const StepRecord& record) {
             if (!verdict.passed()) return;
+            largest_growth = std::max(largest_growth, record.activation_growth);
+            budget = record.activation_budget;
+            if (record.activation_growth > record.activation_budget + kActivationSlackBytes)
+              verdict.fail(fmt::format(
+                  "step {} (k = {} micro-batches of {} rows): accumulation_step held up to {} "
+                  "bytes of activations more than when it was called; one forward and backward "
+                  "of one micro-batch takes {} on this model (+{} allowed): the point of "
+                  "accumulating is to hold one micro-batch's activations at a time",
+                  record.step, setup.micro_batches, setup.rows_per_rank / setup.micro_batches,
+                  record.activation_growth, record.activation_budget, kActivationSlackBytes));
+            if (!record.misplaced_buffer.empty())
+              verdict.fail(
+                  fmt::format("step {}: accumulation_step: {}; expected every buffer "
+                              "where the model lives",
+                              record.step, record.misplaced_buffer));
+            // One rank sends nothing: no count to tell.
+            if (world == 1) return;
             const CommCounters& c = record.during_sync;
             if (c.total_calls() != sizes.size() || c.total_bytes_sent() != expected_bytes)
               verdict.fail(fmt::format(
@@ -671,11 +794,16 @@ TEST(Lab2Accumulation, CommunicatesOncePerStepWhateverK) {
                   sizes.size(), expected_bytes, setup.frozen.size(),
                   fmt::join(setup.frozen, ", ")));
           });
-          if (verdict.passed())
+          if (!verdict.passed()) return;
+          if (world > 1)
             verdict.note(
                 fmt::format("k = {}: {} bytes per step, what one synchronisation sends ({}x "
                             "less than syncing every micro-batch)",
                             setup.micro_batches, expected_bytes, setup.micro_batches));
+          verdict.note(fmt::format(
+              "k = {}: at most {} bytes of activations held during a step; one micro-batch's "
+              "forward and backward takes {}",
+              setup.micro_batches, largest_growth, budget));
         },
         draws);
   }
@@ -724,8 +852,9 @@ struct WrongFormula {
   double seconds = 0;
 };
 
-/// The plausible wrong formulas for P parameters on `world` ranks with latency `alpha`; the
-/// right one is 2 (N-1) (P-1) alpha.
+/// The plausible wrong formulas for P parameters on `world` ranks with latency `alpha`, for
+/// the feedback of a near miss. (This file ships with the student release: the right answer
+/// is the simulated clock's, never written here.)
 std::vector<WrongFormula> wrong_formulas(std::size_t parameters, int world, double alpha) {
   const double p = static_cast<double>(parameters);
   const double n = static_cast<double>(world);
@@ -843,8 +972,8 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
         "matched every simulated network\n({})",
         missed, draws.describe());
   grading::note_measured(fmt::format(
-      "the simulated networks tell the ring's 2 (N-1) (P-1) alpha from {} plausible wrong "
-      "formulas",
+      "the simulated networks tell the right prediction from {} plausible wrong formulas, each "
+      "one term away from it",
       separated.size()));
 
   // Networks too large to simulate here (thousands of ranks): the answer must come from the
@@ -908,8 +1037,8 @@ double break_even_of(double fixed_seconds, double seconds_per_byte) {
   return fixed_seconds < 0 ? -fixed_seconds / seconds_per_byte : 0.0;
 }
 
-/// The plausible wrong answers to design question 2 on `net`. The right one is
-/// break_even_of(2 P launch - 2 (N-1) (P-1) alpha, 2 max(1/rate, 8/bandwidth) / 4).
+/// The plausible wrong answers to design question 2 on `net`, for the feedback of a near
+/// miss; the right one is where the two ways' times cross on the simulated clock.
 std::vector<WrongFormula> wrong_break_even_formulas(const BreakEvenNetwork& net) {
   const double p = static_cast<double>(net.parameters);
   const double n = static_cast<double>(net.world);
@@ -987,9 +1116,9 @@ TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
   // Five networks. On every seed (the rubric lists them): 1 rank, where nothing is saved and
   // the answer is 0 (2 N latencies per call are not 0); 4 to 8 ranks on a memory-bound
   // preset device and on a compute-bound custom one, with latencies and launches drawn so
-  // that the flat buffer wins at small sizes (the latency saved over the launches paid,
-  // (N-1)(P-1) alpha / (P launch), is at least 3 x 3/4 x 5/4 > 1 with N >= 4, P >= 4,
-  // alpha >= 5 us and launches of at most 4 us), where every wrong formula below parts from
+  // that the flat buffer wins at small sizes (with N >= 4, P >= 4, alpha >= 5 us and
+  // launches of at most 4 us the latency saved exceeds the launches paid; the check fails as
+  // a grader bug where it does not), where every wrong formula below parts from
   // the right one (a compute-bound device alone would not see 4 bytes per copied float
   // instead of 8). Then two networks drawn whole, fabrics and devices from the presets or
   // custom, where the flat buffer may lose at every size.
@@ -1111,7 +1240,8 @@ TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
         "simulated network\n({})",
         missed, draws.describe());
   grading::note_measured(fmt::format(
-      "the simulated networks tell the right break-even size from {} plausible wrong formulas",
+      "the simulated networks tell the right break-even size from {} plausible wrong formulas, "
+      "each one term away from it",
       separated.size()));
 }
 

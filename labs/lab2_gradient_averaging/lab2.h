@@ -24,14 +24,17 @@
 //     own `Work` is waited on, and a buffer changed while its call is in flight is reported.
 //   * The same code on a device. The checks run on the host and on an emulated device,
 //     whose memory the host accessors (`.span()`, `.data()`) refuse: work on gradients and
-//     buffers through tensor views, `dp/tensor_ops.h` and the communicator.
+//     buffers through tensor views, `dp/tensor_ops.h` and the communicator. Every buffer
+//     you hand the communicator lives where the model lives (`model.device()`): the
+//     checks that count calls read the device of each call's buffers.
 //
 // The budgets below use: N ranks; P_t trainable parameters (frozen ones excluded) of n_1 ...
 // n_{P_t} elements, T = n_1 + ... + n_{P_t} in all; ring(b) = 2 (N-1)/N b, the bytes a ring
 // all-reduce of b bytes sends from each rank (as the communicator counts it; 0 when N = 1).
 // Calls and bytes are read from the communicator's own counters, memory from the rank's
 // `MemoryTracker` category by category, heap blocks from a count of operator new (and the
-// malloc family) on the calling thread. Lab code can change none of them.
+// malloc family) on the calling thread. Lab code can change none of them. A budget says
+// which of them it counts: "no tensor" is the `MemoryTracker`, "heap" is operator new.
 //
 // Example (one data-parallel step):
 //
@@ -61,21 +64,29 @@ namespace dp::lab2 {
 ///
 /// Budget of one call, on every rank: P_t all-reduces, one per trainable parameter, of
 /// ring(4 n_i) bytes each, and no other call; frozen parameters are not sent and keep their
-/// gradients; no memory allocated (no tensor, every category of the `MemoryTracker` as it
-/// was).
+/// gradients; no tensor made, every category of the `MemoryTracker` as it was. The heap is
+/// not counted here: holding the `Work` of every call in flight (a std::vector of them)
+/// is fine.
 void average_gradients(Model& model, Communicator& comm);
 
 /// Averages every trainable gradient with a single collective call per step, through
 /// memory made once, at construction: many small all-reduces each pay the network's
-/// latency, one pays it once. Freeze parameters before constructing it.
+/// latency, one pays it once. Freeze parameters before constructing it: an averager is
+/// for the parameters that were trainable when it was made. The checks never change which
+/// parameters are frozen afterwards; what `average` does if they do is yours to choose
+/// (throwing `dp::Error` that says to make a new averager is the friendliest).
 ///
 /// Budgets, on every rank:
 ///   * Memory: the constructor leaves exactly 4 T bytes of communication memory
-///     (`MemoryCategory::kCommunication`) and nothing in any other category; `average`
-///     leaves every category as it found it and allocates nothing: no tensor, and no heap
-///     block beyond what one communicator call and its wait take.
+///     (`MemoryCategory::kCommunication`) on `model.device()` and nothing in any other
+///     category, and takes at most 512 P + 2048 bytes from the heap (operator new and the
+///     malloc family), P = `model.parameters().size()` (frozen ones included): room for
+///     bookkeeping, not for a buffer (T floats on the heap exceed it on every graded
+///     model). `average` leaves every category as it found it and allocates nothing: no
+///     tensor, and no heap block beyond what one communicator call and its wait take.
 ///   * Communication per `average`: one call, an all-reduce of ring(4 T) bytes (every
-///     trainable element once, nothing of frozen parameters), and nothing else.
+///     trainable element once, nothing of frozen parameters) of memory on
+///     `model.device()`, and nothing else.
 class FlatGradientAverager {
  public:
   /// Prepares the averaging of `model`'s trainable gradients (within the memory budget).
@@ -101,12 +112,20 @@ class FlatGradientAverager {
 /// The arithmetic (checked bitwise, for drawn k from 1 to 6): `optimizer` steps exactly
 /// once, from gradients that are bitwise what `average_gradients` makes of each rank's
 /// G_r, where G_r is what `Model::backward` accumulates from zeroed gradients over the k
-/// micro-batches in order, each with `loss_scale` = 1.0f / k. Returns the mean of the k
-/// losses `Model::backward` returned (within 1e-6, relative). Throws `dp::Error` when
-/// there are no micro-batches.
+/// micro-batches in order, each with `loss_scale` = 1.0f / k. Zeroing them is this
+/// function's job: the caller does not, so the previous step's averaged gradients are
+/// still in `Parameter::grad` when it is called. Returns the mean of the k losses
+/// `Model::backward` returned (within 1e-6, relative). Throws `dp::Error` when there are
+/// no micro-batches.
 ///
-/// Budget of one call, on every rank, whatever k: what one `average_gradients` sends
-/// (P_t all-reduces of ring(4 n_i) bytes each) and no other call.
+/// Budgets of one call, on every rank, whatever k:
+///   * Communication: what one `average_gradients` sends (P_t all-reduces of ring(4 n_i)
+///     bytes each, of memory on `model.device()`) and no other call.
+///   * Activations, the point of accumulating: the peak of the rank's activation memory
+///     (`MemoryCategory::kActivations`) during the call, above what it held when called,
+///     is at most what one forward and backward of one micro-batch (its input copied to
+///     `model.device()`) takes on a fresh model of the same architecture, measured by the
+///     check, + 256 bytes. The micro-batches go through the model one at a time.
 float accumulation_step(Model& model, Optimizer& optimizer, std::span<const Batch> micro_batches,
                         Communicator& comm);
 
@@ -134,7 +153,9 @@ double predicted_flat_saving_seconds(std::span<const std::size_t> parameter_byte
 ///   flat                    each gradient copied into one buffer of S bytes (one
 ///                           `dp::copy` per gradient), one all-reduce of the buffer, waited
 ///                           on, then each gradient copied back (one `dp::copy` each).
-/// Neither divides. Returns 0 when the flat buffer is faster at no size at all.
+/// Neither divides. A `dp::copy` of n floats is one op of n flops and 8 n bytes (it reads
+/// and writes each float), timed by `DeviceModel::time_of`. Returns 0 when the flat buffer
+/// is faster at no size at all.
 ///
 /// The grader draws world sizes, numbers of gradients, fabrics (the presets and others) and
 /// devices, times both ways on the simulated clock at several sizes, finds where the flat
