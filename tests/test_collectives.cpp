@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <span>
 #include <string>
@@ -17,10 +16,12 @@
 #include "dp/comm.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "test_support.h"
 
 namespace dp {
 namespace {
 
+using testing::message_of;
 using testing::test_launch;
 
 // 0, 1, a prime, and 8 MiB of float32 plus a few elements (so chunks are uneven).
@@ -368,39 +369,28 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CollectiveTest, ::testing::Values(1, 2, 3, 
                            return "ranks" + std::to_string(param_info.param);
                          });
 
-/// The message of the dp::Error that `call` throws at once, before any communication; empty
-/// (and a test failure) when it throws none.
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  ADD_FAILURE() << "expected a dp::Error";
-  return "";
-}
-
 // Every backend checks a call's arguments with the same functions (comm/argument_checks.h),
 // so a mistake reads the same on local and on mpi (and on nccl: test_emulated_nccl.cpp).
 TEST(CollectiveArguments, BadArgumentsAreRejectedWithTheSameWordsOnEveryBackend) {
   launch(test_launch(2), [](Communicator& comm) {
     std::vector<float> in(10), out(4);
-    EXPECT_EQ(error_of([&] {
+    EXPECT_EQ(message_of<Error>([&] {
                 comm.reduce_scatter(std::span<const float>(in), std::span(out), ReduceOp::kSum);
               }),
               "reduce_scatter: expected the input to hold size() x output = 2 x 4 = 8 float32, "
               "got 10 float32");
-    EXPECT_EQ(error_of([&] { comm.allgather(std::span<const float>(out), std::span(in)); }),
-              "allgather: expected the output to hold size() x input = 2 x 4 = 8 float32, got 10 "
-              "float32");
-    EXPECT_EQ(error_of([&] { comm.isend(std::span<const float>(in), 2, 0); }),
+    EXPECT_EQ(
+        message_of<Error>([&] { comm.allgather(std::span<const float>(out), std::span(in)); }),
+        "allgather: expected the output to hold size() x input = 2 x 4 = 8 float32, got 10 "
+        "float32");
+    EXPECT_EQ(message_of<Error>([&] { comm.isend(std::span<const float>(in), 2, 0); }),
               "isend: peer 2 is out of range: expected 0 <= peer < 2");
-    EXPECT_EQ(error_of([&] { comm.irecv(std::span(in), -1, 0); }),
+    EXPECT_EQ(message_of<Error>([&] { comm.irecv(std::span(in), -1, 0); }),
               "irecv: peer -1 is out of range: expected 0 <= peer < 2");
-    EXPECT_EQ(error_of([&] { comm.broadcast(std::span(in), 5); }),
+    EXPECT_EQ(message_of<Error>([&] { comm.broadcast(std::span(in), 5); }),
               "broadcast root: peer 5 is out of range: expected 0 <= peer < 2");
     std::vector<std::uint8_t> bytes(8);
-    EXPECT_EQ(error_of([&] {
+    EXPECT_EQ(message_of<Error>([&] {
                 comm.allreduce(MutableBuffer(bytes.data(), bytes.size(), DataType::kUInt8),
                                ReduceOp::kSum);
               }),
