@@ -128,8 +128,10 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     the parameters all-gathered, in `shard_parameters()` and `flat_parameters()`; it
 ///     never counts in the norm.
 ///   * Buffers allocated once. The constructor allocates every tensor; `step()` allocates
-///     none (`MemoryTracker::allocations_total`) and takes no block of 1 KiB or more from
-///     the heap (no staging copy in a `std::vector`).
+///     none (`MemoryTracker::allocations_total`), takes no block of 1 KiB or more from the
+///     heap, and at most c (h + 256) + 2048 heap bytes in all, blocks of every size, for c
+///     the calls it makes and h what one call and its wait take (measured by the check): no
+///     staging copy in a `std::vector`, however small its blocks.
 ///   * Parameters must be trainable: a frozen parameter would be moved by weight decay and
 ///     momentum of the flat space, so the constructor rejects it.
 class ZeroOneOptimizer {
