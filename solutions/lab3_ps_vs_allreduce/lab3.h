@@ -212,8 +212,9 @@ class ParameterServer {
 /// Derive it from the cost model of the simulated network (dp/clock.h) for the algorithms
 /// you wrote, message by message: a message's latency does not hold a link, but two
 /// messages that reach one rank at once share its receiving link, one transfer after the
-/// other. The grader draws networks on 3 ranks, on 4, on 5 to 8 and on 9 to 12 (the small
-/// world sizes are where N steps and N - 1, or 2 buffers and 2(N-1)/N, part), finds the
+/// other. The grader draws networks on 3 ranks, on 4, on 5 to 8, on 9 to 16, on 17 to 32
+/// and on 33 to 64 (the small world sizes are where N steps and N - 1, or 2 buffers and
+/// 2(N-1)/N, part; the large ones where lg N rounds against 2(N - 1) steps), finds the
 /// crossover by timing both of your all-reduces on the simulated clock (to 1/500 of the
 /// size), and expects your prediction within 3% of it: the clock is exact, and a formula
 /// that models your algorithms misses only by rounding (the ring's chunks of ceil(n/N)
