@@ -927,11 +927,21 @@ void for_replicated_runs(
   // both off and on, so that ignoring it shows.
   drawn.options.sampler.shuffle = true;
   draws.overrule("shuffle", "shuffle=true (set by the check)");
+  draws.overrule("drop_last", "drop_last=false then true (set by the check)");
+  // The world sizes of each setting, named by it in the description.
+  std::array<std::vector<int>, 2> world_sizes;
+  for (const bool drop_last : {false, true}) {
+    world_sizes[drop_last ? 1 : 0] = draws.world_sizes(4);
+    std::string sizes;
+    for (const int world : world_sizes[drop_last ? 1 : 0])
+      sizes += fmt::format("{}{}", sizes.empty() ? "" : ",", world);
+    draws.overrule("world sizes",
+                   fmt::format("world sizes with drop_last={}: {}", drop_last, sizes));
+  }
   for (const bool drop_last : {false, true}) {
     ReplicatedCase c = drawn;
     c.options.sampler.drop_last = drop_last;
-    draws.overrule("drop_last", fmt::format("drop_last={} (set by the check)", drop_last));
-    for (int world : draws.world_sizes(4)) {
+    for (int world : world_sizes[drop_last ? 1 : 0]) {
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
