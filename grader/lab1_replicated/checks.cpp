@@ -48,6 +48,35 @@ constexpr std::size_t kDistinctOrdersFrom = 20;
 /// Consecutive epochs whose left-out samples must not all be the same with drop_last.
 constexpr std::uint64_t kDropLastEpochs = 12;
 
+/// For data sets of 2 to 19 samples, where two random orders coincide too often for the
+/// checks to insist that two differ, this many epochs (or seeds) may not all give one order:
+/// a uniform shuffle gives them one order with probability (1/n!)^63 <= 2^-63 < 1.1e-19.
+constexpr std::uint64_t kSmallDataSetOrders = 64;
+
+/// The side of the square of neighbouring (seed, epoch) pairs, seeds s..s+63 and epochs
+/// e..e+63, whose orders must all differ. A shuffle seeded by a mix a seed + b epoch (the
+/// sum, seed * 10 + epoch, seed ^ epoch, ...) gives (s, e + a) and (s + b, e) one order, so
+/// the square catches every such mix with |a| and |b| (over their gcd) below 64. Its
+/// 4,096 orders of n >= 20 samples coincide by chance with probability below
+/// C(4096, 2) / 20! < 3.5e-12.
+constexpr std::uint64_t kPairSquareSide = 64;
+
+/// Large factors C of the mixes seed * C + epoch and seed + C * epoch that the square above
+/// cannot reach (a check compares (s + 1, e) with (s, e + C), and (s + C, e) with
+/// (s, e + 1)): round numbers a student might pick as "larger than any epoch" or "than any
+/// seed"; each check adds a drawn one.
+constexpr std::array<std::uint64_t, 11> kMixingFactors = {100,
+                                                          256,
+                                                          1000,
+                                                          1024,
+                                                          10'000,
+                                                          65'536,
+                                                          100'000,
+                                                          1'000'000,
+                                                          1u << 20,
+                                                          1'000'000'000,
+                                                          std::uint64_t{1} << 32};
+
 /// One sampler configuration: data set size, ranks, options and epoch.
 struct SamplerCase {
   std::size_t n = 1;
@@ -107,8 +136,18 @@ std::vector<std::size_t> interleave(const std::vector<std::vector<std::size_t>>&
   return list;
 }
 
-/// "" when the first `count` entries of `list` are distinct indices below n (and, without
-/// shuffle, 0, 1, 2, ...), else what is wrong.
+/// The epoch's order of `c`: the indices of one rank's sampler with the same shuffle, seed
+/// and epoch, without drop_last. The contract makes the order a function of (seed, epoch)
+/// alone, so N ranks' interleaved shards must follow it, with or without drop_last.
+std::vector<std::size_t> one_rank_order(const SamplerCase& c) {
+  SamplerCase one_rank = c;
+  one_rank.replicas = 1;
+  one_rank.options.drop_last = false;
+  return shards_of(one_rank).front();
+}
+
+/// "" when the first `count` entries of `list` are distinct indices below n, in the epoch's
+/// order (`one_rank_order`; without shuffle 0, 1, 2, ...), else what is wrong.
 std::string check_epoch_order(const std::vector<std::size_t>& list, std::size_t count,
                               const SamplerCase& c) {
   std::vector<char> seen(c.n, 0);
@@ -134,6 +173,25 @@ std::string check_epoch_order(const std::vector<std::size_t>& list, std::size_t 
           i / static_cast<std::size_t>(c.replicas));
     seen[index] = 1;
   }
+  // The same order on any number of ranks: a shuffle that is uniform on one rank and not on
+  // several (the uniformity test below draws both) still fails here.
+  const std::vector<std::size_t> order = one_rank_order(c);
+  if (order.size() != c.n)
+    return fmt::format(
+        "one rank's sampler (the same seed and epoch, without drop_last) returned {} indices; "
+        "expected all {}",
+        order.size(), c.n);
+  const auto replicas = static_cast<std::size_t>(c.replicas);
+  for (std::size_t i = 0; i < count; ++i)
+    if (list[i] != order[i])
+      return fmt::format(
+          "position {} of the interleaved list (rank {}, entry {}) holds index {}, but one "
+          "rank's sampler (the same seed and epoch, without drop_last) puts index {} there; "
+          "expected the epoch's order, which depends on (seed, epoch) alone: the same for "
+          "every number of ranks, {}",
+          i, i % replicas, i / replicas, list[i], order[i],
+          c.options.drop_last ? "and with drop_last its head, the tail left out"
+                              : "with or without drop_last");
   return "";
 }
 
@@ -223,11 +281,15 @@ TEST(Lab1Sampler, DropLastLeavesOutTheTailOfTheEpochOrder) {
         if (list.size() != total)
           return fmt::format("the shards hold {} indices in all; expected {} (floor(n/N) per rank)",
                              list.size(), total);
+        // The kept samples are the head of the epoch's order, the order without drop_last:
+        // check_epoch_order compares them with one rank's, so the samples left out are that
+        // order's tail, exactly (cutting the unshuffled order, at either end, fails).
         problem = check_epoch_order(list, total, c);
         if (!problem.empty() || !c.options.shuffle || total == c.n || c.n < kDistinctOrdersFrom)
           return problem;
-        // Shuffled, the samples left out must change with the epoch: cutting the tail before
-        // shuffling would leave out the same samples every epoch. A random order leaves out
+        // Shuffled, the samples left out must change with the epoch (implied by the above
+        // when one rank's order changes with the epoch; said apart, since cutting before
+        // shuffling leaves out the same samples every epoch). A random order leaves out
         // the same r = n - total samples as another epoch with probability 1/C(n, r) <= 1/20,
         // so 12 epochs all alike happen by chance with probability below 20^-11 = 5e-15.
         std::set<std::vector<std::size_t>> left_out_sets;
@@ -252,18 +314,118 @@ TEST(Lab1Sampler, DropLastLeavesOutTheTailOfTheEpochOrder) {
       });
 }
 
+/// Two (seed, epoch) pairs that a plausible mix of seed and epoch into one number makes
+/// equal, and that mix.
+struct FoldedPairs {
+  SamplerCase first;
+  SamplerCase second;
+  std::string mix;
+};
+
+/// The pairs around `c` that the sum seed + epoch (offset 1 and `sum_offset`), seed * C +
+/// epoch and seed + C * epoch (C of kMixingFactors and `factor`) fold together.
+std::vector<FoldedPairs> folded_pairs(const SamplerCase& c, std::uint64_t sum_offset,
+                                      std::uint64_t factor) {
+  const auto at = [&c](std::uint64_t seed_offset, std::uint64_t epoch_offset) {
+    SamplerCase moved = c;
+    moved.options.seed += seed_offset;
+    moved.epoch += epoch_offset;
+    return moved;
+  };
+  std::vector<FoldedPairs> pairs;
+  for (const std::uint64_t k : {std::uint64_t{1}, sum_offset})
+    pairs.push_back({at(k, 0), at(0, k), "seed + epoch"});
+  std::vector<std::uint64_t> factors(kMixingFactors.begin(), kMixingFactors.end());
+  factors.push_back(factor);
+  for (const std::uint64_t f : factors) {
+    pairs.push_back({at(1, 0), at(0, f), fmt::format("seed * {} + epoch", f)});
+    pairs.push_back({at(f, 0), at(0, 1), fmt::format("seed + {} * epoch", f)});
+  }
+  return pairs;
+}
+
+/// Whether the `count` orders of `vary(0)`, ..., `vary(count - 1)` (cases around `c`) are all
+/// one order; sets `all_unshuffled` to whether they are all the unshuffled order.
+bool all_give_one_order(const SamplerCase& c, std::uint64_t count,
+                        const std::function<SamplerCase(std::uint64_t)>& vary,
+                        bool& all_unshuffled) {
+  SamplerCase unshuffled = c;
+  unshuffled.options.shuffle = false;
+  const auto unshuffled_shards = shards_of(unshuffled);
+  const auto first = shards_of(vary(0));
+  bool alike = true;
+  all_unshuffled = first == unshuffled_shards;
+  for (std::uint64_t k = 1; k < count; ++k) {
+    const auto shards = shards_of(vary(k));
+    alike = alike && shards == first;
+    all_unshuffled = all_unshuffled && shards == unshuffled_shards;
+  }
+  return alike;
+}
+
 TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
+  // The square of neighbouring pairs, and the offsets beyond it, drawn apart from the 40
+  // configurations.
+  Draws square_draws("Lab1Sampler.ShuffleDependsOnSeedAndEpochOnly/pairs");
+  const auto sum_offset = static_cast<std::uint64_t>(
+      square_draws.integer("seed + epoch offset", kPairSquareSide, 1'000'000));
+  const auto factor =
+      static_cast<std::uint64_t>(square_draws.integer("factor", kPairSquareSide, 1LL << 40));
   for_drawn_cases(
       "Lab1Sampler.ShuffleDependsOnSeedAndEpochOnly", false,
-      [](const SamplerCase& c) -> std::string {
+      [&](const SamplerCase& c) -> std::string {
         const auto shards = shards_of(c);
         if (shards_of(c) != shards)
           return "two samplers with equal seed and epoch gave different shards; expected the order "
                  "to depend on (seed, epoch) alone";
-        // Two random orders of n >= 20 samples coincide with probability 1/n! < 5e-19: only
-        // then may the check insist that they differ (4 comparisons in each of 40
-        // configurations: below 1e-16 per grade).
-        if (c.n < kDistinctOrdersFrom) return "";
+        if (c.n < kDistinctOrdersFrom) {
+          // Two random orders of a few samples coincide often, but 64 of them all alike, or
+          // all unshuffled, happen to a uniform shuffle with probability below 2^-63 < 1.1e-19
+          // (n >= 2), 3 x 40 times per grade: below 1e-17.
+          if (c.n < 2) return "";
+          bool all_unshuffled = false;
+          const bool epochs_alike = all_give_one_order(
+              c, kSmallDataSetOrders,
+              [&c](std::uint64_t k) {
+                SamplerCase other = c;
+                other.epoch += k;
+                return other;
+              },
+              all_unshuffled);
+          if (all_unshuffled)
+            return fmt::format(
+                "the {} epochs {} to {} all gave the unshuffled order with shuffle=true; a "
+                "uniform shuffle of {} samples does so with probability (1/{}!)^{} < 2^-63: "
+                "shuffle small data sets too",
+                kSmallDataSetOrders, c.epoch, c.epoch + kSmallDataSetOrders - 1, c.n, c.n,
+                kSmallDataSetOrders);
+          if (epochs_alike)
+            return fmt::format(
+                "the {} epochs {} to {} all gave the same order; expected set_epoch to change "
+                "it (a uniform shuffle of {} samples repeats one order {} times with "
+                "probability below 2^-63)",
+                kSmallDataSetOrders, c.epoch, c.epoch + kSmallDataSetOrders - 1, c.n,
+                kSmallDataSetOrders);
+          const bool seeds_alike = all_give_one_order(
+              c, kSmallDataSetOrders,
+              [&c](std::uint64_t k) {
+                SamplerCase other = c;
+                other.options.seed += k;
+                return other;
+              },
+              all_unshuffled);
+          if (seeds_alike)
+            return fmt::format(
+                "the {} seeds {} to {} all gave the same order at epoch {}; expected the seed "
+                "to select it (a uniform shuffle of {} samples repeats one order {} times "
+                "with probability below 2^-63)",
+                kSmallDataSetOrders, c.options.seed, c.options.seed + kSmallDataSetOrders - 1,
+                c.epoch, c.n, kSmallDataSetOrders);
+          return "";
+        }
+        // Two random orders of n >= 20 samples coincide with probability 1/n! < 4.2e-19:
+        // only then may the check insist that they differ (about 30 comparisons in each of
+        // 40 configurations: below 1e-15 per grade).
         SamplerCase next_epoch = c;
         ++next_epoch.epoch;
         if (shards_of(next_epoch) == shards)
@@ -278,22 +440,65 @@ TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
               "seeds {} and {} gave the same shards; expected the seed to select the "
               "order",
               c.options.seed, next_seed.options.seed);
-        // (seed, epoch) select the order as a pair: seed + epoch would give seed s at epoch
-        // e + 1 the order of seed s + 1 at epoch e.
-        SamplerCase diagonal = next_epoch;
-        diagonal.epoch = c.epoch;
-        ++diagonal.options.seed;
-        if (shards_of(next_epoch) == shards_of(diagonal))
-          return fmt::format(
-              "seed {} at epoch {} and seed {} at epoch {} gave the same shards; expected the "
-              "pair (seed, epoch) to select the order, not, say, their sum",
-              c.options.seed, next_epoch.epoch, diagonal.options.seed, diagonal.epoch);
+        // (seed, epoch) select the order as a pair: a mix of the two into one number gives
+        // two pairs one order (seed + epoch: seed s at epoch e + 1 and seed s + 1 at epoch e).
+        for (const FoldedPairs& pair : folded_pairs(c, sum_offset, factor))
+          if (shards_of(pair.first) == shards_of(pair.second))
+            return fmt::format(
+                "seed {} at epoch {} and seed {} at epoch {} gave the same shards; expected the "
+                "pair (seed, epoch) to select the order, not one number mixed from both (these "
+                "two pairs have the same {})",
+                pair.first.options.seed, pair.first.epoch, pair.second.options.seed,
+                pair.second.epoch, pair.mix);
         SamplerCase unshuffled = c;
         unshuffled.options.shuffle = false;
         if (shards_of(unshuffled) == shards) return "shuffle=true gave the unshuffled order";
         return "";
       },
       /*always_shuffle=*/true);
+  if (HasFailure()) return;
+
+  // The square of 64 x 64 neighbouring pairs (seed + i, epoch + j): every order distinct.
+  SamplerCase corner;
+  corner.n = static_cast<std::size_t>(square_draws.integer("n", kDistinctOrdersFrom, 200));
+  corner.replicas = static_cast<int>(square_draws.integer("ranks", 1, 8));
+  corner.options.shuffle = true;
+  corner.options.seed = square_draws.seed("first seed");
+  corner.epoch = static_cast<std::uint64_t>(square_draws.integer("first epoch", 0, 1000));
+  std::map<std::vector<std::size_t>, std::pair<std::uint64_t, std::uint64_t>> first_seen;
+  for (std::uint64_t i = 0; i < kPairSquareSide; ++i)
+    for (std::uint64_t j = 0; j < kPairSquareSide; ++j) {
+      SamplerCase c = corner;
+      c.options.seed += i;
+      c.epoch += j;
+      std::string problem;
+      std::vector<std::size_t> list;
+      try {
+        list = interleave(shards_of(c), problem);
+      } catch (const std::exception& error) {
+        problem = fmt::format("{}: {}", grading::type_name(error), error.what());
+      }
+      if (!problem.empty())
+        FAIL() << c.describe() << ": " << problem << "\n(" << square_draws.describe() << ")";
+      const auto [earlier, inserted] = first_seen.try_emplace(list, c.options.seed, c.epoch);
+      if (!inserted)
+        FAIL() << fmt::format(
+            "n={} ranks={}: seed {} at epoch {} and seed {} at epoch {} gave the same shards; "
+            "expected the pair (seed, epoch) to select the order: no two of the {} x {} pairs "
+            "of seeds {} to {} and epochs {} to {} may give one order (by chance below 3.5e-12), "
+            "but a mix of seed and epoch into one number (a seed + b epoch, seed ^ epoch) folds "
+            "some of them together\n({})",
+            c.n, c.replicas, earlier->second.first, earlier->second.second, c.options.seed, c.epoch,
+            kPairSquareSide, kPairSquareSide, corner.options.seed,
+            corner.options.seed + kPairSquareSide - 1, corner.epoch,
+            corner.epoch + kPairSquareSide - 1, square_draws.describe());
+    }
+  grading::note_measured(fmt::format(
+      "the {} orders of seeds {} to {} at epochs {} to {} (n = {}, {} rank(s)) all differ; so "
+      "do the pairs that seed * C + epoch and seed + C * epoch fold together for C up to 2^32",
+      kPairSquareSide * kPairSquareSide, corner.options.seed,
+      corner.options.seed + kPairSquareSide - 1, corner.epoch, corner.epoch + kPairSquareSide - 1,
+      corner.n, corner.replicas));
 }
 
 // --- the shuffle's randomness ---------------------------------------------------------------
@@ -304,11 +509,13 @@ TEST(Lab1Sampler, ShuffleDependsOnSeedAndEpochOnly) {
 // cycle, never a sample left in place), a handful of random swaps, a riffle, an involution or
 // a shuffle seeded from a few values of the seed all pass the checks above.
 //
-// The test. For two data sets, one of even and one of odd size n in [20, 31], it takes the
-// order of each of 40 drawn seeds at 200 consecutive epochs (one rank, so the order is the
-// shard): M = 16,000 permutations. Under the null hypothesis (a correct shuffle, whose orders
-// for distinct (seed, epoch) are independent and uniform) it knows exactly how often each of
-// six events happens, and it fails when a count leaves the interval that a uniform shuffle
+// The test. For two data sets, one of even size n in [20, 200] on 1 to 8 ranks and one of
+// odd size in [21, 199] on 2 to 8, it takes the order of each of 40 drawn seeds at 200
+// consecutive epochs (the first n entries of the interleaved shards): M = 16,000
+// permutations. (It used to take one rank and n in [20, 31] only, and a shuffle that was
+// uniform only in that shape scored full marks.) Under the null hypothesis (a correct shuffle,
+// whose orders for distinct (seed, epoch) are independent and uniform) it knows exactly how often
+// each of six events happens, and it fails when a count leaves the interval that a uniform shuffle
 // leaves with probability below 5e-11 on each side:
 //
 //   event                         P(event) for a uniform permutation of n
@@ -472,9 +679,16 @@ TEST(Lab1Sampler, ShuffleIsUniform) {
   Draws draws("Lab1Sampler.ShuffleIsUniform");
   constexpr int kSeeds = 40;
   constexpr std::uint64_t kEpochs = 200;
-  const std::array<std::size_t, 2> sizes = {
-      draws.pick("even n", std::vector<std::size_t>{20, 22, 24, 26, 28, 30}),
-      draws.pick("odd n", std::vector<std::size_t>{21, 23, 25, 27, 29, 31})};
+  // One even and one odd size, the first on 1 to 8 ranks and the second on 2 to 8: code
+  // that shuffles well only in some shapes (one rank, a few sizes) meets others, and the
+  // checks above compare every number of ranks with one.
+  const auto even_n = 2 * static_cast<std::size_t>(draws.integer("even n / 2", 10, 100));
+  draws.overrule("even n / 2", fmt::format("even n={}", even_n));
+  const auto odd_n = 2 * static_cast<std::size_t>(draws.integer("odd n / 2", 10, 99)) + 1;
+  draws.overrule("odd n / 2", fmt::format("odd n={}", odd_n));
+  const std::array<std::size_t, 2> sizes = {even_n, odd_n};
+  const std::array<int, 2> ranks = {static_cast<int>(draws.integer("ranks for even n", 1, 8)),
+                                    static_cast<int>(draws.integer("ranks for odd n", 2, 8))};
   const std::uint64_t first_epoch =
       static_cast<std::uint64_t>(draws.integer("first epoch", 0, 1'000'000));
   // 40 distinct sampler seeds below 10^6, from a stream of the drawn one.
@@ -492,20 +706,31 @@ TEST(Lab1Sampler, ShuffleIsUniform) {
   std::array<std::size_t, kPermutationEvents.size()> counts{};
   std::array<double, kPermutationEvents.size()> expected_sum{};
   std::size_t permutations = 0;
-  for (const std::size_t n : sizes) {
+  for (std::size_t size = 0; size < sizes.size(); ++size) {
+    const std::size_t n = sizes[size];
+    const int replicas = ranks[size];
     std::map<std::vector<std::size_t>, std::pair<std::uint64_t, std::uint64_t>> first_seen;
     for (const std::uint64_t seed : seeds)
       for (std::uint64_t epoch = first_epoch; epoch < first_epoch + kEpochs; ++epoch) {
+        // The epoch's order: the first n entries of the interleaved shards (n > 8 >= N).
         std::vector<std::size_t> order;
         try {
-          DistributedSampler sampler(n, 1, 0, {.shuffle = true, .seed = seed});
-          sampler.set_epoch(epoch);
-          order = sampler.indices();
+          SamplerCase c{.n = n,
+                        .replicas = replicas,
+                        .options = {.shuffle = true, .seed = seed},
+                        .epoch = epoch};
+          std::string problem;
+          order = interleave(shards_of(c), problem);
+          if (!problem.empty())
+            FAIL() << where(n, seed, epoch) << ", " << replicas << " rank(s): " << problem << "\n("
+                   << draws.describe() << ")";
+          if (order.size() > n) order.resize(n);
         } catch (const NotImplemented& error) {
           FAIL() << error.what();
         } catch (const std::exception& error) {
-          FAIL() << where(n, seed, epoch) << ", one rank: " << grading::type_name(error) << ": "
-                 << error.what() << "\n(" << draws.describe() << ")";
+          FAIL() << where(n, seed, epoch) << ", " << replicas
+                 << " rank(s): " << grading::type_name(error) << ": " << error.what() << "\n("
+                 << draws.describe() << ")";
         }
         std::vector<char> present(n, 0);
         for (const std::size_t index : order)
@@ -513,9 +738,9 @@ TEST(Lab1Sampler, ShuffleIsUniform) {
         if (order.size() != n ||
             std::count(present.begin(), present.end(), 1) != static_cast<std::ptrdiff_t>(n))
           FAIL() << fmt::format(
-              "{}, one rank: indices() is not a permutation of 0..{} ({} entries); expected the "
-              "shuffled epoch order\n({})",
-              where(n, seed, epoch), n - 1, order.size(), draws.describe());
+              "{}, {} rank(s): the first {} entries of the interleaved shards are not a "
+              "permutation of 0..{} ({} entries); expected the shuffled epoch order\n({})",
+              where(n, seed, epoch), replicas, n, n - 1, order.size(), draws.describe());
         const auto [earlier, inserted] = first_seen.try_emplace(order, seed, epoch);
         if (!inserted)
           FAIL() << fmt::format(
@@ -558,11 +783,12 @@ TEST(Lab1Sampler, ShuffleIsUniform) {
   }
   if (!HasFailure())
     grading::note_measured(fmt::format(
-        "{} orders (n = {} and {}, {} seeds x {} epochs), all distinct; fixed points, 2-cycles, "
+        "{} orders (n = {} on {} rank(s) and {} on {}, {} seeds x {} epochs), all distinct; "
+        "fixed points, 2-cycles, "
         "successions and long cycles as often as in uniform permutations (largest deviation "
         "{:.1f} standard deviations: {}); a uniform shuffle fails this check with probability "
         "below 6.3e-10",
-        permutations, sizes[0], sizes[1], kSeeds, kEpochs, largest_z, largest));
+        permutations, sizes[0], ranks[0], sizes[1], ranks[1], kSeeds, kEpochs, largest_z, largest));
 }
 
 // --- the broadcast ------------------------------------------------------------------------
@@ -628,17 +854,26 @@ ReplicatedCase draw_training(Draws& draws, int epochs = 0) {
   ReplicatedCase c;
   c.spec = draw_spec(draws);
   c.model_seed = draws.seed("model seed");
-  std::int64_t samples = draws.integer("samples", 20, 90);
+  const std::int64_t drawn_samples = draws.integer("samples", 20, 90);
   // Not a multiple of 2 or 3, so that drop_last and padding change the shards on 2, 3 and
-  // 4 ranks.
+  // 4 ranks. The description says what ran (a failure used to print the draw).
+  std::int64_t samples = drawn_samples;
   while (samples % 2 == 0 || samples % 3 == 0) ++samples;
+  if (samples != drawn_samples)
+    draws.overrule("samples", fmt::format("samples={} (drawn {}; never a multiple of 2 or 3)",
+                                          samples, drawn_samples));
   c.data = std::make_shared<const Dataset>(
       load_dataset(fmt::format("synthetic:{}", samples), draws.seed("data seed")));
-  c.options.local_batch = draws.integer("local batch", 3, 12);
+  const std::int64_t drawn_batch = draws.integer("local batch", 3, 12);
+  c.options.local_batch = drawn_batch;
   // On one rank the shard is the whole data set: never a multiple of the batch, so that
   // every run has a last, shorter batch.
   while (c.data->size() % static_cast<std::size_t>(c.options.local_batch) == 0)
     c.options.local_batch += 1;
+  if (c.options.local_batch != drawn_batch)
+    draws.overrule("local batch",
+                   fmt::format("local batch={} (drawn {}; never dividing the data set)",
+                               c.options.local_batch, drawn_batch));
   c.options.epochs = epochs > 0 ? epochs : static_cast<int>(draws.integer("epochs", 1, 3));
   c.options.sampler.shuffle = draws.coin("shuffle");
   c.options.sampler.drop_last = draws.coin("drop_last");
@@ -691,10 +926,22 @@ void for_replicated_runs(
   // Shuffled over several epochs, so that a forgotten set_epoch shows; and with drop_last
   // both off and on, so that ignoring it shows.
   drawn.options.sampler.shuffle = true;
+  draws.overrule("shuffle", "shuffle=true (set by the check)");
+  draws.overrule("drop_last", "drop_last=false then true (set by the check)");
+  // The world sizes of each setting, named by it in the description.
+  std::array<std::vector<int>, 2> world_sizes;
+  for (const bool drop_last : {false, true}) {
+    world_sizes[drop_last ? 1 : 0] = draws.world_sizes(4);
+    std::string sizes;
+    for (const int world : world_sizes[drop_last ? 1 : 0])
+      sizes += fmt::format("{}{}", sizes.empty() ? "" : ",", world);
+    draws.overrule("world sizes",
+                   fmt::format("world sizes with drop_last={}: {}", drop_last, sizes));
+  }
   for (const bool drop_last : {false, true}) {
     ReplicatedCase c = drawn;
     c.options.sampler.drop_last = drop_last;
-    for (int world : draws.world_sizes(4)) {
+    for (int world : world_sizes[drop_last ? 1 : 0]) {
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
@@ -827,6 +1074,7 @@ TEST(Lab1Replicated, ReplicasDivergeAfterOneStepWithoutSync) {
   ReplicatedCase c = draw_training(draws);
   c.options.max_steps = 1;
   c.options.sampler.drop_last = false;
+  draws.overrule("drop_last", "drop_last=false max_steps=1 (set by the check)");
   for (int world : draws.world_sizes(4)) {
     if (world == 1) continue;
     run_on_ranks(
