@@ -665,6 +665,194 @@ TEST(Lab7Clipping, GlobalNormOverTheShards) {
 
 // --- Lab7Memory ----------------------------------------------------------------------------
 
+/// What lab 6 holds of the parameters on every rank, replicated: 4 Psi bytes. ZeRO-3's
+/// parameters and buffers must stay below it on the model of equal blocks.
+std::size_t replicated_parameter_bytes(std::size_t psi) {
+  return 4 * psi;
+}
+
+/// One rank of Lab7Memory.ShardPlusTwoUnitsAndTheirBuffers: `training` on `world` ranks,
+/// two steps, clipping when `max_norm > 0`. With `below_replicated`, peak(parameters) +
+/// peak(communication) must also stay below lab 6's replicated 4 Psi (the workload of
+/// many equal blocks, where the budget itself is below it).
+void check_parameter_memory(const Training& training, int world, float max_norm,
+                            bool below_replicated, Communicator& comm, Verdict& verdict) {
+  const TrainOptions options = training.for_world(world);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  // A twin without ZeRO-3: the activation bytes of a plain forward and backward.
+  Model twin = training.model();
+  const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
+  tracker.reset_peaks();
+  {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, 0, comm.rank(), world));
+    twin.backward(grading::forward(twin, batch), batch.labels);
+  }
+  const std::size_t plain_activations =
+      tracker.peak(MemoryCategory::kActivations) - activation_base;
+  const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
+  const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
+  const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+  const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+  const std::size_t other_base = tracker.current(MemoryCategory::kOther);
+  Model model = training.model();
+  const std::size_t psi = model.num_parameters();
+  const std::vector<Unit> units = contract_units(model, world);
+  const std::size_t shard = 4 * contract_shard(units);
+  const std::size_t two_units = 4 * two_largest_units(units);
+  const std::size_t buffer = 4 * largest_padded_unit(units, world);
+  const std::size_t norm = max_norm > 0 ? sizeof(float) : 0;
+  const std::size_t parameter_budget = shard + two_units;
+  const std::size_t with_buffers_budget = shard + kBudgetBuffers * buffer + norm;
+  // The grader's hooks, registered before the student's: at every hook the parameter
+  // bytes are the shard and the values allocated then, the gradient bytes the shard of
+  // the gradient and the gradients allocated then (each tensor under its category).
+  std::string hook_finding;
+  bool watching = false;
+  const auto hook = [&](const char* phase) {
+    return [&, phase](Layer& layer) {
+      if (!watching || !hook_finding.empty()) return;
+      for (const bool gradients : {false, true}) {
+        std::size_t held = 0;
+        for (const Parameter* p : model.parameters())
+          held += 4 * (gradients ? p->grad : p->value).size();
+        const MemoryCategory category =
+            gradients ? MemoryCategory::kGradients : MemoryCategory::kParameters;
+        const std::size_t seen = tracker.current(category) - (gradients ? grad_base : param_base);
+        if (seen == shard + held) continue;
+        hook_finding = fmt::format(
+            "at {}'s {}, {} bytes of {} while [{}] are allocated; expected the shard's "
+            "4 S = {} plus those {}' {} bytes = {} (every {} under {}, nothing else "
+            "there)",
+            layer.name(), phase, seen, to_string(category),
+            fmt::join(allocated(model, gradients), ", "), shard, gradients ? "gradients" : "values",
+            held, shard + held,
+            gradients ? "Parameter::grad and the shard of the gradient"
+                      : "materialised Parameter::value and the shard of the parameters",
+            to_string(category));
+        return;
+      }
+    };
+  };
+  model.on_pre_forward(hook("pre-forward"));
+  model.on_post_forward(hook("post-forward"));
+  model.on_pre_backward(hook("pre-backward"));
+  model.on_post_backward(hook("post-backward"));
+  tracker.reset_peaks();
+  const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
+  ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
+  // Every category but communication, what the constructor changed: the shards of the
+  // parameters and of the gradient in, the model's values and gradients (4 Psi each)
+  // released, the inner optimizer's state, nothing else. The buffers are the design's:
+  // their budget is checked below, with the values.
+  const grading::CategoryBytes constructor_change =
+      grading::current_bytes(tracker) - before_constructor;
+  grading::CategoryBytes expected_change;
+  const std::int64_t shard_in_model_out =
+      static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
+  expected_change[MemoryCategory::kParameters] = shard_in_model_out;
+  expected_change[MemoryCategory::kGradients] = shard_in_model_out;
+  expected_change[MemoryCategory::kCommunication] =
+      constructor_change[MemoryCategory::kCommunication];
+  expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
+  const std::string constructor_differs =
+      grading::category_differences(constructor_change, expected_change);
+  if (!constructor_differs.empty())
+    verdict.fail(fmt::format(
+        "what the constructor changed: {}; the contract: 4 S - 4 Psi = {} of parameters "
+        "and of gradients (the shards in, every value and gradient released), your "
+        "buffers under communication, the inner optimizer's state, nothing else",
+        constructor_differs, shard_in_model_out));
+  verdict.expect_empty(check_released(model), "after the constructor");
+  const grading::CategoryBytes constructed = grading::current_bytes(tracker);
+  tracker.reset_peaks();
+  watching = true;
+  for (int step = 1; step <= 2 && verdict.passed(); ++step) {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    model.backward(grading::forward(model, batch), batch.labels);
+    (void)zero.step();
+    verdict.expect_empty(check_released(model), fmt::format("step {}, after step()", step));
+  }
+  watching = false;
+  if (!hook_finding.empty()) verdict.fail(hook_finding);
+  // Between steps every category but the activations (what the model's loss keeps)
+  // holds what it held after the constructor: the contract's "at all times".
+  grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+  kept[MemoryCategory::kActivations] = 0;
+  const std::string changed = grading::category_differences(kept, {});
+  if (verdict.passed() && !changed.empty())
+    verdict.fail(
+        fmt::format("after two steps, against just after the constructor: {}; expected every "
+                    "category as it was (the shards and buffers stay, every value and gradient is "
+                    "released)",
+                    changed));
+  const std::size_t param_peak = tracker.peak(MemoryCategory::kParameters) - param_base;
+  const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+  const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+  const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
+  const std::size_t activations =
+      tracker.peak(MemoryCategory::kActivations) - model_activation_base;
+  if (!verdict.passed()) return;
+  const std::string sizes = fmt::format(
+      "S = {}, two largest units {} elements, largest padded unit N C = {} (Psi = {}, N "
+      "= {}, {} units)",
+      shard / 4, two_units / 4, buffer / 4, psi, world, units.size());
+  if (activations > plain_activations)
+    verdict.fail(
+        fmt::format("{} activation bytes at the peak of the steps, {} for the same forward and "
+                    "backward without ZeRO-3; expected no more (values under kParameters, buffers "
+                    "under kCommunication)",
+                    activations, plain_activations));
+  else if (other_peak != 0)
+    verdict.fail(
+        fmt::format("{} bytes under MemoryCategory::kOther at the peak of the steps; expected none",
+                    other_peak));
+  else if (param_peak > parameter_budget)
+    verdict.fail(fmt::format(
+        "parameter bytes at the peak of the steps {}; the budget is the shard and at most "
+        "two units' values, 4 S + 4 (E_(1) + E_(2)) = {} + {} = {} ({}){}",
+        param_peak, shard, two_units, parameter_budget, sizes,
+        param_peak >= shard + 4 * psi ? ": the whole model is there"
+                                      : ": more units' values than two at once"));
+  else if (grad_peak > parameter_budget)
+    verdict.fail(
+        fmt::format("gradient bytes at the peak of the steps {}; the budget is the shard of the "
+                    "gradient and at most two units' gradients, 4 S + 4 (E_(1) + E_(2)) = {} ({}): "
+                    "release each unit's gradients once they are in a buffer",
+                    grad_peak, parameter_budget, sizes));
+  else if (below_replicated && param_peak + comm_peak >= replicated_parameter_bytes(psi))
+    verdict.fail(fmt::format(
+        "peak(parameters) + peak(communication) = {} + {} = {} bytes, {:.2f} bytes per "
+        "parameter: not below lab 6's replicated parameters, 4 Psi = {}, on {}, equal "
+        "blocks where ZeRO-3 must save memory (the budget, the shard plus two units and "
+        "their buffers, is 4 S + {} x 4 max_u(N C_u){} = {}; {}): how many units does "
+        "your design keep gathered at once, in values or in buffers?",
+        param_peak, comm_peak, param_peak + comm_peak,
+        static_cast<double>(param_peak + comm_peak) / static_cast<double>(psi),
+        replicated_parameter_bytes(psi), training.options.model, kBudgetBuffers,
+        norm > 0 ? " + 4" : "", with_buffers_budget, sizes));
+  else if (param_peak + comm_peak > with_buffers_budget)
+    verdict.fail(fmt::format(
+        "peak(parameters) + peak(communication) = {} + {} = {} bytes; the budget is the "
+        "shard plus two units and their buffers: 4 S + {} x 4 max_u(N C_u){} = {} + {} x "
+        "{}{} = {} ({}): two units each in a gathered copy (a buffer or its values) and "
+        "a gradient buffer",
+        param_peak, comm_peak, param_peak + comm_peak, kBudgetBuffers,
+        norm > 0 ? " + 4 for the norm" : "", shard, kBudgetBuffers, buffer, norm > 0 ? " + 4" : "",
+        with_buffers_budget, sizes));
+  else
+    verdict.note(fmt::format(
+        "{}, N = {}, Psi = {}: parameter peak {} bytes (budget {}), gradient peak {} "
+        "(budget {}), communication peak {}: {} with the parameters ({:.2f} bytes per "
+        "parameter) against the budget 4 S + {} x 4 max_u(N C_u){} = {}; lab 6 holds "
+        "4 Psi = {} of parameters on every rank",
+        training.options.model, world, psi, param_peak, parameter_budget, grad_peak,
+        parameter_budget, comm_peak, param_peak + comm_peak,
+        static_cast<double>(param_peak + comm_peak) / static_cast<double>(psi), kBudgetBuffers,
+        norm > 0 ? " + 4" : "", with_buffers_budget, replicated_parameter_bytes(psi)));
+}
+
 TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
   Draws draws("Lab7Memory.ShardPlusTwoUnitsAndTheirBuffers");
   const std::vector<int> worlds = draws.world_sizes(6);
@@ -676,171 +864,45 @@ TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          MemoryTracker& tracker = this_rank_memory().tracker();
-          // A twin without ZeRO-3: the activation bytes of a plain forward and backward.
-          Model twin = training.model();
-          const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
-          tracker.reset_peaks();
-          {
-            const Batch batch = grading::on_check_device(
-                grading::local_batch(*training.data, options, 0, comm.rank(), world));
-            twin.backward(grading::forward(twin, batch), batch.labels);
-          }
-          const std::size_t plain_activations =
-              tracker.peak(MemoryCategory::kActivations) - activation_base;
-          const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
-          const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
-          const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
-          const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-          const std::size_t other_base = tracker.current(MemoryCategory::kOther);
-          Model model = training.model();
-          const std::size_t psi = model.num_parameters();
-          const std::vector<Unit> units = contract_units(model, world);
-          const std::size_t shard = 4 * contract_shard(units);
-          const std::size_t two_units = 4 * two_largest_units(units);
-          const std::size_t buffer = 4 * largest_padded_unit(units, world);
-          const std::size_t norm = max_norm > 0 ? sizeof(float) : 0;
-          const std::size_t parameter_budget = shard + two_units;
-          const std::size_t with_buffers_budget = shard + kBudgetBuffers * buffer + norm;
-          // The grader's hooks, registered before the student's: at every hook the parameter
-          // bytes are the shard and the values allocated then, the gradient bytes the shard of
-          // the gradient and the gradients allocated then (each tensor under its category).
-          std::string hook_finding;
-          bool watching = false;
-          const auto hook = [&](const char* phase) {
-            return [&, phase](Layer& layer) {
-              if (!watching || !hook_finding.empty()) return;
-              for (const bool gradients : {false, true}) {
-                std::size_t held = 0;
-                for (const Parameter* p : model.parameters())
-                  held += 4 * (gradients ? p->grad : p->value).size();
-                const MemoryCategory category =
-                    gradients ? MemoryCategory::kGradients : MemoryCategory::kParameters;
-                const std::size_t seen =
-                    tracker.current(category) - (gradients ? grad_base : param_base);
-                if (seen == shard + held) continue;
-                hook_finding = fmt::format(
-                    "at {}'s {}, {} bytes of {} while [{}] are allocated; expected the shard's "
-                    "4 S = {} plus those {}' {} bytes = {} (every {} under {}, nothing else "
-                    "there)",
-                    layer.name(), phase, seen, to_string(category),
-                    fmt::join(allocated(model, gradients), ", "), shard,
-                    gradients ? "gradients" : "values", held, shard + held,
-                    gradients ? "Parameter::grad and the shard of the gradient"
-                              : "materialised Parameter::value and the shard of the parameters",
-                    to_string(category));
-                return;
-              }
-            };
-          };
-          model.on_pre_forward(hook("pre-forward"));
-          model.on_post_forward(hook("post-forward"));
-          model.on_pre_backward(hook("pre-backward"));
-          model.on_post_backward(hook("post-backward"));
-          tracker.reset_peaks();
-          const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
-          ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
-          // Every category but communication, what the constructor changed: the shards of the
-          // parameters and of the gradient in, the model's values and gradients (4 Psi each)
-          // released, the inner optimizer's state, nothing else. The buffers are the design's:
-          // their budget is checked below, with the values.
-          const grading::CategoryBytes constructor_change =
-              grading::current_bytes(tracker) - before_constructor;
-          grading::CategoryBytes expected_change;
-          const std::int64_t shard_in_model_out =
-              static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
-          expected_change[MemoryCategory::kParameters] = shard_in_model_out;
-          expected_change[MemoryCategory::kGradients] = shard_in_model_out;
-          expected_change[MemoryCategory::kCommunication] =
-              constructor_change[MemoryCategory::kCommunication];
-          expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
-          const std::string constructor_differs =
-              grading::category_differences(constructor_change, expected_change);
-          if (!constructor_differs.empty())
-            verdict.fail(fmt::format(
-                "what the constructor changed: {}; the contract: 4 S - 4 Psi = {} of parameters "
-                "and of gradients (the shards in, every value and gradient released), your "
-                "buffers under communication, the inner optimizer's state, nothing else",
-                constructor_differs, shard_in_model_out));
-          verdict.expect_empty(check_released(model), "after the constructor");
-          const grading::CategoryBytes constructed = grading::current_bytes(tracker);
-          tracker.reset_peaks();
-          watching = true;
-          for (int step = 1; step <= 2 && verdict.passed(); ++step) {
-            const Batch batch = grading::on_check_device(
-                grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-            model.backward(grading::forward(model, batch), batch.labels);
-            (void)zero.step();
-            verdict.expect_empty(check_released(model), fmt::format("step {}, after step()", step));
-          }
-          watching = false;
-          if (!hook_finding.empty()) verdict.fail(hook_finding);
-          // Between steps every category but the activations (what the model's loss keeps)
-          // holds what it held after the constructor: the contract's "at all times".
-          grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
-          kept[MemoryCategory::kActivations] = 0;
-          const std::string changed = grading::category_differences(kept, {});
-          if (verdict.passed() && !changed.empty())
-            verdict.fail(fmt::format(
-                "after two steps, against just after the constructor: {}; expected every "
-                "category as it was (the shards and buffers stay, every value and gradient is "
-                "released)",
-                changed));
-          const std::size_t param_peak = tracker.peak(MemoryCategory::kParameters) - param_base;
-          const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
-          const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
-          const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
-          const std::size_t activations =
-              tracker.peak(MemoryCategory::kActivations) - model_activation_base;
-          if (!verdict.passed()) return;
-          const std::string sizes = fmt::format(
-              "S = {}, two largest units {} elements, largest padded unit N C = {} (Psi = {}, N "
-              "= {}, {} units)",
-              shard / 4, two_units / 4, buffer / 4, psi, world, units.size());
-          if (activations > plain_activations)
-            verdict.fail(fmt::format(
-                "{} activation bytes at the peak of the steps, {} for the same forward and "
-                "backward without ZeRO-3; expected no more (values under kParameters, buffers "
-                "under kCommunication)",
-                activations, plain_activations));
-          else if (other_peak != 0)
-            verdict.fail(fmt::format(
-                "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none",
-                other_peak));
-          else if (param_peak > parameter_budget)
-            verdict.fail(fmt::format(
-                "parameter bytes at the peak of the steps {}; the budget is the shard and at most "
-                "two units' values, 4 S + 4 (E_(1) + E_(2)) = {} + {} = {} ({}){}",
-                param_peak, shard, two_units, parameter_budget, sizes,
-                param_peak >= shard + 4 * psi ? ": the whole model is there"
-                                              : ": more units' values than two at once"));
-          else if (grad_peak > parameter_budget)
-            verdict.fail(fmt::format(
-                "gradient bytes at the peak of the steps {}; the budget is the shard of the "
-                "gradient and at most two units' gradients, 4 S + 4 (E_(1) + E_(2)) = {} ({}): "
-                "release each unit's gradients once they are in a buffer",
-                grad_peak, parameter_budget, sizes));
-          else if (param_peak + comm_peak > with_buffers_budget)
-            verdict.fail(fmt::format(
-                "peak(parameters) + peak(communication) = {} + {} = {} bytes; the budget is the "
-                "shard plus two units and their buffers: 4 S + {} x 4 max_u(N C_u){} = {} + {} x "
-                "{}{} = {} ({}): two units each in a gathered copy (a buffer or its values) and "
-                "a gradient buffer",
-                param_peak, comm_peak, param_peak + comm_peak, kBudgetBuffers,
-                norm > 0 ? " + 4 for the norm" : "", shard, kBudgetBuffers, buffer,
-                norm > 0 ? " + 4" : "", with_buffers_budget, sizes));
-          else
-            verdict.note(fmt::format(
-                "N = {}, Psi = {}: parameter peak {} bytes (budget {}), gradient peak {} "
-                "(budget {}), communication peak {}: {} with the parameters against the budget "
-                "4 S + {} x 4 max_u(N C_u){} = {}; lab 6 holds 4 Psi = {} of parameters on every "
-                "rank",
-                world, psi, param_peak, parameter_budget, grad_peak, parameter_budget, comm_peak,
-                param_peak + comm_peak, kBudgetBuffers, norm > 0 ? " + 4" : "", with_buffers_budget,
-                4 * psi));
+          check_parameter_memory(training, world, max_norm, false, comm, verdict);
         },
         draws);
+  }
+  // The lesson's workload: an MLP of many equal hidden layers (each hidden Linear one unit,
+  // the largest), where the shard plus two units and their buffers is well below the whole
+  // model. On the drawn MLPs above the first layer holds most of the parameters, so the
+  // budget is above lab 6's 4 Psi, and a design that keeps every unit gathered (in buffers
+  // of its own, say) fits it there; here it cannot. Local threads on every backend, so that
+  // N = 4 and 8 are there under mpi too (the tracker's counts are the same).
+  Training blocks = training;
+  const std::int64_t hidden = draws.integer("equal blocks: width", 64, 96);
+  const std::int64_t layers = draws.integer("equal blocks: hidden layers", 10, 16);
+  std::string spec = "64";
+  for (std::int64_t l = 0; l < layers; ++l) spec += fmt::format("-{}", hidden);
+  blocks.options.model = spec + "-10";
+  blocks.options.layer_norm = false;
+  blocks.options.activation = "relu";
+  blocks.hidden1 = hidden;
+  blocks.hidden2 = hidden;
+  for (const int world : {4, 8}) {
+    // The workload must make the point: the budget itself below replicated parameters.
+    Model model = blocks.model();
+    const std::vector<Unit> units = contract_units(model, world);
+    const std::size_t budget = 4 * contract_shard(units) +
+                               kBudgetBuffers * 4 * largest_padded_unit(units, world) +
+                               sizeof(float);
+    const std::size_t replicated = replicated_parameter_bytes(model.num_parameters());
+    ASSERT_LT(budget, replicated) << fmt::format(
+        "the check's workload is wrong: on {} with N = {} the budget 4 S + 4 x 4 max_u(N C_u) "
+        "+ 4 = {} bytes is not below lab 6's 4 Psi = {}",
+        blocks.options.model, world, budget, replicated);
+    const float max_norm = world == 4 ? 1.0f : 0.0f;
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          check_parameter_memory(blocks, world, max_norm, true, comm, verdict);
+        },
+        draws, std::chrono::seconds(30), Backend::kLocal);
   }
 }
 

@@ -151,7 +151,10 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///         one float for the norm. With the parameters, peak(`kParameters`) +
 ///         peak(`kCommunication`) <= 4 S + 4 x 4 P (+ 4 with clipping): the shard plus two
 ///         units and their buffers, each unit a gathered copy (a buffer or its values) and a
-///         gradient buffer, each counted as the largest padded unit.
+///         gradient buffer, each counted as the largest padded unit. On an MLP of many equal
+///         hidden layers on 4 and 8 ranks (rubric.json gives the widths) that budget is well
+///         below lab 6's replicated parameters, 4 Psi, and there your peak must be below
+///         4 Psi too: a design that keeps every unit gathered (in values or in buffers) fails.
 ///       - `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak
 ///         too. `kOther`: nothing; `kActivations`: only what the model's forward and backward
 ///         make.
