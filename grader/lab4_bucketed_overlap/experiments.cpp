@@ -4,6 +4,7 @@
 //   lab4_experiments timeline                  # rank 0's ops in one step, flat and bucketed
 //   lab4_experiments sweep                     # step time against the bucket cap, and your
 //                                              # predicted cap
+//   lab4_experiments sweep --alpha-us 80 --gbps 1.25   # the same on a fitted fabric
 //
 // Both print CSV (the handout's figures are drawn from that of the reference build,
 // lab4_experiments_reference, by tools/lab4-figures). Times are simulated: the same on every
@@ -36,12 +37,27 @@ namespace {
 /// What every command shares.
 struct Setup {
   std::string net = "10gbe";
+  double alpha_us = 0;  // with gbps: a fabric of this latency instead of `net`'s
+  double gbps = 0;
   std::string device = "cpu";
   std::string model = "64-640-640-640-640-640-640-640-640-10";
   std::int64_t rows = 48;
   int ranks = 4;
   int steps = 2;
 };
+
+/// The simulated network and device of `setup`: the preset `net`, or with `alpha_us` and
+/// `gbps` set, a fabric of that latency and bandwidth (as lab 0 fits one).
+SimulationOptions simulation_of(const Setup& setup) {
+  SimulationOptions simulation = SimulationOptions::preset(setup.net);
+  if (setup.alpha_us > 0 && setup.gbps > 0) {
+    simulation.network.name = "fitted";
+    simulation.network.fabric.alpha_seconds = setup.alpha_us * 1e-6;
+    simulation.network.fabric.bytes_per_second = setup.gbps * 1e9;
+  }
+  simulation.device = DeviceModel::preset(setup.device);
+  return simulation;
+}
 
 /// How gradients are averaged: lab 2's flat buffer after backward, or buckets.
 struct Strategy {
@@ -59,8 +75,7 @@ RankTrace run(const Setup& setup, const Strategy& strategy) {
   const Dataset data = load_dataset(options.dataset, 1);
   LaunchOptions launch_options;
   launch_options.world_size = setup.ranks;
-  launch_options.simulation = SimulationOptions::preset(setup.net);
-  launch_options.simulation.device = DeviceModel::preset(setup.device);
+  launch_options.simulation = simulation_of(setup);
   RankTrace trace;
   launch(launch_options, [&](Communicator& comm) {
     Model model = make_model(options);
@@ -121,8 +136,7 @@ BackwardProfile profile(const Setup& setup) {
   options.dataset = fmt::format("synthetic:{}", setup.rows);
   const Dataset data = load_dataset(options.dataset, 1);
   LaunchOptions launch_options;
-  launch_options.simulation = SimulationOptions::preset(setup.net);
-  launch_options.simulation.device = DeviceModel::preset(setup.device);
+  launch_options.simulation = simulation_of(setup);
   BackwardProfile result;
   launch(launch_options, [&](Communicator& comm) {
     Model model = make_model(options);
@@ -141,28 +155,40 @@ BackwardProfile profile(const Setup& setup) {
   return result;
 }
 
-void sweep(const Setup& setup) {
+/// Prints the step time against the bucket cap, from `smallest_cap` up by doubling to the
+/// whole gradient, then the predicted cap and the flat step (CSV, the header when `header`).
+void sweep(const Setup& setup, std::size_t smallest_cap, bool header) {
   const BackwardProfile measured = profile(setup);
   std::size_t total = 0;
   for (const GradientReady& gradient : measured.gradients) total += gradient.bytes;
-  const std::size_t predicted = predicted_best_bucket_cap_bytes(
-      measured, setup.ranks, NetworkModel::preset(setup.net).fabric);
-  fmt::print("series,cap_bytes,step_us\n");
+  const std::size_t predicted =
+      predicted_best_bucket_cap_bytes(measured, setup.ranks, simulation_of(setup).network.fabric);
+  const double flat_us = summarize_steps(run(setup, {})).back().total * 1e6;
+  const SimulationOptions simulation = simulation_of(setup);
+  const std::string fabric =
+      fmt::format("alpha {:.3g} us / {:.3g} GB/s", simulation.network.fabric.alpha_seconds * 1e6,
+                  simulation.network.fabric.bytes_per_second / 1e9);
+  // Each row also divides the step by the flat buffer's, so that sweeps over fabrics of very
+  // different speeds share one axis.
+  const auto row = [&](const char* series, std::size_t cap, double step_us) {
+    fmt::print("{},{},{},{:.3f},{:.4f}\n", fabric, series, cap, step_us, step_us / flat_us);
+  };
+  if (header) fmt::print("fabric,series,cap_bytes,step_us,per_flat\n");
   double lowest = 0;
   double highest = 0;
-  for (std::size_t cap = std::size_t{64} << 10;; cap *= 2) {
+  for (std::size_t cap = smallest_cap;; cap *= 2) {
     const std::vector<StepSummary> steps = summarize_steps(run(setup, {true, {cap, cap}}));
     const double step_us = steps.back().total * 1e6;
     lowest = lowest == 0 ? step_us : std::min(lowest, step_us);
     highest = std::max(highest, step_us);
-    fmt::print("simulated step,{},{:.3f}\n", cap, step_us);
+    row("simulated step", cap, step_us);
     if (cap >= total) break;
   }
-  const std::vector<StepSummary> flat = summarize_steps(run(setup, {}));
-  fmt::print("predicted cap,{},{:.3f}\n", predicted, lowest * 0.98);
-  fmt::print("predicted cap,{},{:.3f}\n", predicted, std::max(highest, flat.back().total * 1e6));
-  fmt::print("flat (lab 2),{},{:.3f}\n", std::size_t{64} << 10, flat.back().total * 1e6);
-  fmt::print("flat (lab 2),{},{:.3f}\n", total, flat.back().total * 1e6);
+  // The prediction as a vertical line from below the lowest step to above the highest.
+  row("predicted cap", predicted, lowest * 0.98);
+  row("predicted cap", predicted, std::max(highest, flat_us));
+  row("flat (lab 2)", smallest_cap, flat_us);
+  row("flat (lab 2)", total, flat_us);
 }
 
 }  // namespace
@@ -191,10 +217,17 @@ int main(int argc, char** argv) {
   CLI::App* sweep_command =
       app.add_subcommand("sweep", "Step time against the bucket cap, and your prediction (CSV)");
   add_common(sweep_command);
+  std::size_t smallest_cap = std::size_t{4} << 10;
+  bool no_header = false;
+  sweep_command->add_option("--from", smallest_cap, "Smallest cap in bytes")->capture_default_str();
+  sweep_command->add_option("--alpha-us", setup.alpha_us,
+                            "Latency of a fitted fabric (with --gbps)");
+  sweep_command->add_option("--gbps", setup.gbps, "Bandwidth of a fitted fabric in GB/s");
+  sweep_command->add_flag("--no-header", no_header, "Leave out the CSV header line");
   try {
     app.parse(argc, argv);
     if (timeline_command->parsed()) timeline(setup, cap);
-    if (sweep_command->parsed()) sweep(setup);
+    if (sweep_command->parsed()) sweep(setup, smallest_cap, !no_header);
   } catch (const CLI::ParseError& error) {
     return app.exit(error);
   } catch (const std::exception& error) {
