@@ -1166,12 +1166,13 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
             for (const WrongFormula& formula : wrong)
               if (predicted == formula.bytes && bytes != formula.bytes)
                 mistakes.push_back(formula.what);
-            const std::string hint =
-                mistakes.empty()
-                    ? ""
-                    : fmt::format("; that is what a count with {} gives{}",
-                                  fmt::join(mistakes, ", or with "),
-                                  mistakes.size() > 1 ? " (on this layout they coincide)" : "");
+            std::string hint;
+            if (mistakes.size() == 1)
+              hint = fmt::format("; a count with {} predicts exactly that", mistakes.front());
+            else if (mistakes.size() > 1)
+              hint = fmt::format(
+                  "; counts with {} each predict exactly that (on this layout they coincide)",
+                  fmt::join(mistakes, ", or with "));
             if (predicted != bytes)
               verdict.fail(fmt::format(
                   "{}{} on N = {}, cap {} bytes ({} bucket{}): predicted {} bytes; expected what "
