@@ -337,6 +337,25 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                                                         grading::check_device());
                          });
                        });
+          {
+            // The inner optimizer's state on another device than the model's: every update
+            // would mix the devices (a student trial left this check out and kept full marks).
+            const Device device = model.device();
+            const Device other = device == Device::kHost ? Device::kCuda : Device::kHost;
+            const std::string what = fmt::format(
+                "a factory whose optimizer keeps its state in {} memory (the model's is {})",
+                to_string(other), to_string(device));
+            try {
+              ZeroOneOptimizer zero(model, comm,
+                                    [&](std::size_t s) { return grading::plain_sgd_on(s, other); });
+              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error& error) {
+              verdict.expect_empty(grading::device_mismatch_finding(error.what(), device, other),
+                                   what);
+            }
+          }
           if (!verdict.passed()) return;
           std::vector<std::size_t> asked;
           const Optimizer* made = nullptr;
@@ -365,7 +384,8 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
-                "returning nullptr or an optimizer of the wrong size throw dp::Error; the factory "
+                "returning nullptr or an optimizer of the wrong size or on another device than the "
+                "model's (the message naming both) throw dp::Error; the factory "
                 "is called once with S");
         },
         draws);
@@ -658,11 +678,12 @@ TEST(Lab5Memory, EveryCategoryWithinItsBudget) {
                               "constructor's)",
                               where, in_step));
             else
+              // No byte counts of the student's buffers: with the model's own they add up to
+              // the design question's answer, which the score table must not give away.
               verdict.note(fmt::format(
-                  "{}: {} bytes per rank besides the model ({}), current and at the peak, "
-                  "within the budget's {}; the state {} against {} unsharded ({:.2f}x less)",
-                  name, constructed.total(), grading::describe_bytes(constructed), budget.total(),
-                  budget[MemoryCategory::kOptimizerState], 4 * floats * p.num_parameters,
+                  "{}: every category within its budget after the constructor, at its peak and "
+                  "around every step; the optimizer state {:.2f}x less than unsharded",
+                  name,
                   static_cast<double>(4 * floats * p.num_parameters) /
                       static_cast<double>(budget[MemoryCategory::kOptimizerState])));
           }

@@ -461,6 +461,25 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                          });
                        });
           {
+            // The inner optimizer's state on another device than the model's: every update
+            // would mix the devices (a student trial left this check out and kept full marks).
+            const Device device = model.device();
+            const Device other = device == Device::kHost ? Device::kCuda : Device::kHost;
+            const std::string what = fmt::format(
+                "a factory whose optimizer keeps its state in {} memory (the model's is {})",
+                to_string(other), to_string(device));
+            try {
+              ZeroThreeOptimizer zero(
+                  model, comm, [&](std::size_t s) { return grading::plain_sgd_on(s, other); });
+              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error& error) {
+              verdict.expect_empty(grading::device_mismatch_finding(error.what(), device, other),
+                                   what);
+            }
+          }
+          {
             // A second optimizer on a model whose values the first released: it would shard
             // empty values. Its own model, never run: a second set of hooks stays on it.
             Model released = training.model();
@@ -549,7 +568,8 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a released value, a negative, NaN or infinite max_norm, an "
-                "empty factory, one returning nullptr or an optimizer of the wrong size throw "
+                "empty factory, one returning nullptr or an optimizer of the wrong size or on "
+                "another device than the model's (the message naming both) throw "
                 "dp::Error, and so do a step without a backward, a step after a backward that "
                 "stopped before unit 0 and a second backward before step(); a forward alone "
                 "between steps works; the factory is called once with S; a step is one "

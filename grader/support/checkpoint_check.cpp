@@ -223,14 +223,14 @@ std::string read_back(const std::filesystem::path& directory, const Expected& ex
 /// file, to show that `load_checkpoint` checks what it loads.
 void save_foreign_checkpoint(const std::filesystem::path& directory,
                              std::vector<CheckpointParameter> parameters,
-                             std::vector<std::string> tensors) {
+                             std::vector<std::string> tensors, const std::string& step = "7") {
   ShardedCheckpointPlan plan;
   plan.parameters = std::move(parameters);
   const std::vector<std::vector<std::size_t>> segments = {all_parameters(plan.parameters)};
   plan.layouts = chunked_layouts(plan.parameters, segments, 1);
   plan.tensors = std::move(tensors);
   // A step count and values no run of the check has: a load that writes any shows.
-  plan.metadata = {{"step", "7"}};
+  plan.metadata = {{"step", step}};
   std::vector<Tensor> values;
   for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
     values.emplace_back(
@@ -482,6 +482,18 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                          [&](const std::filesystem::path& where) {
                            save_foreign_checkpoint(where, expected.parameters, {kShardParameters});
                          }});
+      // This model's parameters and every tensor the load needs, its only defect a "step"
+      // that is not a count: a load that reads the step only after writing the shards (a
+      // student trial's) throws with the training state half loaded. "12x" also fails a
+      // parse that stops at the first non-digit; "-1" one that takes a sign.
+      for (const std::string step : {"12x", "-1"})
+        foreign.push_back(
+            {fmt::format("a checkpoint of this model and its optimizer state whose \"step\" is "
+                         "\"{}\"",
+                         step),
+             step, [&, step](const std::filesystem::path& where) {
+               save_foreign_checkpoint(where, expected.parameters, state_names, step);
+             }});
       for (const Foreign& bad : foreign) {
         // A directory of this process's own: under mpi every process runs this part.
         const std::filesystem::path where = make_directory();
@@ -553,8 +565,9 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
           "index's layouts and the consolidated parameters and optimizer state are the emulation's "
           "bitwise; loaded on 2, 3 and 4 ranks (shards of {}, {} and {}){} it trained on bitwise; "
           "a "
-          "checkpoint of other shapes (one of the same element count) or without optimizer "
-          "state throws dp::Error naming what differs and changes nothing",
+          "checkpoint of other shapes (one of the same element count), without optimizer "
+          "state or whose \"step\" is not a count throws dp::Error naming what differs and "
+          "changes nothing",
           training.options.optimizer, k, steps, expected.layouts.at(4).front().shard_elements,
           expected.layouts.at(2).front().shard_elements,
           expected.layouts.at(3).front().shard_elements,

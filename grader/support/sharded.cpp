@@ -2,11 +2,15 @@
 #include "sharded.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "dp/tensor_ops.h"
 
@@ -91,6 +95,26 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options) {
   return [options](std::size_t shard) { return optimizer_for(options, shard); };
+}
+
+std::unique_ptr<Optimizer> plain_sgd_on(std::size_t shard, Device device) {
+  return std::make_unique<Sgd>(shard, SgdOptions{}, device);
+}
+
+std::string device_mismatch_finding(std::string_view message, Device model, Device inner) {
+  std::string lower(message);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  // "cuda (emulated)" names the device "cuda": the first word is the name.
+  const auto name = [](Device device) { return device == Device::kHost ? "host" : "cuda"; };
+  std::vector<std::string> missing;
+  for (const Device device : {inner, model})
+    if (lower.find(name(device)) == std::string::npos)
+      missing.push_back(fmt::format("\"{}\" ({})", name(device),
+                                    device == inner ? "the optimizer's" : "the model's"));
+  if (missing.empty()) return "";
+  return fmt::format("the message \"{}\" does not name {}; expected it to name both devices",
+                     message, fmt::join(missing, " or "));
 }
 
 UpdateRecorder::UpdateRecorder(std::unique_ptr<Optimizer> inner)

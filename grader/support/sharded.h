@@ -91,6 +91,17 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options);
 
+/// Plain SGD over `shard` elements with its state on `device`: what the constructors of the
+/// ZeRO optimizers are given to show that they compare the inner optimizer's device with the
+/// model's. Plain SGD keeps no state tensor, so it can be made for a device this machine
+/// lacks (a CUDA device without a GPU): only its `device()` says where its state would live.
+std::unique_ptr<Optimizer> plain_sgd_on(std::size_t shard, Device device);
+
+/// "" when `message`, the dp::Error of a constructor given an inner optimizer on `inner`
+/// for a model on `model`, names both devices (their names as dp::to_string spells them,
+/// "host" and "cuda", in any case); else what it lacks.
+std::string device_mismatch_finding(std::string_view message, Device model, Device inner);
+
 /// An optimizer that passes every update on to `inner`, on inner's device, and records the
 /// (offset, elements) of each: how labs 6 and 7 see that a step is one update over the whole
 /// shard. (grading::RecordingOptimizer also records the gradients, on the host only.)

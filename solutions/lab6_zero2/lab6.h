@@ -121,7 +121,10 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// the inner optimizer, and for each bucket in bucket order all-gathers the bucket's chunk
 /// of the updated parameters (C elements) into that bucket's buffer (N C elements) and
 /// writes every parameter's value from it. Every rank then holds the same parameters:
-/// bitwise lab 2's.
+/// bitwise lab 2's. The all-gathers are issued in bucket order; where you wait for them is
+/// yours: they may overlap one another (bucket k + 1's in flight while you wait for bucket
+/// k's and copy it out), as long as a buffer's all-gather is waited on and its values
+/// written before the next all-gather into that buffer is issued.
 ///
 /// Memory, from the `MemoryTracker` (bytes, float32), each checked:
 ///   * `kGradients`: the shard of the gradient, 4 S bytes, at all times; during backward
@@ -150,7 +153,7 @@ class ZeroTwoOptimizer {
   /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
   /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
   /// whose `state_size()` is not S or whose state lives on another device than the model's
-  /// (`Optimizer::device()`, `Model::device()`).
+  /// (`Optimizer::device()`, `Model::device()`; the message names both devices).
   ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
                    std::size_t bucket_cap_bytes, float max_norm = 0.0f);
   /// Waits for any call still running (a `Work` must not outlive its buffer).
@@ -216,12 +219,14 @@ class ZeroTwoOptimizer {
   /// model's, when its tensors are not "params" and the inner optimizer's state names
   /// (compared as a set: the order they were saved in is free), or when its metadata
   /// "step" is not a step count in decimal. The message names what differs: the first
-  /// differing parameter, with the shape expected and the shape seen, or the tensors
-  /// expected and seen. A bad checkpoint throws before anything changes: this rank's
-  /// shards, the inner optimizer's state and step count and every parameter's value are then as
-  /// they were (check everything before writing anything). Checked: a checkpoint saved on 4 ranks,
-  /// loaded on 2, 3 and 4 (and on 4 with another bucket cap), must continue the training bitwise;
-  /// each bad checkpoint must throw, name what differs, and change nothing.
+  /// differing parameter, with the shape expected and the shape seen, the tensors
+  /// expected and seen, or the "step" seen. A bad checkpoint throws before anything
+  /// changes: this rank's shards, the inner optimizer's state and step count and every
+  /// parameter's value are then as they were (check everything, "step" included, before
+  /// writing anything). Checked: a checkpoint saved on 4 ranks, loaded on 2, 3 and 4 (and
+  /// on 4 with another bucket cap), must continue the training bitwise; each bad checkpoint
+  /// (other shapes, no optimizer state, a "step" that is not a count) must throw, name what
+  /// differs, and change nothing.
   void load_checkpoint(const std::filesystem::path& directory);
 
  private:
@@ -230,11 +235,15 @@ class ZeroTwoOptimizer {
 };
 
 /// Design question, graded against the `MemoryTracker`: the gradient memory of one rank
-/// at its peak, peak(`kGradients`) + peak(`kCommunication`) over a step of your
-/// `ZeroTwoOptimizer` (clipping off), both measured from just after its constructor, for
-/// `model` (read, not changed) on `world_size` ranks with `bucket_cap_bytes`. Count the shard, what
-/// backward holds before your hook releases it, and your buffers; compare it with lab 4's DDP,
-/// which holds 4 Psi of gradients and 4 Psi of buckets (README.md derives both).
+/// at its peak, peak(`kGradients`) + peak(`kCommunication`) over one backward and one
+/// `step()` of your `ZeroTwoOptimizer` (clipping off), for `model` (read, not changed) on
+/// `world_size` ranks with `bucket_cap_bytes`. Each peak is the category's whole value at
+/// its highest, what the model and your optimizer hold in it, not its increase over the
+/// value after the constructor: what the constructor allocated and still holds counts. The
+/// peaks are taken from just after the constructor returns: what the constructor held
+/// only for a moment does not count. Count the shard, what backward holds before your hook
+/// releases it, and your buffers; compare it with lab 4's DDP, which holds 4 Psi of
+/// gradients and 4 Psi of buckets (README.md derives both).
 ///
 /// The grader draws models, world sizes and caps (rubric.json lists the ranges), runs one
 /// backward and one step on each rank, and expects your prediction exactly. On every seed

@@ -183,7 +183,8 @@ class ZeroThreeOptimizer {
   /// Throws `dp::Error` when a parameter of `model` is frozen or already released, when
   /// `max_norm` is negative or not finite, when `make_inner` is empty, returns nullptr,
   /// or returns an optimizer whose `state_size()` is not S or whose state lives on another
-  /// device than the model's (`Optimizer::device()`, `Model::device()`).
+  /// device than the model's (`Optimizer::device()`, `Model::device()`; the message names
+  /// both devices).
   ZeroThreeOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
                      float max_norm = 0.0f);
   /// Waits for any call still running (a `Work` must not outlive its buffer).
@@ -253,12 +254,13 @@ class ZeroThreeOptimizer {
   /// model's, when its tensors are not "params" and the inner optimizer's state names
   /// (compared as a set: the order they were saved in is free), or when its metadata
   /// "step" is not a step count in decimal. The message names what differs: the first
-  /// differing parameter, with the shape expected and the shape seen, or the tensors
-  /// expected and seen. A bad checkpoint throws before anything changes: this rank's
-  /// shards, the inner optimizer's state and step count are then as they were (check
-  /// everything before writing anything). Checked: a checkpoint saved on 4 ranks, loaded on
-  /// 2, 3 and 4, must continue the training bitwise; each bad checkpoint must throw,
-  /// name what differs, and change nothing.
+  /// differing parameter, with the shape expected and the shape seen, the tensors
+  /// expected and seen, or the "step" seen. A bad checkpoint throws before anything
+  /// changes: this rank's shards, the inner optimizer's state and step count are then as
+  /// they were (check everything, "step" included, before writing anything). Checked: a
+  /// checkpoint saved on 4 ranks, loaded on 2, 3 and 4, must continue the training bitwise;
+  /// each bad checkpoint (other shapes, no optimizer state, a "step" that is not a count)
+  /// must throw, name what differs, and change nothing.
   void load_checkpoint(const std::filesystem::path& directory);
 
  private:
