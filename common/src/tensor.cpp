@@ -2,8 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <new>
+#include <shared_mutex>
 #include <utility>
 
 #include "cuda/device_ops.h"
@@ -45,7 +49,51 @@ std::atomic<bool> emulating_cuda{false};
 // since their memory was allocated by (and must return to) the one that was on.
 std::atomic<std::int64_t> device_tensors_alive{0};
 
+/// The blocks of emulated device memory (device_dispatch.h), by the address of their first
+/// byte: the size of each. Every rank's thread notes and reads them.
+struct EmulatedDeviceBlocks {
+  std::shared_mutex mutex;
+  std::map<std::uintptr_t, std::size_t> bytes_at;
+};
+
+EmulatedDeviceBlocks& emulated_device_blocks() {
+  static EmulatedDeviceBlocks blocks;
+  return blocks;
+}
+
+/// True for a tensor or buffer on `device` that lives in emulated device memory.
+bool in_emulated_device(Device device) {
+  return device != Device::kHost && !detail::on_gpu(device);
+}
+
 }  // namespace
+
+void detail::note_emulated_device_memory(const void* first, std::size_t bytes) {
+  if (first == nullptr || bytes == 0) return;
+  const UncountedHeapAllocations bookkeeping;  // the runtime's, not the lab's
+  EmulatedDeviceBlocks& blocks = emulated_device_blocks();
+  const std::unique_lock lock(blocks.mutex);
+  blocks.bytes_at[reinterpret_cast<std::uintptr_t>(first)] = bytes;
+}
+
+void detail::forget_emulated_device_memory(const void* first) {
+  if (first == nullptr) return;
+  EmulatedDeviceBlocks& blocks = emulated_device_blocks();
+  const std::unique_lock lock(blocks.mutex);
+  blocks.bytes_at.erase(reinterpret_cast<std::uintptr_t>(first));
+}
+
+bool detail::in_emulated_device_memory(const void* first, std::size_t bytes) {
+  const auto start = reinterpret_cast<std::uintptr_t>(first);
+  EmulatedDeviceBlocks& blocks = emulated_device_blocks();
+  const std::shared_lock lock(blocks.mutex);
+  // The last block that begins at or before `first`: the only one that can hold it.
+  auto after = blocks.bytes_at.upper_bound(start);
+  if (after == blocks.bytes_at.begin()) return false;
+  const auto& [block, size] = *std::prev(after);
+  const std::uintptr_t offset = start - block;
+  return offset <= size && bytes <= size - offset;  // written so that nothing wraps around
+}
 
 void set_cuda_device_emulated(bool emulated) {
   const std::int64_t alive = device_tensors_alive.load();
@@ -179,6 +227,7 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
       data_ = static_cast<float*>(cuda::allocate(bytes()));
     else
       data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+    if (in_emulated_device(device_)) detail::note_emulated_device_memory(data_, bytes());
     if (device_ != Device::kHost) ++device_tensors_alive;
   } catch (const std::bad_alloc&) {
     // The machine refused the bytes (a huge model, data set or checkpoint): say what and how
@@ -205,6 +254,7 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
 void Tensor::release() {
   if (owner_ != nullptr) {
     owner_->tracker().on_release(category_, bytes());
+    if (in_emulated_device(device_)) detail::forget_emulated_device_memory(data_);
     if (detail::on_gpu(device_))
       cuda::deallocate(data_);
     else

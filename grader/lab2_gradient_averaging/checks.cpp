@@ -846,30 +846,43 @@ TEST(Lab2Accumulation, ReturnsTheMeanLossOfTheMicroBatches) {
 // --- design question 1: what the flat buffer saves
 // ------------------------------------------------------------------
 
-/// A plausible wrong answer to the design question, and what it predicts.
+/// A plausible wrong answer to a design question, and what it predicts.
 struct WrongFormula {
   std::string what;
   double seconds = 0;
 };
 
-/// The plausible wrong formulas for P parameters on `world` ranks with latency `alpha`, for
-/// the feedback of a near miss. (This file ships with the student release: the right answer
-/// is the simulated clock's, never written here.)
-std::vector<WrongFormula> wrong_formulas(std::size_t parameters, int world, double alpha) {
-  const double p = static_cast<double>(parameters);
-  const double n = static_cast<double>(world);
-  const double tree = 2.0 * std::ceil(std::log2(n));
-  return {
-      {"P calls saved instead of P - 1 (the flat call pays its latencies too)",
-       2.0 * (n - 1) * p * alpha},
-      {"one round trip, 2 alpha, per all-reduce instead of a ring's 2 (N-1) latencies",
-       2.0 * (p - 1) * alpha},
-      {"2 N latencies per all-reduce instead of 2 (N-1)", 2.0 * n * (p - 1) * alpha},
-      {"a tree's 2 ceil(log2 N) latencies per all-reduce instead of a ring's 2 (N-1)",
-       tree * (p - 1) * alpha},
-      {"N - 1 latencies per all-reduce (the reduce-scatter half only)", (n - 1) * (p - 1) * alpha},
-  };
+/// One simulated fabric and device, drawn for design question 2.
+struct BreakEvenNetwork {
+  int world = 1;
+  std::size_t parameters = 1;
+  LinkModel link;
+  DeviceModel device;
+  std::string fabric;  // what the draw was, for messages
+};
+
+/// The break-even size of a flat buffer whose time minus the per-gradient time is
+/// `fixed_seconds + seconds_per_byte * S`: where that crosses 0, or 0 when it never does.
+double break_even_of(double fixed_seconds, double seconds_per_byte) {
+  return fixed_seconds < 0 ? -fixed_seconds / seconds_per_byte : 0.0;
 }
+
+// The plausible wrong answers to the two design questions (`wrong_formulas`,
+// `wrong_break_even_formulas`) name a near miss in the feedback, and the checks fail as a
+// grader bug where the draws do not tell one of them from the right answer. Each is the
+// right formula with one term changed, so reading them gives the answer away: they live in
+// instructor/design_near_misses.h, which the student release leaves out. There the checks
+// grade the same (against the simulated clock, which is the answer) and name no near miss.
+#if __has_include("instructor/design_near_misses.h")
+#include "instructor/design_near_misses.h"
+#else
+std::vector<WrongFormula> wrong_formulas(std::size_t, int, double) {
+  return {};
+}
+std::vector<WrongFormula> wrong_break_even_formulas(const BreakEvenNetwork&) {
+  return {};
+}
+#endif
 
 /// ": the prediction is that of <formula>" when `predicted` is one of the wrong formulas
 /// (within the check's tolerance) where the right answer is not, else "".
@@ -971,10 +984,11 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
         "grader bug: {} plausible wrong formula(s) "
         "matched every simulated network\n({})",
         missed, draws.describe());
-  grading::note_measured(fmt::format(
-      "the simulated networks tell the right prediction from {} plausible wrong formulas, each "
-      "one term away from it",
-      separated.size()));
+  if (!separated.empty())
+    grading::note_measured(fmt::format(
+        "the simulated networks tell the right prediction from {} plausible wrong formulas, "
+        "each one term away from it",
+        separated.size()));
 
   // Networks too large to simulate here (thousands of ranks): the answer must come from the
   // cost model, not from running the simulation. The grader evaluates the simulated
@@ -1021,48 +1035,6 @@ TEST(Lab2Design, PredictsWhatTheFlatBufferSaves) {
 }
 
 // --- design question 2: the flat buffer's break-even size -----------------------------------
-
-/// One simulated fabric and device, drawn for design question 2.
-struct BreakEvenNetwork {
-  int world = 1;
-  std::size_t parameters = 1;
-  LinkModel link;
-  DeviceModel device;
-  std::string fabric;  // what the draw was, for messages
-};
-
-/// The break-even size of a flat buffer whose time minus the per-gradient time is
-/// `fixed_seconds + seconds_per_byte * S`: where that crosses 0, or 0 when it never does.
-double break_even_of(double fixed_seconds, double seconds_per_byte) {
-  return fixed_seconds < 0 ? -fixed_seconds / seconds_per_byte : 0.0;
-}
-
-/// The plausible wrong answers to design question 2 on `net`, for the feedback of a near
-/// miss; the right one is where the two ways' times cross on the simulated clock.
-std::vector<WrongFormula> wrong_break_even_formulas(const BreakEvenNetwork& net) {
-  const double p = static_cast<double>(net.parameters);
-  const double n = static_cast<double>(net.world);
-  const double alpha = net.link.alpha_seconds;
-  const double launch = net.device.launch_seconds;
-  const double rate = net.device.flops_per_second;
-  const double bandwidth = net.device.bytes_per_second;
-  const double per_float = std::max(1.0 / rate, 8.0 / bandwidth);
-  const double right_per_byte = 2.0 * per_float / 4.0;
-  const double saved = 2.0 * (n - 1) * (p - 1) * alpha;
-  return {
-      {"2 N latencies saved per call instead of the ring's 2 (N-1)",
-       break_even_of(2 * p * launch - 2.0 * n * (p - 1) * alpha, right_per_byte)},
-      {"P calls saved instead of P - 1 (the flat call pays its latencies too)",
-       break_even_of(2 * p * launch - 2.0 * (n - 1) * p * alpha, right_per_byte)},
-      {"the copies counted once instead of twice (into the buffer and back out)",
-       break_even_of(p * launch - saved, per_float / 4.0)},
-      {"a copy moving 4 bytes per float instead of 8 (it reads and writes each)",
-       break_even_of(2 * p * launch - saved, 2.0 * std::max(1.0 / rate, 4.0 / bandwidth) / 4.0)},
-      {"the copies' launch costs left out", break_even_of(-saved, right_per_byte)},
-      {"the roofline's two terms added instead of their maximum",
-       break_even_of(2 * p * launch - saved, 2.0 * (1.0 / rate + 8.0 / bandwidth) / 4.0)},
-  };
-}
 
 /// The flat way's time minus the per-gradient way's, on the simulated clock of `net`, for
 /// gradients of `elements[i]` floats: both timed on every rank from the same instant until
@@ -1239,10 +1211,11 @@ TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
         "grader bug: {} plausible wrong formula(s) for the break-even size matched every "
         "simulated network\n({})",
         missed, draws.describe());
-  grading::note_measured(fmt::format(
-      "the simulated networks tell the right break-even size from {} plausible wrong formulas, "
-      "each one term away from it",
-      separated.size()));
+  if (!separated.empty())
+    grading::note_measured(
+        fmt::format("the simulated networks tell the right break-even size from {} plausible wrong "
+                    "formulas, each one term away from it",
+                    separated.size()));
 }
 
 // --- calibration of the tolerances (not graded) ---------------------------------------------

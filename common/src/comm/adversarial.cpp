@@ -62,6 +62,7 @@
 #include <string_view>
 #include <utility>
 
+#include "comm/argument_checks.h"
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/clock.h"
@@ -84,6 +85,8 @@ class Staging {
     data_ = static_cast<unsigned char*>(!on_gpu(device_) ? std::malloc(bytes_)
                                                          : cuda::allocate(bytes_));
     if (data_ == nullptr) throw std::bad_alloc();
+    // The backend below checks that a device buffer lies in device memory.
+    if (on_emulated_device()) note_emulated_device_memory(data_, bytes_);
   }
   Staging(Staging&& other) noexcept
       : data_(std::exchange(other.data_, nullptr)),
@@ -98,6 +101,7 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
   ~Staging() {
+    if (on_emulated_device()) forget_emulated_device_memory(data_);
     if (!on_gpu(device_))
       std::free(data_);
     else
@@ -108,6 +112,8 @@ class Staging {
   std::size_t bytes() const { return bytes_; }
 
  private:
+  bool on_emulated_device() const { return device_ != Device::kHost && !on_gpu(device_); }
+
   unsigned char* data_ = nullptr;
   std::size_t bytes_ = 0;
   Device device_ = Device::kHost;
@@ -569,6 +575,7 @@ class Decorator final : public AdversarialCommunicator {
     pending.number = ++calls_;
     pending.call = fmt::format("{} (its call #{}: {})", kind, pending.number, what);
     pending.rank = inner_.rank();
+    require_device_memory(input, kind);
     pending.input = input;
     pending.input_copy = copy_of(input);
     pending.check_input = check;
@@ -577,6 +584,7 @@ class Decorator final : public AdversarialCommunicator {
 
   Pending with_output(std::string_view kind, std::string_view what, ConstBuffer input,
                       MutableBuffer output) {
+    require_device_memory(output, kind);
     Pending pending = with_input(kind, what, input, /*check=*/true);
     // An input inside the output (an all-gather or reduce-scatter in place) holds the
     // poison there: only its other bytes must stay as they were.

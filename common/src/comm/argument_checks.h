@@ -22,6 +22,11 @@ namespace dp::detail {
 /// a buffer in <accepted> memory, got one in <seen> memory", with what to do instead.
 void require_device(Device seen, Device accepted, std::string_view backend, std::string_view call);
 
+/// Throws `dp::Error` for a buffer labelled `Device::kCuda` on the emulated device that does
+/// not lie inside device memory (a device tensor, a view or slice of one): a GPU refuses a
+/// host address given as a device one, and so must its emulation (device_dispatch.h).
+void require_device_memory(ConstBuffer buffer, std::string_view call);
+
 /// Throws `dp::Error` unless `in` and `out` of one call live on the same device.
 void require_same_device(ConstBuffer in, MutableBuffer out, std::string_view call);
 

@@ -1,7 +1,9 @@
 #include "dp/comm.h"
 
 #include "comm/argument_checks.h"
+#include "device_dispatch.h"
 #include "dp/error.h"
+#include "dp/tensor.h"
 
 namespace dp {
 
@@ -110,6 +112,17 @@ void require_device(Device seen, Device accepted, std::string_view backend, std:
       fmt::format("{} on the {} backend: expected a buffer in {} memory, got one in {} "
                   "memory; {}",
                   call, backend, to_string(accepted), to_string(seen), advice));
+}
+
+void require_device_memory(ConstBuffer buffer, std::string_view call) {
+  if (buffer.device != Device::kCuda || buffer.count == 0 || !cuda_device_emulated()) return;
+  if (in_emulated_device_memory(buffer.data, buffer.bytes())) return;
+  throw Error(fmt::format(
+      "{}: a buffer of {} {} elements in {} memory lies outside every device tensor: "
+      "expected device memory (a view or slice of a Tensor on Device::kCuda); a GPU refuses "
+      "host memory given as device memory. Keep what the call sends in a tensor on the "
+      "model's device and hand the communicator its view",
+      call, buffer.count, to_string(buffer.type), to_string(buffer.device)));
 }
 
 void require_same_device(ConstBuffer in, MutableBuffer out, std::string_view call) {

@@ -639,6 +639,7 @@ class EmulatedNcclCommunicator final : public Communicator {
  private:
   void check_buffer(ConstBuffer data, std::string_view call) const {
     require_device(data.device, Device::kCuda, "nccl", call);
+    require_device_memory(data, call);
   }
 
   std::unique_ptr<Work> hold(CommOp op, MutableBuffer data, int peer, int tag) {

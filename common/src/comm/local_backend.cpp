@@ -44,6 +44,7 @@ std::shared_ptr<Operation> make_operation(CommOp op, int rank) {
 
 std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int tag) {
   require_peer_in_range(peer, size(), "isend");
+  require_device_memory(data, "isend");
   auto operation = make_operation(CommOp::kSend, rank_);
   operation->input = data;
   operation->gate = DeviceGate::at_issue(data, {});
@@ -57,6 +58,7 @@ std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int t
 
 std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int tag) {
   require_peer_in_range(peer, size(), "irecv");
+  require_device_memory(data, "irecv");
   auto operation = make_operation(CommOp::kRecv, rank_);
   operation->output = data;
   operation->gate = DeviceGate::at_issue({}, data);
@@ -70,6 +72,7 @@ std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int
 
 std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
   require_reducible(data, "allreduce");
+  require_device_memory(data, "allreduce");
   auto operation = make_operation(CommOp::kAllReduce, rank_);
   operation->input = data;
   operation->output = data;
@@ -87,6 +90,8 @@ std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableB
   require_reducible(in, "reduce_scatter");
   require_same_device(in, out, "reduce_scatter");
   require_reduce_scatter_sizes(in, out, size());
+  require_device_memory(in, "reduce_scatter");
+  require_device_memory(out, "reduce_scatter");
   auto operation = make_operation(CommOp::kReduceScatter, rank_);
   operation->input = in;
   operation->output = out;
@@ -102,6 +107,8 @@ std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableB
 std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer out) {
   require_same_device(in, out, "allgather");
   require_allgather_sizes(in, out, size());
+  require_device_memory(in, "allgather");
+  require_device_memory(out, "allgather");
   auto operation = make_operation(CommOp::kAllGather, rank_);
   operation->input = in;
   operation->output = out;
@@ -114,6 +121,7 @@ std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer
 
 std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root) {
   require_peer_in_range(root, size(), "broadcast root");
+  require_device_memory(data, "broadcast");
   auto operation = make_operation(CommOp::kBroadcast, rank_);
   operation->input = data;
   operation->output = data;
