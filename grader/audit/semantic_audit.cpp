@@ -31,7 +31,7 @@ struct Matcher {
 
 // Every matcher looks at the lab's own file only (isExpansionInMainFile), template instances
 // included (traversal AsIs).
-constexpr std::array<Matcher, 15> kMatchers = {{
+constexpr std::array<Matcher, 16> kMatchers = {{
     {"reinterpreting_cast",
      R"(castExpr(isExpansionInMainFile(), anyOf(hasCastKind("CK_IntegralToPointer"),
         hasCastKind("CK_PointerToIntegral"), hasCastKind("CK_BitCast"),
@@ -130,6 +130,27 @@ constexpr std::array<Matcher, 15> kMatchers = {{
      "a library function given addresses (std::memcpy, std::copy, a range of pointers) reads "
      "or writes as far as it is told, unchecked: use containers, their checked operator[], "
      "and the std::ranges algorithms on whole containers"},
+    // An element address (float*, std::byte*, void*) handed to a library constructor or
+    // member function: std::tuple, std::optional's in_place, a container's emplace, whose
+    // code in a system header then builds a view or buffer from it, out of
+    // view_from_pointer's sight (std::make_from_tuple<dp::MutableBuffer> relabelled a host
+    // span as device memory so; a span from a pointer is view_from_pointer's finding).
+    // Pointers to objects (a Parameter*, a Layer*) and to characters stay allowed.
+    {"element_address_to_library",
+     R"(expr(isExpansionInMainFile(), anyOf(
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader(),
+                             unless(ofClass(hasAnyName("::std::span", "::std::basic_string_view"))))),
+            hasAnyArgument(hasType(pointsTo(qualType(anyOf(hasCanonicalType(builtinType()),
+                hasCanonicalType(enumType(hasDeclaration(enumDecl(hasName("::std::byte")))))),
+                unless(isAnyCharacter())))))),
+        cxxMemberCallExpr(callee(cxxMethodDecl(isExpansionInSystemHeader())),
+            hasAnyArgument(hasType(pointsTo(qualType(anyOf(hasCanonicalType(builtinType()),
+                hasCanonicalType(enumType(hasDeclaration(enumDecl(hasName("::std::byte")))))),
+                unless(isAnyCharacter())))))))))",
+     "an element address passed to a library type",
+     "a library type given the address of tensor or container elements (a std::tuple, an "
+     "optional or a container built from it) can turn it into a view or buffer of any length "
+     "and any device: take views from tensors (view, slice) and from containers"},
     {"address_as_number",
      R"(expr(isExpansionInMainFile(), anyOf(
         cxxOperatorCallExpr(callee(cxxMethodDecl(ofClass(classTemplateSpecializationDecl(

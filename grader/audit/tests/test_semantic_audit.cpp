@@ -102,6 +102,29 @@ TEST_F(SemanticAuditTest, RangesOverOtherMemoryAndModelsOfTheLabsOwnAreFound) {
              "17:a model or a layer of the lab's own", "18:a model or a layer of the lab's own"}));
 }
 
+TEST_F(SemanticAuditTest, ElementAddressesHandedToLibraryTypesAreFound) {
+  // The lab 2 relabelling: a host span's address in a std::tuple, made a MutableBuffer on
+  // the device by std::make_from_tuple inside a system header; and the same through an
+  // optional and a container. A pointer to an object (a struct) is fine.
+  EXPECT_EQ(
+      found("#include <optional>\n#include <span>\n#include <tuple>\n#include <utility>\n"
+            "#include <vector>\n#include \"dp/comm.h\"\nstruct S { int a; };\n"
+            "void f(std::span<float> host, dp::Device device, std::vector<S*>& objects, S& s) {\n"
+            "  auto buffer = std::make_from_tuple<dp::MutableBuffer>(std::tuple(\n"
+            "      host.data(), host.size(), dp::DataType::kFloat32, device));\n"
+            "  std::optional<dp::MutableBuffer> maybe(std::in_place, host.data(), host.size(),\n"
+            "                                         dp::DataType::kFloat32, device);\n"
+            "  std::vector<dp::MutableBuffer> many;\n"
+            "  many.emplace_back(host.data(), host.size(), dp::DataType::kFloat32, device);\n"
+            "  objects.push_back(&s);\n"
+            "  std::pair<S*, int> pair(&s, 1);\n"
+            "  (void)buffer; (void)maybe; (void)pair;\n"
+            "}\n"),
+      Found({"11:an element address passed to a library type",
+             "14:an element address passed to a library type",
+             "9:an element address passed to a library type"}));
+}
+
 TEST_F(SemanticAuditTest, PlacementNewIsFound) {
   EXPECT_EQ(found("#include <new>\nstruct S { int a; };\n"
                   "void f(S& s) { new (&s) S{}; }\n"),
