@@ -118,6 +118,10 @@ class ThreadHandles {
   ThreadHandles() = default;
   ~ThreadHandles() {
     for (const auto& [device, handle] : leased_) {
+      // The handle's workspace may still serve products queued on this thread's stream:
+      // they finish before another thread's products can use it (errors are ignored: at
+      // process exit the context may be gone).
+      if (cudaSetDevice(device) == cudaSuccess) (void)cudaStreamSynchronize(cudaStreamPerThread);
       if (pooling.load()) {
         handle_pool().release(device, handle);
       } else {
