@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dp/error.h"
+#include "dp/memory.h"
 #include "dp/model.h"
 #include "dp/rng.h"
 #include "test_support.h"
@@ -417,14 +418,25 @@ TEST(Model, TheFirstLayerComputesNoInputGradientAndTheParameterGradientsAreUncha
   const dp::Tensor input = random_input(7, 6);
   const std::vector<int> labels = {0, 1, 2, 0, 1, 2, 0};
 
-  (void)model.backward(model.forward(input), labels);
+  // Every tensor is counted as it is allocated: the two backwards differ by fc1's dx alone.
+  const dp::MemoryTracker& tracker = dp::this_rank_memory().tracker();
+  const dp::Tensor logits = model.forward(input);
+  const std::size_t before_skipping = tracker.allocations_total();
+  (void)model.backward(logits, labels);
+  const std::size_t skipping_allocations = tracker.allocations_total() - before_skipping;
 
   dp::SoftmaxCrossEntropy loss;
-  (void)loss.forward(full.forward(input), labels);
+  const dp::Tensor full_logits = full.forward(input);
+  const std::size_t before_full = tracker.allocations_total();
+  (void)loss.forward(full_logits, labels);
   dp::Tensor grad = loss.backward(1.0f);
   const std::span<dp::Layer* const> layers = full.layers();
   for (auto it = layers.rbegin(); it != layers.rend(); ++it) grad = (*it)->backward(grad);
+  const std::size_t full_allocations = tracker.allocations_total() - before_full;
   ASSERT_EQ(grad.shape(), (std::vector<std::int64_t>{7, 6}));  // fc1's dx, which model skipped
+  EXPECT_EQ(full_allocations - skipping_allocations, 1u)
+      << "Model::backward allocated " << skipping_allocations << " tensors, the full backward "
+      << full_allocations << ": the first layer's input gradient must not be computed";
 
   const std::vector<float> skipped = gradients_of(model);
   const std::vector<float> computed = gradients_of(full);
