@@ -6,9 +6,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -188,6 +191,65 @@ TEST_F(EmulatedDevice, TrainingOnThreeRanksGivesTheHostsBits) {
     finals.push_back(rank0);
   }
   EXPECT_EQ(finals[0], finals[1]);
+}
+
+// The trainer reads the gradients in one pass per check (GradientWatch in trainer.cpp); on
+// the emulated device it runs the same code path as on a GPU up to the kernel, and must give
+// the host's largest gradient and the host's messages.
+TEST_F(EmulatedDevice, TheTrainersGradientChecksGiveTheHostsMaximumAndMessages) {
+  const Dataset data = load_dataset("synthetic:96", 7);
+  TrainOptions options;
+  options.model = "64-24-10";
+  options.steps = 1;  // the model keeps the one step's (averaged) gradients: the expected maximum
+  options.global_batch = 24;
+  // Each way the trainer reads the gradients: one process, emulated ranks, and replicas
+  // with the check before averaging and (overlap) after it. Returns {the run's largest
+  // gradient, the largest |g| of the gradients the model holds after the step}.
+  const auto largest_gradient = [&](Device device, int way) {
+    options.device = device;
+    options.overlap = way == 3;
+    const auto both = [](const TrainResult& result) {
+      float largest = 0;
+      for (const float g : result.model.flat_gradients()) largest = std::max(largest, std::abs(g));
+      return std::pair{result.max_abs_gradient, largest};
+    };
+    if (way == 0) return both(train_single_process(options, data));
+    if (way == 1) return both(train_emulating_data_parallel(options, data, 3));
+    std::pair<float, float> rank0;
+    launch({.world_size = 3}, [&](Communicator& comm) {
+      const auto mine = both(train_data_parallel(options, data, comm));
+      if (comm.rank() == 0) rank0 = mine;
+    });
+    return rank0;
+  };
+  for (int way = 0; way < 4; ++way) {
+    const auto [host, host_expected] = largest_gradient(Device::kHost, way);
+    EXPECT_GT(host, 0.0f) << "way " << way;
+    EXPECT_EQ(host, host_expected) << "way " << way;
+    const auto [device, device_expected] = largest_gradient(Device::kCuda, way);
+    EXPECT_EQ(device, device_expected) << "way " << way;
+    EXPECT_EQ(host, device) << "way " << way;
+  }
+
+  Dataset poisoned = load_dataset("synthetic:96", 7);
+  poisoned.features.at(5, 3) = std::numeric_limits<float>::quiet_NaN();
+  options.global_batch = 96;  // every sample: the NaN is in step 1
+  for (const bool overlap : {false, true}) {
+    options.overlap = overlap;
+    std::vector<std::string> messages;
+    for (const Device device : {Device::kHost, Device::kCuda}) {
+      options.device = device;
+      messages.push_back(message_of<Error>([&] {
+        launch({.world_size = 1},
+               [&](Communicator& comm) { (void)train_data_parallel(options, poisoned, comm); });
+      }));
+    }
+    EXPECT_TRUE(contains(messages[0], overlap ? "(after averaging)" : "(before averaging)"))
+        << messages[0];
+    EXPECT_TRUE(contains(messages[0], "step 1: the gradient of fc1.weight holds nan"))
+        << messages[0];
+    EXPECT_EQ(messages[0], messages[1]);
+  }
 }
 
 TEST_F(EmulatedDevice, ACheckpointOfItsTensorsIsTheHostsFile) {

@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dp/error.h"
+#include "dp/memory.h"
 #include "dp/model.h"
 #include "dp/rng.h"
 #include "test_support.h"
@@ -396,6 +400,80 @@ TEST(Model, CostSumsTheLayers) {
   const double expected = 2.0 * 32 * 8 * 16 + 32 * 16 + 32 * 16 + 2.0 * 32 * 16 * 4 + 32 * 4;
   EXPECT_DOUBLE_EQ(model.forward_cost(32).flops, expected);
   EXPECT_GT(model.backward_cost(32).flops, model.forward_cost(32).flops);
+  // Backward: fc1 without dx (dW and db), relu1, fc2 with dx (dW, dx and db).
+  const double backward = 2.0 * 32 * 8 * 16 + 32 * 16 + 32 * 16 + 4.0 * 32 * 16 * 4 + 32 * 4;
+  EXPECT_DOUBLE_EQ(model.backward_cost(32).flops, backward);
+}
+
+// The bytes of every gradient of `model`, in definition order (for bitwise comparisons).
+std::vector<float> gradients_of(const dp::Model& model) {
+  return model.flat_gradients();
+}
+
+TEST(Model, TheFirstLayerComputesNoInputGradientAndTheParameterGradientsAreUnchanged) {
+  // Model::backward runs the first layer without its input gradient ...
+  dp::Model model = dp::Model::mlp("6-8-5-3", {.layer_norm = true, .seed = 4});
+  // ... against the same model through every layer's full backward, dx of fc1 included.
+  dp::Model full = dp::Model::mlp("6-8-5-3", {.layer_norm = true, .seed = 4});
+  const dp::Tensor input = random_input(7, 6);
+  const std::vector<int> labels = {0, 1, 2, 0, 1, 2, 0};
+
+  // Every tensor is counted as it is allocated: the two backwards differ by fc1's dx alone.
+  const dp::MemoryTracker& tracker = dp::this_rank_memory().tracker();
+  const dp::Tensor logits = model.forward(input);
+  const std::size_t before_skipping = tracker.allocations_total();
+  (void)model.backward(logits, labels);
+  const std::size_t skipping_allocations = tracker.allocations_total() - before_skipping;
+
+  dp::SoftmaxCrossEntropy loss;
+  const dp::Tensor full_logits = full.forward(input);
+  const std::size_t before_full = tracker.allocations_total();
+  (void)loss.forward(full_logits, labels);
+  dp::Tensor grad = loss.backward(1.0f);
+  const std::span<dp::Layer* const> layers = full.layers();
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it) grad = (*it)->backward(grad);
+  const std::size_t full_allocations = tracker.allocations_total() - before_full;
+  ASSERT_EQ(grad.shape(), (std::vector<std::int64_t>{7, 6}));  // fc1's dx, which model skipped
+  EXPECT_EQ(full_allocations - skipping_allocations, 1u)
+      << "Model::backward allocated " << skipping_allocations << " tensors, the full backward "
+      << full_allocations << ": the first layer's input gradient must not be computed";
+
+  const std::vector<float> skipped = gradients_of(model);
+  const std::vector<float> computed = gradients_of(full);
+  ASSERT_EQ(skipped.size(), computed.size());
+  EXPECT_EQ(std::memcmp(skipped.data(), computed.data(), skipped.size() * sizeof(float)), 0)
+      << "skipping fc1's input gradient changed a parameter gradient";
+}
+
+TEST(Model, ALinearWithoutItsInputGradientReturnsNothingAndTheSameParameterGradients) {
+  dp::Linear skipping("fc", 6, 4);
+  dp::Linear full("fc", 6, 4);
+  for (dp::Linear* layer : {&skipping, &full}) {
+    dp::CounterRng weight_stream(5, 0);
+    dp::CounterRng bias_stream(5, 1);
+    layer->initialize(layer->weight(), weight_stream);
+    layer->initialize(layer->bias(), bias_stream);
+  }
+  const dp::Tensor input = random_input(5, 6);
+  const dp::Tensor grad_output = random_input(5, 4, 2);
+  (void)skipping.forward(input);
+  (void)full.forward(input);
+  const dp::Tensor none = skipping.backward_parameters_only(grad_output);
+  const dp::Tensor dx = full.backward(grad_output);
+  EXPECT_EQ(none.rank(), 0u) << "an input gradient was returned";
+  EXPECT_EQ(dx.shape(), (std::vector<std::int64_t>{5, 6}));
+  for (const auto& [mine, theirs] :
+       {std::pair{&skipping.weight(), &full.weight()}, std::pair{&skipping.bias(), &full.bias()}})
+    EXPECT_EQ(std::memcmp(mine->grad.data(), theirs->grad.data(), mine->grad.bytes()), 0)
+        << mine->name;
+  // One product fewer: 2 B in out flops (dW) and the bias sum, not 4 B in out.
+  EXPECT_DOUBLE_EQ(skipping.backward_parameters_only_cost(5).flops, 2.0 * 5 * 6 * 4 + 5 * 4);
+  EXPECT_LT(skipping.backward_parameters_only_cost(5).bytes, skipping.backward_cost(5).bytes);
+  // Each forward allows one backward, with or without the input gradient.
+  EXPECT_NE(error_message([&] {
+              (void)skipping.backward_parameters_only(grad_output);
+            }).find("without a forward"),
+            std::string::npos);
 }
 
 }  // namespace

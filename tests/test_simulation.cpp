@@ -703,6 +703,7 @@ TEST(ComputeModel, RooflineChargesEveryLayerOfTheModel) {
 
   std::vector<double> seconds(1);
   std::vector<std::size_t> compute_events(1);
+  double first_layer_backward_flops = 0;
   launch(simulated(1), [&](Communicator& comm) {
     Model model = Model::mlp("8-16-4", {.seed = 1});
     Tensor x({5, 8}, MemoryCategory::kActivations);
@@ -711,13 +712,20 @@ TEST(ComputeModel, RooflineChargesEveryLayerOfTheModel) {
     const std::vector<int> labels = {0, 1, 2, 3, 0};
     model.backward(logits, labels);
     seconds[0] = comm.clock().now();
-    for (const TraceEvent& event : comm.clock().trace().events)
+    for (const TraceEvent& event : comm.clock().trace().events) {
       compute_events[0] += event.lane == TraceLane::kCompute ? 1 : 0;
+      if (event.name == "fc1 backward") first_layer_backward_flops = event.flops;
+    }
   });
   Model model = Model::mlp("8-16-4", {.seed = 1});
   double expected = 0;
+  // The first layer's backward skips its input gradient: dW and db only.
   for (Layer* layer : model.layers())
-    expected += device.time_of(layer->forward_cost(5)) + device.time_of(layer->backward_cost(5));
+    expected +=
+        device.time_of(layer->forward_cost(5)) +
+        device.time_of(layer == model.layers().front() ? layer->backward_parameters_only_cost(5)
+                                                       : layer->backward_cost(5));
+  EXPECT_DOUBLE_EQ(first_layer_backward_flops, 2.0 * 5 * 8 * 16 + 5 * 16);
   expected += device.time_of(SoftmaxCrossEntropy::forward_cost(5, 4)) +
               device.time_of(SoftmaxCrossEntropy::backward_cost(5, 4));
   expect_time(seconds[0], expected, "3 layers forward and backward plus the loss");

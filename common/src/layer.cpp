@@ -23,6 +23,15 @@ std::vector<Parameter*> Layer::parameters() {
   return {};
 }
 
+Tensor Layer::backward_parameters_only(const Tensor& grad_output) {
+  (void)backward(grad_output);
+  return Tensor();
+}
+
+OpCost Layer::backward_parameters_only_cost(std::int64_t batch) const {
+  return backward_cost(batch);
+}
+
 void Layer::initialize(Parameter& parameter, CounterRng& /*rng*/) {
   throw Error(fmt::format("layer {} ({}) has no initialisation for parameter {}", name(), kind(),
                           parameter.name));

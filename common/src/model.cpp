@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <iterator>
 #include <utility>
 
 #include "device_dispatch.h"
@@ -201,8 +202,14 @@ float Model::backward(const Tensor& logits, std::span<const int> labels, float l
     Layer& layer = **layer_it;
     for (const LayerHook& hook : pre_backward_hooks_) hook(layer);
     const std::int64_t grad_rows = grad.rank() >= 1 ? grad.dim(0) : 0;
-    grad = timed_compute(layer.name(), "backward", layer.backward_cost(grad_rows),
-                         [&] { return layer.backward(grad); });
+    // The first layer's input is the data: nobody reads its gradient, so it is not computed.
+    if (std::next(layer_it) == layers_.rend()) {
+      grad = timed_compute(layer.name(), "backward", layer.backward_parameters_only_cost(grad_rows),
+                           [&] { return layer.backward_parameters_only(grad); });
+    } else {
+      grad = timed_compute(layer.name(), "backward", layer.backward_cost(grad_rows),
+                           [&] { return layer.backward(grad); });
+    }
     // The layer has added this batch's contribution: its gradients are final now.
     const std::vector<Parameter*> layer_parameters = layer.parameters();
     for (auto it = layer_parameters.rbegin(); it != layer_parameters.rend(); ++it) {
@@ -320,7 +327,9 @@ OpCost Model::forward_cost(std::int64_t batch) const {
 
 OpCost Model::backward_cost(std::int64_t batch) const {
   OpCost total;
-  for (const Layer* layer : layers_) total += layer->backward_cost(batch);
+  for (const Layer* layer : layers_)
+    total += layer == layers_.front() ? layer->backward_parameters_only_cost(batch)
+                                      : layer->backward_cost(batch);
   return total;
 }
 

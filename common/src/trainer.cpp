@@ -5,6 +5,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -27,12 +28,10 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
-/// Throws if any gradient holds a NaN or infinity, naming where it is.
-void check_gradients_finite(Model& model, int rank, int step, const char* when) {
+/// Throws naming the first NaN or infinity among the gradients (in parameter order) if any.
+void throw_if_not_finite(Model& model, int rank, int step, const char* when) {
   for (Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    // On a device: one reduction, and a copy to the host only to name the culprit.
-    if (parameter->grad.device() != Device::kHost && all_finite(parameter->grad.view())) continue;
     const Tensor host_grad = parameter->grad.to(Device::kHost);
     const std::span<const float> grad = host_grad.span();
     for (std::size_t i = 0; i < grad.size(); ++i) {
@@ -45,21 +44,99 @@ void check_gradients_finite(Model& model, int rank, int step, const char* when) 
   }
 }
 
-float largest_gradient(Model& model) {
-  float largest = 0;
-  for (Parameter* parameter : model.parameters()) {
-    const ConstTensorView grad = std::as_const(parameter->grad).view();
-    if (detail::on_gpu(grad.device())) {
-      // A maximum does not depend on the order: bitwise the host loop's result (NaN aside,
-      // which check_gradients_finite has excluded).
-      largest = std::max(largest, cuda::max_abs(grad.data(), grad.size()));
-      continue;
+/// The trainer's reads of the gradients: whether they are finite, and the largest |g| seen
+/// over the run (for the equivalence tolerance). Each `scan` is one pass over all the
+/// gradients at once. On a GPU that is one launch (cuda::fold_max_abs_bits) into a small
+/// device result; a check reads it back (one synchronisation), while the running maximum
+/// stays on the device until `running_max`, at the end of the run. So a step costs one
+/// synchronisation, not an allocation, a launch and a synchronisation per parameter for each
+/// of the two reads. On the host and the emulated device the same pass is a loop, and the
+/// results are those of the GPU bit for bit: the largest |g| does not depend on the order,
+/// and a non-finite element is one whose |g| has the bits 0x7f800000 or more.
+class GradientWatch {
+ public:
+  /// Watches gradients that live on `device`.
+  explicit GradientWatch(Device device) : device_(device) {
+    if (detail::on_gpu(device_)) {
+      bits_ = static_cast<unsigned int*>(cuda::allocate(2 * sizeof(unsigned int)));
+      detail::copy_memory(bits_, device_, std::array<unsigned int, 2>{}.data(), Device::kHost,
+                          2 * sizeof(unsigned int));
     }
-    for (std::size_t i = 0; i < grad.size(); ++i)
-      largest = std::max(largest, std::abs(grad.data()[i]));
   }
-  return largest;
-}
+  ~GradientWatch() {
+    if (bits_ != nullptr) cuda::deallocate(bits_);
+  }
+  GradientWatch(const GradientWatch&) = delete;
+  GradientWatch& operator=(const GradientWatch&) = delete;
+
+  /// One pass over the gradients of `model`: with `check`, throws naming the first
+  /// non-finite element of a non-frozen gradient (step, parameter, element, rank, `when`);
+  /// with `track`, folds the largest |g| of every gradient into the running maximum.
+  void scan(Model& model, bool check, bool track, int rank, int step, const char* when) {
+    arrays_.clear();
+    sizes_.clear();
+    std::size_t elements = 0;
+    // Every gradient, frozen ones too: the maximum counts them (they hold zeros), and a
+    // non-finite frozen one makes throw_if_not_finite look and find nothing to report.
+    for (Parameter* parameter : model.parameters()) {
+      const ConstTensorView grad = std::as_const(parameter->grad).view();
+      arrays_.push_back(grad.data());
+      sizes_.push_back(grad.size());
+      elements += grad.size();
+    }
+    // On a device the scan is work of its own (on the host it never was charged).
+    const bool charged = device_ != Device::kHost;
+    const OpCost cost{.flops = static_cast<double>(elements),
+                      .bytes = static_cast<double>(elements) * sizeof(float)};
+    unsigned int scanned = 0;
+    const auto pass = [&] {
+      if (detail::on_gpu(device_)) {
+        cuda::fold_max_abs_bits(arrays_.data(), sizes_.data(), arrays_.size(),
+                                check ? &bits_[0] : nullptr, track ? &bits_[1] : nullptr);
+        if (check) detail::copy_memory(&scanned, Device::kHost, &bits_[0], device_, sizeof scanned);
+        return;
+      }
+      for (std::size_t a = 0; a < arrays_.size(); ++a)
+        for (std::size_t i = 0; i < sizes_[a]; ++i)
+          scanned = std::max(scanned, magnitude_bits(arrays_[a][i]));
+      host_running_ = track ? std::max(host_running_, scanned) : host_running_;
+    };
+    if (charged) {
+      timed_compute("gradient scan", "", cost, pass);
+    } else {
+      pass();
+    }
+    if (check && scanned >= kInfinityBits) throw_if_not_finite(model, rank, step, when);
+  }
+
+  /// The largest |g| folded in by the scans so far (on a GPU a read that waits for them).
+  float running_max() const {
+    unsigned int bits = host_running_;
+    if (detail::on_gpu(device_))
+      detail::copy_memory(&bits, Device::kHost, &bits_[1], device_, sizeof bits);
+    float largest = 0;
+    static_assert(sizeof largest == sizeof bits);
+    std::memcpy(&largest, &bits, sizeof largest);
+    return largest;
+  }
+
+ private:
+  static constexpr unsigned int kInfinityBits = 0x7f800000u;  // |g| bits of +inf; NaN above
+
+  // The bits of |x|, which order as unsigned integers for non-negative floats.
+  static unsigned int magnitude_bits(float x) {
+    const float magnitude = std::abs(x);
+    unsigned int bits = 0;
+    std::memcpy(&bits, &magnitude, sizeof bits);
+    return bits;
+  }
+
+  Device device_;
+  unsigned int* bits_ = nullptr;   // on a GPU: {the last check's scan, the running maximum}
+  unsigned int host_running_ = 0;  // elsewhere: the running maximum
+  std::vector<const float*> arrays_;
+  std::vector<std::size_t> sizes_;
+};
 
 std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const Model& model) {
   return make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
@@ -90,7 +167,8 @@ void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& opti
 /// in the model's gradients; `metrics` gets the sums over the global batch.
 void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::size_t> batch,
                         int world, std::int64_t local_batch, Device device, int step,
-                        std::vector<Tensor>& sums, std::array<float, 2>& metrics) {
+                        std::vector<Tensor>& sums, std::array<float, 2>& metrics,
+                        GradientWatch& watch) {
   const std::span<Parameter* const> parameters = model.parameters();
   if (sums.empty())
     for (Parameter* parameter : parameters)
@@ -104,7 +182,7 @@ void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::
     const Tensor device_inputs = device != Device::kHost ? slice.inputs.to(device) : Tensor();
     const Tensor logits = model.forward(device != Device::kHost ? device_inputs : slice.inputs);
     const float loss = model.backward(logits, slice.labels);
-    check_gradients_finite(model, rank, step, "before averaging");
+    watch.scan(model, /*check=*/true, /*track=*/false, rank, step, "before averaging");
     // The order of the ranks' metrics sum, as the metrics all-reduce adds them.
     metrics[0] += loss * static_cast<float>(local_batch);
     metrics[1] += accuracy(logits, slice.labels) * static_cast<float>(local_batch);
@@ -204,12 +282,13 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     last_report_step = done;
   };
   std::vector<Tensor> emulated_sums;  // the all-reduce's sums, when emulating ranks
+  GradientWatch watch(options.device);
   for (int step = first_step; step < options.steps; ++step) {
     std::array<float, 2> metrics{};
     if (comm == nullptr && world > 1) {
       emulate_ranks_step(model, data, batches.of_step(step), world, local_batch, options.device,
-                         step + 1, emulated_sums, metrics);
-      result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
+                         step + 1, emulated_sums, metrics, watch);
+      watch.scan(model, /*check=*/false, /*track=*/true, rank, step + 1, "");
       optimizer.step(model);
       finish_step(step + 1, metrics);
       continue;
@@ -223,7 +302,8 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
     const Tensor logits = model.forward(on_device ? device_inputs : batch.inputs);  // (B/N, C)
     const float loss = model.backward(logits, batch.labels);
     // (With overlap the all-reduces are already writing the gradients: checked after.)
-    if (!overlap) check_gradients_finite(model, rank, step + 1, "before averaging");
+    if (!overlap)
+      watch.scan(model, /*check=*/true, /*track=*/false, rank, step + 1, "before averaging");
 
     // metrics: (sum of losses, correct predictions) over the local batch
     metrics = {loss * static_cast<float>(local_batch),
@@ -237,15 +317,16 @@ TrainResult train(const TrainOptions& options, const Dataset& data, Communicator
       allreduce_host_values(std::span<float>(metrics), ReduceOp::kSum, *comm);
       for (auto& work : pending) work->wait();
       pending.clear();
-      if (overlap) check_gradients_finite(model, rank, step + 1, "after averaging");
     }
-    result.max_abs_gradient = std::max(result.max_abs_gradient, largest_gradient(model));
+    // With overlap the check comes after averaging, in the pass that tracks the maximum.
+    watch.scan(model, /*check=*/overlap, /*track=*/true, rank, step + 1, "after averaging");
     optimizer.step(model);
     if (comm != nullptr) detail::charging_clock(*comm).mark_step();
 
     finish_step(step + 1, metrics);
   }
   if (overlap) model.clear_hooks();  // the hook refers to this function's locals
+  result.max_abs_gradient = watch.running_max();
   return result;
 }
 

@@ -12,6 +12,19 @@
 //   dp_gpu_step_time 4096-4096-4096-4096-10 1024 [STEPS]
 //   -> dplab  model 4096-4096-4096-4096-10  batch 1024: 5.123 ms/step (mean of 20 steps)
 //
+// `dp_gpu_step_time --cases [MLP-SPEC BATCH [STEPS]]` times the performance work of issue 28
+// against what it replaced, each case with and without it, on the model given (by default
+// the 4096-wide one at batch 1024):
+//   first-layer   a step with the first layer's input gradient skipped (Model::backward)
+//                 and computed (every layer's full backward, as before: one product more);
+//   gradient-scan the trainer's per-step reads of the gradients: one fused pass
+//                 (cuda::fold_max_abs_bits, one launch and one read) and per parameter
+//                 (all_finite and max_abs: an allocation, a launch and a read each);
+//   column-sums   the bias gradient's column sums of a (BATCH, width) gradient, next to a
+//                 copy of the same bytes (the memory-bound time they can approach);
+//   cublas-handles a launch of 2 rank threads doing one product each, with the handles
+//                 pooled across launches and made and destroyed per launch (as before).
+//
 // `dp_gpu_step_time --probe` is tools/gpu-check's first step: it loads what a GPU run needs
 // and says what it found, before any long step: the devices, cuBLAS (loaded on the first
 // product, so a one-element product on the device) and NCCL (a one-rank all-reduce).
@@ -19,13 +32,17 @@
 // Exit status: 0, 1 on an error, 77 without a CUDA device (as the GPU tests).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "cuda/device_ops.h"  // the kernels the cases time on their own (library-internal)
 #include "dp/comm.h"
 #include "dp/error.h"
 #include "dp/launch.h"
@@ -70,6 +87,119 @@ double seconds_per_step(const std::string& spec, std::int64_t batch, int steps) 
   return elapsed.count() / steps;
 }
 
+/// Mean seconds of `run()` over `repeats` calls after 2 warm-up calls, the device drained
+/// before the clock starts and before it stops.
+template <typename Run>
+double mean_seconds(int repeats, Run&& run) {
+  for (int i = 0; i < 2; ++i) run();
+  dp::cuda::synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < repeats; ++i) run();
+  dp::cuda::synchronize();
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
+  return elapsed.count() / repeats;
+}
+
+/// Prints one line of a case: its name, the variant, and the mean time.
+void print_case(const std::string& name, const std::string& variant, double seconds) {
+  fmt::print("{:<15} {:<44} {:10.3f} ms\n", name, variant, seconds * 1e3);
+}
+
+/// The cases of --cases (see the top).
+void run_cases(const std::string& spec, std::int64_t batch, int steps) {
+  fmt::print("dplab    performance cases, model {} batch {} ({} repeats each)\n", spec, batch,
+             steps);
+  dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
+  const std::vector<std::int64_t> widths = dp::parse_mlp_spec(spec);
+  dp::CounterRng rng(2, 0);
+  std::vector<float> values(static_cast<std::size_t>(batch * widths.front()));
+  for (float& value : values) value = rng.uniform(-1.0f, 1.0f);
+  dp::Tensor inputs = dp::Tensor::from(values, dp::MemoryCategory::kActivations, dp::Device::kCuda);
+  inputs.reshape({batch, widths.front()});
+  std::vector<int> labels(static_cast<std::size_t>(batch));
+  for (std::size_t i = 0; i < labels.size(); ++i)
+    labels[i] = static_cast<int>(i % static_cast<std::size_t>(widths.back()));
+
+  // first-layer: forward and backward with and without the first layer's input gradient.
+  print_case("first-layer", "dx of the first layer skipped (Model::backward)",
+             mean_seconds(steps, [&] {
+               model.zero_grad();
+               (void)model.backward(model.forward(inputs), labels);
+             }));
+  print_case("first-layer", "dx of the first layer computed (the old backward)",
+             mean_seconds(steps, [&] {
+               model.zero_grad();
+               dp::SoftmaxCrossEntropy loss;
+               (void)loss.forward(model.forward(inputs), labels);
+               dp::Tensor grad = loss.backward(1.0f);
+               const std::span<dp::Layer* const> layers = model.layers();
+               for (auto it = layers.rbegin(); it != layers.rend(); ++it)
+                 grad = (*it)->backward(grad);
+             }));
+
+  // gradient-scan: the gradients of the backward above, read as the trainer reads them.
+  std::vector<const float*> arrays;
+  std::vector<std::size_t> sizes;
+  for (dp::Parameter* parameter : model.parameters()) {
+    const dp::ConstTensorView grad = std::as_const(parameter->grad).view();
+    arrays.push_back(grad.data());
+    sizes.push_back(grad.size());
+  }
+  unsigned int* bits = static_cast<unsigned int*>(dp::cuda::allocate(2 * sizeof(unsigned int)));
+  unsigned int scanned = 0;
+  print_case("gradient-scan", fmt::format("one fused pass over {} gradients", arrays.size()),
+             mean_seconds(steps, [&] {
+               dp::cuda::fold_max_abs_bits(arrays.data(), sizes.data(), arrays.size(), &bits[0],
+                                           &bits[1]);
+               dp::cuda::copy_bytes(&scanned, &bits[0], sizeof scanned);
+             }));
+  dp::cuda::deallocate(bits);
+  float largest = 0;
+  print_case("gradient-scan", "all_finite and max_abs per parameter (before)",
+             mean_seconds(steps, [&] {
+               for (std::size_t i = 0; i < arrays.size(); ++i) {
+                 if (!dp::cuda::all_finite(arrays[i], sizes[i])) throw dp::Error("not finite");
+                 largest = std::max(largest, dp::cuda::max_abs(arrays[i], sizes[i]));
+               }
+             }));
+
+  // column-sums: the widest hidden layer's bias gradient, and a copy of the same bytes.
+  const std::int64_t width =
+      widths.size() > 2 ? *std::max_element(widths.begin() + 1, widths.end() - 1) : widths.back();
+  dp::Tensor gradient({batch, width}, dp::MemoryCategory::kActivations, dp::Device::kCuda);
+  gradient.fill(0.5f);
+  dp::Tensor sums({width}, dp::MemoryCategory::kGradients, dp::Device::kCuda);
+  dp::Tensor copied({batch, width}, dp::MemoryCategory::kActivations, dp::Device::kCuda);
+  print_case("column-sums", fmt::format("bias gradient of ({}, {})", batch, width),
+             mean_seconds(steps, [&] {
+               dp::cuda::add_column_sums(gradient.view().data(), batch, width, sums.view().data());
+             }));
+  print_case("column-sums", "a copy of the same bytes (memory-bound reference)",
+             mean_seconds(steps, [&] { dp::copy(gradient.view(), copied.view()); }));
+
+  // cublas-handles: whole launches of 2 rank threads, each one product.
+  const auto one_launch = [] {
+    dp::launch({.world_size = 2}, [](dp::Communicator& /*comm*/) {
+      dp::Tensor one({8, 8}, dp::MemoryCategory::kActivations, dp::Device::kCuda);
+      one.fill(1.0f);
+      (void)dp::matmul(one, dp::Transpose::kNo, one, dp::Transpose::kNo);
+      dp::cuda::synchronize();
+    });
+  };
+  const std::size_t made_before = dp::cuda::cublas_handles_created();
+  dp::cuda::set_cublas_handle_pooling(true);
+  const double pooled = mean_seconds(steps, one_launch);
+  const std::size_t made_pooled = dp::cuda::cublas_handles_created() - made_before;
+  dp::cuda::set_cublas_handle_pooling(false);
+  const double per_launch = mean_seconds(steps, one_launch);
+  const std::size_t made_unpooled = dp::cuda::cublas_handles_created() - made_before - made_pooled;
+  dp::cuda::set_cublas_handle_pooling(true);
+  print_case("cublas-handles", fmt::format("pooled across launches ({} handles made)", made_pooled),
+             pooled);
+  print_case("cublas-handles",
+             fmt::format("made and destroyed per launch ({} made)", made_unpooled), per_launch);
+}
+
 /// The probe (see the top): throws dp::Error naming what could not be loaded or run.
 void probe() {
   fmt::print("CUDA devices: {}\n", dp::cuda_device_count());
@@ -107,8 +237,12 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  if (argc < 3 || argc > 4) {
-    std::fprintf(stderr, "usage: dp_gpu_step_time MLP-SPEC BATCH [STEPS (default 20)] | --probe\n");
+  const bool cases = argc >= 2 && std::string(argv[1]) == "--cases";
+  const int first = cases ? 2 : 1;  // where MLP-SPEC is
+  if (cases ? (argc != 2 && argc != 4 && argc != 5) : (argc < 3 || argc > 4)) {
+    std::fprintf(stderr,
+                 "usage: dp_gpu_step_time MLP-SPEC BATCH [STEPS (default 20)] | --probe | "
+                 "--cases [MLP-SPEC BATCH [STEPS]]\n");
     return 1;
   }
   if (dp::cuda_device_count() == 0) {
@@ -116,12 +250,18 @@ int main(int argc, char** argv) {
     return 77;
   }
   try {
-    const std::string spec = argv[1];
-    const std::int64_t batch = std::atoll(argv[2]);
-    const int steps = argc == 4 ? std::atoi(argv[3]) : 20;
+    const bool given = argc > first + 1;  // --cases alone takes the large model
+    const std::string spec = given ? argv[first] : "4096-4096-4096-4096-10";
+    const std::int64_t batch = given ? std::atoll(argv[first + 1]) : 1024;
+    const char* steps_text = argc > first + 2 ? argv[first + 2] : "20";
+    const int steps = std::atoi(steps_text);
     if (batch <= 0 || steps <= 0)
       throw dp::Error(fmt::format("expected a positive batch and step count, got {} and {}",
-                                  argv[2], argc == 4 ? argv[3] : "20"));
+                                  given ? argv[first + 1] : "1024", steps_text));
+    if (cases) {
+      run_cases(spec, batch, steps);
+      return 0;
+    }
     const double seconds = seconds_per_step(spec, batch, steps);
     fmt::print("dplab    model {}  batch {}: {:.3f} ms/step (mean of {} steps)\n", spec, batch,
                seconds * 1e3, steps);

@@ -6,9 +6,12 @@
 //   - gemm (cuBLAS, no TF32) and the Linear products: a float32 sum of k products lies within
 //     (k + 1) u sum|a b| of the exact value whatever the order, so device and host within
 //         |device - host| <= 2 (k + 2) u (|alpha| (|op(A)| |op(B)|)_ij + |beta| |C_ij|);
-//   - bitwise: ReLU forward and backward, a Linear's bias and bias gradient, LayerNorm's
-//     dbeta, cross-entropy's gradient given the same probabilities (one thread per element
-//     or column, the host's order, each operation rounded on its own);
+//   - bitwise: ReLU forward and backward, a Linear's bias, cross-entropy's gradient given the
+//     same probabilities (one thread per element, each operation rounded on its own);
+//   - column sums (a Linear's bias gradient, LayerNorm's dbeta): bitwise a host loop in the
+//     kernel's order (8 groups of consecutive rows, cuda/layer_kernels.cu), and within
+//     2 (rows + 1) u sum|x| of the host layer's row-order sum (both float sums of the same
+//     rows and of the gradient already there);
 //   - GELU: tanhf on the device, std::tanh on the host (each within 2 ulps), and nvcc fuses
 //     multiply-adds: |device - host| <= 2^-19 (1 + |host|) for inputs in [-4, 4);
 //   - LayerNorm and cross-entropy: row statistics in double added as a tree instead of in
@@ -21,11 +24,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <latch>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cuda/device_ops.h"  // the trainer's gradient scan and the handle pool, on their own
 #include "dp/data.h"
 #include "dp/error.h"
 #include "dp/model.h"
@@ -92,6 +98,42 @@ void expect_within_normwise(const Tensor& host, const Tensor& device, double fra
   for (const float value : host.span()) largest = std::max(largest, double{std::abs(value)});
   expect_within(
       host, device, [&](std::size_t) { return fraction * largest; }, what);
+}
+
+/// before[j] + the column sums of x (rows, cols) in the order of the device's kernel
+/// (cuda/layer_kernels.cu): 8 groups of ceil(rows / 8) consecutive rows, each added in row
+/// order, then the groups' sums in group order, then one addition into before[j].
+Tensor column_sums_in_device_order(const Tensor& before, const Tensor& x) {
+  constexpr std::int64_t kGroups = 8;
+  const std::int64_t rows = x.dim(0);
+  const std::int64_t cols = x.dim(1);
+  const std::int64_t per_group = (rows + kGroups - 1) / kGroups;
+  Tensor result = before.to(Device::kHost);
+  for (std::int64_t j = 0; j < cols; ++j) {
+    float sum = 0.0f;
+    for (std::int64_t group = 0; group < kGroups; ++group) {
+      float partial = 0.0f;
+      const std::int64_t first = std::min(rows, group * per_group);
+      const std::int64_t last = std::min(rows, first + per_group);
+      for (std::int64_t r = first; r < last; ++r) partial += x.at(r, j);
+      sum += partial;
+    }
+    result[static_cast<std::size_t>(j)] += sum;
+  }
+  return result;
+}
+
+/// The bound of a column sum of the file comment: 2 (rows + 1) u (|before| + sum |x|).
+std::function<double(std::size_t)> column_sum_bound(const Tensor& before, const Tensor& x) {
+  std::vector<double> magnitude(static_cast<std::size_t>(x.dim(1)));
+  for (std::size_t j = 0; j < magnitude.size(); ++j) {
+    magnitude[j] = std::abs(before[j]);
+    for (std::int64_t r = 0; r < x.dim(0); ++r)
+      magnitude[j] += std::abs(x.at(r, static_cast<std::int64_t>(j)));
+  }
+  const auto rows = static_cast<double>(x.dim(0));
+  return
+      [magnitude, rows](std::size_t j) { return 2.0 * (rows + 1) * kUnitRoundoff * magnitude[j]; };
 }
 
 /// The gemm bound of the file comment, given the host magnitudes |op(A)| |op(B)| (m, n).
@@ -193,6 +235,89 @@ TEST(GpuMatmul, EachThreadHasItsOwnHandleAndStream) {
                   "matmul on a second thread");
 }
 
+TEST(GpuMatmul, ThreadsOfLaterLaunchesReuseThePooledHandles) {
+  // Threads that end give their handle back; the threads after them take it over instead
+  // of making one (before the pool, every rank thread of every launch made its own).
+  // The threads of a launch hold their handles at once (the latch), as ranks do.
+  const auto threads_multiply = [](int count) {
+    std::latch all_multiplied(count);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < count; ++t)
+      threads.emplace_back([&] {
+        Tensor one({4, 4}, MemoryCategory::kActivations, Device::kCuda);
+        one.fill(1.0f);
+        (void)matmul(one, Transpose::kNo, one, Transpose::kNo).to(Device::kHost);
+        all_multiplied.arrive_and_wait();
+      });
+    for (std::thread& thread : threads) thread.join();
+  };
+  threads_multiply(2);  // at least two handles in the pool now
+  const std::size_t made = cuda::cublas_handles_created();
+  for (int launch = 0; launch < 5; ++launch) threads_multiply(2);
+  EXPECT_EQ(cuda::cublas_handles_created(), made) << "a later thread made a handle of its own";
+}
+
+// --- The trainer's gradient scan (cuda::fold_max_abs_bits) ---------------------------------
+
+/// The bits of |x| (non-negative floats order as their bits).
+unsigned int magnitude_bits(float x) {
+  const float magnitude = std::abs(x);
+  unsigned int bits = 0;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  return bits;
+}
+
+TEST(GpuGradientScan, OnePassGivesTheHostsLargestMagnitudeAndSeesEveryNonFinite) {
+  // 70 arrays (two launches of 64 and 6), sizes from 0 to beyond one block's stride.
+  std::vector<Tensor> host;
+  std::vector<Tensor> device;
+  unsigned int expected = 0;
+  for (unsigned i = 0; i < 70; ++i) {
+    const std::int64_t size = i == 3 ? 0 : static_cast<std::int64_t>(1 + (i * 7919) % 5000);
+    host.push_back(random_tensor({size}, 100 + i, -3.0f, 3.0f));
+    for (const float value : host.back().span())
+      expected = std::max(expected, magnitude_bits(value));
+    device.push_back(host.back().to(Device::kCuda));
+  }
+  std::vector<const float*> arrays;
+  std::vector<std::size_t> sizes;
+  for (const Tensor& tensor : device) {
+    arrays.push_back(tensor.view().data());
+    sizes.push_back(tensor.size());
+  }
+  Tensor result({2}, MemoryCategory::kActivations, Device::kCuda);  // {scan, running}
+  result.fill(0.0f);
+  auto* bits = reinterpret_cast<unsigned int*>(result.view().data());
+  const auto read = [&](int slot) {
+    unsigned int value = 0;
+    cuda::copy_bytes(&value, bits + slot, sizeof value);
+    return value;
+  };
+  cuda::fold_max_abs_bits(arrays.data(), sizes.data(), arrays.size(), bits, bits + 1);
+  EXPECT_EQ(read(0), expected);
+  EXPECT_EQ(read(1), expected);
+
+  // The running maximum keeps the largest over calls; the scan starts from 0 each call.
+  const std::vector<float> small_values{0.5f};
+  const Tensor small = Tensor::from(small_values, MemoryCategory::kActivations, Device::kCuda);
+  const float* small_data = small.view().data();
+  const std::size_t one = 1;
+  cuda::fold_max_abs_bits(&small_data, &one, 1, bits, bits + 1);
+  EXPECT_EQ(read(0), magnitude_bits(0.5f));
+  EXPECT_EQ(read(1), expected);
+
+  // An infinity or a NaN in the last array (the second launch) reads 0x7f800000 or more.
+  for (const float bad : {INFINITY, -INFINITY, NAN}) {
+    Tensor poisoned = host.back().clone();
+    poisoned[poisoned.size() - 1] = bad;
+    const Tensor poisoned_device = poisoned.to(Device::kCuda);
+    arrays.back() = poisoned_device.view().data();
+    cuda::fold_max_abs_bits(arrays.data(), sizes.data(), arrays.size(), bits, nullptr);
+    EXPECT_GE(read(0), 0x7f800000u) << bad;
+    EXPECT_EQ(read(1), expected) << "a scan without the running target changed it";
+  }
+}
+
 // --- Layers ----------------------------------------------------------------------------------
 
 constexpr std::int64_t kBatch = 33;
@@ -240,6 +365,7 @@ TEST(GpuLayers, LinearForwardAndBackwardAgreeWithTheHost) {
   expect_within(y_host, y_device, product_bound(in, y_magnitude), "linear forward");
 
   const Tensor weight_grad_before = host.weight().grad.clone();
+  const Tensor bias_grad_before = host.bias().grad.clone();
   const Tensor dx_host = host.backward(dy);
   const Tensor dx_device = device.backward(dy.to(Device::kCuda));
   const Tensor dx_magnitude =
@@ -249,7 +375,31 @@ TEST(GpuLayers, LinearForwardAndBackwardAgreeWithTheHost) {
   matmul_into(absolute(dy), Transpose::kYes, absolute(x), Transpose::kNo, dw_magnitude, 1.0f, 1.0f);
   expect_within(host.weight().grad, device.weight().grad, product_bound(kBatch, dw_magnitude),
                 "linear dW");
-  EXPECT_TRUE(bitwise_equal(host.bias().grad, device.bias().grad)) << "linear db";
+  EXPECT_TRUE(bitwise_equal(column_sums_in_device_order(bias_grad_before, dy), device.bias().grad))
+      << "linear db in the kernel's order";
+  expect_within(host.bias().grad, device.bias().grad, column_sum_bound(bias_grad_before, dy),
+                "linear db");
+}
+
+TEST(GpuLayers, LinearBiasGradientOfManyRowsAndColumnsFollowsTheStatedOrder) {
+  // 1000 rows (8 groups of 125) and 4100 columns (129 tiles, the last of 4 columns).
+  constexpr std::int64_t rows = 1000;
+  constexpr std::int64_t out = 4100;
+  Linear host("fc", 3, out);
+  Linear device("fc", 3, out);
+  randomize(host, 11);
+  copy_parameters_to_device(host, device);
+  const Tensor x = random_tensor({rows, 3}, 22);
+  const Tensor dy = random_tensor({rows, out}, 23);
+  const Tensor bias_grad_before = host.bias().grad.clone();
+  (void)host.forward(x);
+  (void)device.forward(x.to(Device::kCuda));
+  (void)host.backward(dy);
+  (void)device.backward(dy.to(Device::kCuda));
+  EXPECT_TRUE(bitwise_equal(column_sums_in_device_order(bias_grad_before, dy), device.bias().grad))
+      << "linear db in the kernel's order";
+  expect_within(host.bias().grad, device.bias().grad, column_sum_bound(bias_grad_before, dy),
+                "linear db");
 }
 
 TEST(GpuLayers, ReluForwardAndBackwardEqualTheHostBitwise) {
@@ -282,6 +432,7 @@ TEST(GpuLayers, LayerNormForwardAndBackwardAgreeWithTheHost) {
   LayerNorm device("ln", width);
   randomize(host, 50);
   copy_parameters_to_device(host, device);
+  const Tensor beta_grad_before = host.bias().grad.clone();
   // An offset mean, as activations have: the statistics must take it out accurately.
   const Tensor x = random_tensor({kBatch, width}, 60, 2.0f, 5.0f);
   const Tensor dy = random_tensor({kBatch, width}, 61);
@@ -290,7 +441,10 @@ TEST(GpuLayers, LayerNormForwardAndBackwardAgreeWithTheHost) {
   expect_within_normwise(host.backward(dy), device.backward(dy.to(Device::kCuda)), 0x1.0p-19,
                          "layer norm dx");
   expect_within_normwise(host.weight().grad, device.weight().grad, 0x1.0p-19, "layer norm dgamma");
-  EXPECT_TRUE(bitwise_equal(host.bias().grad, device.bias().grad)) << "layer norm dbeta";
+  EXPECT_TRUE(bitwise_equal(column_sums_in_device_order(beta_grad_before, dy), device.bias().grad))
+      << "layer norm dbeta in the kernel's order";
+  expect_within(host.bias().grad, device.bias().grad, column_sum_bound(beta_grad_before, dy),
+                "layer norm dbeta");
 }
 
 TEST(GpuLayers, CrossEntropyLossAndGradientAgreeWithTheHost) {

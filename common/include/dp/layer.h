@@ -2,9 +2,10 @@
 //
 // A layer has an explicit forward and backward: forward saves what backward needs, and
 // backward returns the gradient of the input and adds the gradients of its parameters
-// into `Parameter::grad`. Adding (not overwriting) is what makes gradient accumulation
-// over micro-batches work; `Model::zero_grad()` resets the sums. A frozen parameter's
-// gradient is never computed.
+// into `Parameter::grad`; `backward_parameters_only` adds the same gradients without
+// computing the input's (what `Model::backward` calls on its first layer). Adding (not
+// overwriting) is what makes gradient accumulation over micro-batches work;
+// `Model::zero_grad()` resets the sums. A frozen parameter's gradient is never computed.
 //
 // Layers read `Parameter::value` at the moment they run, so a hook may replace a
 // parameter's tensor between calls (ZeRO-3 gathers it before forward and frees it after).
@@ -89,6 +90,12 @@ class Layer {
   /// output; adds (+=) this batch's gradient into every non-frozen parameter's grad.
   /// It releases what forward saved, so each forward allows one backward.
   virtual Tensor backward(const Tensor& grad_output) = 0;
+  /// As `backward`, for a layer whose input gradient nobody reads (a model's first layer:
+  /// its input is data, not a parameter's output): adds the same parameter gradients, bit
+  /// for bit, releases what forward saved, and returns an empty tensor. The default runs
+  /// `backward` and drops the input gradient; a layer whose input gradient costs work of its
+  /// own overrides it (Linear skips a product as large as its weight gradient's).
+  virtual Tensor backward_parameters_only(const Tensor& grad_output);
   /// The layer's parameters in definition order (weight, then bias); empty for activations.
   virtual std::vector<Parameter*> parameters();
   /// Sets the initial value of `parameter` (one of `parameters()`), drawing from `rng`.
@@ -99,6 +106,9 @@ class Layer {
   virtual OpCost forward_cost(std::int64_t batch) const = 0;
   /// Flops and bytes of `backward` on a batch of `batch` rows.
   virtual OpCost backward_cost(std::int64_t batch) const = 0;
+  /// Flops and bytes of `backward_parameters_only` on a batch of `batch` rows; the default
+  /// is `backward_cost`, as the default `backward_parameters_only` does all of backward.
+  virtual OpCost backward_parameters_only_cost(std::int64_t batch) const;
 
  protected:
   /// A layer called `name`.

@@ -147,7 +147,8 @@ class Model {
   /// accumulation over k micro-batches). Gradients are added into `Parameter::grad`.
   /// Fires pre-backward hooks per layer (reverse order), a gradient-ready hook for each
   /// non-frozen parameter the moment its gradient is final (reverse definition order:
-  /// fc3.bias, fc3.weight, fc2.bias, ...), and post-backward hooks per layer.
+  /// fc3.bias, fc3.weight, fc2.bias, ...), and post-backward hooks per layer. The first
+  /// layer runs `Layer::backward_parameters_only`: the input's gradient is never computed.
   /// Returns the unscaled mean loss.
   float backward(const Tensor& logits, std::span<const int> labels, float loss_scale = 1.0f);
   /// Sets every gradient to 0 (a gradient a hook released stays released).
@@ -178,7 +179,8 @@ class Model {
 
   /// Sum of the layers' forward costs on a batch of `batch` rows (the loss not included).
   OpCost forward_cost(std::int64_t batch) const;
-  /// Sum of the layers' backward costs on a batch of `batch` rows (the loss not included).
+  /// Sum of the layers' backward costs on a batch of `batch` rows (the loss not included),
+  /// the first layer's without its input gradient, as `backward` charges them.
   OpCost backward_cost(std::int64_t batch) const;
 
  private:

@@ -6,9 +6,11 @@
 // which is one cublasSgemm with the operands swapped, m and n swapped, and the same
 // transpose flags: the transposes are already there in how the memory is read.
 //
-// One handle per thread, that is per rank: a cuBLAS handle must not be used by two threads
-// at once, and each rank's products must go to its own compute stream. The handle is made
-// on first use and destroyed when the thread ends.
+// One handle per thread and device, that is per rank: a cuBLAS handle must not be used by
+// two threads at once, and each rank's products must go to its own compute stream. Handles
+// come from a pool (cuda/handle_pool.h): a thread leases one on its first product on a
+// device and gives it back when it ends, so the ranks of the next launch reuse them instead
+// of making new ones; the pool destroys them at process exit.
 //
 // Precision: the handle's math mode is CUBLAS_DEFAULT_MATH, and TF32 is never enabled, so
 // the products are float32 multiply-adds as on the host (the order of the additions
@@ -25,11 +27,16 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstddef>
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "cuda/device_ops.h"
+#include "cuda/handle_pool.h"
 #include "dp/error.h"
 
 namespace dp::cuda {
@@ -79,30 +86,79 @@ void check_cublas(cublasStatus_t status, const char* what) {
                             cublas().status_string(status), static_cast<int>(status)));
 }
 
-/// The calling thread's cuBLAS handle, on its compute stream, in full float32.
-class ThreadHandle {
- public:
-  ThreadHandle() {
-    check_cublas(cublas().create(&handle_), "cublasCreate");
-    check_cublas(cublas().set_stream(handle_, cudaStreamPerThread), "cublasSetStream");
-    check_cublas(cublas().set_math_mode(handle_, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
-  }
-  ~ThreadHandle() {
-    // At process exit the CUDA context may already be gone: nothing to report then.
-    (void)cublas().destroy(handle_);
-  }
-  ThreadHandle(const ThreadHandle&) = delete;
-  ThreadHandle& operator=(const ThreadHandle&) = delete;
+/// A new handle on the current device, in full float32 (the stream is set per lease).
+cublasHandle_t create_handle(int /*device*/) {
+  cublasHandle_t handle = nullptr;
+  check_cublas(cublas().create(&handle), "cublasCreate");
+  const cublasStatus_t status = cublas().set_math_mode(handle, CUBLAS_DEFAULT_MATH);
+  if (status != CUBLAS_STATUS_SUCCESS) (void)cublas().destroy(handle);
+  check_cublas(status, "cublasSetMathMode");
+  return handle;
+}
 
-  cublasHandle_t get() const { return handle_; }
+/// At process exit the CUDA context may already be gone: nothing to report then.
+void destroy_handle(cublasHandle_t handle) {
+  (void)cublas().destroy(handle);
+}
+
+/// The process's handles (see cuda/handle_pool.h), made on first use and never freed before
+/// exit; the leases of the main thread are returned first (thread-locals end before statics).
+HandlePool<cublasHandle_t>& handle_pool() {
+  static HandlePool<cublasHandle_t> pool(create_handle, destroy_handle);
+  return pool;
+}
+
+std::atomic<bool> pooling{true};               // set_cublas_handle_pooling
+std::atomic<std::size_t> unpooled_created{0};  // handles made with pooling off
+
+/// The calling thread's handles, one per device it multiplied on: leased from the pool on
+/// first use and given back (or destroyed, without pooling) when the thread ends.
+class ThreadHandles {
+ public:
+  ThreadHandles() = default;
+  ~ThreadHandles() {
+    for (const auto& [device, handle] : leased_) {
+      // The handle's workspace may still serve products queued on this thread's stream:
+      // they finish before another thread's products can use it (errors are ignored: at
+      // process exit the context may be gone).
+      if (cudaSetDevice(device) == cudaSuccess) (void)cudaStreamSynchronize(cudaStreamPerThread);
+      if (pooling.load()) {
+        handle_pool().release(device, handle);
+      } else {
+        destroy_handle(handle);
+      }
+    }
+  }
+  ThreadHandles(const ThreadHandles&) = delete;
+  ThreadHandles& operator=(const ThreadHandles&) = delete;
+
+  /// The handle for the calling thread's current device, on the thread's compute stream.
+  cublasHandle_t get() {
+    int device = 0;
+    check_status(static_cast<int>(cudaGetDevice(&device)), "cudaGetDevice (cuBLAS handle)");
+    for (const auto& [leased_device, handle] : leased_)
+      if (leased_device == device) return handle;
+    cublasHandle_t handle = nullptr;
+    if (pooling.load()) {
+      handle = handle_pool().acquire(device);
+    } else {
+      handle = create_handle(device);
+      unpooled_created.fetch_add(1);
+    }
+    leased_.emplace_back(device, handle);
+    // cudaStreamPerThread names the calling thread's own stream, so a handle another thread
+    // used before points at this thread's stream too; set again in case a caller changed it.
+    check_cublas(cublas().set_stream(handle, cudaStreamPerThread), "cublasSetStream");
+    return handle;
+  }
 
  private:
-  cublasHandle_t handle_ = nullptr;
+  std::vector<std::pair<int, cublasHandle_t>> leased_;  // few: one per device
 };
 
 cublasHandle_t thread_handle() {
-  thread_local ThreadHandle handle;
-  return handle.get();
+  thread_local ThreadHandles handles;
+  return handles.get();
 }
 
 // cublasSgemm takes 32-bit sizes; refuse larger ones rather than let them wrap.
@@ -117,6 +173,14 @@ cublasOperation_t to_cublas(bool transpose) {
 }
 
 }  // namespace
+
+void set_cublas_handle_pooling(bool pooled) {
+  pooling.store(pooled);
+}
+
+std::size_t cublas_handles_created() {
+  return handle_pool().created() + unpooled_created.load();
+}
 
 void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
           float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,

@@ -72,22 +72,45 @@ bool all_finite(const float* x, std::size_t n);
 /// does not depend on the order of the comparisons: it equals the host's bit for bit.
 float max_abs(const float* x, std::size_t n);
 
+/// How many arrays one launch of `fold_max_abs_bits` scans (its table is a kernel argument).
+constexpr std::size_t kScanArraysPerLaunch = 64;
+/// One pass over `count` device arrays (arrays[i] holds sizes[i] floats) for the largest |x|,
+/// as the bits of a non-negative float: these order as unsigned integers, and 0x7f800000 or
+/// more means some element is infinite or NaN. With `scan` (a device unsigned int, may be
+/// nullptr) zeroed first, the result is folded into `*scan` and into `*running` (the same,
+/// not zeroed: a maximum over several calls) with atomicMax, once per block after a
+/// reduction in shared memory. One launch per kScanArraysPerLaunch arrays; returns once the
+/// work is queued (read `*scan` with copy_bytes, which waits). The maximum does not depend on
+/// the order of the comparisons: it equals the host's bit for bit.
+void fold_max_abs_bits(const float* const* arrays, const std::size_t* sizes, std::size_t count,
+                       unsigned int* scan, unsigned int* running);
+
 // --- Matrix products (blas.cpp: cuBLAS) --------------------------------------------------
 
 /// C = alpha * op(A) op(B) + beta * C on row-major device matrices, the contract of
 /// dp::gemm (dp/ops.h): op(A) is (m, k), op(B) is (k, n), C is (m, n), and lda, ldb, ldc
-/// are the row strides. Through cuBLAS with a handle per thread, in full float32 (no TF32).
+/// are the row strides. Through cuBLAS with a pooled handle per thread and device (see
+/// `set_cublas_handle_pooling`), in full float32 (no TF32).
 void gemm(bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k,
           float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
           float beta, float* c, std::int64_t ldc);
+
+/// Whether a thread gives its cuBLAS handles back to the process's pool when it ends (true,
+/// the default: the next launch's ranks reuse them) or destroys them, as every rank thread
+/// did before the pool (false: dp_gpu_step_time's baseline). Affects threads that end later.
+void set_cublas_handle_pooling(bool pooled);
+/// How many cuBLAS handles this process has made so far (0 without CUDA).
+std::size_t cublas_handles_created();
 
 // --- Layers (layer_kernels.cu): the loops of common/src/layers/*.cpp ---------------------
 // Matrices are row-major (rows, cols); "+=" means the result is added into what is there.
 
 /// out[r][j] = row[j] for every row r: the bias a Linear's output starts from.
 void broadcast_rows(const float* row, float* out, std::int64_t rows, std::int64_t cols);
-/// sums[j] += x[0][j] + x[1][j] + ... (float, rows in order, then one addition into sums[j]):
-/// the bias gradient of a Linear, bitwise the host's.
+/// sums[j] += x[0][j] + x[1][j] + ...: the bias gradient of a Linear. The rows are added in 8
+/// consecutive groups, each in row order, then the groups in order and the result into
+/// sums[j] (layer_kernels.cu states it exactly): reproducible, within the float sum bound
+/// of the host's row-order sum, not bitwise equal to it.
 void add_column_sums(const float* x, std::int64_t rows, std::int64_t cols, float* sums);
 /// y[i] = max(x[i], 0) (bitwise the host's).
 void relu_forward(const float* x, float* y, std::size_t n);
@@ -102,7 +125,8 @@ void gelu_backward(const float* x, const float* dy, float* dx, std::size_t n);
 void layer_norm_forward(const float* x, const float* gamma, const float* beta, std::int64_t rows,
                         std::int64_t width, float eps, float* y, float* xhat, float* inv_std);
 /// LayerNorm backward: dx (rows, width); dgamma += sum over rows of dy * xhat and dbeta +=
-/// sum over rows of dy (each may be nullptr: a frozen parameter gets nothing).
+/// sum over rows of dy (each may be nullptr: a frozen parameter gets nothing), the sums in
+/// the order of `add_column_sums`.
 void layer_norm_backward(const float* dy, const float* xhat, const float* inv_std,
                          const float* gamma, std::int64_t rows, std::int64_t width, float* dx,
                          float* dgamma, float* dbeta);

@@ -21,6 +21,7 @@
 // reproducible bit for bit from run to run and from GPU to GPU.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 
@@ -71,13 +72,48 @@ __global__ void non_finite_kernel(const float* x, std::size_t n, int* found) {
 
 /// *largest = the bits of max |x[i]|. Non-negative floats order as their bit patterns read
 /// as integers, so an integer atomicMax finds the largest, and the result does not depend
-/// on the order the threads arrive in.
+/// on the order the threads arrive in. The block combines its threads' maxima in shared
+/// memory first, so the address sees one atomic per block instead of one per thread.
 __global__ void max_abs_kernel(const float* x, std::size_t n, unsigned int* largest) {
+  __shared__ unsigned int shared[kThreads];
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   unsigned int mine = 0;  // the bits of +0.0f
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     mine = max(mine, __float_as_uint(fabsf(x[i])));
-  atomicMax(largest, mine);
+  shared[threadIdx.x] = mine;
+  const unsigned int block_largest =
+      block_reduce(shared, [](unsigned int a, unsigned int b) { return max(a, b); });
+  if (threadIdx.x == 0) atomicMax(largest, block_largest);
+}
+
+/// The arrays one launch of gradient_scan_kernel reads, passed by value (about 1 KiB of
+/// kernel arguments, well under the 4 KiB every architecture accepts).
+struct ScanTable {
+  const float* data[kScanArraysPerLaunch];
+  std::size_t size[kScanArraysPerLaunch];
+  int count;
+};
+
+/// The bits of max |x| over the table's arrays, folded into *scan and *running (either may be
+/// nullptr): each thread keeps its own maximum over a grid-stride walk of every array, the
+/// block combines its threads' in shared memory (block_reduce), and thread 0 issues one
+/// atomicMax per target, so the same address sees one atomic per block, not per thread.
+__global__ void gradient_scan_kernel(ScanTable table, unsigned int* scan, unsigned int* running) {
+  __shared__ unsigned int shared[kThreads];
+  const std::size_t first = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned int mine = 0;  // the bits of +0.0f
+  for (int a = 0; a < table.count; ++a) {
+    const float* x = table.data[a];
+    for (std::size_t i = first; i < table.size[a]; i += stride)
+      mine = max(mine, __float_as_uint(fabsf(x[i])));
+  }
+  shared[threadIdx.x] = mine;
+  const unsigned int largest =
+      block_reduce(shared, [](unsigned int a, unsigned int b) { return max(a, b); });
+  if (threadIdx.x != 0) return;
+  if (scan != nullptr) atomicMax(scan, largest);
+  if (running != nullptr) atomicMax(running, largest);
 }
 
 // --- Optimizers: the loops of common/src/optimizer.cpp, one element per thread ----------
@@ -234,6 +270,27 @@ bool all_finite(const float* x, std::size_t n) {
   (void)cudaFreeAsync(found, compute());
   check(status, "all_finite");
   return host_found == 0;
+}
+
+void fold_max_abs_bits(const float* const* arrays, const std::size_t* sizes, std::size_t count,
+                       unsigned int* scan, unsigned int* running) {
+  if (scan != nullptr)
+    check(cudaMemsetAsync(scan, 0, sizeof(unsigned int), compute()), "scan reset");
+  for (std::size_t first = 0; first < count; first += kScanArraysPerLaunch) {
+    ScanTable table{};
+    std::size_t largest = 0;
+    for (std::size_t i = first; i < count && i - first < kScanArraysPerLaunch; ++i) {
+      table.data[table.count] = arrays[i];
+      table.size[table.count] = sizes[i];
+      ++table.count;
+      largest = std::max(largest, sizes[i]);
+    }
+    if (largest == 0) continue;  // nothing to read: the targets keep their values
+    // Blocks for the largest array: each block walks every array with the same stride.
+    gradient_scan_kernel<<<blocks_for(largest, kMaxBlocks), kThreads, 0, compute()>>>(table, scan,
+                                                                                      running);
+    check_launch("gradient scan (max |x|)");
+  }
 }
 
 float max_abs(const float* x, std::size_t n) {

@@ -3,23 +3,31 @@
 // the definition, and the GPU tests compare every kernel with it.
 //
 // Which results equal the host's bit for bit, and which only within a tolerance:
-//   - bitwise: ReLU forward and backward, the bias broadcast, the column sums of a Linear's
-//     bias gradient and of LayerNorm's dgamma and dbeta (one thread per column adds the rows
-//     in the host's order, each operation rounded on its own with __fadd_rn/__fmul_rn, so
-//     nvcc cannot fuse them into a multiply-add), and cross-entropy's backward;
+//   - bitwise: ReLU forward and backward, the bias broadcast and cross-entropy's backward
+//     (each operation rounded on its own with __fadd_rn/__fmul_rn, so nvcc cannot fuse them
+//     into a multiply-add);
+//   - in a fixed order of their own, reproducible from run to run and GPU to GPU, within the
+//     float sum bound of the host's: the column sums of a Linear's bias gradient and of
+//     LayerNorm's dgamma and dbeta (below);
 //   - within a tolerance: GELU (the device's tanhf is not the host's std::tanh, a few ulps
 //     apart), LayerNorm's row statistics and cross-entropy's sum of exponentials (double
 //     sums added as a tree, not in index order; the double result then rounds to the same
 //     float but for the rare value at a rounding boundary), and the exponentials.
 //
-// Column sums (the bias gradient, dgamma, dbeta) give each block a tile of 32 columns, one
-// warp: a (1024, 4096) gradient is then 128 blocks, about one per multiprocessor of an
-// H100, instead of 16 blocks of 256 columns that left most of the GPU idle. A thread still
-// adds its column's rows in order (bitwise the host), but it issues the loads of 8 rows
-// before adding them, so that each warp keeps 8 reads in flight whatever the compiler
-// makes of a plain loop: the sum is latency-bound, and reads in flight hide the latency.
-// Splitting the rows between threads would be faster still, but the sums would no longer
-// be the host's.
+// Column sums (the bias gradient, dgamma, dbeta) are latency-bound when one thread adds a
+// whole column: a (1024, 4096) gradient is 1024 dependent additions per thread on 4096
+// threads, a few per multiprocessor. So each block takes a tile of kColumnTile = 32 columns
+// (one warp wide, each row read in coalesced pieces) and kRowGroups = 8 warps, and splits the
+// rows into 8 consecutive groups of ceil(rows / 8) rows (the last groups may be shorter or
+// empty). The summation order, fixed by the row count alone:
+//     partial[g] = (((0 + x[r_g]) + x[r_g + 1]) + ...)   the rows of group g in order, float
+//     sum        = ((((0 + partial[0]) + partial[1]) + ...) + partial[7])            float
+//     sums[j]    = sums[j] + sum                          one addition, as the host does
+// each addition rounded on its own (__fadd_rn). The host adds all rows in order; both sums
+// lie within (rows - 1) u sum|x| of the exact one (u = 2^-24), so within twice that of each
+// other, which the GPU tests check, and they compare the device with a host loop in the
+// order above bit for bit. A warp issues the loads of kRowsInFlight rows before adding them,
+// so that it keeps 8 reads in flight whatever the compiler makes of a plain loop.
 //
 // Row-wise operations (LayerNorm, softmax) give one block to each row: its threads stride
 // over the row's columns and add their partial sums with block_sum. The widths of the labs'
@@ -46,12 +54,38 @@ int grid_for(std::size_t n) {
   return blocks_for(n, kMaxBlocks);
 }
 
-constexpr int kColumnTile = 32;   // columns (threads) per block of a column sum: one warp
+constexpr int kColumnTile = 32;   // columns per block of a column sum: one warp wide
+constexpr int kRowGroups = 8;     // warps per block of a column sum, one group of rows each
 constexpr int kRowsInFlight = 8;  // rows a column sum loads before it adds them, in order
 
-/// Blocks of kColumnTile threads for `cols` columns.
+/// Blocks of kColumnTile x kRowGroups threads for `cols` columns.
 int column_tiles(std::int64_t cols) {
   return static_cast<int>((cols + kColumnTile - 1) / kColumnTile);
+}
+
+/// The threads of a column-sum block: x the column in the tile, y the row group.
+dim3 column_sum_block() {
+  return dim3(kColumnTile, kRowGroups);
+}
+
+/// The rows [first, last) of row group `group` of `rows` (see the top).
+__device__ void row_group(std::int64_t rows, int group, std::int64_t& first, std::int64_t& last) {
+  const std::int64_t per_group = (rows + kRowGroups - 1) / kRowGroups;
+  const std::int64_t start = group * per_group;
+  first = start < rows ? start : rows;
+  last = first + per_group < rows ? first + per_group : rows;
+}
+
+/// partial[group][column] of every group, added in group order (see the top); the result is
+/// the same in every thread of the column. Every thread of the block calls it.
+__device__ float add_row_groups(float (&partial)[kRowGroups][kColumnTile], float mine) {
+  partial[threadIdx.y][threadIdx.x] = mine;
+  __syncthreads();
+  float sum = 0.0f;
+#pragma unroll
+  for (int group = 0; group < kRowGroups; ++group)
+    sum = __fadd_rn(sum, partial[group][threadIdx.x]);
+  return sum;
 }
 
 // --- Linear -------------------------------------------------------------------------------
@@ -64,24 +98,29 @@ __global__ void broadcast_rows_kernel(const float* row, float* out, std::int64_t
     out[i] = row[i % static_cast<std::size_t>(cols)];
 }
 
-/// Thread j adds column j over the rows in order, then adds the sum into sums[j]. Adjacent
-/// threads read adjacent columns, so each row is read in coalesced pieces; the loads of
-/// kRowsInFlight rows are issued before their additions (see the top).
+/// sums[j] += the sum of column j of x, in the order stated at the top: warp y adds its row
+/// group of column j in order, loading kRowsInFlight rows before adding them; thread (j, 0)
+/// adds the groups' sums in group order and the result into sums[j].
 __global__ void add_column_sums_kernel(const float* __restrict__ x, std::int64_t rows,
                                        std::int64_t cols, float* __restrict__ sums) {
-  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= cols) return;
-  float sum = 0.0f;
+  __shared__ float partial[kRowGroups][kColumnTile];
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   std::int64_t r = 0;
-  for (; r + kRowsInFlight <= rows; r += kRowsInFlight) {
-    float value[kRowsInFlight];
+  std::int64_t last = 0;
+  row_group(rows, static_cast<int>(threadIdx.y), r, last);
+  float sum = 0.0f;
+  if (j < cols) {
+    for (; r + kRowsInFlight <= last; r += kRowsInFlight) {
+      float value[kRowsInFlight];
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) value[k] = x[(r + k) * cols + j];
+      for (int k = 0; k < kRowsInFlight; ++k) value[k] = x[(r + k) * cols + j];
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) sum = __fadd_rn(sum, value[k]);
+      for (int k = 0; k < kRowsInFlight; ++k) sum = __fadd_rn(sum, value[k]);
+    }
+    for (; r < last; ++r) sum = __fadd_rn(sum, x[r * cols + j]);
   }
-  for (; r < rows; ++r) sum = __fadd_rn(sum, x[r * cols + j]);
-  sums[j] = __fadd_rn(sums[j], sum);
+  const float total = add_row_groups(partial, sum);  // every thread: it synchronises
+  if (j < cols && threadIdx.y == 0) sums[j] = __fadd_rn(sums[j], total);
 }
 
 // --- Activations --------------------------------------------------------------------------
@@ -174,38 +213,48 @@ __global__ void layer_norm_backward_dx_kernel(const float* dy, const float* xhat
   }
 }
 
-/// dgamma[j] += sum over rows of dy * xhat, dbeta[j] += sum over rows of dy: thread j adds
-/// column j in row order, as the host does (either output may be nullptr), loading
-/// kRowsInFlight rows before adding them (see the top).
+/// dgamma[j] += sum over rows of dy * xhat, dbeta[j] += sum over rows of dy (either output
+/// may be nullptr), each in the column-sum order stated at the top, the product rounded on
+/// its own before it is added.
 __global__ void layer_norm_backward_params_kernel(const float* __restrict__ dy,
                                                   const float* __restrict__ xhat, std::int64_t rows,
                                                   std::int64_t width, float* dgamma, float* dbeta) {
-  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= width) return;
+  __shared__ float partial[kRowGroups][kColumnTile];
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
+  std::int64_t r = 0;
+  std::int64_t last = 0;
+  row_group(rows, static_cast<int>(threadIdx.y), r, last);
   float sum_dy_xhat = 0.0f;
   float sum_dy = 0.0f;
-  std::int64_t r = 0;
-  for (; r + kRowsInFlight <= rows; r += kRowsInFlight) {
-    float d[kRowsInFlight];
-    float h[kRowsInFlight];
+  if (j < width) {
+    for (; r + kRowsInFlight <= last; r += kRowsInFlight) {
+      float d[kRowsInFlight];
+      float h[kRowsInFlight];
 #pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      d[k] = dy[(r + k) * width + j];
-      h[k] = xhat[(r + k) * width + j];
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        d[k] = dy[(r + k) * width + j];
+        h[k] = xhat[(r + k) * width + j];
+      }
+#pragma unroll
+      for (int k = 0; k < kRowsInFlight; ++k) {
+        sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d[k], h[k]));
+        sum_dy = __fadd_rn(sum_dy, d[k]);
+      }
     }
-#pragma unroll
-    for (int k = 0; k < kRowsInFlight; ++k) {
-      sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d[k], h[k]));
-      sum_dy = __fadd_rn(sum_dy, d[k]);
+    for (; r < last; ++r) {
+      const float d = dy[r * width + j];
+      sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d, xhat[r * width + j]));
+      sum_dy = __fadd_rn(sum_dy, d);
     }
   }
-  for (; r < rows; ++r) {
-    const float d = dy[r * width + j];
-    sum_dy_xhat = __fadd_rn(sum_dy_xhat, __fmul_rn(d, xhat[r * width + j]));
-    sum_dy = __fadd_rn(sum_dy, d);
-  }
-  if (dgamma != nullptr) dgamma[j] = __fadd_rn(dgamma[j], sum_dy_xhat);
-  if (dbeta != nullptr) dbeta[j] = __fadd_rn(dbeta[j], sum_dy);
+  // Every thread takes part in both (they synchronise); the second waits until every thread
+  // has read the first's partial sums before it overwrites them.
+  const float total_dy_xhat = add_row_groups(partial, sum_dy_xhat);
+  __syncthreads();
+  const float total_dy = add_row_groups(partial, sum_dy);
+  if (j >= width || threadIdx.y != 0) return;
+  if (dgamma != nullptr) dgamma[j] = __fadd_rn(dgamma[j], total_dy_xhat);
+  if (dbeta != nullptr) dbeta[j] = __fadd_rn(dbeta[j], total_dy);
 }
 
 // --- Softmax cross-entropy: one block per row ---------------------------------------------
@@ -286,7 +335,8 @@ void broadcast_rows(const float* row, float* out, std::int64_t rows, std::int64_
 
 void add_column_sums(const float* x, std::int64_t rows, std::int64_t cols, float* sums) {
   if (cols == 0) return;
-  add_column_sums_kernel<<<column_tiles(cols), kColumnTile, 0, compute()>>>(x, rows, cols, sums);
+  add_column_sums_kernel<<<column_tiles(cols), column_sum_block(), 0, compute()>>>(x, rows, cols,
+                                                                                   sums);
   check_launch("add_column_sums");
 }
 
@@ -330,7 +380,7 @@ void layer_norm_backward(const float* dy, const float* xhat, const float* inv_st
       dy, xhat, inv_std, gamma, width, dx);
   check_launch("layer norm backward (dx)");
   if (dgamma == nullptr && dbeta == nullptr) return;
-  layer_norm_backward_params_kernel<<<column_tiles(width), kColumnTile, 0, compute()>>>(
+  layer_norm_backward_params_kernel<<<column_tiles(width), column_sum_block(), 0, compute()>>>(
       dy, xhat, rows, width, dgamma, dbeta);
   check_launch("layer norm backward (dgamma, dbeta)");
 }

@@ -1,4 +1,5 @@
 // The device functions of cuda/device_ops.h in a build without CUDA: each one says so.
+#include <cstddef>
 #include <string_view>
 
 #include "cuda/device_ops.h"
@@ -70,6 +71,17 @@ bool all_finite(const float* /*x*/, std::size_t /*n*/) {
 
 float max_abs(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("max_abs");
+}
+
+void fold_max_abs_bits(const float* const* /*arrays*/, const std::size_t* /*sizes*/,
+                       std::size_t /*count*/, unsigned int* /*scan*/, unsigned int* /*running*/) {
+  no_cuda("fold_max_abs_bits");
+}
+
+void set_cublas_handle_pooling(bool /*pooled*/) {}  // nothing to pool without CUDA
+
+std::size_t cublas_handles_created() {
+  return 0;
 }
 
 void gemm(bool /*transpose_a*/, bool /*transpose_b*/, std::int64_t /*m*/, std::int64_t /*n*/,

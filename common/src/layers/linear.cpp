@@ -45,6 +45,14 @@ Tensor Linear::forward(const Tensor& input) {
 }
 
 Tensor Linear::backward(const Tensor& grad_output) {
+  return backward_impl(grad_output, true);
+}
+
+Tensor Linear::backward_parameters_only(const Tensor& grad_output) {
+  return backward_impl(grad_output, false);
+}
+
+Tensor Linear::backward_impl(const Tensor& grad_output, bool input_gradient) {
   if (saved_input_.rank() == 0)
     throw Error(
         fmt::format("{}: backward called without a forward before it (each forward "
@@ -61,7 +69,8 @@ Tensor Linear::backward(const Tensor& grad_output) {
                 grad_for_accumulation(weight_), 1.0f, 1.0f);
   }
   if (!bias_.frozen && detail::on_gpu(grad_output.device())) {
-    // The same sums, one thread per column (bitwise the loop below).
+    // The same sums, the rows added in groups in parallel (cuda/layer_kernels.cu states the
+    // order): reproducible, within the float sum bound of the loop below.
     cuda::add_column_sums(grad_output.view().data(), batch, out_features_,
                           grad_for_accumulation(bias_).view().data());
   } else if (!bias_.frozen) {
@@ -75,8 +84,10 @@ Tensor Linear::backward(const Tensor& grad_output) {
     float* db = grad_for_accumulation(bias_).view().data();
     for (std::int64_t j = 0; j < out_features_; ++j) db[j] += row_sum[j];
   }
-  // dX: (B, in) = (B, out) (out, in)
-  Tensor grad_input = matmul(grad_output, Transpose::kNo, weight_.value, Transpose::kNo);
+  // dX: (B, in) = (B, out) (out, in), unless nobody reads it (the model's input).
+  Tensor grad_input = input_gradient
+                          ? matmul(grad_output, Transpose::kNo, weight_.value, Transpose::kNo)
+                          : Tensor();
   saved_input_ = Tensor();  // the activation is no longer needed
   return grad_input;
 }
@@ -106,6 +117,17 @@ OpCost Linear::backward_cost(std::int64_t batch) const {
   // Read dY, X and W; read and write dW and db; write dX.
   const double bytes =
       sizeof(float) * (b * out + b * in + out * in + 2 * (out * in + out) + b * in);
+  return {.flops = flops, .bytes = bytes};
+}
+
+OpCost Linear::backward_parameters_only_cost(std::int64_t batch) const {
+  const double b = static_cast<double>(batch);
+  const double in = static_cast<double>(in_features_);
+  const double out = static_cast<double>(out_features_);
+  // dW, a (B, out, in) product, and db, one addition per dY element.
+  const double flops = 2 * b * in * out + b * out;
+  // Read dY and X; read and write dW and db (W is not read: it only serves dX).
+  const double bytes = sizeof(float) * (b * out + b * in + 2 * (out * in + out));
   return {.flops = flops, .bytes = bytes};
 }
 

@@ -9,7 +9,9 @@
 //   dx = (g - mean_j(g) - xhat * mean_j(g * xhat)) / sqrt(var + eps)
 //
 // On a CUDA device one block per row computes the row sums in double as a tree (the host
-// adds in index order), so the two agree within a few float ulps; dbeta is bitwise.
+// adds in index order), so the two agree within a few float ulps; dgamma and dbeta add the
+// rows in groups in a fixed order of their own (cuda/layer_kernels.cu), within the float
+// sum bound of the host's.
 //
 // Example:
 //

@@ -9,14 +9,18 @@
 //             db += sum_rows(dY)  (out)
 //             dx  = dY W          (B, in) = (B, out) (out, in)
 //
+// A model's first layer skips dx (`backward_parameters_only`): its input is the data, which
+// needs no gradient, so a step of an L-layer MLP does 3L - 1 products, as PyTorch does.
+//
 // Example:
 //
 //   dp::Linear fc("fc1", 64, 256);    // parameters "fc1.weight" (256, 64), "fc1.bias" (256)
 //   dp::Tensor y = fc.forward(x);      // x: (B, 64) -> y: (B, 256)
 //   dp::Tensor dx = fc.backward(dy);   // dy: (B, 256) -> dx: (B, 64)
 //
-// As every layer, it runs where its tensors live (dp/layer.h): the bias broadcast and the
-// bias gradient's column sums have kernels of their own, equal to the loops bit for bit.
+// As every layer, it runs where its tensors live (dp/layer.h): the bias broadcast (equal to
+// the loop bit for bit) and the bias gradient's column sums (the rows added in groups in a
+// fixed order, within the float sum bound of the loop's) have kernels of their own.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +44,8 @@ class Linear final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, out) -> (B, in); adds into the weight and bias gradients.
   Tensor backward(const Tensor& grad_output) override;
+  /// As backward without dx = dY W: the weight and bias gradients only (an empty result).
+  Tensor backward_parameters_only(const Tensor& grad_output) override;
   /// {weight, bias}.
   std::vector<Parameter*> parameters() override { return {&weight_, &bias_}; }
   /// Uniform in (-1/sqrt(in), 1/sqrt(in)) for weight and bias, as PyTorch's default.
@@ -48,6 +54,8 @@ class Linear final : public Layer {
   OpCost forward_cost(std::int64_t batch) const override;
   /// Two products (dx, dW) and the bias row sum.
   OpCost backward_cost(std::int64_t batch) const override;
+  /// The product dW and the bias row sum (no dx).
+  OpCost backward_parameters_only_cost(std::int64_t batch) const override;
 
   /// Number of input features.
   std::int64_t in_features() const { return in_features_; }
@@ -59,6 +67,9 @@ class Linear final : public Layer {
   Parameter& bias() { return bias_; }
 
  private:
+  // backward's work: the parameter gradients, then dx when `input_gradient` (else empty).
+  Tensor backward_impl(const Tensor& grad_output, bool input_gradient);
+
   std::int64_t in_features_;
   std::int64_t out_features_;
   Parameter weight_;
