@@ -247,11 +247,12 @@ std::string check_shard(const Model& layout, const std::vector<std::size_t>& ind
 /// Trains this rank with the student's ZeroThreeOptimizer for `training`'s steps, comparing
 /// the loss of every forward and the shard after every step with `exact` bitwise (and the
 /// norms with `norms` when clipping).
-std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units);
+std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units,
+                                bool reshard_after_forward = true);
 
 void train_and_compare(const Training& training, Communicator& comm, Verdict& verdict,
                        const Trajectory& exact, float max_norm, const std::vector<float>& norms,
-                       const std::string& what) {
+                       const std::string& what, bool reshard_after_forward = true) {
   const int world = comm.size();
   const TrainOptions options = training.for_world(world);
   Model model = training.model();
@@ -262,10 +263,11 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
   // The communication budget holds in every run, not only where Lab7Communication watches
   // (a lab 7 trial all-reduced every unit's gradients everywhere but there): no step may
   // send more than the units' calls and the norm's one float.
-  const std::uint64_t unit_bytes = budget_bytes_sent(comm, contract_units(model, world));
+  const std::uint64_t unit_bytes =
+      budget_bytes_sent(comm, contract_units(model, world), reshard_after_forward);
   const std::uint64_t norm_bytes =
       max_norm > 0 ? grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1}) : 0;
-  ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm);
+  ZeroThreeOptimizer zero(model, comm, factory_for(options), max_norm, reshard_after_forward);
   // Every rank runs every step whatever it found, so that no rank waits for a peer that
   // stopped: a failure is recorded once, and the later steps are not judged.
   for (int step = 1; step <= options.steps; ++step) {
@@ -282,9 +284,10 @@ void train_and_compare(const Training& training, Communicator& comm, Verdict& ve
     if (unit_sent > unit_bytes || other_sent > norm_bytes) {
       verdict.fail(fmt::format(
           "{}: step {} sent {} bytes by reduce-scatters and all-gathers and {} by other calls; "
-          "the communication budget is at most {} (two all-gathers and one reduce-scatter per "
+          "the communication budget is at most {} ({} all-gather{} and one reduce-scatter per "
           "unit) and {} (the norm's one float with clipping), in every run",
-          what, step, unit_sent, other_sent, unit_bytes, norm_bytes));
+          what, step, unit_sent, other_sent, unit_bytes, reshard_after_forward ? "two" : "one",
+          reshard_after_forward ? "s" : "", norm_bytes));
       continue;
     }
     const float expected_loss =
@@ -1245,12 +1248,15 @@ struct CallLog {
   struct Call {
     RecordedCall call;
     bool in_step = false;
+    bool in_backward = false;
     const void* in = nullptr;
     const void* out = nullptr;
     std::optional<std::size_t> nonzero_padding;  ///< reduce-scatters: at issue
   };
   std::vector<Call> calls;
   bool in_step = false;
+  /// Set by a check that tells backward from forward (between the two calls).
+  bool in_backward = false;
   const std::vector<Unit>* units = nullptr;
   /// The optimizer's shards (set once it is constructed): a unit's calls read or write them
   /// at its shard offset.
@@ -1272,6 +1278,7 @@ struct CallLog {
           Call c;
           c.call = call;
           c.in_step = in_step;
+          c.in_backward = in_backward;
           c.in = in.data;
           c.out = out.data;
           if (call.op == CommOp::kReduceScatter) {
@@ -1289,9 +1296,11 @@ struct CallLog {
   }
 };
 
-/// The budget's bytes for one step on `comm`: what this rank sends for two all-gathers and
-/// one reduce-scatter per unit, measured with the same calls on scratch buffers.
-std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units) {
+/// The budget's bytes for one step on `comm`: what this rank sends for two all-gathers (one
+/// when the units are kept gathered, `reshard_after_forward` false) and one reduce-scatter
+/// per unit, measured with the same calls on scratch buffers.
+std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& units,
+                                bool reshard_after_forward) {
   const CommCounters before = comm.counters();
   const auto n = static_cast<std::size_t>(comm.size());
   for (const Unit& u : units) {
@@ -1299,7 +1308,7 @@ std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& uni
                 grading::check_device());
     Tensor chunk({static_cast<std::int64_t>(u.chunk_elements)}, MemoryCategory::kOther,
                  grading::check_device());
-    for (std::size_t g = 0; g < kGathersPerUnit; ++g)
+    for (std::size_t g = 0; g < (reshard_after_forward ? kGathersPerUnit : 1); ++g)
       comm.allgather(std::as_const(chunk).view(), full.view())->wait();
     comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
   }
@@ -1311,9 +1320,11 @@ std::uint64_t budget_bytes_sent(Communicator& comm, const std::vector<Unit>& uni
 /// or count that does not: every all-gather a unit's chunk of shard_parameters() (C_u -> N
 /// C_u), at most kGathersPerUnit per unit; every reduce-scatter (N C_u -> C_u, sum) into a
 /// unit's chunk of shard_gradients(), its padding zero at issue, exactly one per unit; with
-/// clipping one all-reduce of one float in step(); nothing else.
-std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int world,
-                       bool clipping) {
+/// clipping one all-reduce of one float in step(); nothing else. With the units kept
+/// gathered (`reshard_after_forward` false): exactly one all-gather per unit, none in
+/// backward.
+std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int world, bool clipping,
+                       bool reshard_after_forward = true) {
   const auto n = static_cast<std::size_t>(world);
   std::vector<std::size_t> gathers(units.size(), 0);
   std::vector<std::size_t> scatters(units.size(), 0);
@@ -1334,6 +1345,11 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
         return fmt::format(
             "unit {}'s all-gather is {}; expected {} (C = {} elements from each rank)", u,
             grading::describe(c.call), grading::describe(want), units[u].chunk_elements);
+      if (!reshard_after_forward && c.in_backward)
+        return fmt::format(
+            "with reshard_after_forward = false, backward issued unit {}'s all-gather; expected "
+            "none in backward: every unit stays gathered from its forward to its backward",
+            u);
       ++gathers[u];
     } else if (c.call.op == CommOp::kReduceScatter) {
       const std::size_t u = log.unit_at(c.out, log.shard_gradients);
@@ -1372,6 +1388,12 @@ std::string judge_step(const CallLog& log, const std::vector<Unit>& units, int w
     }
   }
   for (std::size_t u = 0; u < units.size(); ++u) {
+    if (!reshard_after_forward && gathers[u] != 1)
+      return fmt::format(
+          "with reshard_after_forward = false, unit {} was all-gathered {} times in one step; "
+          "expected exactly once (U = {} in all), for its forward: it stays gathered for its "
+          "backward",
+          u, gathers[u], units.size());
     if (gathers[u] > kGathersPerUnit)
       return fmt::format(
           "unit {} was all-gathered {} times in one step; the budget is at most {} per unit "
@@ -1598,6 +1620,48 @@ struct Hiding {
   double behind() const { return behind_model / on_link; }
 };
 
+/// One step of the student's ZeroThreeOptimizer on simulated ranks, as rank 0's clock saw it.
+struct SimulatedStep {
+  Hiding gathers;
+  Hiding scatters;
+  double step_seconds = 0;
+};
+
+/// Runs one forward, backward and step() of `options`' model on `launch_options`' simulated
+/// ranks with `reshard_after_forward`, and measures rank 0's calls, their time on the link,
+/// the waits on them and the step's time. Throws what a rank threw.
+SimulatedStep simulate_step(const LaunchOptions& launch_options, const TrainOptions& options,
+                            const Dataset& data, bool reshard_after_forward) {
+  SimulatedStep measured;
+  const int world = launch_options.world_size;
+  launch(launch_options, [&](Communicator& comm) {
+    Model model = grading::make_check_model(options);
+    WaitTimer timer(comm);
+    ZeroThreeOptimizer zero(model, timer, factory_for(options), 0.0f, reshard_after_forward);
+    const Batch batch =
+        grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
+    detail::charging_clock(comm).mark_step();
+    model.backward(grading::forward(model, batch), batch.labels);
+    (void)zero.step();
+    detail::charging_clock(comm).mark_step();
+    if (comm.rank() != 0) return;
+    const RankTrace trace = comm.clock().trace();
+    for (const TraceEvent& event : trace.events) {
+      if (event.lane == TraceLane::kCompute) continue;
+      if (event.name == "allgather") measured.gathers.on_link += event.duration;
+      if (event.name == "reduce_scatter") measured.scatters.on_link += event.duration;
+    }
+    measured.gathers.calls = timer.gathers;
+    measured.gathers.exposed = timer.gathers_exposed;
+    measured.gathers.behind_model = behind_model_compute(trace, "allgather");
+    measured.scatters.calls = timer.scatters;
+    measured.scatters.exposed = timer.scatters_exposed;
+    measured.scatters.behind_model = behind_model_compute(trace, "reduce_scatter");
+    measured.step_seconds = summarize_steps(trace).back().total;
+  });
+  return measured;
+}
+
 TEST(Lab7Speed, HidesHalfTheCommunication) {
   Draws draws("Lab7Speed.HidesHalfTheCommunication");
   // 8 ranks on InfiniBand NDR, a CPU-class device, an MLP of 8 hidden layers 64-h-...-h-10
@@ -1632,31 +1696,10 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
   Hiding scatters;
   double step_seconds = 0;
   try {
-    launch(launch_options, [&](Communicator& comm) {
-      Model model = grading::make_check_model(options);
-      WaitTimer timer(comm);
-      ZeroThreeOptimizer zero(model, timer, factory_for(options));
-      const Batch batch =
-          grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
-      detail::charging_clock(comm).mark_step();
-      model.backward(grading::forward(model, batch), batch.labels);
-      (void)zero.step();
-      detail::charging_clock(comm).mark_step();
-      if (comm.rank() != 0) return;
-      const RankTrace trace = comm.clock().trace();
-      for (const TraceEvent& event : trace.events) {
-        if (event.lane == TraceLane::kCompute) continue;
-        if (event.name == "allgather") gathers.on_link += event.duration;
-        if (event.name == "reduce_scatter") scatters.on_link += event.duration;
-      }
-      gathers.calls = timer.gathers;
-      gathers.exposed = timer.gathers_exposed;
-      gathers.behind_model = behind_model_compute(trace, "allgather");
-      scatters.calls = timer.scatters;
-      scatters.exposed = timer.scatters_exposed;
-      scatters.behind_model = behind_model_compute(trace, "reduce_scatter");
-      step_seconds = summarize_steps(trace).back().total;
-    });
+    const SimulatedStep measured = simulate_step(launch_options, options, data, true);
+    gathers = measured.gathers;
+    scatters = measured.scatters;
+    step_seconds = measured.step_seconds;
   } catch (const NotImplemented&) {
     throw;
   } catch (const std::exception& error) {
@@ -1712,6 +1755,199 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
         step_seconds * 1e3));
 }
 
+// --- Lab7Reshard ---------------------------------------------------------------------------
+
+/// sum_u N C_u: every unit padded to N chunks, what keeping every unit gathered in buffers
+/// of its own holds.
+std::size_t padded_units(const std::vector<Unit>& units, int world) {
+  std::size_t total = 0;
+  for (const Unit& u : units) total += static_cast<std::size_t>(world) * u.chunk_elements;
+  return total;
+}
+
+/// One rank of Lab7Reshard.KeepsUnitsGatheredWhenAsked after the bitwise training: two steps
+/// with `reshard_after_forward = false` through a recording communicator, judged against
+/// the keep mode's budgets (exactly one all-gather per unit, none in backward; the bytes of
+/// one all-gather and one reduce-scatter per unit; kParameters within 4 S + 4 Psi,
+/// kGradients within the default's budget, peak(parameters) + peak(communication) within
+/// 4 S + 4 sum_u N C_u + 4 x 4 max_u(N C_u) (+ 4 with clipping)). Every rank runs both
+/// steps whatever it finds, so that no rank waits for a peer that stopped.
+void check_kept_units(const Training& training, int world, float max_norm, Communicator& comm,
+                      Verdict& verdict) {
+  const TrainOptions options = training.for_world(world);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
+  const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+  const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+  Model model = training.model();
+  const std::size_t psi = model.num_parameters();
+  const std::vector<Unit> units = contract_units(model, world);
+  const std::size_t shard = 4 * contract_shard(units);
+  const std::size_t norm = max_norm > 0 ? sizeof(float) : 0;
+  const std::size_t parameter_budget = shard + 4 * psi;
+  const std::size_t gradient_budget = shard + 4 * two_largest_units(units);
+  const std::size_t with_buffers_budget = shard + 4 * padded_units(units, world) +
+                                          kBudgetBuffers * 4 * largest_padded_unit(units, world) +
+                                          norm;
+  const std::uint64_t budget_bytes = budget_bytes_sent(comm, units, false);
+  const std::uint64_t scalar_bytes =
+      grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+  grading::RecordingCommunicator recorder(comm);
+  CallLog log;
+  log.attach(recorder, units);
+  ZeroThreeOptimizer zero(model, recorder, factory_for(options), max_norm,
+                          /*reshard_after_forward=*/false);
+  log.shard_parameters = zero.shard_parameters().view().data();
+  log.shard_gradients = zero.shard_gradients().view().data();
+  const grading::CategoryBytes constructed = grading::current_bytes(tracker);
+  tracker.reset_peaks();
+  const std::string label = fmt::format("reshard_after_forward = false{}, N = {}",
+                                        max_norm > 0 ? " with clipping" : "", world);
+  for (int step = 1; step <= 2; ++step) {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    log.reset(recorder);
+    const CommCounters before = comm.counters();
+    log.in_step = false;
+    log.in_backward = false;
+    const Tensor logits = grading::forward(model, batch);
+    log.in_backward = true;
+    model.backward(logits, batch.labels);
+    log.in_step = true;
+    (void)zero.step();
+    const CommCounters used = comm.counters().since(before);
+    if (!verdict.passed()) continue;
+    const std::string finding = judge_step(log, units, world, max_norm > 0, false);
+    if (!finding.empty()) {
+      verdict.fail(fmt::format("{}, step {}: {}", label, step, finding));
+      continue;
+    }
+    const std::uint64_t bytes =
+        used.of(CommOp::kReduceScatter).bytes_sent + used.of(CommOp::kAllGather).bytes_sent;
+    if (bytes > budget_bytes ||
+        used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
+      verdict.fail(fmt::format(
+          "{}, step {}: the backend counted {} bytes sent by reduce-scatters and all-gathers "
+          "and {} by all-reduce; the budget is at most {} (one all-gather and one "
+          "reduce-scatter per unit) and {} for the norm",
+          label, step, bytes, used.of(CommOp::kAllReduce).bytes_sent, budget_bytes,
+          max_norm > 0 ? scalar_bytes : 0));
+    verdict.expect_empty(check_released(model), fmt::format("{}, after step {}", label, step));
+  }
+  if (!verdict.passed()) return;
+  grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+  kept[MemoryCategory::kActivations] = 0;
+  const std::string changed = grading::category_differences(kept, {});
+  const std::size_t param_peak = tracker.peak(MemoryCategory::kParameters) - param_base;
+  const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+  const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+  const std::string sizes =
+      fmt::format("S = {}, Psi = {}, sum_u N C_u = {}, max_u N C_u = {}, {} units", shard / 4, psi,
+                  padded_units(units, world), largest_padded_unit(units, world), units.size());
+  if (!changed.empty())
+    verdict.fail(fmt::format(
+        "{}: after two steps, against just after the constructor: {}; expected every category "
+        "as it was (the values kept from a forward are released by its backward)",
+        label, changed));
+  else if (param_peak > parameter_budget)
+    verdict.fail(fmt::format(
+        "{}: parameter bytes at the peak of the steps {}; the budget is the shard and every "
+        "unit's values once, 4 S + 4 Psi = {} ({})",
+        label, param_peak, parameter_budget, sizes));
+  else if (grad_peak > gradient_budget)
+    verdict.fail(fmt::format(
+        "{}: gradient bytes at the peak of the steps {}; the budget is the default's, 4 S + "
+        "4 (E_(1) + E_(2)) = {} ({})",
+        label, grad_peak, gradient_budget, sizes));
+  else if (param_peak + comm_peak > with_buffers_budget)
+    verdict.fail(fmt::format(
+        "{}: peak(parameters) + peak(communication) = {} + {} = {} bytes; the budget is the "
+        "default's plus every unit kept gathered, 4 S + 4 sum_u N C_u + {} x 4 max_u(N C_u){} "
+        "= {} ({})",
+        label, param_peak, comm_peak, param_peak + comm_peak, kBudgetBuffers,
+        norm > 0 ? " + 4" : "", with_buffers_budget, sizes));
+  else
+    verdict.note(fmt::format(
+        "{}: {} all-gathers per step (one per unit, none in backward), bitwise lab 2's; "
+        "peak(parameters) + peak(communication) {} bytes, {:.2f} per parameter (budget {}; "
+        "lab 6's replicated 4 Psi = {})",
+        label, units.size(), param_peak + comm_peak,
+        static_cast<double>(param_peak + comm_peak) / static_cast<double>(psi), with_buffers_budget,
+        4 * psi));
+}
+
+TEST(Lab7Reshard, KeepsUnitsGatheredWhenAsked) {
+  Draws draws("Lab7Reshard.KeepsUnitsGatheredWhenAsked");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training =
+      grading::draw_sharded_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  for (std::size_t w = 0; w < worlds.size(); ++w) {
+    const int world = worlds[w];
+    const float max_norm = w % 2 == 0 ? 1.0f : 0.0f;
+    const TrainOptions options = training.for_world(world);
+    const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          train_and_compare(training, comm, verdict, exact, 0.0f, {},
+                            "ZeroThreeOptimizer with reshard_after_forward = false", false);
+          check_kept_units(training, world, max_norm, comm, verdict);
+        },
+        draws);
+  }
+  // The trade-off's time side, measured for the note (the contract sets no time budget for
+  // keeping): the speed check's model on 8 simulated ranks on ib-ndr, with a CPU-class device
+  // (a layer computes about as long as its all-gather takes) and an H100-class one (it
+  // computes far less), each mode one step.
+  TrainOptions simulated;
+  std::string spec = "64";
+  const std::int64_t hidden = draws.integer("simulated: hidden", 512, 768);
+  for (int layer = 0; layer < 8; ++layer) spec += fmt::format("-{}", hidden);
+  simulated.model = spec + "-10";
+  simulated.activation = "relu";
+  const int simulated_world = 8;
+  simulated.global_batch = draws.integer("simulated: rows per rank", 2, 4) * simulated_world;
+  simulated.dataset = fmt::format("synthetic:{}", simulated.global_batch);
+  simulated.seed = draws.seed("simulated: seed");
+  simulated.steps = 1;
+  simulated.optimizer = "sgd";
+  simulated.lr = 0.01f;
+  const Dataset data = load_dataset(simulated.dataset, 1);
+  LaunchOptions launch_options;
+  launch_options.world_size = simulated_world;
+  launch_options.backend = Backend::kLocal;
+  launch_options.comm.completion = Completion::kAdversarial;
+  launch_options.comm.completion_seed = draws.completion_seed();
+  launch_options.simulation.enabled = true;
+  launch_options.simulation.network = NetworkModel::preset("ib-ndr");
+  std::vector<std::string> measured;
+  for (const char* device : {"cpu", "h100"}) {
+    launch_options.simulation.device = DeviceModel::preset(device);
+    try {
+      const SimulatedStep resharding = simulate_step(launch_options, simulated, data, true);
+      const SimulatedStep keeping = simulate_step(launch_options, simulated, data, false);
+      measured.push_back(fmt::format(
+          "{} device: resharding {} all-gathers ({:.3f} ms on the link, {:.3f} ms exposed), "
+          "step {:.3f} ms; keeping {} all-gathers ({:.3f} ms exposed), step {:.3f} ms: {:.3f} "
+          "ms ({:.1f}%) saved",
+          device, resharding.gathers.calls, resharding.gathers.on_link * 1e3,
+          resharding.gathers.exposed * 1e3, resharding.step_seconds * 1e3, keeping.gathers.calls,
+          keeping.gathers.exposed * 1e3, keeping.step_seconds * 1e3,
+          (resharding.step_seconds - keeping.step_seconds) * 1e3,
+          100 * (resharding.step_seconds - keeping.step_seconds) / resharding.step_seconds));
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& error) {
+      ADD_FAILURE() << fmt::format(
+          "on 8 simulated ranks ({} device) a rank failed with {}: {}\n  drawn: {}", device,
+          grading::type_name(error), error.what(), draws.describe());
+      return;
+    }
+  }
+  grading::note_measured(
+      fmt::format("8 ranks on ib-ndr, {}: {}", simulated.model, fmt::join(measured, "; ")));
+}
+
 // --- Lab7Design ----------------------------------------------------------------------------
 
 /// A plausible wrong answer to the design question, and what it predicts.
@@ -1749,6 +1985,41 @@ std::pair<std::size_t, std::vector<WrongFormula>> design_formulas(Model& model, 
           {"two units' values at once (the prefetched unit's too)", shard + 2 * values + buffers},
           {"without the shard", values + buffers},
       }};
+}
+
+/// The design questions' model: `spec` with ReLU, `layer_norm`, on the check's device.
+Model design_model(const std::string& spec, bool layer_norm) {
+  return Model::mlp(spec, {.activation = "relu",
+                           .layer_norm = layer_norm,
+                           .seed = 3,
+                           .device = grading::check_device()});
+}
+
+/// peak(kParameters) + peak(kCommunication) of one forward, backward and step() (AdamW,
+/// clipping off) of the student's ZeroThreeOptimizer on `design_model(spec, layer_norm)`,
+/// the peaks reset just after its constructor and the bytes counted from before the model,
+/// so that the shard counts.
+std::size_t measured_parameter_peak(const std::string& spec, bool layer_norm, Communicator& comm,
+                                    bool reshard_after_forward) {
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
+  const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+  Model model = design_model(spec, layer_norm);
+  const Dataset data = load_dataset("synthetic:64", 5);
+  std::vector<std::size_t> rows(4);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
+  const Batch batch = grading::on_check_device(gather_batch(data, rows));
+  ZeroThreeOptimizer zero(
+      model, comm,
+      [](std::size_t s) {
+        return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
+      },
+      0.0f, reshard_after_forward);
+  tracker.reset_peaks();
+  model.backward(grading::forward(model, batch), batch.labels);
+  (void)zero.step();
+  return (tracker.peak(MemoryCategory::kParameters) - param_base) +
+         (tracker.peak(MemoryCategory::kCommunication) - comm_base);
 }
 
 TEST(Lab7Design, PredictsParameterPeakBytes) {
@@ -1808,32 +2079,12 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
-            MemoryTracker& tracker = this_rank_memory().tracker();
-            const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
-            const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-            Model model = Model::mlp(spec, {.activation = "relu",
-                                            .layer_norm = layer_norm,
-                                            .seed = 3,
-                                            .device = grading::check_device()});
+            Model model = design_model(spec, layer_norm);
             const std::size_t psi = model.num_parameters();
             const std::size_t units = contract_units(model, world).size();
             const auto [reference, wrong] = design_formulas(model, world);
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
-            std::size_t bytes = 0;
-            {
-              const Dataset data = load_dataset("synthetic:64", 5);
-              std::vector<std::size_t> rows(4);
-              for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-              const Batch batch = grading::on_check_device(gather_batch(data, rows));
-              ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
-                return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
-              });
-              tracker.reset_peaks();
-              model.backward(grading::forward(model, batch), batch.labels);
-              (void)zero.step();
-              bytes = (tracker.peak(MemoryCategory::kParameters) - param_base) +
-                      (tracker.peak(MemoryCategory::kCommunication) - comm_base);
-            }
+            const std::size_t bytes = measured_parameter_peak(spec, layer_norm, comm, true);
             if (!verdict.passed()) return;
             std::string wrong_one;
             for (const WrongFormula& formula : wrong)
@@ -1877,6 +2128,115 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
       "the models (two MLPs, one unit) and world sizes tell the memory rule from {} plausible "
       "wrong formulas",
       separated.size()));
+}
+
+/// The reshard design question's answer for the reference design (values kept, the same
+/// buffers in both modes), 4 (Psi - max_u E_u), and the plausible wrong formulas for it.
+std::pair<std::size_t, std::vector<WrongFormula>> keep_formulas(Model& model, int world) {
+  const std::vector<Unit> units = contract_units(model, world);
+  const std::size_t psi = model.num_parameters();
+  const std::size_t largest = largest_unit(units);
+  return {4 * (psi - largest),
+          {
+              {"the whole model's values, 4 Psi (the unit the resharding peak holds counted again)",
+               4 * psi},
+              {"every unit padded, 4 (sum_u N C_u - max_u N C_u) (values are the parameters' own "
+               "tensors, without the padding)",
+               4 * (padded_units(units, world) - largest_padded_unit(units, world))},
+              {"two units' values at the resharding peak, 4 (Psi - E_(1) - E_(2))",
+               4 * (psi - two_largest_units(units))},
+          }};
+}
+
+TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
+  Draws draws("Lab7Design.PredictsKeepGatheredExtraBytes");
+  const std::vector<int> worlds = draws.world_sizes(8);
+  Model smallest = Model::mlp("64-10", {});
+  std::vector<bool> separated(keep_formulas(smallest, 1).second.size(), false);
+  const auto separates = [&](const std::string& spec, bool layer_norm, std::vector<bool>& seen) {
+    Model model = Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+    for (int world : worlds) {
+      const auto [right, wrong] = keep_formulas(model, world);
+      for (std::size_t f = 0; f < wrong.size(); ++f)
+        if (wrong[f].bytes != right) seen[f] = true;
+    }
+  };
+  for (int m = 0; m < 3; ++m) {
+    // Two drawn MLPs, then one Linear layer (one unit: nothing kept beyond the default).
+    std::string spec = "64-10";
+    bool layer_norm = false;
+    if (m < 2) {
+      std::int64_t h1 = draws.integer("h1", 8, 96);
+      std::int64_t h2 = draws.integer("h2", 8, 64);
+      layer_norm = draws.coin("layer norm");
+      // The first MLP's second unit pads wherever more than one rank is drawn, so that the
+      // padded formula parts from the rule: fc2 holds (h1 + 1) h2 elements, odd (it pads on
+      // 2, 4 and 6) and a multiple of neither 3 nor 5 (it pads on 3, 5 and 6) when h1 is
+      // even, h1 + 1 and h2 are multiples of neither 3 nor 5 and h2 is odd; h2 <= 57 keeps
+      // fc1 (65 h1 elements) the largest. The next widths in order that do, decided from the
+      // draws alone (every process of an mpi job must build the same model).
+      if (m == 0) {
+        const std::int64_t drawn1 = h1;
+        const std::int64_t drawn2 = h2;
+        while (h1 % 2 != 0 || (h1 + 1) % 3 == 0 || (h1 + 1) % 5 == 0) h1 = h1 < 96 ? h1 + 1 : 8;
+        while (h2 % 2 == 0 || h2 % 3 == 0 || h2 % 5 == 0 || h2 > 57) h2 = h2 < 64 ? h2 + 1 : 8;
+        if (h1 != drawn1)
+          draws.overrule("h1", fmt::format("h1={} (drawn {}; set by the check)", h1, drawn1));
+        if (h2 != drawn2)
+          draws.overrule("h2", fmt::format("h2={} (drawn {}; set by the check)", h2, drawn2));
+      }
+      spec = fmt::format("64-{}-{}-10", h1, h2);
+    }
+    separates(spec, layer_norm, separated);
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            Model model = design_model(spec, layer_norm);
+            const std::size_t psi = model.num_parameters();
+            const std::size_t units = contract_units(model, world).size();
+            const auto [reference, wrong] = keep_formulas(model, world);
+            const std::size_t predicted = predicted_keep_gathered_extra_bytes(model, world);
+            const std::size_t resharding = measured_parameter_peak(spec, layer_norm, comm, true);
+            const std::size_t keeping = measured_parameter_peak(spec, layer_norm, comm, false);
+            if (!verdict.passed()) return;
+            const auto extra =
+                static_cast<std::int64_t>(keeping) - static_cast<std::int64_t>(resharding);
+            std::string wrong_one;
+            for (const WrongFormula& formula : wrong)
+              if (wrong_one.empty() && predicted == formula.bytes &&
+                  static_cast<std::int64_t>(formula.bytes) != extra && formula.bytes != reference)
+                wrong_one = fmt::format(
+                    "; that is the reference design (values kept, the same buffers) counted "
+                    "with {}",
+                    formula.what);
+            if (static_cast<std::int64_t>(predicted) != extra)
+              verdict.fail(fmt::format(
+                  "{}{} on N = {} ({} unit{}): predicted {} more bytes with "
+                  "reshard_after_forward = false; the MemoryTracker's peaks of parameters and "
+                  "communication add to {} keeping and {} resharding: {:+} bytes keeping{}",
+                  spec, layer_norm ? " with LayerNorm" : "", world, units, units == 1 ? "" : "s",
+                  predicted, keeping, resharding, extra, wrong_one));
+            else
+              verdict.note(fmt::format(
+                  "Psi = {} on N = {}, {} unit{}: keeping the units gathered holds {} bytes "
+                  "({:.2f} per parameter) against {} resharding ({:.2f}), {} more, predicted "
+                  "exactly",
+                  psi, world, units, units == 1 ? "" : "s", keeping,
+                  static_cast<double>(keeping) / static_cast<double>(psi), resharding,
+                  static_cast<double>(resharding) / static_cast<double>(psi), extra));
+          },
+          draws);
+    }
+  }
+  if (std::any_of(worlds.begin(), worlds.end(), [](int n) { return n >= 3; })) {
+    const std::vector<WrongFormula> wrong = keep_formulas(smallest, 1).second;
+    for (std::size_t f = 0; f < wrong.size(); ++f)
+      if (!separated[f])
+        ADD_FAILURE() << fmt::format(
+            "grader bug: no drawn model tells the reshard rule from {}\n({})", wrong[f].what,
+            draws.describe());
+  }
 }
 
 // --- Lab7Checkpoint ----------------------------------------------------------------------------

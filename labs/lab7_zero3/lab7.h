@@ -176,6 +176,27 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     waits on all-gathers block for at most half of the all-gathers' time on the link, and
 ///     at least half of that time overlaps the model's own forward and backward (compute
 ///     your code adds hides nothing); the same for the reduce-scatters.
+///
+/// Reshard after forward (`reshard_after_forward`, PyTorch FSDP's option of that name): with
+/// `true`, the default, every unit is freed after its forward and gathered again for its
+/// backward, as above. With `false`, each unit stays gathered (its values, or a buffer
+/// holding its all-gather: your design) from its forward until its backward has used it,
+/// and backward issues no all-gather; everything else (the bits, the reduce-scatters, the
+/// waits, `step()`, the checkpoints) is as above. A forward that no backward follows may
+/// keep its units until the next forward, which gathers them again. Budgets per step (one
+/// forward, one backward, one `step()`) and rank with `false`:
+///   * Communication: exactly one all-gather per unit (U in all, every one of them before
+///     backward starts), each unit's gradients reduce-scattered exactly once, the norm's
+///     float with clipping; the bytes sent at most those of one all-gather and one
+///     reduce-scatter per unit.
+///   * Memory: `kParameters` at most 4 S + 4 Psi (every unit's values at once, no more), the
+///     gradients as above, and peak(`kParameters`) + peak(`kCommunication`) <= 4 S +
+///     4 sum_u N C_u + 4 x 4 P (+ 4 with clipping): the default's budget plus every unit
+///     kept gathered, each counted padded. Between steps every category holds what it held
+///     after the constructor, as above.
+/// Memory against time: keeping the units saves the backward's all-gathers (U of the 2 U)
+/// and costs memory; what it costs your design is the design question
+/// `predicted_keep_gathered_extra_bytes` below, and README.md asks when it saves time.
 class ZeroThreeOptimizer {
  public:
   /// Sets up ZeRO-3 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on.
@@ -185,8 +206,11 @@ class ZeroThreeOptimizer {
   /// or returns an optimizer whose `state_size()` is not S or whose state lives on another
   /// device than the model's (`Optimizer::device()`, `Model::device()`; the message names
   /// both devices).
+  ///
+  /// `reshard_after_forward`: `false` keeps each unit gathered from its forward to its
+  /// backward (no all-gather in backward; the class comment gives its budgets).
   ZeroThreeOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                     float max_norm = 0.0f);
+                     float max_norm = 0.0f, bool reshard_after_forward = true);
   /// Waits for any call still running (a `Work` must not outlive its buffer).
   ~ZeroThreeOptimizer();
   ZeroThreeOptimizer(const ZeroThreeOptimizer&) = delete;
@@ -280,5 +304,17 @@ class ZeroThreeOptimizer {
 /// forward, backward and step on each rank, and expects your prediction exactly. On every
 /// seed one model's units pad on some drawn N, and one model is a single unit.
 std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size);
+
+/// Design question, the reshard-after-forward trade-off, graded against the
+/// `MemoryTracker`: how many more bytes peak(`kParameters`) + peak(`kCommunication`) holds
+/// (measured as for `predicted_parameter_peak_bytes`: one forward, one backward and one
+/// `step()`, clipping off) when your `ZeroThreeOptimizer` keeps the units gathered
+/// (`reshard_after_forward = false`) than when it reshards (`true`), for `model` (read, not
+/// changed) on `world_size` ranks. Where in the step does each mode reach its peak?
+///
+/// The grader draws the models and world sizes (rubric.json lists the ranges), measures
+/// both modes on each rank and expects your prediction exactly. On every seed some drawn
+/// model's units pad on some drawn N, and one model is a single unit.
+std::size_t predicted_keep_gathered_extra_bytes(const Model& model, int world_size);
 
 }  // namespace dp::lab7

@@ -43,11 +43,13 @@ struct ZeroThreeOptimizer::State {
 };
 
 ZeroThreeOptimizer::ZeroThreeOptimizer(Model& model, Communicator& comm,
-                                       OptimizerFactory make_inner, float max_norm) {
+                                       OptimizerFactory make_inner, float max_norm,
+                                       bool reshard_after_forward) {
   (void)model;
   (void)comm;
   (void)make_inner;
   (void)max_norm;
+  (void)reshard_after_forward;
   throw NotImplemented("lab7::ZeroThreeOptimizer::ZeroThreeOptimizer");
 }
 
@@ -89,6 +91,12 @@ std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size) {
   (void)model;
   (void)world_size;
   throw NotImplemented("lab7::predicted_parameter_peak_bytes");
+}
+
+std::size_t predicted_keep_gathered_extra_bytes(const Model& model, int world_size) {
+  (void)model;
+  (void)world_size;
+  throw NotImplemented("lab7::predicted_keep_gathered_extra_bytes");
 }
 
 }  // namespace dp::lab7

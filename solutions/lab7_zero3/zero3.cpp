@@ -238,16 +238,41 @@ struct ZeroThreeOptimizer::State {
     for (auto& work : pending)
       if (work != nullptr) work->wait(), work.reset();
   }
+
+  /// Whether unit u's values are materialised now.
+  bool holds_values(std::size_t u) const {
+    return !model.parameters()[units[u].parameters.front()]->value.empty();
+  }
+
+  // The hooks with reshard_after_forward false: every unit's values stay from its forward
+  // until its backward has used them, so backward gathers nothing.
+  void pre_forward_keeping(Layer& layer) {
+    const std::size_t u = unit_of(layer);
+    // Kept by a forward that no backward followed: gathered again (the update of a step
+    // since may have changed them), and released first, so that a unit's values are never
+    // there twice.
+    if (u != kNone && holds_values(u)) release_values(u);
+    pre_forward(layer);
+  }
+  void pre_backward_keeping(Layer& layer) {
+    const std::size_t u = unit_of(layer);
+    // Kept since its forward: nothing to gather, nothing to prefetch (the units before it
+    // are kept too). A second backward finds the unit launched: pre_backward throws.
+    if (u != kNone && !launched[u] && holds_values(u)) return;
+    pre_backward(layer);
+  }
   // END SOLUTION
 };
 
 ZeroThreeOptimizer::ZeroThreeOptimizer(Model& model, Communicator& comm,
-                                       OptimizerFactory make_inner, float max_norm) {
+                                       OptimizerFactory make_inner, float max_norm,
+                                       bool reshard_after_forward) {
   // BEGIN SOLUTION
   // SKELETON: (void)model;
   // SKELETON: (void)comm;
   // SKELETON: (void)make_inner;
   // SKELETON: (void)max_norm;
+  // SKELETON: (void)reshard_after_forward;
   // SKELETON: throw NotImplemented("lab7::ZeroThreeOptimizer::ZeroThreeOptimizer");
   if (!std::isfinite(max_norm) || max_norm < 0)
     throw Error(fmt::format("ZeroThreeOptimizer: max_norm {} is not finite and >= 0", max_norm));
@@ -319,6 +344,12 @@ ZeroThreeOptimizer::ZeroThreeOptimizer(Model& model, Communicator& comm,
   s.launched.assign(s.units.size(), 0);
   state_ = std::move(state);
   State* const st = state_.get();
+  if (!reshard_after_forward) {
+    model.on_pre_forward([st](Layer& layer) { st->pre_forward_keeping(layer); });
+    model.on_pre_backward([st](Layer& layer) { st->pre_backward_keeping(layer); });
+    model.on_post_backward([st](Layer& layer) { st->post_backward(layer); });
+    return;
+  }
   model.on_pre_forward([st](Layer& layer) { st->pre_forward(layer); });
   model.on_post_forward([st](Layer& layer) { st->post_forward(layer); });
   model.on_pre_backward([st](Layer& layer) { st->pre_backward(layer); });
@@ -480,6 +511,21 @@ std::size_t predicted_parameter_peak_bytes(const Model& model, int world_size) {
   const std::size_t buffers =
       (kGatherBuffers + std::min(kGradientBuffers, units.size())) * 4 * largest_padded;
   return shard + values + buffers;
+  // END SOLUTION
+}
+
+std::size_t predicted_keep_gathered_extra_bytes(const Model& model, int world_size) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)model;
+  // SKELETON: (void)world_size;
+  // SKELETON: throw NotImplemented("lab7::predicted_keep_gathered_extra_bytes");
+  const std::vector<Unit> units = plan_units(model, world_size);
+  std::size_t largest_unit = 0;
+  for (const Unit& unit : units) largest_unit = std::max(largest_unit, unit.elements);
+  // The buffers are the same in both modes. Resharding, the values peak at the largest
+  // unit; keeping, at the end of forward, where every unit's values are there at once
+  // (the whole model, unpadded: values are the parameters' own tensors).
+  return 4 * (model.num_parameters() - largest_unit);
   // END SOLUTION
 }
 
