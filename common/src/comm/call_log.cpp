@@ -42,6 +42,11 @@ std::string CallRecord::signature() const {
   return "unknown";
 }
 
+bool same_signature(const CallRecord& a, const CallRecord& b) {
+  return a.op == b.op && a.count == b.count && a.type == b.type && a.reduce == b.reduce &&
+         a.peer == b.peer && a.tag == b.tag && a.device == b.device;
+}
+
 std::uint64_t CallLog::record(CallRecord call) {
   std::lock_guard lock(mutex_);
   call.index = next_index_++;

@@ -38,6 +38,10 @@ struct CallRecord {
   std::string signature() const;
 };
 
+/// True when `a` and `b` are the same collective call as far as the ranks must agree (what
+/// `CallRecord::signature` shows, without formatting it: no allocation).
+bool same_signature(const CallRecord& a, const CallRecord& b);
+
 /// What one rank was doing when a hang or deadlock was diagnosed.
 struct RankCallState {
   int rank = 0;

@@ -230,13 +230,6 @@ void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
   if (!operation.ready && abort_reason_) changed_.notify_all();
 }
 
-/// True when `a` and `b` are the same collective call as far as the ranks must agree (what
-/// `CallRecord::signature` shows, without formatting it).
-bool same_signature(const CallRecord& a, const CallRecord& b) {
-  return a.op == b.op && a.count == b.count && a.type == b.type && a.reduce == b.reduce &&
-         a.peer == b.peer && a.tag == b.tag && a.device == b.device;
-}
-
 std::optional<std::string> LocalWorld::find_mismatch(
     std::uint64_t sequence, std::span<const Operation* const> members) const {
   // The usual case, checked on every collective: all match, and no text is made.
