@@ -1222,9 +1222,13 @@ TEST(Lab2Design, PredictsTheFlatBufferBreakEven) {
 
 /// Measures the reordering error behind the tolerances: the exact N-rank arithmetic (its
 /// emulation) against one process, over many draws, and fails when the worst exceeds the
-/// constant the tolerances are kHeadroom times. Disabled, so that grading never runs it;
-/// ctest runs it on DPLAB_CALIBRATION_DRAWS draws per optimizer (lab2_tolerance_calibration),
-/// and by hand on 400:
+/// constant the tolerances are kHeadroom times.
+///
+/// Why disabled: it measures the grader's tolerances (the emulation against one process; no
+/// lab code runs), not the student's code, so it has no points and no place in a score
+/// table. It is not skipped: ctest runs it in CI on DPLAB_CALIBRATION_DRAWS draws per
+/// optimizer as lab2_tolerance_calibration (grader/CMakeLists.txt), so CI fails when the
+/// error outgrows the tolerance. By hand on 400:
 ///   grade_lab2_reference --gtest_also_run_disabled_tests --gtest_filter='*Calibration*'
 TEST(Lab2Calibration, DISABLED_ReorderingError) {
   const int kDraws = grading::calibration_draws(400);

@@ -463,25 +463,11 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                                                         grading::check_device());
                          });
                        });
-          {
-            // The inner optimizer's state on another device than the model's: every update
-            // would mix the devices (a student trial left this check out and kept full marks).
-            const Device device = model.device();
-            const Device other = device == Device::kHost ? Device::kCuda : Device::kHost;
-            const std::string what = fmt::format(
-                "a factory whose optimizer keeps its state in {} memory (the model's is {})",
-                to_string(other), to_string(device));
-            try {
-              ZeroThreeOptimizer zero(
-                  model, comm, [&](std::size_t s) { return grading::plain_sgd_on(s, other); });
-              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error& error) {
-              verdict.expect_empty(grading::device_mismatch_finding(error.what(), device, other),
-                                   what);
-            }
-          }
+          // The inner optimizer's state on another device than the model's: every update
+          // would mix the devices.
+          grading::expect_inner_optimizer_elsewhere_refused(
+              verdict, model.device(),
+              [&](const auto& make) { ZeroThreeOptimizer zero(model, comm, make); });
           {
             // A second optimizer on a model whose values the first released: it would shard
             // empty values. Its own model, never run: a second set of hooks stays on it.
@@ -703,16 +689,8 @@ void check_parameter_memory(const Training& training, int world, float max_norm,
   const TrainOptions options = training.for_world(world);
   MemoryTracker& tracker = this_rank_memory().tracker();
   // A twin without ZeRO-3: the activation bytes of a plain forward and backward.
-  Model twin = training.model();
-  const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
-  tracker.reset_peaks();
-  {
-    const Batch batch = grading::on_check_device(
-        grading::local_batch(*training.data, options, 0, comm.rank(), world));
-    twin.backward(grading::forward(twin, batch), batch.labels);
-  }
-  const std::size_t plain_activations =
-      tracker.peak(MemoryCategory::kActivations) - activation_base;
+  const grading::PlainTwin twin = grading::plain_twin(training, world, comm);
+  const std::size_t plain_activations = twin.activation_bytes;
   const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
   const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
   const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
@@ -1956,6 +1934,77 @@ struct WrongFormula {
   std::size_t bytes = 0;
 };
 
+/// A design question's answer for the reference design on a model and N, with the plausible
+/// wrong formulas for it.
+using DesignFormulas =
+    std::function<std::pair<std::size_t, std::vector<WrongFormula>>(Model& model, int world)>;
+
+/// Which of a design question's plausible wrong formulas the drawn models tell from the
+/// right one on the drawn world sizes: a design check fails as a grader bug when some
+/// formula is never told apart, since a student who wrote it would keep full marks.
+class FormulaSeparation {
+ public:
+  FormulaSeparation(DesignFormulas formulas, std::vector<int> worlds)
+      : formulas_(std::move(formulas)), worlds_(std::move(worlds)) {
+    Model smallest = Model::mlp("64-10", {});
+    wrong_ = formulas_(smallest, 1).second;
+    separated_.assign(wrong_.size(), false);
+  }
+
+  /// Which formulas the MLP `spec` (ReLU, LayerNorm or not) tells apart on the worlds.
+  std::vector<bool> told_apart_by(const std::string& spec, bool layer_norm) const {
+    Model model = Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
+    std::vector<bool> seen(wrong_.size(), false);
+    for (int world : worlds_) {
+      const auto [right, wrong] = formulas_(model, world);
+      for (std::size_t f = 0; f < wrong.size(); ++f)
+        if (wrong[f].bytes != right) seen[f] = true;
+    }
+    return seen;
+  }
+
+  /// Counts the MLP `spec` among the models the check grades on.
+  void add(const std::string& spec, bool layer_norm) {
+    const std::vector<bool> seen = told_apart_by(spec, layer_norm);
+    for (std::size_t f = 0; f < seen.size(); ++f)
+      if (seen[f]) separated_[f] = true;
+  }
+
+  /// Fails the running test as a grader bug for each formula no model told apart, where
+  /// some world of 3 or more ranks was drawn (with N = 1 and 2 only, as under mpi with 2
+  /// processes, an even largest unit never pads, whatever the widths).
+  void expect_every_one_told_apart(std::string_view rule, const Draws& draws) const {
+    if (std::none_of(worlds_.begin(), worlds_.end(), [](int n) { return n >= 3; })) return;
+    for (std::size_t f = 0; f < wrong_.size(); ++f)
+      if (!separated_[f])
+        ADD_FAILURE() << fmt::format("grader bug: no drawn model tells the {} from {}\n({})", rule,
+                                     wrong_[f].what, draws.describe());
+  }
+
+  /// How many wrong formulas the check holds.
+  std::size_t size() const { return wrong_.size(); }
+
+ private:
+  DesignFormulas formulas_;
+  std::vector<int> worlds_;
+  std::vector<WrongFormula> wrong_;
+  std::vector<bool> separated_;
+};
+
+/// "; that is the reference design (`design`) counted with ..." for the first of `wrong`
+/// that `predicted` equals where the measurement and the reference answer differ from it:
+/// the likely mistake, named; "" when none.
+std::string named_near_miss(const std::vector<WrongFormula>& wrong, std::int64_t predicted,
+                            std::int64_t measured, std::size_t reference, std::string_view design) {
+  for (const WrongFormula& formula : wrong) {
+    const auto bytes = static_cast<std::int64_t>(formula.bytes);
+    if (predicted == bytes && measured != bytes && formula.bytes != reference)
+      return fmt::format("; that is the reference design ({}) counted with {}", design,
+                         formula.what);
+  }
+  return "";
+}
+
 /// The design question's answer for the reference design (one gather buffer, min(2, U)
 /// gradient buffers), 4 S + 4 max_u E_u + (1 + min(2, U)) x 4 max_u(N C_u), and the
 /// plausible wrong formulas for it, for `model` on `world` ranks. The check compares each
@@ -2027,16 +2076,7 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
   const std::vector<int> worlds = draws.world_sizes(8);
   // Which wrong formulas some model below tells from the right one (the draws make sure
   // every one is, where more than one rank is drawn: a grader bug otherwise).
-  Model smallest = Model::mlp("64-10", {});
-  std::vector<bool> separated(design_formulas(smallest, 1).second.size(), false);
-  const auto separates = [&](const std::string& spec, bool layer_norm, std::vector<bool>& seen) {
-    Model model = Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
-    for (int world : worlds) {
-      const auto [right, wrong] = design_formulas(model, world);
-      for (std::size_t f = 0; f < wrong.size(); ++f)
-        if (wrong[f].bytes != right) seen[f] = true;
-    }
-  };
+  FormulaSeparation separation(design_formulas, worlds);
   for (int m = 0; m < 3; ++m) {
     // Two drawn MLPs, then one Linear layer: a single unit, so min(2, U) = 1 gradient buffer.
     std::string spec = "64-10";
@@ -2055,8 +2095,8 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
         const std::int64_t drawn2 = h2;
         const bool drawn_norm = layer_norm;
         const auto shows_padding = [&] {
-          std::vector<bool> seen(separated.size(), false);
-          separates(fmt::format("64-{}-{}-10", h1, h2), layer_norm, seen);
+          const std::vector<bool> seen =
+              separation.told_apart_by(fmt::format("64-{}-{}-10", h1, h2), layer_norm);
           return seen[3] && seen[4];
         };
         for (int tries = 0; worlds.back() > 1 && !shows_padding() && tries < 2 * 89 * 57; ++tries) {
@@ -2074,7 +2114,7 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
       }
       spec = fmt::format("64-{}-{}-10", h1, h2);
     }
-    separates(spec, layer_norm, separated);
+    separation.add(spec, layer_norm);
     for (int world : worlds) {
       run_on_ranks(
           world,
@@ -2086,14 +2126,9 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
             const std::size_t bytes = measured_parameter_peak(spec, layer_norm, comm, true);
             if (!verdict.passed()) return;
-            std::string wrong_one;
-            for (const WrongFormula& formula : wrong)
-              if (wrong_one.empty() && predicted == formula.bytes && bytes != formula.bytes &&
-                  formula.bytes != reference)
-                wrong_one = fmt::format(
-                    "; that is the reference design (one gather buffer, min(2, U) gradient "
-                    "buffers) counted with {}",
-                    formula.what);
+            const std::string wrong_one = named_near_miss(
+                wrong, static_cast<std::int64_t>(predicted), static_cast<std::int64_t>(bytes),
+                reference, "one gather buffer, min(2, U) gradient buffers");
             if (predicted != bytes)
               verdict.fail(fmt::format(
                   "{}{} on N = {} ({} unit{}): predicted {} bytes; the MemoryTracker's peaks of "
@@ -2113,21 +2148,11 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
           draws);
     }
   }
-  // With N = 1 and 2 only (mpi with 2 processes) an even largest unit never pads, whatever
-  // the widths; the local backend always draws N of 3, 5 or 6, and there every formula must
-  // be told apart.
-  if (std::any_of(worlds.begin(), worlds.end(), [](int n) { return n >= 3; })) {
-    const std::vector<WrongFormula> wrong = design_formulas(smallest, 1).second;
-    for (std::size_t f = 0; f < wrong.size(); ++f)
-      if (!separated[f])
-        ADD_FAILURE() << fmt::format(
-            "grader bug: no drawn model tells the memory rule from {}\n({})", wrong[f].what,
-            draws.describe());
-  }
+  separation.expect_every_one_told_apart("memory rule", draws);
   grading::note_measured(fmt::format(
       "the models (two MLPs, one unit) and world sizes tell the memory rule from {} plausible "
       "wrong formulas",
-      separated.size()));
+      separation.size()));
 }
 
 /// The reshard design question's answer for the reference design (values kept, the same
@@ -2151,16 +2176,7 @@ std::pair<std::size_t, std::vector<WrongFormula>> keep_formulas(Model& model, in
 TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
   Draws draws("Lab7Design.PredictsKeepGatheredExtraBytes");
   const std::vector<int> worlds = draws.world_sizes(8);
-  Model smallest = Model::mlp("64-10", {});
-  std::vector<bool> separated(keep_formulas(smallest, 1).second.size(), false);
-  const auto separates = [&](const std::string& spec, bool layer_norm, std::vector<bool>& seen) {
-    Model model = Model::mlp(spec, {.activation = "relu", .layer_norm = layer_norm, .seed = 3});
-    for (int world : worlds) {
-      const auto [right, wrong] = keep_formulas(model, world);
-      for (std::size_t f = 0; f < wrong.size(); ++f)
-        if (wrong[f].bytes != right) seen[f] = true;
-    }
-  };
+  FormulaSeparation separation(keep_formulas, worlds);
   for (int m = 0; m < 3; ++m) {
     // Two drawn MLPs, then one Linear layer (one unit: nothing kept beyond the default).
     std::string spec = "64-10";
@@ -2187,7 +2203,7 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
       }
       spec = fmt::format("64-{}-{}-10", h1, h2);
     }
-    separates(spec, layer_norm, separated);
+    separation.add(spec, layer_norm);
     for (int world : worlds) {
       run_on_ranks(
           world,
@@ -2202,14 +2218,9 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
             if (!verdict.passed()) return;
             const auto extra =
                 static_cast<std::int64_t>(keeping) - static_cast<std::int64_t>(resharding);
-            std::string wrong_one;
-            for (const WrongFormula& formula : wrong)
-              if (wrong_one.empty() && predicted == formula.bytes &&
-                  static_cast<std::int64_t>(formula.bytes) != extra && formula.bytes != reference)
-                wrong_one = fmt::format(
-                    "; that is the reference design (values kept, the same buffers) counted "
-                    "with {}",
-                    formula.what);
+            const std::string wrong_one =
+                named_near_miss(wrong, static_cast<std::int64_t>(predicted), extra, reference,
+                                "values kept, the same buffers");
             if (static_cast<std::int64_t>(predicted) != extra)
               verdict.fail(fmt::format(
                   "{}{} on N = {} ({} unit{}): predicted {} more bytes with "
@@ -2229,14 +2240,7 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
           draws);
     }
   }
-  if (std::any_of(worlds.begin(), worlds.end(), [](int n) { return n >= 3; })) {
-    const std::vector<WrongFormula> wrong = keep_formulas(smallest, 1).second;
-    for (std::size_t f = 0; f < wrong.size(); ++f)
-      if (!separated[f])
-        ADD_FAILURE() << fmt::format(
-            "grader bug: no drawn model tells the reshard rule from {}\n({})", wrong[f].what,
-            draws.describe());
-  }
+  separation.expect_every_one_told_apart("reshard rule", draws);
 }
 
 // --- Lab7Checkpoint ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "dp/error.h"
 #include "dp/tensor_ops.h"
 
 namespace dp::grading {
@@ -92,6 +93,21 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
   return result;
 }
 
+PlainTwin plain_twin(const ShardedTraining& training, int world, const Communicator& comm) {
+  const TrainOptions options = training.for_world(world);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  PlainTwin twin{training.model(), 0};
+  const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
+  tracker.reset_peaks();
+  {
+    const Batch batch =
+        on_check_device(local_batch(*training.data, options, 0, comm.rank(), world));
+    twin.model.backward(forward(twin.model, batch), batch.labels);
+  }
+  twin.activation_bytes = tracker.peak(MemoryCategory::kActivations) - activation_base;
+  return twin;
+}
+
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options) {
   return [options](std::size_t shard) { return optimizer_for(options, shard); };
@@ -115,6 +131,24 @@ std::string device_mismatch_finding(std::string_view message, Device model, Devi
   if (missing.empty()) return "";
   return fmt::format("the message \"{}\" does not name {}; expected it to name both devices",
                      message, fmt::join(missing, " or "));
+}
+
+void expect_inner_optimizer_elsewhere_refused(
+    Verdict& verdict, Device model_device,
+    const std::function<void(const std::function<std::unique_ptr<Optimizer>(std::size_t)>&)>&
+        construct) {
+  const Device other = model_device == Device::kHost ? Device::kCuda : Device::kHost;
+  const std::string what =
+      fmt::format("a factory whose optimizer keeps its state in {} memory (the model's is {})",
+                  to_string(other), to_string(model_device));
+  try {
+    construct([other](std::size_t shard) { return plain_sgd_on(shard, other); });
+    verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
+  } catch (const NotImplemented&) {
+    throw;
+  } catch (const Error& error) {
+    verdict.expect_empty(device_mismatch_finding(error.what(), model_device, other), what);
+  }
 }
 
 UpdateRecorder::UpdateRecorder(std::unique_ptr<Optimizer> inner)

@@ -49,6 +49,20 @@ struct ShardedTraining {
   Model model() const;
 };
 
+/// A twin of a training's model, without ZeRO, after one plain forward and backward of this
+/// rank's first batch, and the activation bytes that took at its peak: the most the ZeRO
+/// memory checks let the lab's model hold in activations. The twin stays alive (its loss
+/// keeps a row of logits per sample), so a check counts the lab's activations from the
+/// tracker's current bytes after this call.
+struct PlainTwin {
+  Model model;                       ///< the twin, its forward's saved logits still held
+  std::size_t activation_bytes = 0;  ///< its forward and backward's peak activations
+};
+
+/// Runs the twin of `training`'s model on `world` ranks' batch 0 of this rank (the tracker's
+/// peaks are reset first: they count from here).
+PlainTwin plain_twin(const ShardedTraining& training, int world, const Communicator& comm);
+
 /// Draws a `ShardedTraining` with `optimizer` ("sgd" or "adamw"): h1 in [24, 72], h2 in
 /// [12, 40], then LayerNorm, samples, seed, steps, the optimizer's settings and the rows
 /// per rank, in that order.
@@ -101,6 +115,19 @@ std::unique_ptr<Optimizer> plain_sgd_on(std::size_t shard, Device device);
 /// for a model on `model`, names both devices (their names as dp::to_string spells them,
 /// "host" and "cuda", in any case); else what it lacks.
 std::string device_mismatch_finding(std::string_view message, Device model, Device inner);
+
+/// Checks that a ZeRO optimizer's constructor refuses an inner optimizer whose state lives on
+/// another device than the model's (labs 5, 6 and 7 promise it; a student trial left the
+/// test out and kept full marks). `construct` builds the lab's optimizer with the factory
+/// it is given, which makes plain SGD on the device the model (on `model_device`) is not
+/// on: plain SGD keeps no state tensor, so it can be made for a CUDA device on a machine
+/// without one. The constructor must throw dp::Error whose message names both devices
+/// ("host" and "cuda", in any case); anything else fails `verdict`. A NotImplemented of the
+/// skeleton passes through.
+void expect_inner_optimizer_elsewhere_refused(
+    Verdict& verdict, Device model_device,
+    const std::function<void(const std::function<std::unique_ptr<Optimizer>(std::size_t)>&)>&
+        construct);
 
 /// An optimizer that passes every update on to `inner`, on inner's device, and records the
 /// (offset, elements) of each: how labs 6 and 7 see that a step is one update over the whole

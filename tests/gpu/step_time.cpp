@@ -57,20 +57,35 @@ namespace {
 
 constexpr int kWarmUpSteps = 3;
 
-/// Mean seconds of one training step of `spec` at `batch` rows over `steps` steps.
-double seconds_per_step(const std::string& spec, std::int64_t batch, int steps) {
-  dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
-  const std::vector<std::int64_t> widths = dp::parse_mlp_spec(spec);
-  const std::int64_t classes = widths.back();
-  dp::Sgd optimizer(model.num_parameters(), {.lr = 0.1f}, dp::Device::kCuda);
+/// A batch of `batch` rows for the MLP `spec` on the GPU: inputs uniform in [-1, 1), the
+/// labels cycling through the classes (the same for every run, as PyTorch's side draws).
+struct DeviceBatch {
+  dp::Tensor inputs;        // (batch, widths.front())
+  std::vector<int> labels;  // (batch)
+};
 
+/// The batch every run of `spec` times (the same values each time).
+DeviceBatch random_batch(const std::string& spec, std::int64_t batch) {
+  const std::vector<std::int64_t> widths = dp::parse_mlp_spec(spec);
   dp::CounterRng rng(2, 0);
   std::vector<float> values(static_cast<std::size_t>(batch * widths.front()));
   for (float& value : values) value = rng.uniform(-1.0f, 1.0f);
-  dp::Tensor inputs = dp::Tensor::from(values, dp::MemoryCategory::kActivations, dp::Device::kCuda);
-  inputs.reshape({batch, widths.front()});
-  std::vector<int> labels(static_cast<std::size_t>(batch));
-  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<int>(i % classes);
+  DeviceBatch result{dp::Tensor::from(values, dp::MemoryCategory::kActivations, dp::Device::kCuda),
+                     {}};
+  result.inputs.reshape({batch, widths.front()});
+  result.labels.resize(static_cast<std::size_t>(batch));
+  for (std::size_t i = 0; i < result.labels.size(); ++i)
+    result.labels[i] = static_cast<int>(i % static_cast<std::size_t>(widths.back()));
+  return result;
+}
+
+/// Mean seconds of one training step of `spec` at `batch` rows over `steps` steps.
+double seconds_per_step(const std::string& spec, std::int64_t batch, int steps) {
+  dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
+  dp::Sgd optimizer(model.num_parameters(), {.lr = 0.1f}, dp::Device::kCuda);
+  const DeviceBatch data = random_batch(spec, batch);
+  const dp::Tensor& inputs = data.inputs;
+  const std::vector<int>& labels = data.labels;
 
   const auto step = [&] {
     model.zero_grad();
@@ -111,14 +126,9 @@ void run_cases(const std::string& spec, std::int64_t batch, int steps) {
              steps);
   dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
   const std::vector<std::int64_t> widths = dp::parse_mlp_spec(spec);
-  dp::CounterRng rng(2, 0);
-  std::vector<float> values(static_cast<std::size_t>(batch * widths.front()));
-  for (float& value : values) value = rng.uniform(-1.0f, 1.0f);
-  dp::Tensor inputs = dp::Tensor::from(values, dp::MemoryCategory::kActivations, dp::Device::kCuda);
-  inputs.reshape({batch, widths.front()});
-  std::vector<int> labels(static_cast<std::size_t>(batch));
-  for (std::size_t i = 0; i < labels.size(); ++i)
-    labels[i] = static_cast<int>(i % static_cast<std::size_t>(widths.back()));
+  const DeviceBatch data = random_batch(spec, batch);
+  const dp::Tensor& inputs = data.inputs;
+  const std::vector<int>& labels = data.labels;
 
   // first-layer: forward and backward with and without the first layer's input gradient.
   print_case("first-layer", "dx of the first layer skipped (Model::backward)",
