@@ -9,8 +9,13 @@
 // communicator and the backend's counters must show the gradients summed by at most four
 // reduce-scatters and the parameters gathered by at most four all-gathers per step (plus one
 // all-reduce of one float with clipping), DDP's volume, however the student cuts the pieces;
-// the design question's prediction must equal the tracker's bytes. Every check draws its
-// configuration from the grading seed and runs in the adversarial completion mode.
+// the design question's prediction must equal the tracker's bytes. With overlap_allgather,
+// every forward after a step must run with lab 2's parameters bitwise, and on the simulated
+// clock at least half of the all-gathers' link time must be hidden on every rank, behind the
+// layers' own forward; the second design question's exposed communication (a reduce-scatter
+// after backward, an all-gather after the update) must be within 1% of the simulated clock's.
+// Every check draws its configuration from the grading seed and runs in the adversarial
+// completion mode.
 // rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -1609,8 +1614,8 @@ TEST(Lab5Design, PredictsExposedCommunication) {
   if (!HasFailure())
     grading::note_measured(fmt::format(
         "exposed communication predicted within {:.0f}% on every case ({}); each of {} "
-        "plausible wrong formulas is at least {:.0f}% away on some case. Lab 4 hid nearly all "
-        "of it behind backward",
+        "plausible wrong formulas is at least {:.0f}% away on some case: the time lab 4's "
+        "all-reduce spent beside backward, now on the critical path",
         100 * kExposureTolerance, fmt::join(measured, "; "), wrong.size(), 100 * kWrongFormulaGap));
 }
 
