@@ -9,8 +9,13 @@
 // communicator and the backend's counters must show the gradients summed by at most four
 // reduce-scatters and the parameters gathered by at most four all-gathers per step (plus one
 // all-reduce of one float with clipping), DDP's volume, however the student cuts the pieces;
-// the design question's prediction must equal the tracker's bytes. Every check draws its
-// configuration from the grading seed and runs in the adversarial completion mode.
+// the design question's prediction must equal the tracker's bytes. With overlap_allgather,
+// every forward after a step must run with lab 2's parameters bitwise, and on the simulated
+// clock at least half of the all-gathers' link time must be hidden on every rank, behind the
+// layers' own forward; the second design question's exposed communication (a reduce-scatter
+// after backward, an all-gather after the update) must be within 1% of the simulated clock's.
+// Every check draws its configuration from the grading seed and runs in the adversarial
+// completion mode.
 // rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,6 +38,7 @@
 
 #include "checkpoint_check.h"
 #include "compare.h"
+#include "dp/clock.h"
 #include "dp/data.h"
 #include "dp/error.h"
 #include "dp/launch.h"
@@ -40,6 +46,7 @@
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/tensor_ops.h"
+#include "dp/trace.h"
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
@@ -138,12 +145,12 @@ std::string check_flat(const Model& model, const Partition& p, const Tensor& fla
   return "";
 }
 
-/// "" when `shard` (S) is this rank's slice of `model`'s parameters, padding zero.
-std::string check_shard(const Model& model, const Partition& p, int rank, const Tensor& shard) {
+/// "" when `shard` (S) is this rank's slice of the flat parameters `all` (Psi), padding zero.
+std::string check_shard_of(std::span<const float> all, const Partition& p, int rank,
+                           const Tensor& shard) {
   if (shard.size() != p.shard_elements)
     return fmt::format("shard_parameters() holds {} elements; expected S = {}", shard.size(),
                        p.shard_elements);
-  const std::vector<float> all = model.flat_parameters();
   const std::size_t begin = static_cast<std::size_t>(rank) * p.shard_elements;
   const std::vector<float> values = grading::host_values(shard);
   for (std::size_t i = 0; i < p.shard_elements; ++i) {
@@ -156,6 +163,11 @@ std::string check_shard(const Model& model, const Partition& p, int rank, const 
           begin, begin + p.shard_elements);
   }
   return "";
+}
+
+/// "" when `shard` (S) is this rank's slice of `model`'s parameters, padding zero.
+std::string check_shard(const Model& model, const Partition& p, int rank, const Tensor& shard) {
+  return check_shard_of(model.flat_parameters(), p, rank, shard);
 }
 
 /// Trains this rank with the student's ZeroOneOptimizer for `training`'s steps, comparing
@@ -1129,6 +1141,537 @@ TEST(Lab5Design, PredictsStateBytesPerRank) {
   grading::note_measured(fmt::format(
       "the drawn models and world sizes tell the memory rule from {} plausible wrong formulas",
       wrong.size()));
+}
+
+// --- Lab5Overlap -------------------------------------------------------------------------------
+
+/// Trains this rank with the student's ZeroOneOptimizer with `overlap_allgather`: before each
+/// backward, the forward must have written the parameters of lab 2 after the previous step
+/// (the values are checked once that forward has returned), and after the last step one more
+/// forward must write the last step's; `shard_parameters()` is checked after every step.
+void train_overlapped_and_compare(const Training& training, Communicator& comm, Verdict& verdict,
+                                  const Trajectory& exact, float max_norm,
+                                  const std::string& what) {
+  const int world = comm.size();
+  const TrainOptions options = training.for_world(world);
+  Model model = training.model();
+  const std::vector<float> initial = model.flat_parameters();
+  ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, /*overlap_allgather=*/true);
+  const Partition p = contract_partition(model.num_parameters(), world);
+  const auto judge_values = [&](int after_step) {
+    const std::span<const float> expected =
+        after_step == 0 ? std::span<const float>(initial)
+                        : std::span<const float>(exact.parameters_after_step[after_step - 1]);
+    const std::string finding = grading::compare_flat(
+        model, model.flat_parameters(), expected, 0.0f,
+        fmt::format("the parameter values after the forward that follows step {}", after_step));
+    if (!finding.empty())
+      verdict.fail(fmt::format(
+          "{}: {} (with overlap_allgather, each layer's values must be written before its "
+          "forward runs: the forward after step {} ran with other parameters than lab 2's)",
+          what, finding, after_step));
+  };
+  // Every rank runs every step whatever it found, so that no rank waits for a peer that
+  // stopped: a failure is recorded once, and the later steps are not judged.
+  for (int step = 1; step <= options.steps; ++step) {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    model.zero_grad();
+    const Tensor logits = grading::forward(model, batch);
+    if (verdict.passed() && step > 1) judge_values(step - 1);
+    model.backward(logits, batch.labels);
+    (void)zero.step();
+    if (!verdict.passed()) continue;
+    verdict.expect_empty(
+        check_shard_of(exact.parameters_after_step[static_cast<std::size_t>(step - 1)], p,
+                       comm.rank(), zero.shard_parameters()),
+        fmt::format("{}: after step {} (compared with lab 2's parameters)", what, step));
+  }
+  // One more forward (an evaluation, say) writes the last step's values.
+  const Batch batch = grading::on_check_device(
+      grading::local_batch(*training.data, options, 0, comm.rank(), world));
+  (void)grading::forward(model, batch);
+  if (verdict.passed()) judge_values(options.steps);
+}
+
+TEST(Lab5Overlap, BitwiseLab2AfterTheNextForward) {
+  Draws draws("Lab5Overlap.BitwiseLab2AfterTheNextForward");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  for (const std::string optimizer : {"sgd", "adamw"}) {
+    const Training training = draw_training(draws, optimizer, worlds);
+    for (std::size_t w = 0; w < worlds.size(); ++w) {
+      const int world = worlds[w];
+      const TrainOptions options = training.for_world(world);
+      // Clipping on every other world size: its all-reduce comes before the update, so the
+      // all-gathers still leave step() in flight.
+      const bool clipping = w % 2 == 1;
+      std::vector<float> norms;
+      Trajectory exact;
+      float max_norm = 0.0f;
+      if (clipping) {
+        max_norm = 1e-3f;  // below every norm of these models: every step clips
+        const grading::ClippedTrajectory clipped =
+            grading::emulate_clipped(options, *training.data, world,
+                                     real_elements_by_rank(psi_of(training), world), max_norm);
+        exact = clipped.exact;
+      } else {
+        exact = grading::emulate_data_parallel(options, *training.data, world);
+      }
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            train_overlapped_and_compare(
+                training, comm, verdict, exact, max_norm,
+                fmt::format("ZeroOneOptimizer with {}{} and overlap_allgather", optimizer,
+                            clipping ? ", clipping" : ""));
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "SGD and AdamW (clipping on every other N) with overlap_allgather: every "
+                  "forward ran with lab 2's parameters bitwise, every shard bitwise after "
+                  "every step (here {} on N = {}, {} steps)",
+                  optimizer, world, options.steps));
+          },
+          draws);
+    }
+  }
+}
+
+/// A communicator that passes every call on and measures, on the rank's clock, how long
+/// the waits on all-gathers and on reduce-scatters blocked (as lab 7's speed check does).
+class WaitTimer final : public Communicator {
+ public:
+  explicit WaitTimer(Communicator& inner) : inner_(inner) {}
+  double gathers_exposed = 0;   ///< seconds spent in waits and tests of all-gathers
+  double scatters_exposed = 0;  ///< seconds spent in waits and tests of reduce-scatters
+  std::size_t gathers = 0;      ///< all-gathers issued
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string_view backend() const override { return inner_.backend(); }
+  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override {
+    return inner_.isend(d, p, t);
+  }
+  std::unique_ptr<Work> irecv(MutableBuffer d, int p, int t) override {
+    return inner_.irecv(d, p, t);
+  }
+  std::unique_ptr<Work> allreduce(MutableBuffer d, ReduceOp op) override {
+    return inner_.allreduce(d, op);
+  }
+  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    return std::make_unique<Timed>(inner_.reduce_scatter(in, out, op), *this, scatters_exposed);
+  }
+  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    ++gathers;
+    return std::make_unique<Timed>(inner_.allgather(in, out), *this, gathers_exposed);
+  }
+  std::unique_ptr<Work> broadcast(MutableBuffer d, int root) override {
+    return inner_.broadcast(d, root);
+  }
+  void barrier() override { inner_.barrier(); }
+  CommCounters counters() const override { return inner_.counters(); }
+  Clock& clock() override { return inner_.clock(); }
+
+ private:
+  class Timed final : public Work {
+   public:
+    Timed(std::unique_ptr<Work> inner, WaitTimer& timer, double& exposed)
+        : inner_(std::move(inner)), timer_(timer), exposed_(exposed) {}
+    /// Destroying a `Work` waits for its call (dp/comm.h): timed as `wait()` is.
+    ~Timed() override {
+      const double start = timer_.clock().now();
+      inner_.reset();
+      exposed_ += timer_.clock().now() - start;
+    }
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
+    void wait() override {
+      const double start = timer_.clock().now();
+      inner_->wait();
+      exposed_ += timer_.clock().now() - start;
+    }
+    bool test() override {
+      const double start = timer_.clock().now();
+      const bool done = inner_->test();
+      exposed_ += timer_.clock().now() - start;
+      return done;
+    }
+
+   private:
+    std::unique_ptr<Work> inner_;
+    WaitTimer& timer_;
+    double& exposed_;
+  };
+
+  Communicator& inner_;
+};
+
+/// What the overlap speed check measured on one rank.
+struct OverlapTiming {
+  std::size_t gathers = 0;     ///< all-gathers issued
+  double on_link = 0;          ///< seconds the all-gathers spent on the link
+  double exposed = 0;          ///< seconds the waits on them blocked
+  double behind_forward = 0;   ///< seconds on the link that overlap the model's own forward
+  double forward_seconds = 0;  ///< the forward after step(), hooks included
+  double hidden() const { return on_link > 0 ? std::max(0.0, 1.0 - exposed / on_link) : 0.0; }
+  /// The share of the hidden time (on the link, not waited for) that overlaps the layers' own
+  /// forward ops; the rest overlaps compute the lab adds, the copies into the values included.
+  double behind() const {
+    const double hidden_seconds = on_link - std::min(exposed, on_link);
+    return hidden_seconds > 0 ? std::min(1.0, behind_forward / hidden_seconds) : 0.0;
+  }
+};
+
+/// One step of `options`' model with the student's ZeroOneOptimizer (`overlap` as given) on
+/// `launch_options`' simulated ranks, then the next forward, as every rank's clock saw the
+/// all-gathers: their time on the link, the waits on them, and how much of the link time
+/// overlaps the layers' own forward ops after step() (compute the lab adds hides nothing).
+std::vector<OverlapTiming> simulate_overlap(const LaunchOptions& launch_options,
+                                            const TrainOptions& options, const Dataset& data,
+                                            bool overlap) {
+  const int world = launch_options.world_size;
+  std::vector<OverlapTiming> timings(static_cast<std::size_t>(world));
+  launch(launch_options, [&](Communicator& comm) {
+    Model model = grading::make_check_model(options);
+    WaitTimer timer(comm);
+    OverlapTiming& timing = timings[static_cast<std::size_t>(comm.rank())];
+    {
+      ZeroOneOptimizer zero(model, timer, factory_for(options), 0.0f, overlap);
+      const Batch batch =
+          grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
+      model.backward(grading::forward(model, batch), batch.labels);
+      (void)zero.step();
+      const double after_step = comm.clock().now();
+      (void)grading::forward(model, batch);
+      timing.forward_seconds = comm.clock().now() - after_step;
+      const RankTrace trace = comm.clock().trace();
+      std::vector<std::pair<double, double>> layers;  // the layers' own forward ops
+      for (const TraceEvent& event : trace.events)
+        if (event.lane == TraceLane::kCompute && event.name.ends_with(" forward") &&
+            event.start >= after_step)
+          layers.emplace_back(event.start, event.start + event.duration);
+      for (const TraceEvent& event : trace.events) {
+        if (event.lane == TraceLane::kCompute || event.name != "allgather") continue;
+        timing.on_link += event.duration;
+        for (const auto& [start, end] : layers)
+          timing.behind_forward += std::max(
+              0.0, std::min(end, event.start + event.duration) - std::max(start, event.start));
+      }
+      timing.gathers = timer.gathers;
+    }  // the destructor completes anything still in flight: timed too
+    timing.exposed = timer.gathers_exposed;
+  });
+  return timings;
+}
+
+/// How a step of `steady_step_seconds` synchronises.
+enum class StepKind {
+  kOverlappedDdp,  ///< lab 4's design, the grader's: an all-reduce per gradient in backward
+  kZeroOne,        ///< the student's ZeroOneOptimizer, overlap off
+  kZeroOneOverlap  ///< the student's ZeroOneOptimizer with overlap_allgather
+};
+
+/// Rank 0's seconds for one training step in steady state with `kind` on `launch_options`'
+/// simulated ranks: from the end of the first step's optimizer step to the end of the
+/// second's, so that an all-gather left in flight by the first is paid in the second's
+/// forward. Not graded: the note compares ZeRO-1 with lab 4's overlap on the same clock.
+double steady_step_seconds(const LaunchOptions& launch_options, const TrainOptions& options,
+                           const Dataset& data, StepKind kind) {
+  const int world = launch_options.world_size;
+  double seconds = 0;
+  launch(launch_options, [&](Communicator& comm) {
+    Model model = grading::make_check_model(options);
+    std::optional<ZeroOneOptimizer> zero;
+    const std::unique_ptr<Optimizer> replicated =
+        kind == StepKind::kOverlappedDdp ? grading::optimizer_for(options, model.num_parameters())
+                                         : nullptr;
+    std::vector<std::unique_ptr<Work>> in_flight;
+    if (kind == StepKind::kOverlappedDdp)
+      model.on_gradient_ready([&](Parameter& parameter) {
+        in_flight.push_back(comm.allreduce(parameter.grad.view(), ReduceOp::kSum));
+      });
+    else
+      zero.emplace(model, comm, factory_for(options), 0.0f, kind == StepKind::kZeroOneOverlap);
+    const Batch batch =
+        grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
+    double first_end = 0;
+    for (int step = 0; step < 2; ++step) {
+      model.zero_grad();
+      model.backward(grading::forward(model, batch), batch.labels);
+      if (zero) {
+        (void)zero->step();
+      } else {
+        for (std::unique_ptr<Work>& work : in_flight) work->wait();
+        in_flight.clear();
+        for (Parameter* parameter : model.parameters())
+          divide(parameter->grad.view(), static_cast<float>(world));
+        replicated->step(model);
+      }
+      if (step == 0) first_end = comm.clock().now();
+    }
+    if (comm.rank() == 0) seconds = comm.clock().now() - first_end;
+  });
+  return seconds;
+}
+
+/// The speed budget of `overlap_allgather`: at least this fraction of the all-gathers' time
+/// on the link hidden on every rank, and overlapping the model's own forward.
+constexpr double kHiddenFraction = 0.5;
+
+TEST(Lab5Overlap, HidesHalfTheAllGatherBehindTheNextForward) {
+  Draws draws("Lab5Overlap.HidesHalfTheAllGatherBehindTheNextForward");
+  // 2 to 4 ranks on InfiniBand NDR, a CPU-class device, an MLP of many equal hidden layers
+  // and enough rows per rank that a layer's forward takes several times its share of the
+  // all-gather: shard 0 then holds several layers, whose forward can run while the rest of
+  // the all-gather travels. Only a design that waits for each piece where a layer first needs
+  // it hides the all-gather; one that waits for everything before the first layer (or in
+  // step()) hides nothing on the ranks that need shard 0 from rank 0.
+  const int world = static_cast<int>(draws.integer("ranks", 2, 4));
+  const std::int64_t hidden = draws.integer("hidden", 192, 320);
+  const std::int64_t depth = draws.integer("hidden layers", 16, 20);
+  std::string spec = "64";
+  for (std::int64_t layer = 0; layer < depth; ++layer) spec += fmt::format("-{}", hidden);
+  TrainOptions options;
+  options.model = spec + "-10";
+  options.activation = "relu";
+  const std::int64_t rows = draws.integer("rows per rank", 32, 48);
+  options.global_batch = rows * world;
+  options.dataset = fmt::format("synthetic:{}", options.global_batch);
+  options.seed = draws.seed("seed");
+  options.steps = 1;
+  options.optimizer = "sgd";
+  options.lr = 0.01f;
+  const Dataset data = load_dataset(options.dataset, 1);
+  LaunchOptions launch_options;
+  launch_options.world_size = world;
+  launch_options.backend = Backend::kLocal;
+  launch_options.comm.completion = Completion::kAdversarial;
+  launch_options.comm.completion_seed = draws.completion_seed();
+  launch_options.simulation.enabled = true;
+  launch_options.simulation.network = NetworkModel::preset("100gbe");
+  launch_options.simulation.device = DeviceModel::preset("cpu");
+  std::vector<OverlapTiming> overlapped;
+  std::vector<OverlapTiming> plain;
+  std::array<double, 3> steady{};  // lab 4's overlapped DDP, ZeRO-1, ZeRO-1 with overlap
+  try {
+    overlapped = simulate_overlap(launch_options, options, data, true);
+    plain = simulate_overlap(launch_options, options, data, false);
+    steady = {steady_step_seconds(launch_options, options, data, StepKind::kOverlappedDdp),
+              steady_step_seconds(launch_options, options, data, StepKind::kZeroOne),
+              steady_step_seconds(launch_options, options, data, StepKind::kZeroOneOverlap)};
+  } catch (const NotImplemented&) {
+    throw;
+  } catch (const std::exception& error) {
+    FAIL() << fmt::format("on {} simulated ranks a rank failed with {}: {}\n  drawn: {}", world,
+                          grading::type_name(error), error.what(), draws.describe());
+  }
+  const std::string where =
+      fmt::format("on {} ranks (100gbe, cpu), {}, {} rows per rank", world, options.model, rows);
+  std::size_t worst = 0;
+  for (std::size_t r = 0; r < overlapped.size(); ++r) {
+    const OverlapTiming& t = overlapped[r];
+    ASSERT_GT(t.on_link, 0.0) << fmt::format("rank {}: no all-gather reached the simulated clock",
+                                             r);
+    if (t.hidden() < overlapped[worst].hidden()) worst = r;
+  }
+  for (std::size_t r = 0; r < overlapped.size(); ++r) {
+    const OverlapTiming& t = overlapped[r];
+    if (t.hidden() < kHiddenFraction) {
+      ADD_FAILURE() << fmt::format(
+          "{}, overlap_allgather: rank {}'s {} all-gather(s) took {:.3f} ms on the link and the "
+          "waits on them blocked {:.3f} ms: {:.0f}% hidden; expected at least {:.0f}% on every "
+          "rank. Issue the pieces in step() and wait for each only where the first layer that "
+          "needs it is about to run forward, so that the rest travel while the layers before "
+          "compute\n  drawn: {}",
+          where, r, t.gathers, t.on_link * 1e3, t.exposed * 1e3, 100 * t.hidden(),
+          100 * kHiddenFraction, draws.describe());
+      break;
+    }
+    if (t.behind() < kHiddenFraction) {
+      ADD_FAILURE() << fmt::format(
+          "{}, overlap_allgather: rank {}'s waits on its all-gathers blocked {:.3f} ms of "
+          "their {:.3f} ms on the link, but only {:.3f} ms ({:.0f}%) of the {:.3f} ms not "
+          "waited for overlapped the layers' own forward; expected at least {:.0f}%. Compute "
+          "your code adds (copies, work to pass the time) makes the step longer and hides "
+          "nothing\n  drawn: {}",
+          where, r, t.exposed * 1e3, t.on_link * 1e3, t.behind_forward * 1e3, 100 * t.behind(),
+          (t.on_link - std::min(t.exposed, t.on_link)) * 1e3, 100 * kHiddenFraction,
+          draws.describe());
+      break;
+    }
+  }
+  if (!HasFailure()) {
+    const OverlapTiming& t = overlapped[worst];
+    const OverlapTiming& off = plain[worst];
+    grading::note_measured(fmt::format(
+        "{}: the worst rank ({}) hid {:.0f}% of its {} all-gather(s) ({:.3f} ms on the link, "
+        "{:.3f} ms exposed; {:.0f}% of the hidden time behind the layers' forward, the rest "
+        "behind the copies into the values; {:.3f} ms waited with overlap off). A whole "
+        "step on rank 0, in steady state: lab 4's overlapped DDP (the grader's, an all-reduce "
+        "per gradient launched in backward) {:.3f} ms, your ZeRO-1 {:.3f} ms, with "
+        "overlap_allgather {:.3f} ms",
+        where, worst, 100 * t.hidden(), t.gathers, t.on_link * 1e3, t.exposed * 1e3,
+        100 * t.behind(), off.exposed * 1e3, steady[0] * 1e3, steady[1] * 1e3, steady[2] * 1e3));
+  }
+}
+
+// --- Lab5Design: exposed communication -------------------------------------------------------
+
+/// One drawn set-up of the exposed-communication question.
+struct ExposureCase {
+  std::string fabric;  ///< what the message calls it
+  LinkModel link;
+  std::size_t psi = 0;
+  int world = 2;
+};
+
+/// A plausible wrong answer to the exposed-communication question.
+struct WrongSeconds {
+  std::string what;
+  double seconds = 0;
+};
+
+/// The plausible wrong formulas for `c`; the right one is 2 (N-1) (alpha + 4 S / bandwidth).
+std::vector<WrongSeconds> wrong_exposures(const ExposureCase& c) {
+  const double n = c.world;
+  const double s = static_cast<double>(contract_partition(c.psi, c.world).shard_elements);
+  const double alpha = c.link.alpha_seconds;
+  const double bandwidth = c.link.bytes_per_second;
+  const double shard_time = 4 * s / bandwidth;
+  const double tree_rounds = std::ceil(std::log2(n));
+  return {
+      {"lab 4's: the collectives hidden behind backward (nothing exposed)", 0.0},
+      {"latency left out: 2 (N-1) 4 S / bandwidth", 2 * (n - 1) * shard_time},
+      {"N rounds instead of N - 1", 2 * n * (alpha + shard_time)},
+      {"one collective: the reduce-scatter (or the all-gather) alone",
+       (n - 1) * (alpha + shard_time)},
+      {"DDP's all-reduce and the all-gather: 1.5 times the bytes",
+       3 * (n - 1) * (alpha + shard_time)},
+      {"a tree's latency, 2 ceil(lg N) alpha", 2 * (tree_rounds * alpha + (n - 1) * shard_time)},
+      {"the whole flat buffer in every round", 2 * (n - 1) * (alpha + n * shard_time)},
+  };
+}
+
+/// The tolerance of the exposed-communication question, relative to the measured seconds:
+/// the simulated clock charges each collective exactly (the check verifies it against the
+/// formula within 1e-6 relative on every case, a grader bug otherwise);
+/// 1% admits a student's rounding, and Psi / N in place of S (the padding, at most N - 1
+/// elements), which changes the answer by far less.
+constexpr double kExposureTolerance = 0.01;
+/// How far every wrong formula must be from the right answer on some draw of each run.
+constexpr double kWrongFormulaGap = 0.03;
+
+TEST(Lab5Design, PredictsExposedCommunication) {
+  Draws draws("Lab5Design.PredictsExposedCommunication");
+  std::vector<ExposureCase> cases;
+  for (const std::string preset : {"10gbe", "ib-ndr", "nvlink"}) {
+    ExposureCase c;
+    c.fabric = preset;
+    c.link = NetworkModel::preset(preset).fabric;
+    cases.push_back(c);
+  }
+  {
+    ExposureCase c;
+    const double alpha = std::exp(draws.uniform("log alpha (s)", std::log(1e-6f), std::log(1e-4f)));
+    const double bandwidth =
+        std::exp(draws.uniform("log bandwidth (B/s)", std::log(1e9f), std::log(4e11f)));
+    c.link = {alpha, bandwidth};
+    c.fabric = fmt::format("custom (alpha {:.2f} us, {:.1f} GB/s)", alpha * 1e6, bandwidth / 1e9);
+    cases.push_back(c);
+  }
+  // World sizes: 3 and one of 5..8 always (a tree's ceil(lg N) parts from N - 1 there), the
+  // rest drawn; sizes where latency and bandwidth both weigh (4 S / bandwidth within 30x of
+  // alpha), so that a formula without latency is told apart.
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    ExposureCase& c = cases[i];
+    c.world = i == 0   ? 3
+              : i == 1 ? static_cast<int>(draws.integer("ranks (ib-ndr)", 5, 8))
+                       : static_cast<int>(draws.integer(fmt::format("ranks ({})", i), 2, 8));
+    const double balanced = c.link.alpha_seconds * c.link.bytes_per_second / 4;  // S there
+    const double ratio = std::exp(
+        draws.uniform(fmt::format("log S / balanced ({})", i), std::log(0.3f), std::log(30.0f)));
+    // S at most 200000 (a flat buffer of 0.8 MB a rank per N): on the fastest fabrics the
+    // balanced size is larger, and the latency then weighs more, never less.
+    const double shard = std::clamp(balanced * ratio, 1.0, 200000.0);
+    c.psi = static_cast<std::size_t>(shard) * static_cast<std::size_t>(c.world) -
+            static_cast<std::size_t>(draws.integer(fmt::format("padding ({})", i), 0, c.world - 1));
+    c.psi = std::max<std::size_t>(c.psi, 1);
+  }
+  std::vector<bool> separated(wrong_exposures(cases.front()).size(), false);
+  std::vector<std::string> measured;
+  for (const ExposureCase& c : cases) {
+    const Partition p = contract_partition(c.psi, c.world);
+    double blocked = 0;
+    LaunchOptions launch_options;
+    launch_options.world_size = c.world;
+    launch_options.backend = Backend::kLocal;
+    launch_options.comm.completion = Completion::kAdversarial;
+    launch_options.comm.completion_seed = draws.completion_seed();
+    launch_options.simulation.enabled = true;
+    launch_options.simulation.network.name = "custom";
+    launch_options.simulation.network.fabric = c.link;
+    launch_options.simulation.device = DeviceModel::preset("cpu");
+    launch_options.simulation.record_trace = false;
+    // The schedule the question names, with the grader's own buffers: one reduce-scatter as
+    // the step begins, one all-gather after the update (no compute between: the update's
+    // time is not communication), each waited for at once.
+    launch(launch_options, [&](Communicator& comm) {
+      Tensor flat({static_cast<std::int64_t>(p.padded_elements)}, MemoryCategory::kCommunication);
+      Tensor shard({static_cast<std::int64_t>(p.shard_elements)}, MemoryCategory::kCommunication);
+      const double start = comm.clock().now();
+      comm.reduce_scatter(std::as_const(flat).view(), shard.view(), ReduceOp::kSum)->wait();
+      comm.allgather(std::as_const(shard).view(), flat.view())->wait();
+      if (comm.rank() == 0) blocked = comm.clock().now() - start;
+    });
+    const double right = 2 * (c.world - 1) *
+                         (c.link.alpha_seconds +
+                          4 * static_cast<double>(p.shard_elements) / c.link.bytes_per_second);
+    if (std::abs(right - blocked) > 1e-6 * blocked)
+      ADD_FAILURE() << fmt::format(
+          "grader bug: the simulated clock blocked {:.6e} s for the schedule on {} ranks of {}, "
+          "Psi = {}; dp/clock.h's rule gives {:.6e} s",
+          blocked, c.world, c.fabric, c.psi, right);
+    const std::vector<WrongSeconds> wrong = wrong_exposures(c);
+    for (std::size_t f = 0; f < wrong.size(); ++f)
+      if (std::abs(wrong[f].seconds - right) > kWrongFormulaGap * right) separated[f] = true;
+    double predicted = 0;
+    try {
+      predicted = predicted_exposed_communication_seconds(c.psi, c.world, c.link);
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& error) {
+      ADD_FAILURE() << fmt::format(
+          "predicted_exposed_communication_seconds({}, {}, {}) threw {}: {}", c.psi, c.world,
+          c.fabric, grading::type_name(error), error.what());
+      continue;
+    }
+    std::string wrong_one;
+    for (const WrongSeconds& formula : wrong)
+      if (wrong_one.empty() &&
+          std::abs(predicted - formula.seconds) <= kExposureTolerance * std::max(blocked, 1e-12))
+        wrong_one = fmt::format("; that is the prediction of {}", formula.what);
+    if (!(std::abs(predicted - blocked) <= kExposureTolerance * blocked))
+      ADD_FAILURE() << fmt::format(
+          "Psi = {} on N = {} ranks of {}: predicted {:.3f} us of exposed communication; the "
+          "simulated clock blocked rank 0 for {:.3f} us in a reduce-scatter after backward and "
+          "an all-gather after the update ({:+.1f}%; the tolerance is {:.0f}%){}\n  drawn: {}",
+          c.psi, c.world, c.fabric, predicted * 1e6, blocked * 1e6,
+          100 * (predicted - blocked) / blocked, 100 * kExposureTolerance, wrong_one,
+          draws.describe());
+    measured.push_back(
+        fmt::format("{} on N = {}, Psi = {}: {:.1f} us", c.fabric, c.world, c.psi, blocked * 1e6));
+  }
+  const std::vector<WrongSeconds> wrong = wrong_exposures(cases.front());
+  for (std::size_t f = 0; f < wrong.size(); ++f)
+    if (!separated[f])
+      ADD_FAILURE() << fmt::format(
+          "grader bug: no drawn case puts {} {:.0f}% away from the right answer\n  drawn: {}",
+          wrong[f].what, 100 * kWrongFormulaGap, draws.describe());
+  if (!HasFailure())
+    grading::note_measured(fmt::format(
+        "exposed communication predicted within {:.0f}% on every case ({}); each of {} "
+        "plausible wrong formulas is at least {:.0f}% away on some case: the time lab 4's "
+        "all-reduce spent beside backward, now on the critical path",
+        100 * kExposureTolerance, fmt::join(measured, "; "), wrong.size(), 100 * kWrongFormulaGap));
 }
 
 // --- Lab5Checkpoint ----------------------------------------------------------------------------

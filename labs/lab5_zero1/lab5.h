@@ -49,6 +49,7 @@
 #include <memory>
 #include <optional>
 
+#include "dp/clock.h"
 #include "dp/comm.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
@@ -134,17 +135,44 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     staging copy in a `std::vector`, however small its blocks.
 ///   * Parameters must be trainable: a frozen parameter would be moved by weight decay and
 ///     momentum of the flat space, so the constructor rejects it.
+///
+/// Overlap (`overlap_allgather`, off by default). Off, `step()` waits for its all-gathers and
+/// writes every parameter's value before it returns: the all-gather sits on the critical path,
+/// after the update, and nothing computes while it travels. On, `step()` issues its
+/// all-gathers and returns while they travel; the next `Model::forward` waits for the pieces
+/// each layer needs, and writes that layer's parameter values, just before the layer runs
+/// (register what layer hooks your design needs in the constructor), so that the all-gather
+/// travels while the layers before it compute. Then:
+///   * Every parameter's value is bitwise lab 2's by the time its layer's forward runs, and
+///     every value is once that forward has returned: checked after every next forward (and
+///     after one more forward after the last step). Between `step()` and that forward the
+///     values are those of before the step; reading them there is not part of the contract.
+///   * `flat_parameters()` is not checked (where the all-gathered pieces lie in your buffers
+///     is your design); `shard_parameters()` is, after every step.
+///   * The budgets above hold unchanged (calls, bytes, memory, `step()`'s allocations): the
+///     pieces are the same 1 to 4 all-gathers, now waited on in forward. (The budget checks
+///     run with overlap off; the overlap checks grade the bits and the speed.)
+///   * Speed, on the simulated clock: at least half of the all-gathers' time on the link
+///     hidden (the waits on them, in forward, in the destructor or wherever they are, block
+///     for at most half of it, on every rank), and at least half of the hidden time
+///     overlapping the layers' own forward (compute you add to pass the time hides
+///     nothing). Graded on an MLP of many equal layers, where the first shard holds several
+///     of them (rubric.json).
+///   * The object must outlive every forward of `model`. `step()`, `load_checkpoint` and the
+///     destructor complete any all-gather still in flight first.
 class ZeroOneOptimizer {
  public:
   /// Sets up ZeRO-1 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on
-  /// (0, the default, leaves it off).
+  /// (0, the default, leaves it off); `overlap_allgather` overlaps the parameters' all-gather
+  /// with the next forward (see "Overlap" above; false, the default, completes it in
+  /// `step()`).
   ///
   /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
   /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
   /// whose `state_size()` is not S or whose state lives on another device than the model's
   /// (`Optimizer::device()`, `Model::device()`; the message names both devices).
   ZeroOneOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                   float max_norm = 0.0f);
+                   float max_norm = 0.0f, bool overlap_allgather = false);
   /// Waits for any call still running (a `Work` must not outlive its buffer).
   ~ZeroOneOptimizer();
   ZeroOneOptimizer(const ZeroOneOptimizer&) = delete;
@@ -152,8 +180,10 @@ class ZeroOneOptimizer {
 
   /// One optimizer step from the local gradients in `Parameter::grad` (which it leaves
   /// unchanged); on return every parameter's value is updated and every call it made is
-  /// complete. Calls `begin_step()` of the inner optimizer once, on every rank (a rank
-  /// whose shard is all padding too: the step count is part of the state it keeps).
+  /// complete (with `overlap_allgather`: the all-gathers may still travel, and the next
+  /// forward writes the values, see "Overlap"). Calls `begin_step()` of the inner optimizer once,
+  /// on every rank (a rank whose shard is all padding too: the step count is part of the state it
+  /// keeps).
   ///
   /// Clipping, when on, has this exact arithmetic (so the grader compares bitwise): rank r
   /// computes p_r = (float) dp::dot(g, g) over the *real* elements of its averaged shard
@@ -241,5 +271,30 @@ class ZeroOneOptimizer {
 /// one, or forgets one of your buffers fails on every seed.
 std::size_t predicted_state_bytes_per_rank(std::size_t num_parameters, int world_size,
                                            std::size_t state_floats_per_element);
+
+/// Design question, graded on the simulated clock: the seconds of one ZeRO-1 step (overlap
+/// off) in which a rank computes nothing and waits for communication, for a model of
+/// `num_parameters` elements on `world_size` ranks whose every link is `link` (alpha =
+/// `link.alpha_seconds`, bandwidth = `link.bytes_per_second` in each direction, lab 0's
+/// 1/beta).
+///
+/// Lab 4 hid the gradients' all-reduce behind backward: its step exposed only what the last
+/// buckets left running when backward returned. ZeRO-1 moves the same bytes, but `step()`
+/// begins after backward has returned, and the all-gather cannot begin before the update is
+/// done. Predict what that costs, for the schedule at the core of every design: the
+/// gradients reduce-scattered in one call as `step()` begins, the parameters all-gathered in
+/// one call once the update is done, each waited for at once, on every rank alike. dp/clock.h
+/// says how the simulated network charges each collective; README.md asks how this compares
+/// with lab 4's step.
+///
+/// The grader draws fabrics (presets and log-uniform alpha and bandwidth), model sizes and
+/// world sizes (rubric.json lists the ranges), runs that schedule on simulated ranks with
+/// buffers of its own, and expects your prediction within 1% of the seconds rank 0's waits
+/// block (the simulated clock is exact; 1% admits rounding, not a term left out). The draws
+/// of every run put each plausible wrong formula (latency left out, N rounds instead of
+/// N - 1, one collective instead of two, DDP's all-reduce counted on top, a tree's latency,
+/// the whole buffer in every round) at least 3% from the right answer on some fabric.
+double predicted_exposed_communication_seconds(std::size_t num_parameters, int world_size,
+                                               const LinkModel& link);
 
 }  // namespace dp::lab5

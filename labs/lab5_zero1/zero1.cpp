@@ -45,15 +45,18 @@ struct ZeroOneOptimizer::State {
 };
 
 ZeroOneOptimizer::ZeroOneOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                                   float max_norm) {
+                                   float max_norm, bool overlap_allgather) {
   (void)model;
   (void)comm;
   (void)make_inner;
   (void)max_norm;
+  (void)overlap_allgather;
   throw NotImplemented("lab5::ZeroOneOptimizer::ZeroOneOptimizer");
 }
 
-ZeroOneOptimizer::~ZeroOneOptimizer() = default;  // step() leaves no call running
+ZeroOneOptimizer::~ZeroOneOptimizer() {
+  // Complete any call your design leaves in flight.
+}
 
 std::optional<float> ZeroOneOptimizer::step() {
   throw NotImplemented("lab5::ZeroOneOptimizer::step");
@@ -93,6 +96,14 @@ std::size_t predicted_state_bytes_per_rank(std::size_t num_parameters, int world
   (void)world_size;
   (void)state_floats_per_element;
   throw NotImplemented("lab5::predicted_state_bytes_per_rank");
+}
+
+double predicted_exposed_communication_seconds(std::size_t num_parameters, int world_size,
+                                               const LinkModel& link) {
+  (void)num_parameters;
+  (void)world_size;
+  (void)link;
+  throw NotImplemented("lab5::predicted_exposed_communication_seconds");
 }
 
 }  // namespace dp::lab5
