@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -574,6 +575,144 @@ TEST(Lab6Clipping, GlobalNormOverTheShards) {
 
 // --- Lab6Memory ----------------------------------------------------------------------------
 
+/// The memory budgets of one rank training `training` on `world` ranks with `max_norm`:
+/// what the constructor changes (every category but communication exactly), the gradient
+/// and communication peaks over two steps within their budgets, and every category as after
+/// the constructor between steps.
+void check_gradient_memory(const Training& training, int world, float max_norm, Communicator& comm,
+                           Verdict& verdict) {
+  const TrainOptions options = training.for_world(world);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
+  Model twin = training.model();
+  const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
+  tracker.reset_peaks();
+  {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, 0, comm.rank(), world));
+    twin.backward(grading::forward(twin, batch), batch.labels);
+  }
+  const std::size_t plain_activations =
+      tracker.peak(MemoryCategory::kActivations) - activation_base;
+  // The twin keeps what its loss saved (one row of logits per sample): count from here.
+  const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
+  const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+  const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+  Model model = training.model();
+  const std::size_t psi = model.num_parameters();
+  const std::vector<Bucket> buckets = contract_buckets(model, world, training.cap_bytes);
+  const std::size_t shard = 4 * contract_shard(buckets);
+  const std::size_t layer = 4 * largest_layer(model);
+  const std::size_t buffers =
+      buffer_budget_bytes(buckets, world) + (max_norm > 0 ? sizeof(float) : 0);
+  const std::size_t other_base = tracker.current(MemoryCategory::kOther);
+  tracker.reset_peaks();
+  const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
+  ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
+  // Every category but communication, what the constructor changed: the shards of
+  // the parameters and of the gradient added, the model's gradients (4 Psi) released,
+  // the inner optimizer's state, nothing else. Communication holds the buffers of
+  // the student's design, which the budget below bounds.
+  grading::CategoryBytes changed_by_constructor =
+      grading::current_bytes(tracker) - before_constructor;
+  const std::int64_t constructor_buffers = changed_by_constructor[MemoryCategory::kCommunication];
+  changed_by_constructor[MemoryCategory::kCommunication] = 0;
+  grading::CategoryBytes expected_change;
+  expected_change[MemoryCategory::kParameters] = static_cast<std::int64_t>(shard);
+  expected_change[MemoryCategory::kGradients] =
+      static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
+  expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
+  const std::string constructor_differs =
+      grading::category_differences(changed_by_constructor, expected_change);
+  if (!constructor_differs.empty())
+    verdict.fail(
+        fmt::format("what the constructor changed: {}; the contract: + 4 S = {} of parameters (the "
+                    "shard), 4 S - 4 Psi = {} of gradients (the shard in, every Parameter::grad "
+                    "released), your buffers under communication, the inner optimizer's state, "
+                    "nothing else",
+                    constructor_differs, shard, expected_change[MemoryCategory::kGradients]));
+  else if (constructor_buffers > static_cast<std::int64_t>(buffers))
+    verdict.fail(
+        fmt::format("the constructor allocated {} bytes of communication buffers; the budget is "
+                    "two buffers of the largest padded bucket, 2 x 4 max_k(N C_k){} = {} ({} "
+                    "buckets){}",
+                    constructor_buffers, max_norm > 0 ? " + 4 for the norm (clipping on)" : "",
+                    buffers, buckets.size(),
+                    constructor_buffers >= static_cast<std::int64_t>(4 * psi)
+                        ? ": as much as the whole gradient (a buffer per bucket?)"
+                        : ""));
+  const grading::CategoryBytes constructed = grading::current_bytes(tracker);
+  tracker.reset_peaks();
+  std::size_t backward_peak = 0;
+  for (int step = 1; step <= 2 && verdict.passed(); ++step) {
+    const Batch batch = grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+    model.zero_grad();
+    model.backward(grading::forward(model, batch), batch.labels);
+    backward_peak = std::max(backward_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
+    verdict.expect_empty(check_released(model), fmt::format("step {}, right after backward", step));
+    (void)zero.step();
+  }
+  // Between steps every category but the activations (what the model's loss keeps)
+  // holds what it held after the constructor: the contract's "at all times".
+  grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+  kept[MemoryCategory::kActivations] = 0;
+  const std::string changed = grading::category_differences(kept, {});
+  const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+  const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+  const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
+  const std::size_t activations =
+      tracker.peak(MemoryCategory::kActivations) - model_activation_base;
+  if (!verdict.passed()) return;
+  if (!changed.empty()) {
+    verdict.fail(
+        fmt::format("after two steps, against just after the constructor: {}; expected every "
+                    "category as it was (the shards and buffers stay, every gradient is released)",
+                    changed));
+    return;
+  }
+  if (activations > plain_activations) {
+    verdict.fail(fmt::format(
+        "{} activation bytes at the peak of the steps, {} for the same forward and "
+        "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
+        "under kCommunication)",
+        activations, plain_activations));
+    return;
+  }
+  if (other_peak != 0) {
+    verdict.fail(
+        fmt::format("{} bytes under MemoryCategory::kOther at the peak of the steps; expected none "
+                    "(gradients under kGradients, buffers under kCommunication)",
+                    other_peak));
+    return;
+  }
+  const std::size_t expected = shard + layer;
+  if (backward_peak > expected || grad_peak > expected)
+    verdict.fail(
+        fmt::format("gradient bytes at the peak during backward {} (during the steps {}); expected "
+                    "at most 4 S + 4 x the largest layer = {} + {} = {} (Psi = {}, N = {}){}",
+                    backward_peak, grad_peak, shard, layer, expected, psi, world,
+                    backward_peak >= shard + 4 * psi
+                        ? ": the whole gradient existed at once; release each gradient in its hook"
+                    : backward_peak > expected
+                        ? ": gradients stayed longer than their hook (released per bucket, "
+                          "or a copy under kGradients?)"
+                        : ""));
+  else if (comm_peak > buffers)
+    verdict.fail(fmt::format(
+        "communication bytes at the peak {}; the budget is two buffers of the largest "
+        "padded bucket, 2 x 4 max_k(N C_k){} = {} ({} buckets){}",
+        comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers, buckets.size(),
+        comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
+  else
+    verdict.note(
+        fmt::format("N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
+                    "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
+                    "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
+                    world, psi, grad_peak, shard, layer, comm_peak, buffers,
+                    max_norm > 0 ? " with the norm's float" : "", 4 * psi));
+}
+
 TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
   Draws draws("Lab6Memory.GradientsAreOneShardPlusOneLayer");
   const std::vector<int> worlds = draws.world_sizes(6);
@@ -585,142 +724,46 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          MemoryTracker& tracker = this_rank_memory().tracker();
-          // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
-          Model twin = training.model();
-          const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
-          tracker.reset_peaks();
-          {
-            const Batch batch = grading::on_check_device(
-                grading::local_batch(*training.data, options, 0, comm.rank(), world));
-            twin.backward(grading::forward(twin, batch), batch.labels);
-          }
-          const std::size_t plain_activations =
-              tracker.peak(MemoryCategory::kActivations) - activation_base;
-          // The twin keeps what its loss saved (one row of logits per sample): count from here.
-          const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
-          const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
-          const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-          Model model = training.model();
-          const std::size_t psi = model.num_parameters();
-          const std::vector<Bucket> buckets = contract_buckets(model, world, training.cap_bytes);
-          const std::size_t shard = 4 * contract_shard(buckets);
-          const std::size_t layer = 4 * largest_layer(model);
-          const std::size_t buffers =
-              buffer_budget_bytes(buckets, world) + (max_norm > 0 ? sizeof(float) : 0);
-          const std::size_t other_base = tracker.current(MemoryCategory::kOther);
-          tracker.reset_peaks();
-          const grading::CategoryBytes before_constructor = grading::current_bytes(tracker);
-          ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, max_norm);
-          // Every category but communication, what the constructor changed: the shards of
-          // the parameters and of the gradient added, the model's gradients (4 Psi) released,
-          // the inner optimizer's state, nothing else. Communication holds the buffers of
-          // the student's design, which the budget below bounds.
-          grading::CategoryBytes changed_by_constructor =
-              grading::current_bytes(tracker) - before_constructor;
-          const std::int64_t constructor_buffers =
-              changed_by_constructor[MemoryCategory::kCommunication];
-          changed_by_constructor[MemoryCategory::kCommunication] = 0;
-          grading::CategoryBytes expected_change;
-          expected_change[MemoryCategory::kParameters] = static_cast<std::int64_t>(shard);
-          expected_change[MemoryCategory::kGradients] =
-              static_cast<std::int64_t>(shard) - static_cast<std::int64_t>(4 * psi);
-          expected_change[MemoryCategory::kOptimizerState] = grading::state_bytes(zero.inner());
-          const std::string constructor_differs =
-              grading::category_differences(changed_by_constructor, expected_change);
-          if (!constructor_differs.empty())
-            verdict.fail(fmt::format(
-                "what the constructor changed: {}; the contract: + 4 S = {} of parameters (the "
-                "shard), 4 S - 4 Psi = {} of gradients (the shard in, every Parameter::grad "
-                "released), your buffers under communication, the inner optimizer's state, "
-                "nothing else",
-                constructor_differs, shard, expected_change[MemoryCategory::kGradients]));
-          else if (constructor_buffers > static_cast<std::int64_t>(buffers))
-            verdict.fail(fmt::format(
-                "the constructor allocated {} bytes of communication buffers; the budget is "
-                "two buffers of the largest padded bucket, 2 x 4 max_k(N C_k){} = {} ({} "
-                "buckets){}",
-                constructor_buffers, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
-                buckets.size(),
-                constructor_buffers >= static_cast<std::int64_t>(4 * psi)
-                    ? ": as much as the whole gradient (a buffer per bucket?)"
-                    : ""));
-          const grading::CategoryBytes constructed = grading::current_bytes(tracker);
-          tracker.reset_peaks();
-          std::size_t backward_peak = 0;
-          for (int step = 1; step <= 2 && verdict.passed(); ++step) {
-            const Batch batch = grading::on_check_device(
-                grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-            model.zero_grad();
-            model.backward(grading::forward(model, batch), batch.labels);
-            backward_peak =
-                std::max(backward_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
-            verdict.expect_empty(check_released(model),
-                                 fmt::format("step {}, right after backward", step));
-            (void)zero.step();
-          }
-          // Between steps every category but the activations (what the model's loss keeps)
-          // holds what it held after the constructor: the contract's "at all times".
-          grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
-          kept[MemoryCategory::kActivations] = 0;
-          const std::string changed = grading::category_differences(kept, {});
-          const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
-          const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
-          const std::size_t other_peak = tracker.peak(MemoryCategory::kOther) - other_base;
-          const std::size_t activations =
-              tracker.peak(MemoryCategory::kActivations) - model_activation_base;
-          if (!verdict.passed()) return;
-          if (!changed.empty()) {
-            verdict.fail(fmt::format(
-                "after two steps, against just after the constructor: {}; expected every "
-                "category as it was (the shards and buffers stay, every gradient is released)",
-                changed));
-            return;
-          }
-          if (activations > plain_activations) {
-            verdict.fail(fmt::format(
-                "{} activation bytes at the peak of the steps, {} for the same forward and "
-                "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
-                "under kCommunication)",
-                activations, plain_activations));
-            return;
-          }
-          if (other_peak != 0) {
-            verdict.fail(fmt::format(
-                "{} bytes under MemoryCategory::kOther at the peak of the steps; expected none "
-                "(gradients under kGradients, buffers under kCommunication)",
-                other_peak));
-            return;
-          }
-          const std::size_t expected = shard + layer;
-          if (backward_peak > expected || grad_peak > expected)
-            verdict.fail(fmt::format(
-                "gradient bytes at the peak during backward {} (during the steps {}); expected "
-                "at most 4 S + 4 x the largest layer = {} + {} = {} (Psi = {}, N = {}){}",
-                backward_peak, grad_peak, shard, layer, expected, psi, world,
-                backward_peak >= shard + 4 * psi
-                    ? ": the whole gradient existed at once; release each gradient in its hook"
-                : backward_peak > expected
-                    ? ": gradients stayed longer than their hook (released per bucket, "
-                      "or a copy under kGradients?)"
-                    : ""));
-          else if (comm_peak > buffers)
-            verdict.fail(fmt::format(
-                "communication bytes at the peak {}; the budget is two buffers of the largest "
-                "padded bucket, 2 x 4 max_k(N C_k){} = {} ({} buckets){}",
-                comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers,
-                buckets.size(),
-                comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
-          else
-            verdict.note(fmt::format(
-                "N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
-                "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
-                "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
-                world, psi, grad_peak, shard, layer, comm_peak, buffers,
-                max_norm > 0 ? " with the norm's float" : "", 4 * psi));
+          check_gradient_memory(training, world, max_norm, comm, verdict);
         },
         draws);
+  }
+  // The lesson's workload: an MLP of many equal hidden layers and a cap of one layer, so
+  // many buckets of about the same size. On the drawn MLPs above the first layer holds most
+  // of the parameters, and buffers sized to their own buckets (a region per bucket, the
+  // whole gradient again) can fit two buffers of the largest; here they cannot. Local
+  // threads on every backend, so that N = 4 and 8 are there under mpi too (the tracker's
+  // counts are the same).
+  Training blocks = training;
+  const std::int64_t hidden = draws.integer("equal blocks: width", 64, 96);
+  const std::int64_t layers = draws.integer("equal blocks: hidden layers", 8, 12);
+  std::string spec = "64";
+  for (std::int64_t l = 0; l < layers; ++l) spec += fmt::format("-{}", hidden);
+  blocks.options.model = spec + "-10";
+  blocks.options.layer_norm = false;
+  blocks.options.activation = "relu";
+  blocks.hidden1 = hidden;
+  blocks.hidden2 = hidden;
+  blocks.cap_bytes = 4 * static_cast<std::size_t>(hidden * hidden + hidden);
+  for (const int world : {4, 8}) {
+    // The workload must make the point: every bucket padded is far above the budget.
+    Model model = blocks.model();
+    const std::vector<Bucket> buckets = contract_buckets(model, world, blocks.cap_bytes);
+    std::size_t every_bucket = 0;
+    for (const Bucket& b : buckets)
+      every_bucket += 4 * static_cast<std::size_t>(world) * b.chunk_elements;
+    ASSERT_GT(every_bucket, 2 * buffer_budget_bytes(buckets, world)) << fmt::format(
+        "the check's workload is wrong: on {} with N = {} and a cap of {} bytes, a buffer per "
+        "bucket ({} bytes) is not well above the budget of two largest buckets ({} bytes)",
+        blocks.options.model, world, blocks.cap_bytes, every_bucket,
+        buffer_budget_bytes(buckets, world));
+    const float max_norm = world == 4 ? 1.0f : 0.0f;
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          check_gradient_memory(blocks, world, max_norm, comm, verdict);
+        },
+        draws, std::chrono::seconds(30), Backend::kLocal);
   }
 }
 
