@@ -24,6 +24,8 @@
 
 namespace dp::lab6 {
 
+// Your constants, if any.
+
 std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t bucket_cap_bytes) {
   (void)model;
   (void)world_size;

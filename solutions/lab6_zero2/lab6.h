@@ -8,9 +8,12 @@
 // gradients final (lab 4's buckets), they are copied into a communication buffer and
 // released at once, and the bucket is reduce-scattered while backward computes the rest.
 // Each bucket is cut into N equal chunks; rank r owns chunk r of every bucket, and its shard
-// is the concatenation of its chunks. README.md beside this file poses the problem; its
-// Hints section, at the end, helps if you are stuck. Do not change this header: the grader
-// is compiled against it.
+// is the concatenation of its chunks. How many buffers carry the buckets, how they are laid
+// out, when each call is waited on, are your design: this header states the interfaces, the
+// bucket rule that fixes the layout, the arithmetic that fixes the bits, and the budgets of
+// memory, communication and time your design must meet. README.md beside this file poses
+// the problem; its Hints section, at the end, helps if you are stuck. Do not change this
+// header: the grader is compiled against it.
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
@@ -23,7 +26,7 @@
 //     call's own `Work` is waited on.
 //   * Counters you cannot change: the communicator's `CommCounters`, a recording
 //     communicator and a gradient-ready hook of the grader's registered before yours, the
-//     rank's `MemoryTracker` and the heap use of the rank's thread.
+//     rank's `MemoryTracker`, its simulated clock and the heap use of the rank's thread.
 //   * Arithmetic with the runtime's operations (dp/tensor_ops.h) on `Tensor`s.
 //   * No mutable globals: ranks are threads of one process.
 //
@@ -49,10 +52,6 @@
 #include "dp/tensor.h"
 
 namespace dp::lab6 {
-
-/// How many bucket buffers a `ZeroTwoOptimizer` keeps (fewer when there are fewer buckets):
-/// bucket k fills buffer k mod 2 while the reduce-scatter of bucket k - 1 is in flight.
-inline constexpr std::size_t kBucketBuffers = 2;
 
 /// One bucket: which gradients travel together in one reduce-scatter, and which part of
 /// it each rank owns.
@@ -107,44 +106,60 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// backward before `step()` throws `dp::Error` from your hook (its gradients would
 /// otherwise overwrite the first's in the shard, and half a step would be lost silently).
 ///
-/// During backward, the hook, for each parameter: copies its gradient to its place in its
-/// bucket's buffer and releases `Parameter::grad` at once (before the next gradient is
-/// computed); when that completes bucket k, launches the asynchronous
-/// `reduce_scatter(buffer [N C elements], ReduceOp::kSum)` of bucket k into this rank's
-/// shard of the gradient, elements [shard_offset, shard_offset + C) of
-/// `shard_gradients()`. Bucket k uses buffer k mod `kBucketBuffers`; before the first
-/// gradient of bucket k is copied into it, the reduce-scatter of bucket k - 2, which used
-/// the same buffer, is waited on. No other wait happens during backward.
+/// What a step must do, in whatever order and with whatever buffers you design:
+///   * Each gradient leaves `Parameter::grad` as soon as backward has made it: your hook
+///     copies it into a communication buffer, to its place in its bucket's flat range, and
+///     releases `Parameter::grad` (an empty tensor) before the next gradient is computed.
+///   * Once a bucket is complete, its flat range with its padding [E, N C) zero at issue is
+///     reduce-scattered, `reduce_scatter(buffer [N C elements], ReduceOp::kSum)`, into
+///     elements [shard_offset, shard_offset + C) of `shard_gradients()`, launched while
+///     backward still runs. Every rank must issue its collectives in the same order.
+///   * A call's buffers are neither written (inputs) nor read or written (outputs) by you
+///     while the call is in flight: wait for it first (the adversarial completion mode
+///     reports such a buffer at the call's wait, naming the call).
 ///
 /// `step()` then waits for the reduce-scatters still running, divides the shard of the
 /// gradient by N, clips it (when `max_norm > 0`), updates the shard of the parameters with
-/// the inner optimizer, and for each bucket in bucket order all-gathers the bucket's chunk
-/// of the updated parameters (C elements) into that bucket's buffer (N C elements) and
-/// writes every parameter's value from it. Every rank then holds the same parameters:
-/// bitwise lab 2's. The all-gathers are issued in bucket order; where you wait for them is
-/// yours: they may overlap one another (bucket k + 1's in flight while you wait for bucket
-/// k's and copy it out), as long as a buffer's all-gather is waited on and its values
-/// written before the next all-gather into that buffer is issued.
+/// the inner optimizer, and all-gathers each bucket's chunk of the updated parameters
+/// (`allgather(shard_parameters() [shard_offset, +C) -> N C elements)`) into a buffer of
+/// yours and writes every parameter's value from it. Every rank then holds the same
+/// parameters: bitwise lab 2's.
 ///
-/// Memory, from the `MemoryTracker` (bytes, float32), each checked:
-///   * `kGradients`: the shard of the gradient, 4 S bytes, at all times; during backward
-///     also the gradients backward has made and your hook has not yet released: at the
-///     peak those of one layer. The whole gradient (4 Psi) never exists after the
-///     constructor.
-///   * `kCommunication`: min(kBucketBuffers, B) bucket buffers of 4 max_k(N C_k) bytes each
-///     (B buckets), and with clipping one float for the norm. Nothing else.
-///   * `kParameters`: the model's parameters and the shard of the parameters, 4 S.
-///   * `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its peak too.
-///   * `kOther`: nothing; `kActivations`: only what the model's forward and backward make.
-///   * After the constructor no tensor is allocated but the gradients backward allocates
-///     again after your hook released them; `step()` allocates none. Every buffer is a
-///     `Tensor`: the constructor, your hooks and `step()` take no block of 1 KiB or more from
-///     the heap (no staging copy in a `std::vector`).
-///
-/// Communication: per step B reduce-scatters (kSum) during backward, launched in bucket
-/// order each from the hook that completes its bucket, their padding zero at issue; in
-/// `step()`, with clipping one `allreduce` (kSum) of one float, then B all-gathers in
-/// bucket order. Nothing else. Per rank that is DDP's volume, plus the padding.
+/// Budgets, per step (one backward, one `step()`) and rank, each checked; B is the number
+/// of buckets, S the shard's elements, L the elements of the largest layer's parameters,
+/// P = max_k N C_k the largest bucket with its padding:
+///   * Communication: each bucket's gradients reduce-scattered exactly once (B
+///     reduce-scatters, each launched during backward, none in `step()`), with clipping one
+///     `allreduce` (kSum) of one float in `step()`, and each bucket's chunk of the
+///     parameters all-gathered exactly once in `step()` (B all-gathers); nothing else. The
+///     backend's bytes sent are then exactly those of one reduce-scatter and one all-gather
+///     per bucket: DDP's all-reduce volume, plus the padding.
+///   * Memory, from the `MemoryTracker` (bytes, float32):
+///       - `kGradients`: the shard of the gradient, 4 S, at all times, plus the gradients
+///         backward has made and your hook has not yet released: at the peak at most
+///         4 S + 4 L (a layer computes all its gradients before their hooks fire). The
+///         whole gradient (4 Psi) never exists after the constructor.
+///       - `kCommunication`: your buffers (allocated in the constructor) and, with
+///         clipping, one float for the norm: at most 2 x 4 P bytes (+ 4 with clipping),
+///         what two buffers of the largest padded bucket hold. How many buffers, of which
+///         sizes and how you place the buckets in them is yours within that. Checked on
+///         the drawn MLPs and on an MLP of many equal hidden layers with a cap of one layer
+///         (rubric.json gives the widths), where a buffer per bucket is far above it.
+///       - `kParameters`: the model's parameters and the shard of the parameters, 4 S.
+///       - `kOptimizerState`: the inner optimizer's, for S elements (AdamW 8 S), at its
+///         peak too. `kOther`: nothing; `kActivations`: only what the model's forward and
+///         backward make.
+///       - After the constructor no tensor is allocated but the gradients backward
+///         allocates again after your hook released them; `step()` allocates none. Every
+///         buffer is a `Tensor`: the constructor, your hooks and `step()` take no block of
+///         1 KiB or more from the heap (no staging copy in a `std::vector`). Between steps
+///         every category but the activations holds what it held after the constructor.
+///   * Time, on the simulated clock (8 ranks on 10 GbE, a CPU-class device, an MLP of twelve
+///     equal hidden layers whose per-layer backward takes about as long as its bucket's
+///     reduce-scatter, a bucket cap of one hidden layer): the waits on the reduce-scatters
+///     (`wait()`, `test()`, or destroying the `Work`) block for at most half of the
+///     reduce-scatters' time on the link, and at least half of that time overlaps the
+///     model's own backward (compute your code adds, its copies included, hides nothing).
 class ZeroTwoOptimizer {
  public:
   /// Sets up ZeRO-2 for `model` on `comm` with buckets of at most `bucket_cap_bytes`
@@ -236,18 +251,19 @@ class ZeroTwoOptimizer {
 
 /// Design question, graded against the `MemoryTracker`: the gradient memory of one rank
 /// at its peak, peak(`kGradients`) + peak(`kCommunication`) over one backward and one
-/// `step()` of your `ZeroTwoOptimizer` (clipping off), for `model` (read, not changed) on
-/// `world_size` ranks with `bucket_cap_bytes`. Each peak is the category's whole value at
+/// `step()` of your own `ZeroTwoOptimizer` (clipping off), for `model` (read, not changed)
+/// on `world_size` ranks with `bucket_cap_bytes`. Each peak is the category's whole value at
 /// its highest, what the model and your optimizer hold in it, not its increase over the
 /// value after the constructor: what the constructor allocated and still holds counts. The
 /// peaks are taken from just after the constructor returns: what the constructor held
 /// only for a moment does not count. Count the shard, what backward holds before your hook
-/// releases it, and your buffers; compare it with lab 4's DDP, which holds 4 Psi of
-/// gradients and 4 Psi of buckets (README.md derives both).
+/// releases it, and your buffers as your design sizes them; compare it with lab 4's DDP,
+/// which holds 4 Psi of gradients and 4 Psi of buckets (README.md derives both).
 ///
 /// The grader draws models, world sizes and caps (rubric.json lists the ranges), runs one
-/// backward and one step on each rank, and expects your prediction exactly. On every seed
-/// one layout has several buckets that pad on some drawn N and one has a single bucket.
+/// backward and one step of your optimizer on each rank, and expects your prediction
+/// exactly. On every seed one layout has several buckets that pad on some drawn N and one
+/// has a single bucket.
 std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
                                           std::size_t bucket_cap_bytes);
 

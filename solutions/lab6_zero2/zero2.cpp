@@ -22,6 +22,13 @@
 
 namespace dp::lab6 {
 
+// BEGIN SOLUTION
+// SKELETON: // Your constants, if any.
+/// The reference design's bucket buffers (fewer when there are fewer buckets): bucket k
+/// fills buffer k mod 2 while the reduce-scatter of bucket k - 1 is still in flight.
+constexpr std::size_t kBucketBuffers = 2;
+// END SOLUTION
+
 std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t bucket_cap_bytes) {
   // BEGIN SOLUTION
   // SKELETON: (void)model;
