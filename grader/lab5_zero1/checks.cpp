@@ -349,25 +349,11 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                                                         grading::check_device());
                          });
                        });
-          {
-            // The inner optimizer's state on another device than the model's: every update
-            // would mix the devices (a student trial left this check out and kept full marks).
-            const Device device = model.device();
-            const Device other = device == Device::kHost ? Device::kCuda : Device::kHost;
-            const std::string what = fmt::format(
-                "a factory whose optimizer keeps its state in {} memory (the model's is {})",
-                to_string(other), to_string(device));
-            try {
-              ZeroOneOptimizer zero(model, comm,
-                                    [&](std::size_t s) { return grading::plain_sgd_on(s, other); });
-              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error& error) {
-              verdict.expect_empty(grading::device_mismatch_finding(error.what(), device, other),
-                                   what);
-            }
-          }
+          // The inner optimizer's state on another device than the model's: every update
+          // would mix the devices.
+          grading::expect_inner_optimizer_elsewhere_refused(
+              verdict, model.device(),
+              [&](const auto& make) { ZeroOneOptimizer zero(model, comm, make); });
           if (!verdict.passed()) return;
           std::vector<std::size_t> asked;
           const Optimizer* made = nullptr;

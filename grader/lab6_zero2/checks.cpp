@@ -399,25 +399,11 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
                              },
                              cap);
                        });
-          {
-            // The inner optimizer's state on another device than the model's: every update
-            // would mix the devices (a student trial left this check out and kept full marks).
-            const Device device = model.device();
-            const Device other = device == Device::kHost ? Device::kCuda : Device::kHost;
-            const std::string what = fmt::format(
-                "a factory whose optimizer keeps its state in {} memory (the model's is {})",
-                to_string(other), to_string(device));
-            try {
-              ZeroTwoOptimizer zero(
-                  model, comm, [&](std::size_t s) { return grading::plain_sgd_on(s, other); }, cap);
-              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error& error) {
-              verdict.expect_empty(grading::device_mismatch_finding(error.what(), device, other),
-                                   what);
-            }
-          }
+          // The inner optimizer's state on another device than the model's: every update
+          // would mix the devices.
+          grading::expect_inner_optimizer_elsewhere_refused(
+              verdict, model.device(),
+              [&](const auto& make) { ZeroTwoOptimizer zero(model, comm, make, cap); });
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
@@ -584,16 +570,8 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
   const TrainOptions options = training.for_world(world);
   MemoryTracker& tracker = this_rank_memory().tracker();
   // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
-  Model twin = training.model();
-  const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
-  tracker.reset_peaks();
-  {
-    const Batch batch = grading::on_check_device(
-        grading::local_batch(*training.data, options, 0, comm.rank(), world));
-    twin.backward(grading::forward(twin, batch), batch.labels);
-  }
-  const std::size_t plain_activations =
-      tracker.peak(MemoryCategory::kActivations) - activation_base;
+  const grading::PlainTwin twin = grading::plain_twin(training, world, comm);
+  const std::size_t plain_activations = twin.activation_bytes;
   // The twin keeps what its loss saved (one row of logits per sample): count from here.
   const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
   const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);

@@ -113,10 +113,16 @@ std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
   return [options](std::size_t shard) { return optimizer_for(options, shard); };
 }
 
+namespace {
+
+/// Plain SGD over `shard` elements with its state on `device` (no state tensor, so any
+/// device will do, even one this machine lacks: only its `device()` says where).
 std::unique_ptr<Optimizer> plain_sgd_on(std::size_t shard, Device device) {
   return std::make_unique<Sgd>(shard, SgdOptions{}, device);
 }
 
+/// "" when `message` names both devices (as dp::to_string spells their names, "host" and
+/// "cuda", in any case); else what it lacks.
 std::string device_mismatch_finding(std::string_view message, Device model, Device inner) {
   std::string lower(message);
   std::transform(lower.begin(), lower.end(), lower.begin(),
@@ -132,6 +138,8 @@ std::string device_mismatch_finding(std::string_view message, Device model, Devi
   return fmt::format("the message \"{}\" does not name {}; expected it to name both devices",
                      message, fmt::join(missing, " or "));
 }
+
+}  // namespace
 
 void expect_inner_optimizer_elsewhere_refused(
     Verdict& verdict, Device model_device,

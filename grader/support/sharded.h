@@ -105,17 +105,6 @@ ClippedTrajectory emulate_clipped(const TrainOptions& options, const Dataset& da
 std::function<std::unique_ptr<Optimizer>(std::size_t)> shard_optimizer_factory(
     const TrainOptions& options);
 
-/// Plain SGD over `shard` elements with its state on `device`: what the constructors of the
-/// ZeRO optimizers are given to show that they compare the inner optimizer's device with the
-/// model's. Plain SGD keeps no state tensor, so it can be made for a device this machine
-/// lacks (a CUDA device without a GPU): only its `device()` says where its state would live.
-std::unique_ptr<Optimizer> plain_sgd_on(std::size_t shard, Device device);
-
-/// "" when `message`, the dp::Error of a constructor given an inner optimizer on `inner`
-/// for a model on `model`, names both devices (their names as dp::to_string spells them,
-/// "host" and "cuda", in any case); else what it lacks.
-std::string device_mismatch_finding(std::string_view message, Device model, Device inner);
-
 /// Checks that a ZeRO optimizer's constructor refuses an inner optimizer whose state lives on
 /// another device than the model's (labs 5, 6 and 7 promise it; a student trial left the
 /// test out and kept full marks). `construct` builds the lab's optimizer with the factory
