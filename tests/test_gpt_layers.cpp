@@ -1,4 +1,4 @@
-// Unit tests of the GPT layers (dp::Embedding, dp::CausalSelfAttention,
+// Unit tests of the GPT layers (dp::Embedding, dp::CausalSelfAttention, dp::LanguageModelHead,
 // dp::TransformerBlock): forward against a reference written here in double precision, and
 // backward against central finite differences of that reference, for the input and every
 // parameter, on small random shapes (T = 1 and one head among them); the causal mask; the
@@ -28,6 +28,7 @@
 #include "dp/error.h"
 #include "dp/layers/attention.h"
 #include "dp/layers/embedding.h"
+#include "dp/layers/lm_head.h"
 #include "dp/layers/transformer_block.h"
 #include "dp/memory.h"
 #include "dp/rng.h"
@@ -551,6 +552,111 @@ TEST(TransformerBlock, RejectsBadSizesAndShapes) {
       << no_forward;
 }
 
+// ---- LanguageModelHead ---------------------------------------------------------------------
+
+TEST(LanguageModelHead, ForwardAndBackwardMatchTheReference) {
+  struct Shape {
+    std::int64_t batch, time, dim, vocab;
+  };
+  for (const Shape& s : {Shape{2, 5, 8, 7}, Shape{1, 1, 4, 3}, Shape{3, 2, 6, 11}}) {
+    dp::LanguageModelHead head("head", s.dim, s.vocab, /*context=*/6);
+    randomize_parameters(head);
+    const Reference reference = [&](const Values& x, const std::vector<Values>& p) {
+      return linear(layer_norm(x, p[0], p[1]), s.dim, p[2], Values(s.vocab, 0.0));
+    };
+    check_against_reference(head, random_input(s.batch, s.time, s.dim), reference, true);
+  }
+}
+
+TEST(LanguageModelHead, GivesOneRowOfLogitsPerToken) {
+  dp::LanguageModelHead head("head", 4, 5, 3);
+  randomize_parameters(head);
+  dp::Tensor input = random_input(2, 3, 4);
+  const dp::Tensor logits = head.forward(input);
+  EXPECT_EQ(logits.shape(), (std::vector<std::int64_t>{6, 5}));
+  // The token (b = 1, t = 2) alone, as a batch of one sequence of one token: row 1 * 3 + 2.
+  dp::Tensor token({1, 1, 4});
+  for (std::int64_t c = 0; c < 4; ++c) token.span()[c] = input.span()[(1 * 3 + 2) * 4 + c];
+  const dp::Tensor alone = head.forward(token);
+  for (std::int64_t v = 0; v < 5; ++v) EXPECT_FLOAT_EQ(alone.at(0, v), logits.at(5, v));
+}
+
+TEST(LanguageModelHead, ParametersAreNamedAsGpt2AndInitialised) {
+  dp::LanguageModelHead head("head", 8, 5, 4);
+  const std::vector<dp::Parameter*> parameters = head.parameters();
+  ASSERT_EQ(parameters.size(), 3u);
+  EXPECT_EQ(parameters[0]->name, "ln_f.weight");
+  EXPECT_EQ(parameters[1]->name, "ln_f.bias");
+  EXPECT_EQ(parameters[2]->name, "lm_head.weight");
+  EXPECT_EQ(parameters[2]->value.shape(), (std::vector<std::int64_t>{5, 8}));
+  EXPECT_EQ(head.kind(), "lm_head");
+  dp::CounterRng rng(1, 0);
+  head.initialize(*parameters[0], rng);
+  for (float v : parameters[0]->value.span()) EXPECT_EQ(v, 1.0f);
+  head.initialize(*parameters[2], rng);
+  for (float v : parameters[2]->value.span()) EXPECT_LT(std::abs(v), 0.2f);  // 10 std
+  EXPECT_NE(parameters[2]->value.span()[0], 0.0f);
+}
+
+TEST(LanguageModelHead, RejectsBadSizesAndShapes) {
+  const std::string sizes = error_message([] { dp::LanguageModelHead("head", 8, 0, 4); });
+  EXPECT_TRUE(dp::testing::contains(sizes, "got dim = 8, vocab = 0, context = 4")) << sizes;
+  dp::LanguageModelHead head("head", 8, 5, 4);
+  const std::string shape = error_message([&] { head.forward(dp::Tensor({6, 8})); });
+  EXPECT_TRUE(dp::testing::contains(
+      shape, "head expects input of shape (B, T, 8) with 1 <= T <= 4, got (6, 8)"))
+      << shape;
+  head.forward(dp::Tensor({2, 3, 8}));
+  const std::string grad = error_message([&] { head.backward(dp::Tensor({2, 3, 5})); });
+  EXPECT_TRUE(dp::testing::contains(grad, "got (2, 3, 5)")) << grad;
+}
+
+// ---- Accumulation and frozen parameters ----------------------------------------------------
+
+// Backward passes on the same batch add up (micro-batch accumulation relies on backward
+// adding, not overwriting): two give twice the gradient of one. Then a frozen parameter's
+// gradient (the last: the head's own projection) is left alone by a third pass, while the
+// others reach three times the gradient of one.
+void expect_accumulates_and_skips_frozen(dp::Layer& layer, const dp::Tensor& input) {
+  SCOPED_TRACE(layer.name());
+  randomize_parameters(layer);
+  std::vector<dp::Parameter*> parameters = layer.parameters();
+  for (dp::Parameter* parameter : parameters) parameter->grad.fill(0.0f);
+  dp::Tensor grad(layer.forward(input).shape());
+  fill_uniform(grad.span(), 21);
+  layer.backward(grad);
+  std::vector<std::vector<float>> once;
+  for (dp::Parameter* parameter : parameters)
+    once.emplace_back(parameter->grad.span().begin(), parameter->grad.span().end());
+  // Expects every parameter but the first `skipped_last` ones from the end at `times` once.
+  const auto expect_multiple = [&](float times, std::size_t skipped_last) {
+    for (std::size_t p = 0; p + skipped_last < parameters.size(); ++p)
+      for (std::size_t i = 0; i < once[p].size(); ++i)
+        ASSERT_NEAR(parameters[p]->grad.span()[i], times * once[p][i],
+                    1e-6 * (1 + std::abs(once[p][i])))
+            << parameters[p]->name << " element " << i << " after " << times << " passes";
+  };
+  layer.forward(input);
+  layer.backward(grad);
+  expect_multiple(2.0f, 0);
+  parameters.back()->frozen = true;
+  parameters.back()->grad.fill(0.0f);
+  layer.forward(input);
+  layer.backward(grad);
+  for (float v : parameters.back()->grad.span()) EXPECT_EQ(v, 0.0f) << parameters.back()->name;
+  expect_multiple(3.0f, 1);
+  parameters.back()->frozen = false;
+}
+
+TEST(GptLayers, BackwardAccumulatesAndSkipsFrozenParameters) {
+  dp::CausalSelfAttention attn("attn", 8, 2, 4);
+  expect_accumulates_and_skips_frozen(attn, random_input(2, 3, 8));
+  dp::TransformerBlock block("h.0", 8, 2, 4, 1);
+  expect_accumulates_and_skips_frozen(block, random_input(2, 3, 8));
+  dp::LanguageModelHead head("head", 8, 5, 4);
+  expect_accumulates_and_skips_frozen(head, random_input(2, 3, 8));
+}
+
 // ---- The emulated device -------------------------------------------------------------------
 
 // Turns the emulated CUDA device on for one test, and off after it (every device tensor of
@@ -585,32 +691,33 @@ TEST_F(GptLayersOnTheEmulatedDevice, EveryLayerRunsAndMatchesTheHostBitwise) {
   dp::Embedding device_embed("embed", 7, 4, 8);
   dp::TransformerBlock host_block("h.0", 8, 2, 4, 1);
   dp::TransformerBlock device_block("h.0", 8, 2, 4, 1);
-  randomize_parameters(host_embed);
-  randomize_parameters(host_block);
-  copy_parameters_to_device(host_embed, device_embed);
-  copy_parameters_to_device(host_block, device_block);
+  dp::LanguageModelHead host_head("head", 8, 7, 4);
+  dp::LanguageModelHead device_head("head", 8, 7, 4);
+  const std::vector<dp::Layer*> host_layers = {&host_embed, &host_block, &host_head};
+  const std::vector<dp::Layer*> device_layers = {&device_embed, &device_block, &device_head};
+  for (std::size_t l = 0; l < host_layers.size(); ++l) {
+    randomize_parameters(*host_layers[l]);
+    copy_parameters_to_device(*host_layers[l], *device_layers[l]);
+  }
 
   const dp::Tensor ids = random_ids(2, 3, 7);
-  const dp::Tensor host_hidden = host_embed.forward(ids);
-  const dp::Tensor device_hidden = device_embed.forward(ids.to(dp::Device::kCuda));
-  const dp::Tensor host_output = host_block.forward(host_hidden);
-  const dp::Tensor device_output = device_block.forward(device_hidden);
-  EXPECT_EQ(device_output.device(), dp::Device::kCuda);
-  EXPECT_EQ(host_values(device_output), host_values(host_output));
+  const dp::Tensor host_logits = host_head.forward(host_block.forward(host_embed.forward(ids)));
+  const dp::Tensor device_logits =
+      device_head.forward(device_block.forward(device_embed.forward(ids.to(dp::Device::kCuda))));
+  EXPECT_EQ(device_logits.device(), dp::Device::kCuda);
+  EXPECT_EQ(host_values(device_logits), host_values(host_logits));
 
-  dp::Tensor grad({2, 3, 8});
+  dp::Tensor grad({6, 7});
   fill_uniform(grad.span(), 12);
-  host_embed.backward(host_block.backward(grad));
-  device_embed.backward(device_block.backward(grad.to(dp::Device::kCuda)));
-  std::vector<dp::Parameter*> host_parameters = host_block.parameters();
-  std::vector<dp::Parameter*> device_parameters = device_block.parameters();
-  host_parameters.push_back(&host_embed.token_weight());
-  device_parameters.push_back(&device_embed.token_weight());
-  host_parameters.push_back(&host_embed.position_weight());
-  device_parameters.push_back(&device_embed.position_weight());
-  for (std::size_t i = 0; i < host_parameters.size(); ++i)
-    EXPECT_EQ(host_values(device_parameters[i]->grad), host_values(host_parameters[i]->grad))
-        << host_parameters[i]->name;
+  host_embed.backward(host_block.backward(host_head.backward(grad)));
+  device_embed.backward(device_block.backward(device_head.backward(grad.to(dp::Device::kCuda))));
+  for (std::size_t l = 0; l < host_layers.size(); ++l) {
+    const std::vector<dp::Parameter*> host_parameters = host_layers[l]->parameters();
+    const std::vector<dp::Parameter*> device_parameters = device_layers[l]->parameters();
+    for (std::size_t i = 0; i < host_parameters.size(); ++i)
+      EXPECT_EQ(host_values(device_parameters[i]->grad), host_values(host_parameters[i]->grad))
+          << host_parameters[i]->name;
+  }
 }
 
 }  // namespace
