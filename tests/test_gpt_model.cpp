@@ -3,12 +3,17 @@
 // attention can solve (each token repeats the one two places before it).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "dp/checkpoint.h"
 #include "dp/error.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
@@ -126,6 +131,81 @@ TEST(GptModel, LearnsToRepeatTheTokenTwoPlacesBack) {
   }
   EXPECT_NEAR(first_loss, std::log(5.0f), 0.2f);
   EXPECT_LT(last_loss, 0.4f) << "first loss " << first_loss;
+}
+
+// The ids, labels (next tokens) of `batch` random sequences of `time` tokens.
+struct TokenBatch {
+  dp::Tensor ids;
+  std::vector<int> labels;
+};
+TokenBatch random_tokens(std::int64_t batch, std::int64_t time, std::int64_t vocab,
+                         std::uint64_t stream) {
+  dp::CounterRng rng(9, stream);
+  TokenBatch result{dp::Tensor({batch, time}), {}};
+  for (float& id : result.ids.span()) id = static_cast<float>(rng.below(vocab));
+  for (std::int64_t i = 0; i < batch * time; ++i)
+    result.labels.push_back(static_cast<int>(rng.below(vocab)));
+  return result;
+}
+
+TEST(GptModel, BlocksReadTheirParametersWhenTheyRunAsZero3Needs) {
+  // ZeRO-3 frees a layer's parameters after its forward and gathers them again before its
+  // backward: a block must not keep pointers to them across the two.
+  const dp::GptSpec spec{.layers = 2, .dim = 8, .heads = 2, .context = 4};
+  dp::Model plain = dp::Model::gpt(spec, 7, {.seed = 1});
+  dp::Model sharded = dp::Model::gpt(spec, 7, {.seed = 1});
+  // What a gather brings back: a copy in new memory (the old block is freed, and reused), so a
+  // layer that kept a pointer across the two would read another tensor's bytes.
+  std::map<std::string, dp::Tensor> stash;
+  sharded.on_post_forward([&](dp::Layer& layer) {
+    for (dp::Parameter* parameter : layer.parameters()) {
+      stash[parameter->name] = parameter->value.clone();
+      parameter->value = dp::Tensor();
+    }
+  });
+  sharded.on_pre_backward([&](dp::Layer& layer) {
+    for (dp::Parameter* parameter : layer.parameters())
+      parameter->value = std::move(stash.at(parameter->name));
+  });
+  const TokenBatch batch = random_tokens(3, 4, 7, 1);
+  const float plain_loss = plain.backward(plain.forward(batch.ids), batch.labels);
+  const float sharded_loss = sharded.backward(sharded.forward(batch.ids), batch.labels);
+  EXPECT_EQ(sharded_loss, plain_loss);
+  EXPECT_EQ(sharded.flat_gradients(), plain.flat_gradients());
+
+  // A block that runs while its parameters are freed says which one is missing.
+  sharded.clear_hooks();
+  for (dp::Parameter* parameter : sharded.layers()[1]->parameters())
+    parameter->value = dp::Tensor();
+  const std::string message = error_message([&] { sharded.forward(batch.ids); });
+  EXPECT_TRUE(dp::testing::contains(message, "parameter h.0.ln_1.weight holds a value of shape ()"))
+      << message;
+}
+
+TEST(GptModel, ACheckpointOfItsParametersLoadsByGpt2Names) {
+  const dp::GptSpec spec{.layers = 1, .dim = 8, .heads = 2, .context = 4};
+  dp::Model trained = dp::Model::gpt(spec, 6, {.seed = 1});
+  std::vector<dp::NamedTensor> state;
+  for (dp::Parameter* parameter : trained.parameters())
+    state.push_back({parameter->name, &parameter->value});
+  const std::filesystem::path file = dp::testing::test_directory() / "gpt.safetensors";
+  dp::save_safetensors(file, state, {});
+  const dp::Checkpoint loaded = dp::load_safetensors(file);
+  EXPECT_EQ(loaded.tensors.at("h.0.attn.c_attn.weight").shape(),
+            (std::vector<std::int64_t>{24, 8}));
+  EXPECT_EQ(loaded.tensors.at("lm_head.weight").shape(), (std::vector<std::int64_t>{6, 8}));
+
+  dp::Model fresh = dp::Model::gpt(spec, 6, {.seed = 2});
+  ASSERT_NE(fresh.flat_parameters(), trained.flat_parameters());
+  for (dp::Parameter* parameter : fresh.parameters()) {
+    const dp::Tensor& value = loaded.tensors.at(parameter->name);
+    ASSERT_EQ(value.shape(), parameter->value.shape()) << parameter->name;
+    std::copy(value.span().begin(), value.span().end(), parameter->value.span().begin());
+  }
+  const TokenBatch batch = random_tokens(2, 4, 6, 2);
+  const dp::Tensor expected = trained.forward(batch.ids);
+  const dp::Tensor logits = fresh.forward(batch.ids);
+  EXPECT_TRUE(std::equal(logits.span().begin(), logits.span().end(), expected.span().begin()));
 }
 
 }  // namespace
