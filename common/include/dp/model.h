@@ -145,7 +145,7 @@ class Model {
   /// (B, T), T <= context, and returns one row of logits per token; `backward` takes the
   /// B T next-token labels (row b T + t: the token after position t of sequence b), so the
   /// loss is the mean cross-entropy over every predicted token. Costs count batches of
-  /// sequences of `context` tokens. Runs on the host (and the emulated device) only for now.
+  /// sequences of `context` tokens.
   /// Throws `dp::Error` unless `vocab` is positive and at most 2^24, and on a `spec` that
   /// `parse_gpt_spec` would refuse.
   static Model gpt(const GptSpec& spec, std::int64_t vocab, const GptOptions& options = {});

@@ -28,6 +28,38 @@ void strided_gemm(Device device, Transpose transpose_a, Transpose transpose_b, s
   }
 }
 
+// The causal softmax in place on the (time, time) scores of one head: row i keeps j <= i.
+// Subtracting the row's maximum keeps exp() from overflowing; the sum is taken in double.
+void causal_softmax_on_host(float* scores, std::int64_t time) {
+  for (std::int64_t i = 0; i < time; ++i) {
+    float* row = scores + i * time;
+    const float row_max = *std::max_element(row, row + i + 1);
+    double sum = 0.0;
+    for (std::int64_t j = 0; j <= i; ++j) {
+      row[j] = std::exp(row[j] - row_max);
+      sum += row[j];
+    }
+    const float inverse_sum = static_cast<float>(1.0 / sum);
+    for (std::int64_t j = 0; j <= i; ++j) row[j] *= inverse_sum;
+    std::fill(row + i + 1, row + time, 0.0f);  // the future: weight 0
+  }
+}
+
+// The softmax's backward in place on one head: `grad` holds dP and becomes
+// dS = P * (dP - sum_j dP P). The masked entries are set to 0 (P is 0 there, but dP is not),
+// so the products after it see no future position.
+void causal_softmax_backward_on_host(const float* probabilities, float* grad, std::int64_t time) {
+  for (std::int64_t i = 0; i < time; ++i) {
+    const float* p_row = probabilities + i * time;
+    float* ds_row = grad + i * time;
+    double weighted = 0.0;
+    for (std::int64_t j = 0; j <= i; ++j) weighted += double{ds_row[j]} * p_row[j];
+    for (std::int64_t j = 0; j <= i; ++j)
+      ds_row[j] = p_row[j] * (ds_row[j] - static_cast<float>(weighted));
+    std::fill(ds_row + i + 1, ds_row + time, 0.0f);
+  }
+}
+
 // `dim` once the sizes of attention `name` are checked: runs before the projections are
 // built, so a bad size is reported as the attention's, not as a Linear's.
 std::int64_t checked_dim(const std::string& name, std::int64_t dim, std::int64_t heads,
@@ -110,11 +142,6 @@ Tensor CausalSelfAttention::forward_rows(const Tensor& rows, std::int64_t time) 
         "{} expects the rows of B sequences of T tokens, (B T, {}) with 1 <= T <= {}; got {} "
         "for T = {}",
         name(), dim_, context_, rows.shape_string(), time));
-  if (detail::on_gpu(rows.device()))
-    throw Error(fmt::format(
-        "{}: attention runs on the host only for now (no CUDA kernel for its masked softmax "
-        "yet); its input lives on {}",
-        name(), to_string(rows.device())));
   const std::int64_t batch = rows.dim(0) / time;
   const std::int64_t width = dim_;
   const std::int64_t head_dim = dim_ / heads_;
@@ -138,19 +165,10 @@ Tensor CausalSelfAttention::forward_rows(const Tensor& rows, std::int64_t time) 
       // S = q k^T / sqrt(d), every (i, j): the mask is applied by the softmax below.
       strided_gemm(device, Transpose::kNo, Transpose::kYes, time, time, head_dim, scale, q,
                    qkv_stride, k, qkv_stride, 0.0f, p, time);
-      for (std::int64_t i = 0; i < time; ++i) {
-        float* row = p + i * time;
-        // Row i sees positions 0..i. Subtracting their maximum keeps exp() from overflowing.
-        const float row_max = *std::max_element(row, row + i + 1);
-        double sum = 0.0;
-        for (std::int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - row_max);
-          sum += row[j];
-        }
-        const float inverse_sum = static_cast<float>(1.0 / sum);
-        for (std::int64_t j = 0; j <= i; ++j) row[j] *= inverse_sum;
-        std::fill(row + i + 1, row + time, 0.0f);  // the future: weight 0
-      }
+      if (detail::on_gpu(device))
+        cuda::causal_softmax_forward(p, time, time);
+      else
+        causal_softmax_on_host(p, time);
       // y_h = P v_h: (T, d) = (T, T) (T, d), into the head's columns of y.
       strided_gemm(device, Transpose::kNo, Transpose::kNo, time, head_dim, time, 1.0f, p, time, v,
                    qkv_stride, 0.0f, y + b * time * width + h * head_dim, width);
@@ -199,17 +217,11 @@ Tensor CausalSelfAttention::backward_rows(const Tensor& grad_rows) {
                    v, qkv_stride, 0.0f, ds, time);
       strided_gemm(device, Transpose::kYes, Transpose::kNo, time, head_dim, time, 1.0f, p, time,
                    dy_h, width, 0.0f, dv, qkv_stride);
-      // Softmax backward per row: dS = P * (dP - sum_j dP P). Masked entries have P = 0, so
-      // their dS is 0 and the products below see no future position.
-      for (std::int64_t i = 0; i < time; ++i) {
-        const float* p_row = p + i * time;
-        float* ds_row = ds + i * time;
-        double weighted = 0.0;
-        for (std::int64_t j = 0; j <= i; ++j) weighted += double{ds_row[j]} * p_row[j];
-        for (std::int64_t j = 0; j <= i; ++j)
-          ds_row[j] = p_row[j] * (ds_row[j] - static_cast<float>(weighted));
-        std::fill(ds_row + i + 1, ds_row + time, 0.0f);
-      }
+      // dS = P * (dP - sum_j dP P), 0 where the mask is.
+      if (detail::on_gpu(device))
+        cuda::causal_softmax_backward(p, ds, time, time);
+      else
+        causal_softmax_backward_on_host(p, ds, time);
       // dq_h = dS k_h / sqrt(d); dk_h = dS^T q_h / sqrt(d).
       strided_gemm(device, Transpose::kNo, Transpose::kNo, time, head_dim, time, scale, ds, time, k,
                    qkv_stride, 0.0f, dq, qkv_stride);

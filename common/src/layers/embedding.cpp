@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
 
@@ -14,6 +15,14 @@ constexpr std::int64_t kLargestExactVocab = std::int64_t{1} << 24;
 
 // GPT-2's standard deviation for its embeddings (and its linear weights).
 constexpr float kEmbeddingInitStd = 0.02f;
+
+// The ids of `tensor` (floats), wherever it lives, as a host vector.
+std::vector<float> ids_on_host(const Tensor& tensor) {
+  std::vector<float> values(tensor.size());
+  detail::copy_memory(values.data(), Device::kHost, tensor.view().data(), tensor.device(),
+                      tensor.bytes());
+  return values;
+}
 
 }  // namespace
 
@@ -43,15 +52,14 @@ Tensor Embedding::forward(const Tensor& input) {
   require_same_device(input, "the input", token_weight_.value, token_weight_.name);
   require_same_device(position_weight_.value, position_weight_.name, token_weight_.value,
                       token_weight_.name);
-  if (detail::on_gpu(input.device()))
-    throw Error(fmt::format(
-        "{}: the embedding runs on the host only for now (no CUDA kernel for its gather yet); "
-        "its input lives on {}",
-        name(), to_string(input.device())));
   const std::int64_t batch = input.dim(0);
   const std::int64_t time = input.dim(1);
+  const bool gpu = detail::on_gpu(input.device());
 
-  const float* ids = input.view().data();
+  // The ids are checked on the host: a GPU's come over first ((B, T) floats, small).
+  std::vector<float> copied_ids;
+  if (gpu) copied_ids = ids_on_host(input);
+  const float* ids = gpu ? copied_ids.data() : input.view().data();
   for (std::int64_t i = 0; i < batch * time; ++i) {
     const float id = ids[i];
     // The negation catches NaN, which fails every comparison.
@@ -68,12 +76,16 @@ Tensor Embedding::forward(const Tensor& input) {
   const float* wte = token_weight_.value.view().data();
   const float* wpe = position_weight_.value.view().data();
   float* y = output.view().data();
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t t = 0; t < time; ++t) {
-      const std::int64_t row = b * time + t;
-      const float* token = wte + static_cast<std::int64_t>(ids[row]) * dim_;
-      const float* position = wpe + t * dim_;
-      for (std::int64_t c = 0; c < dim_; ++c) y[row * dim_ + c] = token[c] + position[c];
+  if (gpu) {
+    cuda::embedding_forward(input.view().data(), wte, wpe, batch, time, dim_, y);
+  } else {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t t = 0; t < time; ++t) {
+        const std::int64_t row = b * time + t;
+        const float* token = wte + static_cast<std::int64_t>(ids[row]) * dim_;
+        const float* position = wpe + t * dim_;
+        for (std::int64_t c = 0; c < dim_; ++c) y[row * dim_ + c] = token[c] + position[c];
+      }
     }
   }
   saved_ids_ = input.clone(MemoryCategory::kActivations);
@@ -93,9 +105,29 @@ Tensor Embedding::backward(const Tensor& grad_output) {
         "{} backward expects a gradient of shape ({}, {}, {}) like its last output, got {}", name(),
         batch, time, dim_, grad_output.shape_string()));
   require_same_device(grad_output, "the output gradient", saved_ids_, "the saved ids");
-  const float* ids = saved_ids_.view().data();
   const float* dy = grad_output.view().data();
-
+  if (detail::on_gpu(grad_output.device())) {
+    // The positions of each token in increasing order, so that the kernel adds each token's
+    // rows in the host loop's order (cuda/device_ops.h).
+    const std::vector<float> ids = ids_on_host(saved_ids_);
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(vocab_ + 1), 0);
+    for (const float id : ids) ++offsets[static_cast<std::size_t>(id) + 1];
+    for (std::size_t v = 0; v < static_cast<std::size_t>(vocab_); ++v) offsets[v + 1] += offsets[v];
+    std::vector<std::int64_t> positions(ids.size());
+    std::vector<std::int64_t> next(offsets.begin(), offsets.end() - 1);
+    for (std::size_t row = 0; row < ids.size(); ++row)
+      positions[static_cast<std::size_t>(next[static_cast<std::size_t>(ids[row])]++)] =
+          static_cast<std::int64_t>(row);
+    float* dwte =
+        token_weight_.frozen ? nullptr : grad_for_accumulation(token_weight_).view().data();
+    float* dwpe =
+        position_weight_.frozen ? nullptr : grad_for_accumulation(position_weight_).view().data();
+    cuda::embedding_backward(dy, offsets.data(), positions.data(), vocab_, batch, time, dim_, dwte,
+                             dwpe);
+    saved_ids_ = Tensor();
+    return Tensor();
+  }
+  const float* ids = saved_ids_.view().data();
   // Each gradient receives one addition per element per backward (as `grad += batch_grad`
   // would): this batch's sums are formed first, in (b, t) order.
   if (!token_weight_.frozen) {

@@ -2,7 +2,6 @@
 
 #include <cmath>
 
-#include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/tensor_ops.h"
 
@@ -75,11 +74,6 @@ Tensor TransformerBlock::forward(const Tensor& input) {
   if (input.rank() != 3 || input.dim(1) < 1 || input.dim(1) > context_ || input.dim(2) != dim_)
     throw Error(fmt::format("{} expects input of shape (B, T, {}) with 1 <= T <= {}, got {}",
                             name(), dim_, context_, input.shape_string()));
-  if (detail::on_gpu(input.device()))
-    throw Error(
-        fmt::format("{}: a transformer block runs on the host only for now (no CUDA kernel for its "
-                    "attention's masked softmax yet); its input lives on {}",
-                    name(), to_string(input.device())));
   const std::int64_t batch = input.dim(0);
   const std::int64_t time = input.dim(1);
 

@@ -17,8 +17,9 @@
 // (context, C), whatever the layer's name, so that a checkpoint reads in other tools (the
 // layout of torch.nn.Embedding: one row per token, one per position).
 //
-// It runs on the host (and on the emulated device) only for now: a CUDA tensor on a GPU is
-// refused with a dp::Error that says so (the gather and its scatter-add have no kernels yet).
+// It runs where its tensors live. On a CUDA device the ids are copied to the host to be
+// checked (B T floats); kernels gather the rows, and add the gradients with each token's
+// positions in the host loop's order (grouped on the host), bitwise the host.
 //
 // Example:
 //
@@ -49,7 +50,7 @@ class Embedding final : public Layer {
   /// ids: (B, T) floats holding integers in [0, vocab), 1 <= T <= context -> (B, T, dim).
   /// Keeps a copy of the ids for backward. Throws `dp::Error` naming the layer on another
   /// shape, naming the first bad id (position and value) on one that is not such an
-  /// integer, and for tensors on a GPU (host only for now).
+  /// integer.
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, T, dim) -> an empty tensor (ids have no gradient); adds into the
   /// gradients of wte and wpe.

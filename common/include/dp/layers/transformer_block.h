@@ -29,8 +29,7 @@
 // mlp.c_proj) with 0.02 / sqrt(2 layers), so that the residual stream's variance does not
 // grow with depth.
 //
-// It runs on the host (and on the emulated device) only for now: its attention refuses a
-// CUDA tensor on a GPU with a dp::Error that says so.
+// It runs where its tensors live, as its sublayers do; the residual sums are dp::add.
 //
 // Example:
 //
@@ -64,7 +63,7 @@ class TransformerBlock final : public Layer {
   /// "transformer_block".
   std::string kind() const override { return "transformer_block"; }
   /// input: (B, T, dim) with 1 <= T <= context -> (B, T, dim). Throws `dp::Error` naming
-  /// the block on another shape, and for tensors on a GPU (host only for now).
+  /// the block on another shape.
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, T, dim) -> (B, T, dim); adds into every parameter's gradient.
   Tensor backward(const Tensor& grad_output) override;
