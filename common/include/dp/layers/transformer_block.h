@@ -29,7 +29,8 @@
 // mlp.c_proj) with 0.02 / sqrt(2 layers), so that the residual stream's variance does not
 // grow with depth.
 //
-// It runs where its tensors live, as its sublayers do; the residual sums are dp::add.
+// It runs where its tensors live, as its sublayers do (the residual sums with cuda::add on a
+// GPU).
 //
 // Example:
 //
