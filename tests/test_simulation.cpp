@@ -31,6 +31,7 @@
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/launch.h"
+#include "dp/model.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
 
@@ -730,6 +731,35 @@ TEST(ComputeModel, RooflineChargesEveryLayerOfTheModel) {
               device.time_of(SoftmaxCrossEntropy::backward_cost(5, 4));
   expect_time(seconds[0], expected, "3 layers forward and backward plus the loss");
   EXPECT_EQ(compute_events[0], 2 * model.layers().size() + 2);
+}
+
+TEST(ComputeModel, AGptIsChargedItsLayersOnTheBatchOfSequences) {
+  // Every GPT layer's cost takes sequences of `context` tokens; the head's gradient has a
+  // row per token (B T), which backward must not take for the batch (it charged the head's
+  // backward T times over before).
+  const DeviceModel device = DeviceModel::preset("a100");
+  const GptSpec spec{.layers = 1, .dim = 8, .heads = 2, .context = 4};
+  constexpr std::int64_t kSequences = 3, kVocab = 5;
+  std::vector<double> seconds(1);
+  launch(simulated(1), [&](Communicator& comm) {
+    Model model = Model::gpt(spec, kVocab, {.seed = 1});
+    Tensor ids({kSequences, spec.context});  // token 0 everywhere
+    const Tensor logits = model.forward(ids);
+    const std::vector<int> labels(static_cast<std::size_t>(kSequences * spec.context), 1);
+    model.backward(logits, labels);
+    seconds[0] = comm.clock().now();
+  });
+  Model model = Model::gpt(spec, kVocab, {.seed = 1});
+  double expected = 0;
+  for (Layer* layer : model.layers())
+    expected += device.time_of(layer->forward_cost(kSequences)) +
+                device.time_of(layer == model.layers().front()
+                                   ? layer->backward_parameters_only_cost(kSequences)
+                                   : layer->backward_cost(kSequences));
+  const std::int64_t tokens = kSequences * spec.context;
+  expected += device.time_of(SoftmaxCrossEntropy::forward_cost(tokens, kVocab)) +
+              device.time_of(SoftmaxCrossEntropy::backward_cost(tokens, kVocab));
+  expect_time(seconds[0], expected, "embed, a block and the head forward and backward, the loss");
 }
 
 TEST(ComputeModel, WithoutSimulationTheClockIsWallTimeAndNothingIsCharged) {

@@ -57,6 +57,78 @@ std::vector<std::int64_t> parse_mlp_spec(std::string_view spec) {
   return widths;
 }
 
+// --- GPT specs ---------------------------------------------------------------------------
+
+bool is_gpt_spec(std::string_view spec) {
+  return spec == "gpt" || spec.starts_with("gpt:");
+}
+
+namespace {
+
+// Elements of a GPT's parameters, in double (an estimate that cannot wrap): the embeddings,
+// 12 C^2 + 13 C per block, ln_f and the head.
+double gpt_parameter_count(const GptSpec& spec, double vocab) {
+  const double c = static_cast<double>(spec.dim);
+  return vocab * c + static_cast<double>(spec.context) * c +
+         static_cast<double>(spec.layers) * (12 * c * c + 13 * c) + 2 * c + vocab * c;
+}
+
+}  // namespace
+
+GptSpec parse_gpt_spec(std::string_view spec) {
+  const auto invalid = [spec](const std::string& why) {
+    return Error(
+        fmt::format("GPT spec \"{}\" is invalid: {}; expected \"gpt\" or \"gpt:\" followed by "
+                    "key=value pairs joined by ',' with keys layers, dim, heads, context, e.g. "
+                    "\"gpt:layers=4,dim=128,heads=4,context=64\"",
+                    spec, why));
+  };
+  if (!is_gpt_spec(spec)) throw invalid("it does not start with \"gpt:\"");
+  GptSpec result;
+  if (spec == "gpt") return result;
+  const std::string_view pairs = spec.substr(4);
+  std::vector<std::string_view> seen;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = pairs.find(',', start);
+    const std::string_view pair = pairs.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    const std::size_t equals = pair.find('=');
+    if (equals == std::string_view::npos)
+      throw invalid(fmt::format("\"{}\" is not key=value", pair));
+    const std::string_view key = pair.substr(0, equals);
+    const std::string_view text = pair.substr(equals + 1);
+    std::int64_t* field = key == "layers"    ? &result.layers
+                          : key == "dim"     ? &result.dim
+                          : key == "heads"   ? &result.heads
+                          : key == "context" ? &result.context
+                                             : nullptr;
+    if (field == nullptr) throw invalid(fmt::format("unknown key \"{}\"", key));
+    if (std::find(seen.begin(), seen.end(), key) != seen.end())
+      throw invalid(fmt::format("key \"{}\" is given twice", key));
+    seen.push_back(key);
+    std::int64_t value = 0;
+    const auto [end, status] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (text.empty() || status != std::errc() || end != text.data() + text.size())
+      throw invalid(fmt::format("{} is \"{}\", not a whole number", key, text));
+    if (value <= 0) throw invalid(fmt::format("{} is {}, not positive", key, value));
+    *field = value;
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  if (result.dim % result.heads != 0)
+    throw invalid(
+        fmt::format("{} heads do not divide dim = {} into equal heads", result.heads, result.dim));
+  // The parameters live in one flat buffer: without the vocabulary's share, they must
+  // already fit a tensor (Model::gpt checks again with it).
+  if (gpt_parameter_count(result, 0.0) > static_cast<double>(kMaxTensorElements))
+    throw invalid(
+        fmt::format("its parameters come to more than {} (2^60) elements, more than "
+                    "any memory holds",
+                    kMaxTensorElements));
+  return result;
+}
+
 // --- Model -------------------------------------------------------------------------------
 
 Model::Model() = default;
@@ -82,6 +154,28 @@ Model Model::mlp(std::string_view spec, const MlpOptions& options) {
     else
       model.add(std::make_unique<GELU>("gelu" + suffix, out));
   }
+  model.init_parameters(options.seed);
+  if (options.device != Device::kHost) model.to(options.device);
+  return model;
+}
+
+Model Model::gpt(const GptSpec& spec, std::int64_t vocab, const GptOptions& options) {
+  // The spec as text, so that a bad size is refused with parse_gpt_spec's message.
+  parse_gpt_spec(fmt::format("gpt:layers={},dim={},heads={},context={}", spec.layers, spec.dim,
+                             spec.heads, spec.context));
+  if (vocab <= 0)
+    throw Error(fmt::format("a GPT needs a vocabulary of at least one token, got {}", vocab));
+  if (gpt_parameter_count(spec, static_cast<double>(vocab)) >
+      static_cast<double>(kMaxTensorElements))
+    throw Error(fmt::format(
+        "a GPT of vocabulary {} and {} blocks of dim {} has more than {} (2^60) parameters", vocab,
+        spec.layers, spec.dim, kMaxTensorElements));
+  Model model;
+  model.add(std::make_unique<Embedding>("embed", vocab, spec.context, spec.dim));
+  for (std::int64_t block = 0; block < spec.layers; ++block)
+    model.add(std::make_unique<TransformerBlock>(fmt::format("h.{}", block), spec.dim, spec.heads,
+                                                 spec.context, spec.layers));
+  model.add(std::make_unique<LanguageModelHead>("head", spec.dim, vocab, spec.context));
   model.init_parameters(options.seed);
   if (options.device != Device::kHost) model.to(options.device);
   return model;
@@ -178,6 +272,7 @@ Tensor Model::forward(const Tensor& input) {
   if (layers_.empty()) throw Error("forward called on a model with no layers");
   Tensor output;
   const Tensor* current = &input;
+  forward_batch_ = input.rank() >= 1 ? input.dim(0) : 0;
   for (Layer* layer : layers_) {
     for (const LayerHook& hook : pre_forward_hooks_) hook(*layer);
     const std::int64_t rows = current->rank() >= 1 ? current->dim(0) : 0;
@@ -201,7 +296,10 @@ float Model::backward(const Tensor& logits, std::span<const int> labels, float l
   for (auto layer_it = layers_.rbegin(); layer_it != layers_.rend(); ++layer_it) {
     Layer& layer = **layer_it;
     for (const LayerHook& hook : pre_backward_hooks_) hook(layer);
-    const std::int64_t grad_rows = grad.rank() >= 1 ? grad.dim(0) : 0;
+    // The batch of the last forward (a GPT's gradient has a row per token below its head);
+    // the gradient's rows before any forward.
+    const std::int64_t grad_rows =
+        forward_batch_ > 0 ? forward_batch_ : (grad.rank() >= 1 ? grad.dim(0) : 0);
     // The first layer's input is the data: nobody reads its gradient, so it is not computed.
     if (std::next(layer_it) == layers_.rend()) {
       grad = timed_compute(layer.name(), "backward", layer.backward_parameters_only_cost(grad_rows),

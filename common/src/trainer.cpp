@@ -397,6 +397,14 @@ void check_train_device(Device device) {
 }
 
 void check_train_options(const TrainOptions& options) {
+  if (is_gpt_spec(options.model)) {
+    parse_gpt_spec(options.model);  // a bad spec's own message first
+    throw Error(fmt::format(
+        "model {}: a GPT trains on token sequences, which the trainer does not read yet (the "
+        "GPT layers and dp::Model::gpt exist; the text data set and its training loop are "
+        "issue 29's next items); train an MLP spec such as \"64-256-10\" for now",
+        options.model));
+  }
   parse_mlp_spec(options.model);
   if (options.activation != "relu" && options.activation != "gelu")
     throw Error(

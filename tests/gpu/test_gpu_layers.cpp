@@ -462,6 +462,88 @@ TEST(GpuLayers, CrossEntropyLossAndGradientAgreeWithTheHost) {
                          "cross-entropy gradient");
 }
 
+// --- GPT layers ------------------------------------------------------------------------------
+//
+// The embedding moves values and adds each in the host's order: bitwise. The attention, the
+// block and the head chain products (k = C, d, T, 4C terms) with a softmax (expf, a sum in
+// double as a tree) and LayerNorms: each output and gradient within 2^-14 of the largest
+// |host| value of its tensor, which covers the sum of the chain's float32 product bounds,
+// 2 (k + 2) u per product for k <= 300 (4 products: 4 * 604 u < 2^-14), with room for the
+// softmax's and LayerNorm's few ulps.
+
+constexpr double kGptFraction = 0x1.0p-14;
+
+/// Random token ids in [0, vocab) stored as floats, (batch, time), with repeats.
+Tensor random_ids(std::int64_t batch, std::int64_t time, std::int64_t vocab, unsigned seed) {
+  Tensor ids = random_tensor({batch, time}, seed, 0.0f, static_cast<float>(vocab));
+  for (float& id : ids.span()) id = std::floor(id);
+  return ids;
+}
+
+TEST(GpuGptLayers, EmbeddingForwardAndBackwardEqualTheHostBitwise) {
+  constexpr std::int64_t vocab = 7, context = 300, dim = 33, batch = 5;
+  Embedding host("embed", vocab, context, dim);
+  Embedding device("embed", vocab, context, dim);
+  randomize(host, 80);
+  copy_parameters_to_device(host, device);
+  const Tensor ids = random_ids(batch, context, vocab, 81);
+  EXPECT_TRUE(bitwise_equal(host.forward(ids), device.forward(ids.to(Device::kCuda))));
+  const Tensor dy = random_tensor({batch, context, dim}, 82);
+  (void)host.backward(dy);
+  (void)device.backward(dy.to(Device::kCuda));
+  EXPECT_TRUE(bitwise_equal(host.token_weight().grad, device.token_weight().grad)) << "wte";
+  EXPECT_TRUE(bitwise_equal(host.position_weight().grad, device.position_weight().grad)) << "wpe";
+  // A bad id on the device is found like one on the host.
+  Tensor bad = ids.clone();
+  bad[3] = 7.0f;
+  const std::string message =
+      message_of<Error>([&] { (void)device.forward(bad.to(Device::kCuda)); });
+  EXPECT_TRUE(testing::contains(message, "the token id at (b = 0, t = 3) is 7")) << message;
+}
+
+/// Runs `host` and `device` (the same layer, parameters copied) forward on `x` and backward
+/// on `dy`, and compares the outputs, the input gradients and every parameter gradient.
+void expect_gpt_layer_agrees(Layer& host, Layer& device, const Tensor& x, const Tensor& dy) {
+  SCOPED_TRACE(host.name());
+  expect_within_normwise(host.forward(x), device.forward(x.to(Device::kCuda)), kGptFraction,
+                         "forward");
+  expect_within_normwise(host.backward(dy), device.backward(dy.to(Device::kCuda)), kGptFraction,
+                         "input gradient");
+  const std::vector<Parameter*> host_parameters = host.parameters();
+  const std::vector<Parameter*> device_parameters = device.parameters();
+  for (std::size_t i = 0; i < host_parameters.size(); ++i)
+    expect_within_normwise(host_parameters[i]->grad, device_parameters[i]->grad, kGptFraction,
+                           host_parameters[i]->name);
+}
+
+TEST(GpuGptLayers, AttentionAgreesWithTheHost) {
+  // T = 300: a row of scores wider than a block, so each thread of the softmax strides; and
+  // T = 1, a single score per head.
+  for (const std::int64_t time : {300, 1}) {
+    CausalSelfAttention host("attn", 32, 4, 300);
+    CausalSelfAttention device("attn", 32, 4, 300);
+    randomize(host, 90);
+    copy_parameters_to_device(host, device);
+    expect_gpt_layer_agrees(host, device, random_tensor({3, time, 32}, 91),
+                            random_tensor({3, time, 32}, 92));
+  }
+}
+
+TEST(GpuGptLayers, TransformerBlockAndHeadAgreeWithTheHost) {
+  TransformerBlock host_block("h.0", 32, 4, 64, 2);
+  TransformerBlock device_block("h.0", 32, 4, 64, 2);
+  randomize(host_block, 100);
+  copy_parameters_to_device(host_block, device_block);
+  expect_gpt_layer_agrees(host_block, device_block, random_tensor({4, 64, 32}, 101),
+                          random_tensor({4, 64, 32}, 102));
+  LanguageModelHead host_head("head", 32, 65, 64);
+  LanguageModelHead device_head("head", 32, 65, 64);
+  randomize(host_head, 110);
+  copy_parameters_to_device(host_head, device_head);
+  expect_gpt_layer_agrees(host_head, device_head, random_tensor({4, 64, 32}, 111),
+                          random_tensor({4 * 64, 65}, 112));
+}
+
 // --- A model on the device ------------------------------------------------------------------
 
 TEST(GpuModel, MovesToTheDeviceAndBackBitwiseAndFiresTheSameHooks) {

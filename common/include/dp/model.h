@@ -15,6 +15,11 @@
 // For each layer, backward fires: pre-backward, the layer's backward, gradient-ready for
 // its parameters (bias before weight), post-backward.
 //
+// Two families are built from a spec: `Model::mlp` ("64-256-256-10", rows of features in,
+// a row of logits per example out) and `Model::gpt` ("gpt:layers=4,dim=128,heads=4,
+// context=64", token ids (B, T) in, a row of logits per token out, the GPT-2 layers of
+// dp/layers/: embedding, transformer blocks, head).
+//
 // Parameters also live in one flat index space: parameter i covers elements
 // [offset, offset + size) in definition order, frozen parameters included. Optimizers and
 // ZeRO shards address parameters by these offsets.
@@ -48,11 +53,15 @@
 #include <vector>
 
 #include "dp/layer.h"
+#include "dp/layers/attention.h"
 #include "dp/layers/cross_entropy.h"
+#include "dp/layers/embedding.h"
 #include "dp/layers/gelu.h"
 #include "dp/layers/layer_norm.h"
 #include "dp/layers/linear.h"
+#include "dp/layers/lm_head.h"
 #include "dp/layers/relu.h"
+#include "dp/layers/transformer_block.h"
 #include "dp/tensor.h"
 
 namespace dp {
@@ -69,6 +78,30 @@ struct MlpOptions {
 /// Throws `dp::Error` quoting the spec unless it is two or more positive integers joined
 /// by '-'.
 std::vector<std::int64_t> parse_mlp_spec(std::string_view spec);
+
+/// The sizes of a GPT (`Model::gpt`); the defaults are dplab's default GPT.
+struct GptSpec {
+  std::int64_t layers = 4;    ///< transformer blocks
+  std::int64_t dim = 128;     ///< features per token (C)
+  std::int64_t heads = 4;     ///< attention heads, dividing dim
+  std::int64_t context = 64;  ///< the longest sequence (T)
+};
+
+/// True when `spec` names a GPT: "gpt" or "gpt:..." (anything else is an MLP spec).
+bool is_gpt_spec(std::string_view spec);
+
+/// Parses a GPT spec "gpt:layers=4,dim=128,heads=4,context=64": each key at most once, in
+/// any order, a missing one at its `GptSpec` default ("gpt" alone is the default GPT). The
+/// vocabulary is not part of it: it comes from the data. Throws `dp::Error` quoting the
+/// spec on a missing "gpt" prefix, an unknown or repeated key, a value that is not a
+/// positive integer, heads that do not divide dim, or parameters past 2^60 elements.
+GptSpec parse_gpt_spec(std::string_view spec);
+
+/// How `Model::gpt` builds its layers.
+struct GptOptions {
+  std::uint64_t seed = 0;         ///< seed of `init_parameters`
+  Device device = Device::kHost;  ///< where the parameters live (drawn on the host, moved)
+};
 
 /// An ordered list of layers ending in softmax cross-entropy; move-only.
 class Model {
@@ -95,6 +128,27 @@ class Model {
   /// `options.device`, so a model has the same values on every device. Throws `dp::Error`
   /// on a bad spec (quoting it and saying what is expected) or an unknown activation.
   static Model mlp(std::string_view spec, const MlpOptions& options = {});
+
+  /// Builds a GPT-2-style language model over `vocab` tokens (Radford et al., 2019):
+  ///
+  ///   layer "embed"  dp::Embedding         ids (B, T) -> (B, T, C)   wte.weight (V, C),
+  ///                                                                  wpe.weight (context, C)
+  ///   layer "h.N"    dp::TransformerBlock  (B, T, C) -> (B, T, C)    h.N.ln_1.weight, ...
+  ///                  for N = 0 .. layers - 1 (dp/layers/transformer_block.h lists the 12)
+  ///   layer "head"   dp::LanguageModelHead (B, T, C) -> (B T, V)     ln_f.weight (C),
+  ///                                                                  ln_f.bias (C),
+  ///                                                                  lm_head.weight (V, C)
+  ///
+  /// Parameters in that order, named as GPT-2 names them (torch.nn.Linear's layout for the
+  /// projections, as nanoGPT), drawn as GPT-2 draws them by `init_parameters(options.seed)`
+  /// on the host, then moved to `options.device`. `forward` takes token ids stored as floats
+  /// (B, T), T <= context, and returns one row of logits per token; `backward` takes the
+  /// B T next-token labels (row b T + t: the token after position t of sequence b), so the
+  /// loss is the mean cross-entropy over every predicted token. Costs count batches of
+  /// sequences of `context` tokens.
+  /// Throws `dp::Error` unless `vocab` is positive and at most 2^24, and on a `spec` that
+  /// `parse_gpt_spec` would refuse.
+  static Model gpt(const GptSpec& spec, std::int64_t vocab, const GptOptions& options = {});
 
   /// Appends `layer` and registers its parameters after those already present. Throws
   /// `dp::Error` on a null layer or a layer or parameter name already in use.
@@ -177,7 +231,8 @@ class Model {
   /// `dp::Error` unless `values` has `num_parameters()` elements.
   void set_flat_parameters(std::span<const float> values);
 
-  /// Sum of the layers' forward costs on a batch of `batch` rows (the loss not included).
+  /// Sum of the layers' forward costs on a batch of `batch` rows (the loss not included); a
+  /// row is a sequence of `context` tokens for a GPT.
   OpCost forward_cost(std::int64_t batch) const;
   /// Sum of the layers' backward costs on a batch of `batch` rows (the loss not included),
   /// the first layer's without its input gradient, as `backward` charges them.
@@ -194,6 +249,9 @@ class Model {
   std::vector<Layer*> parameter_layers_;  // the layer owning parameters_[i]
   std::size_t num_parameters_ = 0;
   SoftmaxCrossEntropy loss_;
+  // dim(0) of the last forward's input: the batch `backward` charges every layer's cost on
+  // (a GPT's logits have a row per token, not per sequence).
+  std::int64_t forward_batch_ = 0;
 
   std::vector<GradientHook> gradient_ready_hooks_;
   std::vector<LayerHook> pre_forward_hooks_;

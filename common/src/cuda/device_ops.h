@@ -139,6 +139,30 @@ double cross_entropy_forward(const float* logits, const int* labels, std::int64_
 void cross_entropy_backward(const float* probabilities, const int* labels, std::int64_t rows,
                             std::int64_t classes, float factor, float* grad);
 
+/// The causal softmax of dp::CausalSelfAttention in place on `rows` consecutive rows of
+/// `time` scores, row r being row i = r mod time of a (time, time) score matrix: entries
+/// j <= i become exp(s_j - max) / sum (the maximum over j <= i, the sum in double as a tree,
+/// then rounded once and multiplied), entries j > i become 0. Within a few float ulps of the
+/// host loop (expf against std::exp, the sum's order).
+void causal_softmax_forward(float* scores, std::int64_t rows, std::int64_t time);
+/// Its backward in place: `grad` holds dP (rows, time) and becomes dS = P (dP - w) with
+/// w = sum over j <= i of dP P (in double as a tree, rounded once) for j <= i, and 0 for
+/// j > i. Within a few float ulps of the host loop.
+void causal_softmax_backward(const float* probabilities, float* grad, std::int64_t rows,
+                             std::int64_t time);
+/// y[(b time + t) dim + c] = wte[ids[b time + t] dim + c] + wpe[t dim + c] (bitwise the host):
+/// the ids (batch, time), device floats, are integers in [0, vocab) checked by the caller.
+void embedding_forward(const float* ids, const float* wte, const float* wpe, std::int64_t batch,
+                       std::int64_t time, std::int64_t dim, float* y);
+/// dwte[v] += the sum of dy's rows at the positions of token v, in increasing position order
+/// (given on the host as `positions`, (batch time) row indices grouped by token, token v's at
+/// [offsets[v], offsets[v + 1]) of it, offsets (vocab + 1)); dwpe[t] += the sum over b, in
+/// order, of dy's row b time + t. Each sum a float sum in that order, added once: bitwise the
+/// host loop. Either gradient may be nullptr (frozen).
+void embedding_backward(const float* dy, const std::int64_t* offsets, const std::int64_t* positions,
+                        std::int64_t vocab, std::int64_t batch, std::int64_t time, std::int64_t dim,
+                        float* dwte, float* dwpe);
+
 /// SGD on n elements, the arithmetic of Sgd::update (dp/optimizer.h); `buffer` is the
 /// momentum buffer at the same offset, nullptr without momentum.
 void sgd_update(float* params, const float* grads, float* buffer, std::size_t n, float lr,

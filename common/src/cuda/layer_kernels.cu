@@ -320,6 +320,113 @@ class DeviceLabels {
   int* labels_ = nullptr;
 };
 
+// --- GPT layers: the causal softmax (one block per row) and the embedding --------------------
+
+__global__ void causal_softmax_forward_kernel(float* scores, std::int64_t time) {
+  __shared__ float shared_max[kThreads];
+  __shared__ double shared_sum[kThreads];
+  const std::int64_t row_index = blockIdx.x;
+  const std::int64_t i = row_index % time;  // this row sees positions 0..i
+  float* row = scores + row_index * time;
+  float largest = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j <= i; j += kThreads) largest = fmaxf(largest, row[j]);
+  shared_max[threadIdx.x] = largest;
+  const float row_max = block_max(shared_max);  // taken out: exp of a large score overflows
+  double sum = 0.0;
+  for (std::int64_t j = threadIdx.x; j <= i; j += kThreads) {
+    const float e = expf(__fsub_rn(row[j], row_max));
+    row[j] = e;
+    sum += e;
+  }
+  shared_sum[threadIdx.x] = sum;
+  const float inverse_sum = static_cast<float>(1.0 / block_sum(shared_sum));
+  // Each thread rescales the entries it wrote above: no other thread's write is read.
+  for (std::int64_t j = threadIdx.x; j < time; j += kThreads)
+    row[j] = j <= i ? __fmul_rn(row[j], inverse_sum) : 0.0f;
+}
+
+__global__ void causal_softmax_backward_kernel(const float* probabilities, float* grad,
+                                               std::int64_t time) {
+  __shared__ double shared_sum[kThreads];
+  const std::int64_t row_index = blockIdx.x;
+  const std::int64_t i = row_index % time;
+  const float* p = probabilities + row_index * time;
+  float* g = grad + row_index * time;
+  double weighted = 0.0;
+  for (std::int64_t j = threadIdx.x; j <= i; j += kThreads)
+    weighted += static_cast<double>(g[j]) * p[j];
+  shared_sum[threadIdx.x] = weighted;
+  const float w = static_cast<float>(block_sum(shared_sum));  // every read of g is done
+  for (std::int64_t j = threadIdx.x; j < time; j += kThreads)
+    g[j] = j <= i ? __fmul_rn(p[j], __fsub_rn(g[j], w)) : 0.0f;
+}
+
+__global__ void embedding_forward_kernel(const float* ids, const float* wte, const float* wpe,
+                                         std::int64_t time, std::int64_t dim, std::size_t n,
+                                         float* y) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const std::int64_t row = static_cast<std::int64_t>(e / static_cast<std::size_t>(dim));
+    const std::int64_t c = static_cast<std::int64_t>(e % static_cast<std::size_t>(dim));
+    const auto token = static_cast<std::int64_t>(ids[row]);
+    y[e] = __fadd_rn(wte[token * dim + c], wpe[(row % time) * dim + c]);
+  }
+}
+
+// One thread per (token, feature): the rows of the token's positions in increasing order.
+__global__ void embedding_token_grad_kernel(const float* dy, const std::int64_t* offsets,
+                                            const std::int64_t* positions, std::int64_t dim,
+                                            std::size_t n, float* dwte) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const std::int64_t token = static_cast<std::int64_t>(e / static_cast<std::size_t>(dim));
+    const std::int64_t c = static_cast<std::int64_t>(e % static_cast<std::size_t>(dim));
+    float sum = 0.0f;
+    for (std::int64_t k = offsets[token]; k < offsets[token + 1]; ++k)
+      sum = __fadd_rn(sum, dy[positions[k] * dim + c]);
+    dwte[e] = __fadd_rn(dwte[e], sum);
+  }
+}
+
+// One thread per (position, feature): the sequences in order.
+__global__ void embedding_position_grad_kernel(const float* dy, std::int64_t batch,
+                                               std::int64_t time, std::int64_t dim, std::size_t n,
+                                               float* dwpe) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+    float sum = 0.0f;
+    for (std::int64_t b = 0; b < batch; ++b)
+      sum = __fadd_rn(sum, dy[static_cast<std::size_t>(b * time * dim) + e]);
+    dwpe[e] = __fadd_rn(dwpe[e], sum);
+  }
+}
+
+/// A device copy of a host array of int64, from the stream-ordered pool and freed on the
+/// stream (as DeviceLabels).
+class DeviceIndices {
+ public:
+  DeviceIndices(const std::int64_t* values, std::size_t count) {
+    const std::size_t bytes = std::max<std::size_t>(count, 1) * sizeof(std::int64_t);
+    check(cudaMallocAsync(reinterpret_cast<void**>(&values_), bytes, compute()),
+          "cudaMallocAsync (indices)");
+    if (count == 0) return;
+    const cudaError_t status = cudaMemcpyAsync(values_, values, count * sizeof(std::int64_t),
+                                               cudaMemcpyHostToDevice, compute());
+    if (status != cudaSuccess) {
+      (void)cudaFreeAsync(values_, compute());
+      check(status, "copying indices to the device");
+    }
+  }
+  ~DeviceIndices() { (void)cudaFreeAsync(values_, compute()); }
+  DeviceIndices(const DeviceIndices&) = delete;
+  DeviceIndices& operator=(const DeviceIndices&) = delete;
+
+  const std::int64_t* get() const { return values_; }
+
+ private:
+  std::int64_t* values_ = nullptr;
+};
+
 std::size_t elements(std::int64_t rows, std::int64_t cols) {
   return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
 }
@@ -414,6 +521,49 @@ void cross_entropy_backward(const float* probabilities, const int* labels, std::
   cross_entropy_backward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(
       probabilities, device_labels.get(), rows, classes, factor, grad);
   check_launch("cross-entropy backward");
+}
+
+void causal_softmax_forward(float* scores, std::int64_t rows, std::int64_t time) {
+  if (rows == 0) return;
+  causal_softmax_forward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, compute()>>>(scores,
+                                                                                         time);
+  check_launch("causal softmax forward");
+}
+
+void causal_softmax_backward(const float* probabilities, float* grad, std::int64_t rows,
+                             std::int64_t time) {
+  if (rows == 0) return;
+  causal_softmax_backward_kernel<<<static_cast<unsigned>(rows), kThreads, 0, compute()>>>(
+      probabilities, grad, time);
+  check_launch("causal softmax backward");
+}
+
+void embedding_forward(const float* ids, const float* wte, const float* wpe, std::int64_t batch,
+                       std::int64_t time, std::int64_t dim, float* y) {
+  const std::size_t n = elements(batch * time, dim);
+  if (n == 0) return;
+  embedding_forward_kernel<<<grid_for(n), kThreads, 0, compute()>>>(ids, wte, wpe, time, dim, n, y);
+  check_launch("embedding forward");
+}
+
+void embedding_backward(const float* dy, const std::int64_t* offsets, const std::int64_t* positions,
+                        std::int64_t vocab, std::int64_t batch, std::int64_t time, std::int64_t dim,
+                        float* dwte, float* dwpe) {
+  if (dwte != nullptr) {
+    const DeviceIndices device_offsets(offsets, static_cast<std::size_t>(vocab + 1));
+    const DeviceIndices device_positions(positions, static_cast<std::size_t>(batch * time));
+    const std::size_t n = elements(vocab, dim);
+    embedding_token_grad_kernel<<<grid_for(n), kThreads, 0, compute()>>>(
+        dy, device_offsets.get(), device_positions.get(), dim, n, dwte);
+    check_launch("embedding backward (wte)");
+  }
+  if (dwpe != nullptr) {
+    const std::size_t n = elements(time, dim);
+    if (n == 0) return;
+    embedding_position_grad_kernel<<<grid_for(n), kThreads, 0, compute()>>>(dy, batch, time, dim, n,
+                                                                            dwpe);
+    check_launch("embedding backward (wpe)");
+  }
 }
 
 }  // namespace dp::cuda

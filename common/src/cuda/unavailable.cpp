@@ -130,6 +130,24 @@ void cross_entropy_backward(const float* /*probabilities*/, const int* /*labels*
                             float* /*grad*/) {
   no_cuda("cross-entropy backward");
 }
+void causal_softmax_forward(float* /*scores*/, std::int64_t /*rows*/, std::int64_t /*time*/) {
+  no_cuda("causal softmax forward");
+}
+void causal_softmax_backward(const float* /*probabilities*/, float* /*grad*/, std::int64_t /*rows*/,
+                             std::int64_t /*time*/) {
+  no_cuda("causal softmax backward");
+}
+void embedding_forward(const float* /*ids*/, const float* /*wte*/, const float* /*wpe*/,
+                       std::int64_t /*batch*/, std::int64_t /*time*/, std::int64_t /*dim*/,
+                       float* /*y*/) {
+  no_cuda("embedding forward");
+}
+void embedding_backward(const float* /*dy*/, const std::int64_t* /*offsets*/,
+                        const std::int64_t* /*positions*/, std::int64_t /*vocab*/,
+                        std::int64_t /*batch*/, std::int64_t /*time*/, std::int64_t /*dim*/,
+                        float* /*dwte*/, float* /*dwpe*/) {
+  no_cuda("embedding backward");
+}
 
 void sgd_update(float* /*params*/, const float* /*grads*/, float* /*buffer*/, std::size_t /*n*/,
                 float /*lr*/, float /*momentum*/, float /*weight_decay*/) {
