@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -2281,22 +2282,75 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
 
 // --- Lab7Checkpoint ----------------------------------------------------------------------------
 
-/// The student's ZeroThreeOptimizer as the checkpoint check drives it.
+/// What a checkpoint call did that the contract forbids: thrown by the subject on every rank
+/// (each rank did the same), reported by run_on_ranks with this message.
+class GatheredInCheckpoint final : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The student's ZeroThreeOptimizer as the checkpoint check drives it. Its save and load
+/// must gather nothing (lab7.h): a lab 7 trial materialised every unit in save_checkpoint,
+/// another in load_checkpoint, and both kept full marks. Each call is watched through the
+/// backend's counters (no all-gather) and the rank's tracker (no communication bytes beyond
+/// what the buffers held before it, and no parameter bytes beyond the shard and one staged
+/// copy of it: on a device the runtime's save and load stage the shard through host memory
+/// of its category).
 class ZeroThreeSubject final : public grading::CheckpointSubject {
  public:
   ZeroThreeSubject(Model& model, Communicator& comm, const TrainOptions& options)
-      : model_(model), zero_(model, comm, factory_for(options)) {}
+      : model_(model), comm_(comm), zero_(model, comm, factory_for(options)) {}
   void train_step(const Batch& batch) override {
     model_.backward(grading::forward(model_, batch), batch.labels);
     (void)zero_.step();
   }
-  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
-  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
+  void save(const std::filesystem::path& directory) override {
+    gathering_nothing("save_checkpoint", [&] { zero_.save_checkpoint(directory); });
+  }
+  void load(const std::filesystem::path& directory) override {
+    gathering_nothing("load_checkpoint", [&] { zero_.load_checkpoint(directory); });
+  }
   const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
   Optimizer& inner() override { return zero_.inner(); }
 
  private:
+  /// Runs `call` and throws `GatheredInCheckpoint` when it issued an all-gather or held
+  /// more parameter or communication bytes than before it (a call that throws is judged
+  /// too, then its error goes on).
+  template <typename Call>
+  void gathering_nothing(const char* what, const Call& call) {
+    MemoryTracker& tracker = this_rank_memory().tracker();
+    const std::size_t parameters = tracker.current(MemoryCategory::kParameters);
+    const std::size_t communication = tracker.current(MemoryCategory::kCommunication);
+    const CommCounters before = comm_.counters();
+    tracker.reset_peaks();
+    try {
+      call();
+    } catch (...) {
+      judge(what, before, parameters, communication);
+      throw;
+    }
+    judge(what, before, parameters, communication);
+  }
+  void judge(const char* what, const CommCounters& before, std::size_t parameters,
+             std::size_t communication) {
+    MemoryTracker& tracker = this_rank_memory().tracker();
+    const std::uint64_t gathers = comm_.counters().since(before).of(CommOp::kAllGather).calls;
+    const std::size_t parameter_peak = tracker.peak(MemoryCategory::kParameters);
+    const std::size_t communication_peak = tracker.peak(MemoryCategory::kCommunication);
+    const std::size_t staged = zero_.shard_parameters().size() * sizeof(float);
+    if (gathers > 0 || parameter_peak > parameters + staged || communication_peak > communication)
+      throw GatheredInCheckpoint(fmt::format(
+          "{} issued {} all-gathers, and held at its peak {} parameter bytes (before it {}; at "
+          "most {} more, one staged copy of the shard) and {} communication bytes (before it "
+          "{}); expected no all-gather and nothing beyond the shard and the buffers: a "
+          "checkpoint saves and loads each rank's shard as it lies, and the next forward "
+          "gathers the units",
+          what, gathers, parameter_peak, parameters, staged, communication_peak, communication));
+  }
+
   Model& model_;
+  Communicator& comm_;
   ZeroThreeOptimizer zero_;
 };
 
