@@ -107,9 +107,13 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// every forward and backward of `model`; `model` and `comm` must outlive it.
 ///
 /// A step is one `Model::forward` and one `Model::backward` on the rank's local batch, then
-/// one `step()`. A forward alone (evaluation) is allowed too, also between steps. A second
-/// backward before `step()` throws `dp::Error` from your hook (its gradients would otherwise
-/// overwrite the first's in the shard, and half a step would be lost silently).
+/// one `step()`. A forward alone (evaluation) is allowed too, also between steps: "between
+/// steps" means after the constructor or a `step()` and before the next training forward
+/// (whatever such a forward leaves in flight must not reach the next step's units; checked
+/// with an evaluation forward before every step). A forward between a backward and its
+/// `step()` is outside the contract. A second backward before `step()` throws `dp::Error`
+/// from your hook (its gradients would otherwise overwrite the first's in the shard, and
+/// half a step would be lost silently).
 ///
 /// What a step must do, in whatever order and with whatever buffers you design:
 ///   * Before a unit's layer runs its forward or its backward, every parameter of the unit
@@ -162,20 +166,31 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///         most two per parameter and step: one per all-gather) and the gradients backward
 ///         makes; `step()` allocates none. Every buffer is a `Tensor`: the constructor, your
 ///         hooks and `step()` take no block of 1 KiB or more from the heap, and in all no
-///         more than bookkeeping needs (the constructor 640 bytes a parameter + 2 KiB; the
-///         hooks what a plain forward and backward take, plus per call what a call and its
-///         wait take + 256 bytes, per tensor beyond the plain pass's 128 bytes, + 2 KiB;
-///         `step()` per call the same, + 2 KiB). Between steps every category holds what it
-///         held after the constructor.
+///         more than bookkeeping needs:
+///           . the constructor: 640 bytes per parameter + 2 KiB;
+///           . the hooks, per step: what a plain forward and backward take, + per call what
+///             one call and its wait take + 256 bytes, + 128 bytes per tensor beyond those
+///             of the plain pass, + 2 KiB;
+///           . `step()`: per call what one call and its wait take + 256 bytes, + 2 KiB.
+///         Between steps every category holds what it held after the constructor.
 ///       - Under a memory budget of 19 Psi bytes per rank (`MemoryTracker::set_budget`), in
 ///         which replicated training (16 Psi of parameters, gradients and AdamW state plus
 ///         lab 2's 4 Psi flat buffer) throws `dp::OutOfMemory`, your ZeRO-3 trains an MLP of
 ///         eight equal hidden layers with AdamW, bitwise lab 2's.
-///   * Time, on the simulated clock (8 ranks on ib-ndr, a CPU-class device, an MLP of eight
-///     equal hidden layers whose per-layer compute is comparable to its all-gather): the
-///     waits on all-gathers block for at most half of the all-gathers' time on the link, and
-///     at least half of that time overlaps the model's own forward and backward (compute
-///     your code adds hides nothing); the same for the reduce-scatters.
+///   * Time, on the simulated clock (8 and 4 ranks on ib-ndr, a CPU-class device, an MLP of
+///     eight equal hidden layers whose per-layer compute is comparable to its all-gather),
+///     in each of two steps:
+///       - the waits on all-gathers block for at most half of the all-gathers' time on the
+///         link, and at least half of that time overlaps the model's own forward and
+///         backward;
+///       - the waits on reduce-scatters block for at most half of their time on the link;
+///       - compute your code adds hides nothing, so it is bounded:
+///         added = step time - the model's own forward and backward - the time the waits
+///         on all-gathers and reduce-scatters blocked, and added <= 1.5 x floor, where
+///         floor is what the copies and the update a ZeRO-3 step must make take on the same
+///         simulated device, measured by the grader: each parameter copied twice out of an
+///         all-gather buffer and once into a gradient buffer (one copy op each), one divide
+///         of the shard and the inner optimizer's update over the shard.
 ///
 /// Reshard after forward (`reshard_after_forward`, PyTorch FSDP's option of that name): with
 /// `true`, the default, every unit is freed after its forward and gathered again for its
@@ -185,6 +200,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// waits, `step()`, the checkpoints) is as above. A forward that no backward follows may
 /// keep its units until the next forward, which gathers them again. Budgets per step (one
 /// forward, one backward, one `step()`) and rank with `false`:
+///   * Time, as above on 8 ranks (the CPU-class device, two steps): the waits on
+///     all-gathers block for at most half of their time on the link, and at least half of
+///     that time overlaps the model's own forward (a prefetch in forward).
 ///   * Communication: exactly one all-gather per unit (U in all, every one of them before
 ///     backward starts), each unit's gradients reduce-scattered exactly once, the norm's
 ///     float with clipping; the bytes sent at most those of one all-gather and one
@@ -229,9 +247,9 @@ class ZeroThreeOptimizer {
   /// before the update.
   ///
   /// Returns the global norm before clipping when clipping is on (the same on every rank),
-  /// std::nullopt when it is off. Throws `dp::Error`, naming the unit, when a unit's
-  /// reduce-scatter was not launched since the last step (no backward, or one that did not
-  /// reach it).
+  /// std::nullopt when it is off. Throws `dp::Error`, naming the unit ("unit 0", or its
+  /// layer's name), when a unit's reduce-scatter was not launched since the last step (no
+  /// backward, or one that did not reach it).
   std::optional<float> step();
 
   /// The units, as `plan_units` made them.
@@ -255,9 +273,12 @@ class ZeroThreeOptimizer {
   /// `dp::chunked_layouts` with one segment per unit (its parameters in definition order):
   /// each unit's chunk, its padding included, at its shard offset. The parameters' names and
   /// shapes are those at construction (the values are released). Returns when the
-  /// checkpoint is complete on every rank (a barrier on the communicator). `const`: it
-  /// changes nothing of the training state; the barrier is a collective on the communicator
-  /// the optimizer refers to, not part of its state.
+  /// checkpoint is complete on every rank (a barrier on the communicator). Checked: no
+  /// all-gather, no communication bytes beyond those held before the call, and no parameter
+  /// bytes beyond those and one copy of the shard (the runtime may stage it through the
+  /// host); the same for `load_checkpoint`. `const`: it changes nothing of the training
+  /// state; the barrier is a collective on the communicator the optimizer refers to, not
+  /// part of its state.
   ///
   /// Checked: the grader reads the index and the consolidated checkpoint itself (the
   /// layouts must be the contract's, the values and state bitwise the emulation's).
