@@ -55,6 +55,7 @@
 #include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "wait_timer.h"
 
 namespace dp::lab5 {
 namespace {
@@ -1222,75 +1223,6 @@ TEST(Lab5Overlap, BitwiseLab2AfterTheNextForward) {
   }
 }
 
-/// A communicator that passes every call on and measures, on the rank's clock, how long
-/// the waits on all-gathers and on reduce-scatters blocked (as lab 7's speed check does).
-class WaitTimer final : public Communicator {
- public:
-  explicit WaitTimer(Communicator& inner) : inner_(inner) {}
-  double gathers_exposed = 0;   ///< seconds spent in waits and tests of all-gathers
-  double scatters_exposed = 0;  ///< seconds spent in waits and tests of reduce-scatters
-  std::size_t gathers = 0;      ///< all-gathers issued
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override {
-    return inner_.isend(d, p, t);
-  }
-  std::unique_ptr<Work> irecv(MutableBuffer d, int p, int t) override {
-    return inner_.irecv(d, p, t);
-  }
-  std::unique_ptr<Work> allreduce(MutableBuffer d, ReduceOp op) override {
-    return inner_.allreduce(d, op);
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    return std::make_unique<Timed>(inner_.reduce_scatter(in, out, op), *this, scatters_exposed);
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    ++gathers;
-    return std::make_unique<Timed>(inner_.allgather(in, out), *this, gathers_exposed);
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer d, int root) override {
-    return inner_.broadcast(d, root);
-  }
-  void barrier() override { inner_.barrier(); }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  class Timed final : public Work {
-   public:
-    Timed(std::unique_ptr<Work> inner, WaitTimer& timer, double& exposed)
-        : inner_(std::move(inner)), timer_(timer), exposed_(exposed) {}
-    /// Destroying a `Work` waits for its call (dp/comm.h): timed as `wait()` is.
-    ~Timed() override {
-      const double start = timer_.clock().now();
-      inner_.reset();
-      exposed_ += timer_.clock().now() - start;
-    }
-    Timed(const Timed&) = delete;
-    Timed& operator=(const Timed&) = delete;
-    void wait() override {
-      const double start = timer_.clock().now();
-      inner_->wait();
-      exposed_ += timer_.clock().now() - start;
-    }
-    bool test() override {
-      const double start = timer_.clock().now();
-      const bool done = inner_->test();
-      exposed_ += timer_.clock().now() - start;
-      return done;
-    }
-
-   private:
-    std::unique_ptr<Work> inner_;
-    WaitTimer& timer_;
-    double& exposed_;
-  };
-
-  Communicator& inner_;
-};
-
 /// What the overlap speed check measured on one rank.
 struct OverlapTiming {
   std::size_t gathers = 0;     ///< all-gathers issued
@@ -1318,7 +1250,7 @@ std::vector<OverlapTiming> simulate_overlap(const LaunchOptions& launch_options,
   std::vector<OverlapTiming> timings(static_cast<std::size_t>(world));
   launch(launch_options, [&](Communicator& comm) {
     Model model = grading::make_check_model(options);
-    WaitTimer timer(comm);
+    grading::WaitTimer timer(comm);
     OverlapTiming& timing = timings[static_cast<std::size_t>(comm.rank())];
     {
       ZeroOneOptimizer zero(model, timer, factory_for(options), 0.0f, overlap);

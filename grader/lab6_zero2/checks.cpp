@@ -55,6 +55,7 @@
 #include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "wait_timer.h"
 
 namespace dp::lab6 {
 namespace {
@@ -1111,75 +1112,6 @@ TEST(Lab6Communication, CallsAndBytesWithinBudget) {
 
 // --- Lab6Speed -----------------------------------------------------------------------------
 
-/// A communicator that passes every call on and measures, on the rank's clock, how long the
-/// waits on reduce-scatters blocked: the time the lab's design did not hide.
-class ScatterWaitTimer final : public Communicator {
- public:
-  explicit ScatterWaitTimer(Communicator& inner) : inner_(inner) {}
-  double exposed = 0;        ///< seconds spent in waits, tests and drops of reduce-scatters
-  std::size_t scatters = 0;  ///< reduce-scatters issued
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override {
-    return inner_.isend(d, p, t);
-  }
-  std::unique_ptr<Work> irecv(MutableBuffer d, int p, int t) override {
-    return inner_.irecv(d, p, t);
-  }
-  std::unique_ptr<Work> allreduce(MutableBuffer d, ReduceOp op) override {
-    return inner_.allreduce(d, op);
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    ++scatters;
-    return std::make_unique<Timed>(inner_.reduce_scatter(in, out, op), *this);
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    return inner_.allgather(in, out);
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer d, int root) override {
-    return inner_.broadcast(d, root);
-  }
-  void barrier() override { inner_.barrier(); }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  class Timed final : public Work {
-   public:
-    Timed(std::unique_ptr<Work> inner, ScatterWaitTimer& timer)
-        : inner_(std::move(inner)), timer_(timer) {}
-    /// Destroying a `Work` waits for its call (dp/comm.h): that blocks as `wait()` does, and
-    /// is timed the same (a design that drops each reduce-scatter's `Work` in the hook waits
-    /// there, and the recording communicator sees no wait).
-    ~Timed() override {
-      const double start = timer_.clock().now();
-      inner_.reset();
-      timer_.exposed += timer_.clock().now() - start;
-    }
-    Timed(const Timed&) = delete;
-    Timed& operator=(const Timed&) = delete;
-    void wait() override {
-      const double start = timer_.clock().now();
-      inner_->wait();
-      timer_.exposed += timer_.clock().now() - start;
-    }
-    bool test() override {
-      const double start = timer_.clock().now();
-      const bool done = inner_->test();
-      timer_.exposed += timer_.clock().now() - start;
-      return done;
-    }
-
-   private:
-    std::unique_ptr<Work> inner_;
-    ScatterWaitTimer& timer_;
-  };
-
-  Communicator& inner_;
-};
-
 /// Seconds of the reduce-scatters' time on the link (rank `trace`'s) that overlap the
 /// model's own backward: each layer's and the loss's backward, counted once (the first
 /// event of its name). Compute the lab adds (copies into buffers, anything it runs to pass
@@ -1250,7 +1182,7 @@ TEST(Lab6Speed, HidesHalfTheReduceScatters) {
   try {
     launch(launch_options, [&](Communicator& comm) {
       Model model = grading::make_check_model(options);
-      ScatterWaitTimer timer(comm);
+      grading::WaitTimer timer(comm);
       ZeroTwoOptimizer zero(model, timer, factory_for(options), cap_bytes);
       const Batch batch =
           grading::on_check_device(grading::local_batch(data, options, 0, comm.rank(), world));
@@ -1264,7 +1196,7 @@ TEST(Lab6Speed, HidesHalfTheReduceScatters) {
         if (event.lane != TraceLane::kCompute && event.name == "reduce_scatter")
           on_link += event.duration;
       scatters = timer.scatters;
-      exposed = timer.exposed;
+      exposed = timer.scatters_exposed;
       behind_model = behind_model_backward(trace);
       step_seconds = summarize_steps(trace).back().total;
       buckets = zero.buckets().size();

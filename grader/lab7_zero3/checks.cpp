@@ -57,6 +57,7 @@
 #include "memory_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "wait_timer.h"
 
 namespace dp::lab7 {
 namespace {
@@ -1522,80 +1523,6 @@ TEST(Lab7Communication, CallsAndBytesWithinBudget) {
 
 // --- Lab7Speed -----------------------------------------------------------------------------
 
-/// A communicator that passes every call on and measures, on the rank's clock, how long
-/// the waits on all-gathers and on reduce-scatters blocked: the time the lab's design did
-/// not hide.
-class WaitTimer final : public Communicator {
- public:
-  explicit WaitTimer(Communicator& inner) : inner_(inner) {}
-  double gathers_exposed = 0;   ///< seconds spent in waits and tests of all-gathers
-  double scatters_exposed = 0;  ///< seconds spent in waits and tests of reduce-scatters
-  std::size_t gathers = 0;      ///< all-gathers issued
-  std::size_t scatters = 0;     ///< reduce-scatters issued
-
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  std::string_view backend() const override { return inner_.backend(); }
-  std::unique_ptr<Work> isend(ConstBuffer d, int p, int t) override {
-    return inner_.isend(d, p, t);
-  }
-  std::unique_ptr<Work> irecv(MutableBuffer d, int p, int t) override {
-    return inner_.irecv(d, p, t);
-  }
-  std::unique_ptr<Work> allreduce(MutableBuffer d, ReduceOp op) override {
-    return inner_.allreduce(d, op);
-  }
-  std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
-    ++scatters;
-    return std::make_unique<Timed>(inner_.reduce_scatter(in, out, op), *this, scatters_exposed);
-  }
-  std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
-    ++gathers;
-    return std::make_unique<Timed>(inner_.allgather(in, out), *this, gathers_exposed);
-  }
-  std::unique_ptr<Work> broadcast(MutableBuffer d, int root) override {
-    return inner_.broadcast(d, root);
-  }
-  void barrier() override { inner_.barrier(); }
-  CommCounters counters() const override { return inner_.counters(); }
-  Clock& clock() override { return inner_.clock(); }
-
- private:
-  class Timed final : public Work {
-   public:
-    Timed(std::unique_ptr<Work> inner, WaitTimer& timer, double& exposed)
-        : inner_(std::move(inner)), timer_(timer), exposed_(exposed) {}
-    /// Destroying a `Work` waits for its call (dp/comm.h): that blocks as `wait()` does, and
-    /// is timed the same (a lab 7 trial waited on every reduce-scatter at once by dropping
-    /// its `Work`, and scored full marks while this timer saw no wait).
-    ~Timed() override {
-      const double start = timer_.clock().now();
-      inner_.reset();
-      exposed_ += timer_.clock().now() - start;
-    }
-    Timed(const Timed&) = delete;
-    Timed& operator=(const Timed&) = delete;
-    void wait() override {
-      const double start = timer_.clock().now();
-      inner_->wait();
-      exposed_ += timer_.clock().now() - start;
-    }
-    bool test() override {
-      const double start = timer_.clock().now();
-      const bool done = inner_->test();
-      exposed_ += timer_.clock().now() - start;
-      return done;
-    }
-
-   private:
-    std::unique_ptr<Work> inner_;
-    WaitTimer& timer_;
-    double& exposed_;
-  };
-
-  Communicator& inner_;
-};
-
 /// Whether a compute event is one of the model's own ops: a layer's or the loss's forward or
 /// backward.
 bool model_op(const TraceEvent& event) {
@@ -1690,7 +1617,7 @@ std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
     std::vector<std::size_t> parameter_sizes;
     for (const Parameter* parameter : model.parameters())
       parameter_sizes.push_back(parameter->value.size());
-    WaitTimer timer(comm);
+    grading::WaitTimer timer(comm);
     ZeroThreeOptimizer zero(model, timer, factory_for(options), 0.0f, reshard_after_forward);
     const std::size_t shard = zero.shard_parameters().size();
     const Batch batch =
