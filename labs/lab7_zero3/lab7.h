@@ -202,7 +202,8 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// forward, one backward, one `step()`) and rank with `false`:
 ///   * Time, as above on 8 ranks (the CPU-class device, two steps): the waits on
 ///     all-gathers block for at most half of their time on the link, and at least half of
-///     that time overlaps the model's own forward (a prefetch in forward).
+///     that time overlaps the model's own forward and backward (every all-gather is issued
+///     in forward: a prefetch in forward hides them).
 ///   * Communication: exactly one all-gather per unit (U in all, every one of them before
 ///     backward starts), each unit's gradients reduce-scattered exactly once, the norm's
 ///     float with clipping; the bytes sent at most those of one all-gather and one
