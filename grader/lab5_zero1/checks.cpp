@@ -603,44 +603,64 @@ TEST(Lab5Memory, EveryCategoryWithinItsBudget) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const Partition p = contract_partition(psi_of(training), world);
-          // AdamW without clipping, SGD with momentum with it (the norm's float).
-          for (const auto& [kind, floats, max_norm] :
-               std::vector<std::tuple<std::string, std::size_t, float>>{{"adamw", 2, 0.0f},
-                                                                        {"sgd", 1, 1.0f}}) {
+          // AdamW without clipping, SGD with momentum with it (the norm's float), each with
+          // overlap_allgather off and on (the same budget: the same buffers, waited on later).
+          for (const auto& [kind, floats, max_norm, overlap] :
+               std::vector<std::tuple<std::string, std::size_t, float, bool>>{
+                   {"adamw", 2, 0.0f, false},
+                   {"sgd", 1, 1.0f, false},
+                   {"adamw", 2, 0.0f, true},
+                   {"sgd", 1, 1.0f, true}}) {
             TrainOptions options = training.for_world(world);
             options.optimizer = kind;
             if (kind == "sgd") options.momentum = 0.9f;
-            const std::string name = kind == "adamw" ? "AdamW" : "SGD with momentum, clipping";
+            const std::string name =
+                fmt::format("{}{}", kind == "adamw" ? "AdamW" : "SGD with momentum, clipping",
+                            overlap ? ", overlap_allgather" : "");
             Model model = training.model();
             MemoryTracker& tracker = this_rank_memory().tracker();
             const grading::CategoryBytes budget = budget_bytes(p, floats, max_norm > 0);
             // From the model on: what the constructor adds, and what it held at its peak.
             const grading::CategoryBytes base = grading::current_bytes(tracker);
             tracker.reset_peaks();
-            ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
+            ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, overlap);
             const grading::CategoryBytes constructed = grading::current_bytes(tracker) - base;
             const grading::CategoryBytes constructor_peak = grading::peak_bytes(tracker) - base;
             // Each step: what step() leaves and what it holds at its peak, from just before it
-            // (forward and backward are the model's, outside the optimizer).
+            // (forward and backward are the model's, outside the optimizer). With overlap the
+            // window runs to the end of the next forward, where the all-gathers are waited on:
+            // every category but the activations (the forward's own) as before the step.
+            const std::string window = overlap ? "step() and the next forward" : "step()";
+            const auto beyond_activations = [forward_in_window =
+                                                 overlap](grading::CategoryBytes bytes) {
+              if (forward_in_window) bytes[MemoryCategory::kActivations] = 0;
+              return grading::category_differences(bytes, {});
+            };
             std::string in_step;
-            for (int step = 1; step <= 2; ++step) {
-              const Batch batch = grading::on_check_device(
+            const auto batch_of_step = [&](int step) {
+              return grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+            };
+            Batch batch = batch_of_step(1);
+            Tensor logits = grading::forward(model, batch);
+            for (int step = 1; step <= 2; ++step) {
               model.zero_grad();
-              model.backward(grading::forward(model, batch), batch.labels);
+              model.backward(logits, batch.labels);
+              logits = Tensor();  // the activations go, as before a step that stands alone
+              batch = batch_of_step(step + 1);  // its inputs (activations) before the window
               const grading::CategoryBytes before = grading::current_bytes(tracker);
               tracker.reset_peaks();
               (void)zero.step();
-              const std::string left =
-                  grading::category_differences(grading::current_bytes(tracker) - before, {});
-              const std::string peak =
-                  grading::category_differences(grading::peak_bytes(tracker) - before, {});
+              if (overlap) logits = grading::forward(model, batch);
+              const std::string left = beyond_activations(grading::current_bytes(tracker) - before);
+              const std::string peak = beyond_activations(grading::peak_bytes(tracker) - before);
+              if (!overlap) logits = grading::forward(model, batch);
               if (in_step.empty() && !left.empty())
-                in_step =
-                    fmt::format("step {} left more or less held than before it: {}", step, left);
+                in_step = fmt::format("in step {}, {} left more or less held than before it: {}",
+                                      step, window, left);
               else if (in_step.empty() && !peak.empty())
-                in_step =
-                    fmt::format("step {} held more than before it at its peak: {}", step, peak);
+                in_step = fmt::format("in step {}, {} held more than before it at its peak: {}",
+                                      step, window, peak);
             }
             if (!verdict.passed()) continue;
             const std::string after = budget_breaches(constructed, budget);
@@ -707,8 +727,6 @@ TEST(Lab5Memory, StepAllocatesNothing) {
         world,
         [&](Communicator& comm, Verdict& verdict) {
           const TrainOptions options = training.for_world(world);
-          Model model = training.model();
-          ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm);
           const MemoryTracker& tracker = this_rank_memory().tracker();
           // What one collective call and its wait take from this thread's heap (the Work,
           // the backend's bookkeeping): step() may take that much per call it makes.
@@ -719,43 +737,81 @@ TEST(Lab5Memory, StepAllocatesNothing) {
             comm.allgather(std::as_const(chunk).view(), full.view())->wait();
           }
           const grading::HeapUse one_call = grading::heap_use_of_this_thread().since(call_start);
-          std::uint64_t most_used = 0;
-          for (int step = 1; step <= options.steps; ++step) {
-            const Batch batch = grading::on_check_device(
+          const auto batch_of_step = [&](int step) {
+            return grading::on_check_device(
                 grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-            model.zero_grad();
-            model.backward(grading::forward(model, batch), batch.labels);
+          };
+          // What the model's own forward takes (its activations), measured on a model
+          // without an optimizer, the second forward: with overlap_allgather the window of a
+          // step runs to the end of the next forward, which may take that much more.
+          std::size_t forward_tensors = 0;
+          grading::HeapUse forward_heap;
+          {
+            Model plain = training.model();
+            const Batch batch = batch_of_step(1);
+            (void)grading::forward(plain, batch);
             const std::size_t tensors = tracker.allocations_total();
-            const CommCounters calls_before = comm.counters();
             const grading::HeapUse heap = grading::heap_use_of_this_thread();
-            (void)zero.step();
-            const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
-            const std::uint64_t calls = comm.counters().since(calls_before).total_calls();
-            // In all, small blocks too: a lab 5 trial staged every gradient through the host
-            // in vectors under 1 KiB, which a bound on large blocks alone let through.
-            const std::uint64_t allowed =
-                calls * (one_call.bytes + kBookkeepingBytesPerCall) + kHeapSlackBytes;
-            most_used = std::max<std::uint64_t>(most_used, used.bytes);
-            const std::size_t made = tracker.allocations_total() - tensors;
-            if (verdict.passed() && (made != 0 || used.large_bytes != 0))
-              verdict.fail(fmt::format(
-                  "step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} bytes or "
-                  "more from the heap; expected none (the constructor allocates every buffer; "
-                  "no staging copies)",
-                  step, made, used.large_bytes, grading::kLargeAllocationBytes));
-            else if (verdict.passed() && used.bytes > allowed)
-              verdict.fail(fmt::format(
-                  "step {}: step() took {} bytes from the heap (std::vector, new, blocks of every "
-                  "size); expected at most {}: what each of its {} calls and its wait take ({} "
-                  "bytes, + {}) and {} to spare. No staging copies, however small the blocks: "
-                  "the constructor allocates every buffer as a Tensor",
-                  step, used.bytes, allowed, calls, one_call.bytes, kBookkeepingBytesPerCall,
-                  kHeapSlackBytes));
+            (void)grading::forward(plain, batch);
+            forward_heap = grading::heap_use_of_this_thread().since(heap);
+            forward_tensors = tracker.allocations_total() - tensors;
+          }
+          std::uint64_t most_used = 0;
+          for (const bool overlap : {false, true}) {
+            Model model = training.model();
+            ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, overlap);
+            const std::string window = overlap ? "step() and the next forward" : "step()";
+            const std::size_t own_tensors = overlap ? forward_tensors : 0;
+            const std::uint64_t own_large = overlap ? forward_heap.large_bytes : 0;
+            const std::uint64_t own_bytes = overlap ? forward_heap.bytes : 0;
+            Batch batch = batch_of_step(1);
+            Tensor logits = grading::forward(model, batch);
+            for (int step = 1; step <= options.steps; ++step) {
+              model.zero_grad();
+              model.backward(logits, batch.labels);
+              logits = Tensor();
+              batch = batch_of_step(step + 1 <= options.steps ? step + 1 : 1);
+              const std::size_t tensors = tracker.allocations_total();
+              const CommCounters calls_before = comm.counters();
+              const grading::HeapUse heap = grading::heap_use_of_this_thread();
+              (void)zero.step();
+              if (overlap) logits = grading::forward(model, batch);
+              const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
+              const std::uint64_t calls = comm.counters().since(calls_before).total_calls();
+              const std::size_t made = tracker.allocations_total() - tensors;
+              if (!overlap) logits = grading::forward(model, batch);
+              // In all, small blocks too: a lab 5 trial staged every gradient through the
+              // host in vectors under 1 KiB, which a bound on large blocks alone let through.
+              const std::uint64_t allowed =
+                  own_bytes + calls * (one_call.bytes + kBookkeepingBytesPerCall) + kHeapSlackBytes;
+              most_used = std::max<std::uint64_t>(
+                  most_used, used.bytes > own_bytes ? used.bytes - own_bytes : 0);
+              if (verdict.passed() && (made > own_tensors || used.large_bytes > own_large))
+                verdict.fail(fmt::format(
+                    "step {}{}: {} allocated {} tensor(s) and {} bytes in blocks of {} bytes or "
+                    "more from the heap; expected {}{} (the constructor allocates every buffer; "
+                    "no staging copies)",
+                    step, overlap ? " with overlap_allgather" : "", window, made, used.large_bytes,
+                    grading::kLargeAllocationBytes,
+                    overlap ? "what the model's own forward does: " : "none",
+                    overlap ? fmt::format("{} tensor(s) and {} bytes", own_tensors, own_large)
+                            : ""));
+              else if (verdict.passed() && used.bytes > allowed)
+                verdict.fail(fmt::format(
+                    "step {}{}: {} took {} bytes from the heap (std::vector, new, blocks of "
+                    "every size); expected at most {}: {}what each of its {} calls and its wait "
+                    "take ({} bytes, + {}) and {} to spare. No staging copies, however small the "
+                    "blocks: the constructor allocates every buffer as a Tensor",
+                    step, overlap ? " with overlap_allgather" : "", window, used.bytes, allowed,
+                    overlap ? fmt::format("the model's own forward ({} bytes), ", own_bytes) : "",
+                    calls, one_call.bytes, kBookkeepingBytesPerCall, kHeapSlackBytes));
+            }
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "{} steps{}: no tensor allocated by step(), and at most {} heap bytes in all "
-                "(one call and its wait: {})",
+                "{} steps{}, with overlap_allgather and without: no tensor allocated by step() "
+                "(nor by the next forward beyond its own), and at most {} heap bytes in all "
+                "beyond the forward's (one call and its wait: {})",
                 options.steps, max_norm > 0 ? " with clipping" : "", most_used, one_call.bytes));
         },
         draws);
@@ -877,7 +933,11 @@ TEST(Lab5Communication, CallsAndBytesWithinBudget) {
               grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
           double ratio = 0;
           std::size_t most_calls = 0;
-          for (const float max_norm : {0.0f, 1.0f}) {
+          // With overlap_allgather the all-gathers issued by step() may be waited on (or even
+          // issued) in the next forward: a step's calls and bytes are then counted from
+          // step() to the end of that forward, against the same budget.
+          for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
+                   {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
             Model model = training.model();
             grading::RecordingCommunicator recorder(comm);
             // Read at issue, before any transport may: a trial's padding of ones (or an
@@ -899,27 +959,37 @@ TEST(Lab5Communication, CallsAndBytesWithinBudget) {
                 std::memcpy(at_issue.in.data(), in.data, 4 * in.count);
               issued.push_back(std::move(at_issue));
             });
-            ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm);
-            for (int step = 1; step <= 2; ++step) {
-              const Batch batch = grading::on_check_device(
+            ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm, overlap);
+            const auto batch_of_step = [&](int step) {
+              return grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+            };
+            Batch batch = batch_of_step(1);
+            Tensor logits = grading::forward(model, batch);
+            for (int step = 1; step <= 2; ++step) {
               model.zero_grad();
-              model.backward(grading::forward(model, batch), batch.labels);
+              model.backward(logits, batch.labels);
               recorder.forget_calls();
               issued.clear();
               const CommCounters before = comm.counters();
               (void)zero.step();
+              batch = batch_of_step(step + 1);
+              if (overlap) logits = grading::forward(model, batch);  // in the step's window
               const CommCounters used = comm.counters().since(before);
+              if (!overlap) logits = grading::forward(model, batch);
               if (!verdict.passed()) continue;
-              const std::string with = max_norm > 0 ? "with clipping, " : "";
+              const std::string with = fmt::format("{}{}", overlap ? "overlap_allgather, " : "",
+                                                   max_norm > 0 ? "with clipping, " : "");
+              const std::string window = overlap ? "step() and the next forward" : "step()";
               const std::string calls = call_breaches(recorder.calls(), p, max_norm > 0);
               if (!calls.empty()) {
                 verdict.fail(fmt::format(
-                    "{}step {}: step() called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
+                    "{}step {}: {} called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
                     "1 to {} reduce-scatters (sum) and 1 to {} all-gathers, each covering "
                     "the shard once{})",
-                    with, step, grading::describe(recorder.calls()), calls, p.num_parameters, world,
-                    p.shard_elements, kMaxPiecesPerCollective, kMaxPiecesPerCollective,
+                    with, step, window, grading::describe(recorder.calls()), calls,
+                    p.num_parameters, world, p.shard_elements, kMaxPiecesPerCollective,
+                    kMaxPiecesPerCollective,
                     max_norm > 0 ? ", one all-reduce of one float" : ", nothing else"));
                 continue;
               }
@@ -940,11 +1010,11 @@ TEST(Lab5Communication, CallsAndBytesWithinBudget) {
                   static_cast<double>(grad_bytes) <
                       0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
                 verdict.fail(fmt::format(
-                    "{}step {}: this rank sent {} bytes ({} by reduce-scatters and all-gathers, "
-                    "{} by all-reduce); expected DDP's {} (one all-reduce of Psi = {} floats) "
-                    "within 1%{}",
-                    with, step, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent, ddp_bytes,
-                    p.num_parameters,
+                    "{}step {}: in {} this rank sent {} bytes ({} by reduce-scatters and "
+                    "all-gathers, {} by all-reduce); expected DDP's {} (one all-reduce of Psi = "
+                    "{} floats) within 1%{}",
+                    with, step, window, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
+                    ddp_bytes, p.num_parameters,
                     max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
                                  : ""));
               most_calls = std::max(most_calls, recorder.calls().size());
@@ -954,8 +1024,9 @@ TEST(Lab5Communication, CallsAndBytesWithinBudget) {
           }
           if (verdict.passed())
             verdict.note(fmt::format(
-                "at most {} calls a step (clipping's all-reduce of one float included); on "
-                "N = {} the reduce-scatters and all-gathers sent {:.4f}x DDP's all-reduce bytes",
+                "at most {} calls a step (clipping's all-reduce of one float included), with "
+                "overlap_allgather and without; on N = {} the reduce-scatters and all-gathers "
+                "sent {:.4f}x DDP's all-reduce bytes",
                 most_calls, world, world > 1 ? ratio : 1.0));
         },
         draws);

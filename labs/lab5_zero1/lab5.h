@@ -150,8 +150,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///   * `flat_parameters()` is not checked (where the all-gathered pieces lie in your buffers
 ///     is your design); `shard_parameters()` is, after every step.
 ///   * The budgets above hold unchanged (calls, bytes, memory, `step()`'s allocations): the
-///     pieces are the same 1 to 4 all-gathers, now waited on in forward. (The budget checks
-///     run with overlap off; the overlap checks grade the bits and the speed.)
+///     pieces are the same 1 to 4 all-gathers, now waited on in forward. The budget checks
+///     run in both modes; with overlap, a step's budgets cover `step()` and the next forward
+///     together, which may allocate no more than the model's own forward (its activations).
 ///   * Speed, on the simulated clock: at least half of the all-gathers' time on the link
 ///     hidden (the waits on them, in forward, in the destructor or wherever they are, block
 ///     for at most half of it, on every rank), and at least half of the hidden time
