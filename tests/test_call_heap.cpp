@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "dp/comm.h"
 #include "dp/launch.h"
@@ -82,6 +83,40 @@ TEST_P(CallHeap, IsTheSameWhicheverRankArrivesFirst) {
   EXPECT_EQ(first, last) << "rank 0's heap for one " << to_string(c.op) << " on " << c.ranks
                          << " ranks: " << first << " bytes when it arrived first, " << last
                          << " when it arrived last";
+}
+
+// What a large call takes from the last rank to arrive must not grow in steps as calls go
+// by: on the local backend that rank queues the pieces for every member's communication
+// thread, and a queue that allocated a block every 32 entries charged it, and only it, N
+// blocks once in 32 calls (a heap budget per step then failed a correct lab now and then,
+// by arrival order). Rank 0 arrives last at every call, rank 1 early; each rank's own call
+// log allocates alike on both (a block every few collectives), so the two must agree call
+// by call.
+TEST(CallHeapOverManyCalls, LastArriverTakesWhatAnEarlyRankTakes) {
+  constexpr int kRanks = 4;
+  constexpr int kWarmUp = 8;  // a thread's first waits take a few bytes once (32 seen)
+  constexpr int kCalls = 80;  // more than two blocks of a std::deque of shared pointers
+  constexpr std::int64_t kElements = 1 << 17;  // 512 KiB: above the eager bound, in pieces
+  std::vector<std::uint64_t> last(kCalls);
+  std::vector<std::uint64_t> early(kCalls);
+  launch({.world_size = kRanks, .backend = Backend::kLocal}, [&](Communicator& comm) {
+    Tensor full({kElements}, MemoryCategory::kCommunication);
+    for (int call = -kWarmUp; call < kCalls; ++call) {
+      comm.barrier();
+      if (comm.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const grading::HeapUse before = grading::heap_use_of_this_thread();
+      comm.allreduce(full.view(), ReduceOp::kSum)->wait();
+      const std::uint64_t used = grading::heap_use_of_this_thread().since(before).bytes;
+      if (call < 0) continue;
+      if (comm.rank() == 0) last[static_cast<std::size_t>(call)] = used;
+      if (comm.rank() == 1) early[static_cast<std::size_t>(call)] = used;
+    }
+  });
+  for (std::size_t call = 0; call < kCalls; ++call)
+    EXPECT_EQ(last[call], early[call])
+        << "all-reduce " << call + 1 << " of " << kCalls << " on " << kRanks
+        << " ranks: rank 0, arriving last, took " << last[call] << " heap bytes, rank 1, early, "
+        << early[call];
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {

@@ -114,6 +114,49 @@ constexpr std::size_t kSpinBytes = std::size_t{1} << 20;
 /// Collectives a rank may have issued ahead of the slowest rank before it waits for a
 /// slot of the ring (see `FastSlot`); far more than any lab keeps in flight.
 constexpr std::uint64_t kFastSlots = 1024;
+/// A first-in first-out queue on storage made up front: a rank's large collectives for its
+/// communication thread. The last rank to arrive at a collective queues it for every
+/// member, so a queue that allocated as it grew (a std::deque takes a block every 32
+/// entries) charged that rank's heap, by arrival order, for its peers' bookkeeping: once
+/// in 32 calls, N blocks. Grows (doubling) only when more calls are queued than it holds,
+/// far more than any lab keeps in flight.
+template <typename T>
+class PreallocatedQueue {
+ public:
+  /// A queue with room for `capacity` entries (at least 1) before it must grow.
+  explicit PreallocatedQueue(std::size_t capacity = 256)
+      : items_(std::max<std::size_t>(1, capacity)) {}
+  /// Whether nothing is queued.
+  bool empty() const { return size_ == 0; }
+  /// The oldest entry; the queue must not be empty.
+  T& front() { return items_[head_]; }
+  /// Appends `item` after the newest entry.
+  void push_back(T item) {
+    if (size_ == items_.size()) grow();
+    items_[(head_ + size_) % items_.size()] = std::move(item);
+    ++size_;
+  }
+  /// Removes the oldest entry (releasing what it held); the queue must not be empty.
+  void pop_front() {
+    items_[head_] = T();
+    head_ = (head_ + 1) % items_.size();
+    --size_;
+  }
+
+ private:
+  void grow() {
+    std::vector<T> larger(2 * items_.size());
+    for (std::size_t i = 0; i < size_; ++i)
+      larger[i] = std::move(items_[(head_ + i) % items_.size()]);
+    items_.swap(larger);
+    head_ = 0;
+  }
+
+  std::vector<T> items_;  // a ring: the entries are items_[(head_ + i) % size()], i < size_
+  std::size_t head_ = 0;
+  std::size_t size_ = 0;
+};
+
 /// How a waiting rank spends its time before it sleeps: it spins on the CPU for
 /// `spin_only`, then keeps checking between yields of its core until `before_sleep`.
 struct SpinPolicy {
@@ -346,7 +389,7 @@ class LocalWorld {
     CommCounters counters;
     std::deque<std::shared_ptr<Operation>> collective_queue;  // for the comm thread
     // Without the simulation: large collectives whose pieces the comm thread works on.
-    std::deque<std::shared_ptr<CollectiveSlot>> piece_queue;
+    PreallocatedQueue<std::shared_ptr<CollectiveSlot>> piece_queue;
     std::thread comm_thread;
     bool comm_thread_waiting_for_peers = false;
     std::optional<std::uint64_t> blocked_on;  // call the rank's own thread waits for
