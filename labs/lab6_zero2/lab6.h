@@ -193,7 +193,7 @@ struct AccumulationOptions {
 ///     reduce-scatters' time on the link, and at least half of that time overlaps the
 ///     model's own backward (compute your code adds, its copies included, hides nothing).
 ///
-/// Gradient accumulation, M micro-batches per step (g_{r,m}: rank r's gradient of its
+/// Gradient accumulation, M > 1 micro-batches per step (g_{r,m}: rank r's gradient of its
 /// micro-batch m, as one backward with `loss_scale` 1 makes it on a released gradient):
 ///   * Exact arithmetic, which the grader emulates in one process, bit for bit, per
 ///     strategy:
@@ -210,9 +210,9 @@ struct AccumulationOptions {
 ///         each bucket's chunk all-gathered once in `step()`: the bytes of M reduce-scatters
 ///         and one all-gather per bucket;
 ///       - `kReduceOnce`: no call during the first M - 1 backwards; each bucket reduce-
-///         scattered exactly once, during the last backward, into its chunk of
-///         `shard_gradients()`; one all-gather per bucket in `step()`: the bytes of one
-///         reduce-scatter and one all-gather per bucket, as with M = 1.
+///         scattered exactly once, during the last backward; one all-gather per bucket in
+///         `step()`: the bytes of one reduce-scatter and one all-gather per bucket, as with
+///         M = 1.
 ///   * Memory at the peak over the M backwards and `step()` (C_max = max_k C_k):
 ///       - `kReduceEveryMicroBatch`: `kGradients` at most 4 S + 4 L, as with M = 1;
 ///         `kCommunication` at most 2 x 4 (P + C_max) (+ 4 with clipping): two buffers
