@@ -1970,6 +1970,31 @@ TEST(Lab6Accumulation, CallsAndBytesEachStrategy) {
   }
 }
 
+/// A plausible wrong answer to design question 2, and what it predicts.
+struct AccumulationNearMiss {
+  std::string what;
+  AccumulationCost cost;
+  /// Whether every draw of the check tells it from the reference's answer (a grader bug
+  /// otherwise); false for one that parts only where a bucket pads.
+  bool always_separated = true;
+};
+
+// The plausible wrong answers name a near miss in the feedback, and the check fails as a
+// grader bug where its draws do not tell one from the reference's answer. Each is the
+// reference design's answer with one term changed, so reading them gives it away: they live
+// in instructor/accumulation_near_misses.h, which the student release leaves out. There the
+// check grades the same (against the tracker and the counters, which are the answer) and
+// names no near miss.
+#if __has_include("instructor/accumulation_near_misses.h")
+#include "instructor/accumulation_near_misses.h"
+#else
+std::pair<AccumulationCost, std::vector<AccumulationNearMiss>> accumulation_costs(Model&, int,
+                                                                                  std::size_t, int,
+                                                                                  Accumulation) {
+  return {};
+}
+#endif
+
 TEST(Lab6Accumulation, PredictsCostEachStrategy) {
   Draws draws("Lab6Accumulation.PredictsCostEachStrategy");
   // Local threads on every backend: the prediction counts the local backend's bytes. N of
@@ -2029,6 +2054,25 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
                                         used.of(CommOp::kAllGather).bytes_sent};
             }
             if (!verdict.passed()) return;
+            // The near misses the prediction equals where the measurement does not, by the
+            // mistake alone (instructors' grader only).
+            const auto [reference, wrong] = accumulation_costs(model, world, cap, micro, strategy);
+            std::vector<std::string> mistakes;
+            for (const AccumulationNearMiss& near : wrong) {
+              if (near.always_separated && near.cost == reference)
+                verdict.fail(
+                    fmt::format("grader bug: the near miss \"{}\" equals the "
+                                "reference design's answer here",
+                                near.what));
+              if (predicted == near.cost && !(measured == near.cost) && !(near.cost == reference))
+                mistakes.push_back(near.what);
+            }
+            const std::string hint =
+                mistakes.empty() ? ""
+                                 : fmt::format(
+                                       "; that is the reference design (two buffers of the largest "
+                                       "padded bucket) counted with {}",
+                                       fmt::join(mistakes, ", or with "));
             const std::string what =
                 fmt::format("{}{}, N = {}, cap {} bytes ({} bucket{}), {} with M = {}", spec,
                             layer_norm ? " with LayerNorm" : "", world, cap, buckets,
@@ -2037,19 +2081,21 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
               verdict.fail(fmt::format(
                   "{}: predicted gradient_peak_bytes {}; the MemoryTracker measured the peak of "
                   "kGradients ({}) plus the peak of kCommunication ({}) over the {} backwards "
-                  "and step(): {} ({:+} bytes)",
+                  "and step(): {} ({:+} bytes){}",
                   what, predicted.gradient_peak_bytes, gradient_peak, communication_peak, micro,
                   measured.gradient_peak_bytes,
                   static_cast<std::int64_t>(predicted.gradient_peak_bytes) -
-                      static_cast<std::int64_t>(measured.gradient_peak_bytes)));
+                      static_cast<std::int64_t>(measured.gradient_peak_bytes),
+                  hint));
             else if (predicted.bytes_sent != measured.bytes_sent)
               verdict.fail(fmt::format(
                   "{}: predicted bytes_sent {}; the backend counted {} bytes sent by the step's "
-                  "reduce-scatters and all-gathers (predicted / measured = {:.3f})",
+                  "reduce-scatters and all-gathers (predicted / measured = {:.3f}){}",
                   what, predicted.bytes_sent, measured.bytes_sent,
                   measured.bytes_sent == 0 ? 0.0
                                            : static_cast<double>(predicted.bytes_sent) /
-                                                 static_cast<double>(measured.bytes_sent)));
+                                                 static_cast<double>(measured.bytes_sent),
+                  hint));
             else
               verdict.note(
                   fmt::format("{}: {} bytes at the gradient peak, {} bytes sent, "
