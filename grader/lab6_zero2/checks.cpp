@@ -29,6 +29,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <ranges>
 #include <span>
 #include <string>
 #include <string_view>
@@ -1426,6 +1427,684 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
       "the layouts (several buckets, one bucket) and world sizes tell the memory rule from {} "
       "plausible wrong formulas",
       separated.size()));
+}
+
+// --- Lab6Accumulation ----------------------------------------------------------------------
+
+std::string_view strategy_name(Accumulation accumulation) {
+  return accumulation == Accumulation::kReduceOnce ? "kReduceOnce" : "kReduceEveryMicroBatch";
+}
+
+constexpr std::array<Accumulation, 2> kStrategies = {Accumulation::kReduceEveryMicroBatch,
+                                                     Accumulation::kReduceOnce};
+
+/// `training` on `world` ranks with `micro` micro-batches per step, each micro-batch as many
+/// rows per rank as a step has without accumulation.
+TrainOptions accumulation_options(const Training& training, int world, int micro) {
+  TrainOptions options = training.for_world(world);
+  options.global_batch = training.rows_per_rank * world * micro;
+  return options;
+}
+
+/// lab6.h's arithmetic of gradient accumulation, in one process: each rank's micro-batch
+/// gradients from one backward each with loss scale 1 (`kReduceEveryMicroBatch`: summed over
+/// the ranks in rank order per micro-batch, then over the micro-batches in order) or added
+/// by `Model::backward` into the gradient, micro-batch after micro-batch (`kReduceOnce`:
+/// then summed over the ranks in rank order); then one division by the float N M and the
+/// optimizer's step over the whole flat space.
+Trajectory emulate_accumulation(const TrainOptions& options, const Dataset& data, int world,
+                                int micro, Accumulation strategy) {
+  Model model = grading::make_check_model(options);
+  const std::unique_ptr<Optimizer> optimizer =
+      grading::optimizer_for(options, model.num_parameters());
+  Model probe = grading::make_check_model(options);
+  const auto backward = [&probe](const Batch& batch) {
+    const Tensor logits = probe.forward(batch.inputs.to(probe.device()));
+    probe.backward(logits, batch.labels);
+  };
+  Trajectory trajectory;
+  for (int step = 0; step < options.steps; ++step) {
+    probe.set_flat_parameters(model.flat_parameters());
+    std::vector<std::vector<Batch>> batches;  // per rank, its micro-batches in order
+    for (int rank = 0; rank < world; ++rank)
+      batches.push_back(grading::micro_batches(data, options, step, rank, world, micro));
+    std::vector<float> sum;
+    if (strategy == Accumulation::kReduceOnce) {
+      std::vector<std::vector<float>> local;
+      for (int rank = 0; rank < world; ++rank) {
+        probe.zero_grad();
+        for (const Batch& batch : batches[static_cast<std::size_t>(rank)]) backward(batch);
+        local.push_back(probe.flat_gradients());
+      }
+      sum = grading::sum_in_rank_order(local);
+    } else {
+      for (int m = 0; m < micro; ++m) {
+        std::vector<std::vector<float>> local;
+        for (int rank = 0; rank < world; ++rank) {
+          probe.zero_grad();
+          backward(batches[static_cast<std::size_t>(rank)][static_cast<std::size_t>(m)]);
+          local.push_back(probe.flat_gradients());
+        }
+        std::vector<float> of_micro_batch = grading::sum_in_rank_order(local);
+        if (m == 0) {
+          sum = std::move(of_micro_batch);
+        } else {
+          for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += of_micro_batch[i];
+        }
+      }
+    }
+    const auto divisor = static_cast<float>(world * micro);
+    for (float& value : sum) value = value / divisor;
+    for (Parameter* parameter : model.parameters())
+      copy(ConstTensorView(sum.data() + parameter->offset, parameter->grad.size()),
+           parameter->grad.view());
+    trajectory.gradients_of_step.push_back(std::move(sum));
+    optimizer->step(model);
+    trajectory.parameters_after_step.push_back(model.flat_parameters());
+  }
+  return trajectory;
+}
+
+/// Runs this rank's `micro` backwards of step `step` (1-based) of `options` on `model`, the
+/// gradients zeroed once before the first (they accumulate across the micro-batches, as a
+/// training loop with accumulation does). Calls `between(m)` after backward m.
+void accumulate_step(Model& model, const Training& training, const TrainOptions& options, int step,
+                     int micro, int rank, int world,
+                     const std::function<void(int)>& between = nullptr) {
+  std::vector<Batch> batches =
+      grading::micro_batches(*training.data, options, step - 1, rank, world, micro);
+  model.zero_grad();
+  for (int m = 0; m < micro; ++m) {
+    const Batch batch = grading::on_check_device(std::move(batches[static_cast<std::size_t>(m)]));
+    model.backward(grading::forward(model, batch), batch.labels);
+    if (between) between(m);
+  }
+}
+
+/// Trains this rank with the student's optimizer, `micro` micro-batches per step with
+/// `strategy`, comparing every step with `exact` bitwise.
+void train_accumulating(const Training& training, int micro, Accumulation strategy,
+                        Communicator& comm, Verdict& verdict, const Trajectory& exact) {
+  const int world = comm.size();
+  const TrainOptions options = accumulation_options(training, world, micro);
+  Model model = training.model();
+  const std::vector<std::size_t> indices =
+      shard_indices(model, contract_buckets(model, world, training.cap_bytes), comm.rank());
+  const std::string what =
+      fmt::format("{} with M = {} micro-batches, {}, cap {} bytes", strategy_name(strategy), micro,
+                  options.optimizer, training.cap_bytes);
+  ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, 0.0f,
+                        {.micro_batches = micro, .accumulation = strategy});
+  for (int step = 1; step <= options.steps; ++step) {
+    const std::vector<float> before = model.flat_parameters();
+    accumulate_step(model, training, options, step, micro, comm.rank(), world);
+    const std::optional<float> norm = zero.step();
+    if (!verdict.passed()) continue;
+    const std::string finding = grading::compare_sharded_step({.model = model,
+                                                               .world = world,
+                                                               .step = step,
+                                                               .before = before,
+                                                               .exact = exact,
+                                                               .norm = norm,
+                                                               .max_norm = 0.0f,
+                                                               .expected_norms = {},
+                                                               .norm_arithmetic = ""});
+    if (!finding.empty()) {
+      verdict.fail(fmt::format(
+          "{}: {} (lab6.h: {}, then one division by N M = {})", what, finding,
+          strategy == Accumulation::kReduceOnce
+              ? "each rank's micro-batches added by backward in order, then summed over the "
+                "ranks in rank order"
+              : "each micro-batch summed over the ranks in rank order, then the micro-batches "
+                "summed in order",
+          world * micro));
+      continue;
+    }
+    verdict.expect_empty(check_shard(model, indices, zero.shard_parameters()),
+                         fmt::format("{}: after step {}", what, step));
+    verdict.expect_empty(check_released(model), fmt::format("{}: after step {}", what, step));
+  }
+}
+
+TEST(Lab6Accumulation, BitwiseEachStrategy) {
+  Draws draws("Lab6Accumulation.BitwiseEachStrategy");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  for (const Accumulation strategy : kStrategies) {
+    for (const int micro : {1, 2, 3}) {
+      for (const int world : worlds) {
+        const TrainOptions options = accumulation_options(training, world, micro);
+        const Trajectory exact =
+            emulate_accumulation(options, *training.data, world, micro, strategy);
+        run_on_ranks(
+            world,
+            [&](Communicator& comm, Verdict& verdict) {
+              train_accumulating(training, micro, strategy, comm, verdict, exact);
+            },
+            draws);
+      }
+    }
+  }
+  // Misuse with M = 2: no micro-batch count below 1, no step() after one backward, no
+  // third backward before step(). Every rank throws at the same point, so they stay in step.
+  for (const int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          const TrainOptions options = accumulation_options(training, world, 2);
+          const auto expect_error = [&](const std::string& what, const auto& call) {
+            try {
+              call();
+              verdict.fail(fmt::format("{}: the call returned; expected dp::Error", what));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+          };
+          Model model = training.model();
+          expect_error("AccumulationOptions{.micro_batches = 0}", [&] {
+            ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, 0.0f,
+                                  {.micro_batches = 0});
+          });
+          // Every rank makes every call whatever it found, so that none waits for a peer
+          // that stopped.
+          for (const Accumulation strategy : kStrategies) {
+            Model fresh = training.model();
+            ZeroTwoOptimizer zero(fresh, comm, factory_for(options), training.cap_bytes, 0.0f,
+                                  {.micro_batches = 2, .accumulation = strategy});
+            accumulate_step(fresh, training, options, 1, 1, comm.rank(), world);
+            expect_error(
+                fmt::format("{}, M = 2: step() after one backward", strategy_name(strategy)),
+                [&] { (void)zero.step(); });
+            accumulate_step(fresh, training, options, 1, 2, comm.rank(), world);
+            expect_error(
+                fmt::format("{}, M = 2: a third backward before step()", strategy_name(strategy)),
+                [&] { accumulate_step(fresh, training, options, 2, 1, comm.rank(), world); });
+          }
+        },
+        draws);
+  }
+  if (!HasFailure())
+    grading::note_measured(fmt::format(
+        "M = 1, 2 and 3 micro-batches, both strategies, on world sizes {}: every rank bitwise "
+        "the contract's arithmetic after every step (the two strategies add in different "
+        "orders); M = 0, step() after too few backwards and one backward too many throw",
+        fmt::join(worlds, ", ")));
+}
+
+/// The bytes this rank sends for one reduce-scatter and for one all-gather of every bucket
+/// of the contract's sizes on `comm`, measured on scratch buffers (the backend's own count).
+std::pair<std::uint64_t, std::uint64_t> bucket_collective_bytes(
+    Communicator& comm, const std::vector<Bucket>& buckets) {
+  const CommCounters before = comm.counters();
+  const auto n = static_cast<std::size_t>(comm.size());
+  for (const Bucket& b : buckets) {
+    Tensor full({static_cast<std::int64_t>(n * b.chunk_elements)}, MemoryCategory::kOther,
+                grading::check_device());
+    Tensor chunk({static_cast<std::int64_t>(b.chunk_elements)}, MemoryCategory::kOther,
+                 grading::check_device());
+    comm.reduce_scatter(std::as_const(full).view(), chunk.view(), ReduceOp::kSum)->wait();
+    comm.allgather(std::as_const(chunk).view(), full.view())->wait();
+  }
+  const CommCounters used = comm.counters().since(before);
+  return {used.of(CommOp::kReduceScatter).bytes_sent, used.of(CommOp::kAllGather).bytes_sent};
+}
+
+/// The budgets of lab6.h for `micro` micro-batches with `strategy`: (kGradients,
+/// kCommunication) at the peak, clipping off.
+std::pair<std::size_t, std::size_t> accumulation_budgets(Model& model,
+                                                         const std::vector<Bucket>& buckets,
+                                                         int world, int micro,
+                                                         Accumulation strategy) {
+  const std::size_t shard = 4 * contract_shard(buckets);
+  std::size_t chunk = 0;
+  for (const Bucket& b : buckets) chunk = std::max(chunk, b.chunk_elements);
+  if (micro > 1 && strategy == Accumulation::kReduceOnce)
+    return {shard + 4 * model.num_parameters(), buffer_budget_bytes(buckets, world)};
+  return {shard + 4 * largest_layer(model),
+          buffer_budget_bytes(buckets, world) + (micro > 1 ? 2 * 4 * chunk : 0)};
+}
+
+/// The memory budgets of one rank training `micro` micro-batches per step with `strategy`
+/// for two steps: the peaks of kGradients and kCommunication, the tensors a step allocates,
+/// step() allocating nothing, and every category but the activations as after the
+/// constructor between steps. Returns the peaks (gradients + communication) for the note.
+std::size_t check_accumulation_memory(const Training& training, int micro, Accumulation strategy,
+                                      Communicator& comm, Verdict& verdict) {
+  const int world = comm.size();
+  const TrainOptions options = accumulation_options(training, world, micro);
+  MemoryTracker& tracker = this_rank_memory().tracker();
+  const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+  const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+  Model model = training.model();
+  const std::vector<Bucket> buckets = contract_buckets(model, world, training.cap_bytes);
+  const auto [grad_budget, comm_budget] =
+      accumulation_budgets(model, buckets, world, micro, strategy);
+  const std::string what =
+      fmt::format("{} with M = {} on N = {}", strategy_name(strategy), micro, world);
+  ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes, 0.0f,
+                        {.micro_batches = micro, .accumulation = strategy});
+  const grading::CategoryBytes constructed = grading::current_bytes(tracker);
+  tracker.reset_peaks();
+  const std::size_t parameters = model.parameters().size();
+  const std::size_t expected_gradients = strategy == Accumulation::kReduceOnce
+                                             ? parameters
+                                             : static_cast<std::size_t>(micro) * parameters;
+  // The first allocation found wrong, reported after the peaks (the lesson comes first).
+  std::string allocations;
+  // Every rank runs both steps whatever it found, so that none waits for a peer that stopped.
+  for (int step = 1; step <= 2; ++step) {
+    std::array<std::size_t, kNumMemoryCategories> before{};
+    for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
+      before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
+    accumulate_step(model, training, options, step, micro, comm.rank(), world);
+    const std::size_t tensors = tracker.allocations_total();
+    const grading::HeapUse heap = grading::heap_use_of_this_thread();
+    (void)zero.step();
+    const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
+    const std::size_t in_step = tracker.allocations_total() - tensors;
+    const auto made = [&](MemoryCategory c) {
+      return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
+    };
+    if (!verdict.passed()) continue;
+    const std::size_t grads = made(MemoryCategory::kGradients);
+    const std::size_t others = made(MemoryCategory::kCommunication) +
+                               made(MemoryCategory::kParameters) +
+                               made(MemoryCategory::kOptimizerState);
+    verdict.expect_empty(check_released(model), fmt::format("{}, after step {}", what, step));
+    if (!allocations.empty()) continue;
+    if (in_step != 0 || used.large_bytes != 0)
+      allocations = fmt::format(
+          "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} bytes or more "
+          "from the heap; expected none",
+          what, step, in_step, used.large_bytes, grading::kLargeAllocationBytes);
+    else if (grads != expected_gradients || others != 0)
+      allocations = fmt::format(
+          "{}, step {}: the {} backwards and step() allocated {} gradient tensor(s) and {} "
+          "parameter, optimizer-state or communication tensor(s); expected {} ({} per parameter: "
+          "{}) and nothing else",
+          what, step, micro, grads, others, expected_gradients, expected_gradients / parameters,
+          strategy == Accumulation::kReduceOnce
+              ? "the gradients stay between the micro-batches, backward adds into them"
+              : "each micro-batch's gradients released in their hooks and made again");
+  }
+  if (!verdict.passed()) return 0;
+  grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
+  kept[MemoryCategory::kActivations] = 0;
+  const std::string changed = grading::category_differences(kept, {});
+  const std::size_t grad_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+  const std::size_t comm_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+  const std::size_t psi = model.num_parameters();
+  if (!changed.empty())
+    verdict.fail(
+        fmt::format("{}: after two steps, against just after the constructor: {}; "
+                    "expected every category as it was",
+                    what, changed));
+  else if (grad_peak > grad_budget)
+    verdict.fail(fmt::format(
+        "{}: gradient bytes at the peak {}; the budget is {} = {} (S = {}, Psi = {}, largest "
+        "layer {} elements){}",
+        what, grad_peak,
+        strategy == Accumulation::kReduceOnce && micro > 1 ? "4 S + 4 Psi" : "4 S + 4 L",
+        grad_budget, contract_shard(buckets), psi, largest_layer(model),
+        grad_peak >= 4 * contract_shard(buckets) + 4 * psi
+            ? ": the whole gradient stayed between the micro-batches (release each gradient in "
+              "its hook, and keep only the sum of the shard)"
+            : ""));
+  else if (comm_peak > comm_budget)
+    verdict.fail(fmt::format(
+        "{}: communication bytes at the peak {}; the budget is {} = {} ({} "
+        "buckets){}",
+        what, comm_peak,
+        micro > 1 && strategy == Accumulation::kReduceEveryMicroBatch ? "2 x 4 (P + C_max)"
+                                                                      : "2 x 4 P",
+        comm_budget, buckets.size(),
+        comm_peak >= 4 * psi ? ": as much as the whole gradient" : ""));
+  else if (!allocations.empty())
+    verdict.fail(allocations);
+  return grad_peak + comm_peak;
+}
+
+TEST(Lab6Accumulation, MemoryWithinBudgetEachStrategy) {
+  Draws draws("Lab6Accumulation.MemoryWithinBudgetEachStrategy");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  const int micro = static_cast<int>(draws.integer("micro-batches", 2, 4));
+  // The drawn MLPs, whose first layer holds most of the parameters (there the buffers of
+  // the largest bucket cost about as much as the whole gradient), then the lesson's
+  // workload, many equal hidden layers with a cap of one layer, on 4 and 8 local ranks.
+  Training blocks = training;
+  const std::int64_t hidden = draws.integer("equal blocks: width", 64, 96);
+  const std::int64_t layers = draws.integer("equal blocks: hidden layers", 8, 12);
+  std::string spec = "64";
+  for (std::int64_t l = 0; l < layers; ++l) spec += fmt::format("-{}", hidden);
+  blocks.options.model = spec + "-10";
+  blocks.options.layer_norm = false;
+  blocks.options.activation = "relu";
+  blocks.cap_bytes = 4 * static_cast<std::size_t>(hidden * hidden + hidden);
+  struct Case {
+    const Training* training;
+    int world;
+    bool local;
+  };
+  std::vector<Case> cases;
+  for (const int world : worlds) cases.push_back({&training, world, false});
+  for (const int world : {4, 8}) cases.push_back({&blocks, world, true});
+  for (const Case& run : cases) {
+    std::array<std::size_t, 2> peaks{};
+    for (std::size_t s = 0; s < kStrategies.size(); ++s) {
+      const auto check = [&](Communicator& comm, Verdict& verdict) {
+        const std::size_t peak =
+            check_accumulation_memory(*run.training, micro, kStrategies[s], comm, verdict);
+        if (comm.rank() == 0) peaks[s] = peak;
+      };
+      if (run.local)
+        run_on_ranks(run.world, check, draws, std::chrono::seconds(30), Backend::kLocal);
+      else
+        run_on_ranks(run.world, check, draws);
+    }
+    if (!HasFailure())
+      grading::note_measured(fmt::format(
+          "{}, N = {}, M = {}, Psi = {}: gradient and communication bytes at the peak {} "
+          "reducing every micro-batch, {} reducing once ({:.2f}x)",
+          run.training->options.model, run.world, micro, run.training->model().num_parameters(),
+          peaks[0], peaks[1],
+          peaks[0] == 0 ? 0.0 : static_cast<double>(peaks[1]) / static_cast<double>(peaks[0])));
+  }
+}
+
+/// "" when one step's calls are lab6.h's for `micro` micro-batches with `strategy`:
+/// `per_backward[m]` holds the calls issued during backward m, `in_step` those of step().
+std::string judge_accumulation_calls(const std::vector<std::vector<RecordedCall>>& per_backward,
+                                     const std::vector<RecordedCall>& in_step,
+                                     const std::vector<const void*>& gather_inputs,
+                                     const std::vector<Bucket>& buckets, int world,
+                                     Accumulation strategy, const float* shard_parameters) {
+  const auto n = static_cast<std::size_t>(world);
+  std::vector<std::pair<std::size_t, std::size_t>> expected;
+  for (const Bucket& b : buckets) expected.emplace_back(n * b.chunk_elements, b.chunk_elements);
+  std::ranges::sort(expected);
+  const std::size_t micro = per_backward.size();
+  for (std::size_t m = 0; m < micro; ++m) {
+    const std::vector<RecordedCall>& calls = per_backward[m];
+    const bool reduces = strategy == Accumulation::kReduceEveryMicroBatch || m + 1 == micro;
+    std::vector<std::pair<std::size_t, std::size_t>> seen;
+    for (const RecordedCall& call : calls) {
+      if (call.op != CommOp::kReduceScatter || call.reduce != ReduceOp::kSum)
+        return fmt::format(
+            "backward {} of {} issued {}; expected only reduce-scatters (sum) "
+            "during backward (all its calls: {})",
+            m + 1, micro, grading::describe(call), grading::describe(calls));
+      seen.emplace_back(call.in, call.out);
+    }
+    std::ranges::sort(seen);
+    if (!reduces && !seen.empty())
+      return fmt::format(
+          "backward {} of {} issued {} reduce-scatter(s); expected none before the last "
+          "micro-batch with kReduceOnce (the gradient stays local until then)",
+          m + 1, micro, seen.size());
+    if (reduces && seen != expected)
+      return fmt::format(
+          "backward {} of {} issued reduce-scatters of [{}] elements (in -> out); expected one "
+          "per bucket during {}: [{}]",
+          m + 1, micro,
+          fmt::join(seen | std::views::transform([](const auto& p) {
+                      return fmt::format("{} -> {}", p.first, p.second);
+                    }),
+                    ", "),
+          strategy == Accumulation::kReduceOnce ? "the last backward" : "every backward",
+          fmt::join(expected | std::views::transform([](const auto& p) {
+                      return fmt::format("{} -> {}", p.first, p.second);
+                    }),
+                    ", "));
+  }
+  std::vector<std::size_t> gathered(buckets.size(), 0);
+  for (std::size_t i = 0; i < in_step.size(); ++i) {
+    const RecordedCall& call = in_step[i];
+    std::optional<std::size_t> bucket;
+    for (std::size_t k = 0; k < buckets.size(); ++k)
+      if (gather_inputs[i] == shard_parameters + buckets[k].shard_offset) bucket = k;
+    if (call.op != CommOp::kAllGather || !bucket || call.in != buckets[*bucket].chunk_elements ||
+        call.out != n * buckets[*bucket].chunk_elements || ++gathered[*bucket] > 1)
+      return fmt::format(
+          "step() issued {}; expected in step() exactly one all-gather (C_k -> N C_k) of each "
+          "bucket's chunk of shard_parameters() and nothing else (all its calls: {})",
+          grading::describe(call), grading::describe(in_step));
+  }
+  for (std::size_t k = 0; k < buckets.size(); ++k)
+    if (gathered[k] == 0)
+      return fmt::format("bucket {}'s chunk of the parameters was never all-gathered in step()", k);
+  return "";
+}
+
+TEST(Lab6Accumulation, CallsAndBytesEachStrategy) {
+  Draws draws("Lab6Accumulation.CallsAndBytesEachStrategy");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
+  const int micro = static_cast<int>(draws.integer("micro-batches", 2, 4));
+  for (const int world : worlds) {
+    std::array<std::uint64_t, 2> sent{};
+    for (std::size_t s = 0; s < kStrategies.size(); ++s) {
+      const Accumulation strategy = kStrategies[s];
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = accumulation_options(training, world, micro);
+            const std::vector<Bucket> buckets =
+                contract_buckets(training.model(), world, training.cap_bytes);
+            const auto [scatter_bytes, gather_bytes] = bucket_collective_bytes(comm, buckets);
+            const std::uint64_t reduce_scatters =
+                strategy == Accumulation::kReduceOnce ? 1 : static_cast<std::uint64_t>(micro);
+            Model model = training.model();
+            grading::RecordingCommunicator recorder(comm);
+            std::vector<const void*> inputs;  // every call's input, compared, never read
+            recorder.set_issue_callback(
+                [&inputs](std::size_t index, const RecordedCall&, ConstBuffer in, MutableBuffer) {
+                  inputs.resize(index + 1);
+                  inputs[index] = in.data;
+                });
+            ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes, 0.0f,
+                                  {.micro_batches = micro, .accumulation = strategy});
+            const float* shard_parameters = zero.shard_parameters().view().data();
+            for (int step = 1; step <= 2; ++step) {
+              recorder.forget_calls();
+              inputs.clear();
+              const CommCounters before = comm.counters();
+              std::vector<std::size_t> boundaries;  // calls issued by the end of backward m
+              recorder.set_in_backward(true);
+              accumulate_step(model, training, options, step, micro, comm.rank(), world,
+                              [&](int) { boundaries.push_back(recorder.calls().size()); });
+              recorder.set_in_backward(false);
+              (void)zero.step();
+              const CommCounters used = comm.counters().since(before);
+              // Every rank runs both steps whatever it found (no rank waits for one that
+              // stopped); the first finding is the one reported.
+              if (!verdict.passed()) continue;
+              const std::vector<RecordedCall>& calls = recorder.calls();
+              std::vector<std::vector<RecordedCall>> per_backward;
+              std::size_t from = 0;
+              for (const std::size_t to : boundaries) {
+                per_backward.emplace_back(calls.begin() + static_cast<std::ptrdiff_t>(from),
+                                          calls.begin() + static_cast<std::ptrdiff_t>(to));
+                from = to;
+              }
+              const std::vector<RecordedCall> in_step(
+                  calls.begin() + static_cast<std::ptrdiff_t>(from), calls.end());
+              const std::vector<const void*> step_inputs(
+                  inputs.begin() + static_cast<std::ptrdiff_t>(from), inputs.end());
+              const std::string finding = judge_accumulation_calls(
+                  per_backward, in_step, step_inputs, buckets, world, strategy, shard_parameters);
+              const std::string label =
+                  fmt::format("{} with M = {}, step {} ({} buckets)", strategy_name(strategy),
+                              micro, step, buckets.size());
+              if (!finding.empty()) {
+                verdict.fail(fmt::format("{}: {}", label, finding));
+                continue;
+              }
+              const std::uint64_t scattered = used.of(CommOp::kReduceScatter).bytes_sent;
+              const std::uint64_t gathered = used.of(CommOp::kAllGather).bytes_sent;
+              const std::uint64_t total = used.total_bytes_sent();
+              if (scattered != reduce_scatters * scatter_bytes || gathered != gather_bytes ||
+                  total != scattered + gathered) {
+                verdict.fail(fmt::format(
+                    "{}: the backend counted {} bytes sent by reduce-scatters, {} by all-gathers "
+                    "and {} by everything else; expected {} x {} = {} (the buckets' "
+                    "reduce-scatters {}), {} and none",
+                    label, scattered, gathered, total - scattered - gathered, reduce_scatters,
+                    scatter_bytes, reduce_scatters * scatter_bytes,
+                    strategy == Accumulation::kReduceOnce ? "once per step"
+                                                          : "once per micro-batch",
+                    gather_bytes));
+                continue;
+              }
+              if (comm.rank() == 0) sent[s] = total;
+            }
+          },
+          draws);
+    }
+    if (!HasFailure())
+      grading::note_measured(fmt::format(
+          "N = {}, M = {}: {} bytes sent per step and rank reducing every micro-batch, {} "
+          "reducing once",
+          world, micro, sent[0], sent[1]));
+  }
+}
+
+/// A plausible wrong answer to design question 2, and what it predicts.
+struct AccumulationNearMiss {
+  std::string what;
+  AccumulationCost cost;
+  /// Whether every draw of the check tells it from the reference's answer (a grader bug
+  /// otherwise); false for one that parts only where a bucket pads.
+  bool always_separated = true;
+};
+
+// The plausible wrong answers name a near miss in the feedback, and the check fails as a
+// grader bug where its draws do not tell one from the reference's answer. Each is the
+// reference design's answer with one term changed, so reading them gives it away: they live
+// in instructor/accumulation_near_misses.h, which the student release leaves out. There the
+// check grades the same (against the tracker and the counters, which are the answer) and
+// names no near miss.
+#if __has_include("instructor/accumulation_near_misses.h")
+#include "instructor/accumulation_near_misses.h"
+#else
+std::pair<AccumulationCost, std::vector<AccumulationNearMiss>> accumulation_costs(Model&, int,
+                                                                                  std::size_t, int,
+                                                                                  Accumulation) {
+  return {};
+}
+#endif
+
+TEST(Lab6Accumulation, PredictsCostEachStrategy) {
+  Draws draws("Lab6Accumulation.PredictsCostEachStrategy");
+  // Local threads on every backend: the prediction counts the local backend's bytes. N of
+  // 2 or more, where the bytes are not 0, one of them 3, 5 or 6 (buckets that pad).
+  const std::vector<int> worlds = {draws.pick("N (pads)", std::vector<int>{3, 5, 6}),
+                                   static_cast<int>(draws.integer("N", 2, 6))};
+  const std::int64_t h1 = draws.integer("h1", 8, 96);
+  const std::int64_t h2 = draws.integer("h2", 8, 64);
+  const bool layer_norm = draws.coin("layer norm");
+  const std::size_t cap = 4 * static_cast<std::size_t>(draws.integer("cap elements", 0, h1 * h2));
+  const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
+  for (const int world : worlds) {
+    for (const Accumulation strategy : kStrategies) {
+      const int micro =
+          static_cast<int>(draws.integer(fmt::format("M ({})", strategy_name(strategy)), 2, 4));
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            MemoryTracker& tracker = this_rank_memory().tracker();
+            const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
+            const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
+            Model model = Model::mlp(spec, {.activation = "relu",
+                                            .layer_norm = layer_norm,
+                                            .seed = 3,
+                                            .device = grading::check_device()});
+            const AccumulationOptions accumulation{.micro_batches = micro,
+                                                   .accumulation = strategy};
+            const AccumulationCost predicted =
+                predicted_accumulation_cost(model, world, cap, accumulation);
+            const std::size_t buckets = contract_buckets(model, world, cap).size();
+            AccumulationCost measured;
+            std::size_t gradient_peak = 0;
+            std::size_t communication_peak = 0;
+            {
+              const Dataset data = load_dataset("synthetic:64", 5);
+              ZeroTwoOptimizer zero(
+                  model, comm,
+                  [](std::size_t s) {
+                    return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
+                  },
+                  cap, 0.0f, accumulation);
+              tracker.reset_peaks();
+              const CommCounters before = comm.counters();
+              for (int m = 0; m < micro; ++m) {
+                std::vector<std::size_t> rows(4);
+                for (std::size_t i = 0; i < rows.size(); ++i)
+                  rows[i] = 4 * static_cast<std::size_t>(m) + i;
+                const Batch batch = grading::on_check_device(gather_batch(data, rows));
+                model.backward(grading::forward(model, batch), batch.labels);
+              }
+              (void)zero.step();
+              const CommCounters used = comm.counters().since(before);
+              gradient_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
+              communication_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
+              measured = {.gradient_peak_bytes = gradient_peak + communication_peak,
+                          .bytes_sent = used.of(CommOp::kReduceScatter).bytes_sent +
+                                        used.of(CommOp::kAllGather).bytes_sent};
+            }
+            if (!verdict.passed()) return;
+            // The near misses the prediction equals where the measurement does not, by the
+            // mistake alone (instructors' grader only).
+            const auto [reference, wrong] = accumulation_costs(model, world, cap, micro, strategy);
+            std::vector<std::string> mistakes;
+            for (const AccumulationNearMiss& near : wrong) {
+              if (near.always_separated && near.cost == reference)
+                verdict.fail(
+                    fmt::format("grader bug: the near miss \"{}\" equals the "
+                                "reference design's answer here",
+                                near.what));
+              if (predicted == near.cost && !(measured == near.cost) && !(near.cost == reference))
+                mistakes.push_back(near.what);
+            }
+            const std::string hint =
+                mistakes.empty() ? ""
+                                 : fmt::format(
+                                       "; that is the reference design (two buffers of the largest "
+                                       "padded bucket) counted with {}",
+                                       fmt::join(mistakes, ", or with "));
+            const std::string what =
+                fmt::format("{}{}, N = {}, cap {} bytes ({} bucket{}), {} with M = {}", spec,
+                            layer_norm ? " with LayerNorm" : "", world, cap, buckets,
+                            buckets == 1 ? "" : "s", strategy_name(strategy), micro);
+            if (predicted.gradient_peak_bytes != measured.gradient_peak_bytes)
+              verdict.fail(fmt::format(
+                  "{}: predicted gradient_peak_bytes {}; the MemoryTracker measured the peak of "
+                  "kGradients ({}) plus the peak of kCommunication ({}) over the {} backwards "
+                  "and step(): {} ({:+} bytes){}",
+                  what, predicted.gradient_peak_bytes, gradient_peak, communication_peak, micro,
+                  measured.gradient_peak_bytes,
+                  static_cast<std::int64_t>(predicted.gradient_peak_bytes) -
+                      static_cast<std::int64_t>(measured.gradient_peak_bytes),
+                  hint));
+            else if (predicted.bytes_sent != measured.bytes_sent)
+              verdict.fail(fmt::format(
+                  "{}: predicted bytes_sent {}; the backend counted {} bytes sent by the step's "
+                  "reduce-scatters and all-gathers (predicted / measured = {:.3f}){}",
+                  what, predicted.bytes_sent, measured.bytes_sent,
+                  measured.bytes_sent == 0 ? 0.0
+                                           : static_cast<double>(predicted.bytes_sent) /
+                                                 static_cast<double>(measured.bytes_sent),
+                  hint));
+            else
+              verdict.note(
+                  fmt::format("{}: {} bytes at the gradient peak, {} bytes sent, "
+                              "predicted exactly",
+                              what, measured.gradient_peak_bytes, measured.bytes_sent));
+          },
+          draws, std::chrono::seconds(30), Backend::kLocal);
+    }
+  }
 }
 
 // --- Lab6Checkpoint ----------------------------------------------------------------------------

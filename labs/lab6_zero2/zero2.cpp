@@ -44,12 +44,14 @@ struct ZeroTwoOptimizer::State {
 };
 
 ZeroTwoOptimizer::ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                                   std::size_t bucket_cap_bytes, float max_norm) {
+                                   std::size_t bucket_cap_bytes, float max_norm,
+                                   AccumulationOptions accumulation) {
   (void)model;
   (void)comm;
   (void)make_inner;
   (void)bucket_cap_bytes;
   (void)max_norm;
+  (void)accumulation;
   throw NotImplemented("lab6::ZeroTwoOptimizer::ZeroTwoOptimizer");
 }
 
@@ -93,6 +95,16 @@ std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
   (void)world_size;
   (void)bucket_cap_bytes;
   throw NotImplemented("lab6::predicted_gradient_peak_bytes");
+}
+
+AccumulationCost predicted_accumulation_cost(Model& model, int world_size,
+                                             std::size_t bucket_cap_bytes,
+                                             AccumulationOptions accumulation) {
+  (void)model;
+  (void)world_size;
+  (void)bucket_cap_bytes;
+  (void)accumulation;
+  throw NotImplemented("lab6::predicted_accumulation_cost");
 }
 
 }  // namespace dp::lab6

@@ -20,7 +20,9 @@
 //     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
 //     then a division by N (not a multiplication by 1/N). The optimizer's update is
 //     element-wise, so the grader compares every rank's parameters bitwise with an
-//     emulation of lab 2 after every step.
+//     emulation of lab 2 after every step. With gradient accumulation over M
+//     micro-batches, `ZeroTwoOptimizer` states the order of the sums for each strategy,
+//     then one division by N M, and the grader emulates each.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a call's result reaches its buffer only when that
 //     call's own `Work` is waited on.
@@ -40,6 +42,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -94,6 +97,30 @@ std::size_t shard_elements(const std::vector<Bucket>& buckets);
 /// model's device.
 using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t shard_elements)>;
 
+/// Where the gradient waits between the micro-batches of one optimizer step (gradient
+/// accumulation). Both give every rank the same parameters; they trade gradient memory
+/// against bytes on the network (README.md, "Gradient accumulation").
+enum class Accumulation {
+  /// Every micro-batch's buckets are reduce-scattered during its own backward, and the
+  /// results are summed into the shard of the gradient: the gradient memory stays the
+  /// shard's, each micro-batch pays its reduce-scatters.
+  kReduceEveryMicroBatch,
+  /// The whole local gradient stays in `Parameter::grad`, where each backward adds into
+  /// it, until the last micro-batch, whose backward reduce-scatters it once: one set of
+  /// reduce-scatters per step, the whole gradient held between the micro-batches.
+  kReduceOnce,
+};
+
+/// Gradient accumulation: how many backwards make one optimizer step, and where the
+/// gradient waits between them.
+struct AccumulationOptions {
+  /// M >= 1: the micro-batches (one `Model::backward` each) of every `step()`. With 1 both
+  /// strategies are the same step, the one without accumulation.
+  int micro_batches = 1;
+  /// The strategy (irrelevant when `micro_batches` is 1).
+  Accumulation accumulation = Accumulation::kReduceEveryMicroBatch;
+};
+
 /// ZeRO stage 2 with buckets reduce-scattered during backward.
 ///
 /// The constructor plans the buckets (`plan_buckets(model, comm.size(), bucket_cap_bytes)`),
@@ -105,6 +132,11 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 /// A step is one `Model::backward` on the rank's local batch, then one `step()`. A second
 /// backward before `step()` throws `dp::Error` from your hook (its gradients would
 /// otherwise overwrite the first's in the shard, and half a step would be lost silently).
+/// With gradient accumulation (`AccumulationOptions`, M micro-batches) a step is M
+/// backwards, each of one micro-batch with `loss_scale` 1 (the caller scales nothing),
+/// then one `step()`; backward M + 1 before `step()` throws `dp::Error` from your hook, and
+/// `step()` after fewer than M throws. Everything below is for M = 1 unless it names M;
+/// "Gradient accumulation" after the budgets states what changes with M > 1.
 ///
 /// What a step must do, in whatever order and with whatever buffers you design:
 ///   * Each gradient leaves `Parameter::grad` as soon as backward has made it: your hook
@@ -160,17 +192,53 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     (`wait()`, `test()`, or destroying the `Work`) block for at most half of the
 ///     reduce-scatters' time on the link, and at least half of that time overlaps the
 ///     model's own backward (compute your code adds, its copies included, hides nothing).
+///
+/// Gradient accumulation, M > 1 micro-batches per step (g_{r,m}: rank r's gradient of its
+/// micro-batch m, as one backward with `loss_scale` 1 makes it on a released gradient):
+///   * Exact arithmetic, which the grader emulates in one process, bit for bit, per
+///     strategy:
+///       - `kReduceEveryMicroBatch`: s_m = g_{0,m} + ... + g_{N-1,m} (`kSum`, rank order);
+///         the shard sums them in micro-batch order, ((s_0 + s_1) + s_2) + ... in float;
+///       - `kReduceOnce`: a_r = ((g_{r,0} + g_{r,1}) + g_{r,2}) + ..., the order in which
+///         `Model::backward` adds each micro-batch into `Parameter::grad`; then
+///         a_0 + ... + a_{N-1} (`kSum`, rank order);
+///     then one division by the float N M (not by N, not by M twice) before clipping and the
+///     update. M = 1 is the step above in both.
+///   * Communication per step and rank (clipping adds its one float, as above):
+///       - `kReduceEveryMicroBatch`: each bucket reduce-scattered exactly once during each
+///         micro-batch's backward (M B reduce-scatters of N C_k -> C_k elements, `kSum`),
+///         each bucket's chunk all-gathered once in `step()`: the bytes of M reduce-scatters
+///         and one all-gather per bucket;
+///       - `kReduceOnce`: no call during the first M - 1 backwards; each bucket reduce-
+///         scattered exactly once, during the last backward; one all-gather per bucket in
+///         `step()`: the bytes of one reduce-scatter and one all-gather per bucket, as with
+///         M = 1.
+///   * Memory at the peak over the M backwards and `step()` (C_max = max_k C_k):
+///       - `kReduceEveryMicroBatch`: `kGradients` at most 4 S + 4 L, as with M = 1;
+///         `kCommunication` at most 2 x 4 (P + C_max) (+ 4 with clipping): two buffers
+///         of the largest padded bucket, each with room for one chunk more;
+///       - `kReduceOnce`: `kGradients` at most 4 S + 4 Psi (the whole local gradient
+///         between the micro-batches); `kCommunication` at most 2 x 4 P (+ 4 with
+///         clipping), as with M = 1.
+///     The other categories as with M = 1. Allocations per step: only the gradients the
+///     M backwards make after your hook released them (`kReduceEveryMicroBatch`: M per
+///     parameter; `kReduceOnce`: one per parameter), none in `step()`, no heap block of
+///     1 KiB or more; between steps every category but the activations holds what it held
+///     after the constructor.
 class ZeroTwoOptimizer {
  public:
   /// Sets up ZeRO-2 for `model` on `comm` with buckets of at most `bucket_cap_bytes`
-  /// (lab 4's rule); `max_norm > 0` turns clipping by global norm on.
+  /// (lab 4's rule); `max_norm > 0` turns clipping by global norm on; `accumulation` sets
+  /// the micro-batches per step and the strategy (default: one, no accumulation).
   ///
   /// Throws `dp::Error` when a parameter of `model` is frozen, when `max_norm` is negative
   /// or not finite, when `make_inner` is empty, returns nullptr, or returns an optimizer
   /// whose `state_size()` is not S or whose state lives on another device than the model's
-  /// (`Optimizer::device()`, `Model::device()`; the message names both devices).
+  /// (`Optimizer::device()`, `Model::device()`; the message names both devices), or when
+  /// `accumulation.micro_batches` is below 1 (the message names the value).
   ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                   std::size_t bucket_cap_bytes, float max_norm = 0.0f);
+                   std::size_t bucket_cap_bytes, float max_norm = 0.0f,
+                   AccumulationOptions accumulation = {});
   /// Waits for any call still running (a `Work` must not outlive its buffer).
   ~ZeroTwoOptimizer();
   ZeroTwoOptimizer(const ZeroTwoOptimizer&) = delete;
@@ -190,7 +258,8 @@ class ZeroTwoOptimizer {
   ///
   /// Returns the global norm before clipping when clipping is on (the same on every rank),
   /// std::nullopt when it is off. Throws `dp::Error`, naming the bucket, when a bucket was
-  /// not launched since the last step (no backward, or one that did not reach it).
+  /// not launched since the last step (no backward, or one that did not reach it), and
+  /// when fewer than M backwards ran since the last step.
   std::optional<float> step();
 
   /// The buckets, as `plan_buckets` made them.
@@ -266,5 +335,32 @@ class ZeroTwoOptimizer {
 /// has a single bucket.
 std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
                                           std::size_t bucket_cap_bytes);
+
+/// What one optimizer step of M micro-batches costs one rank of your own design.
+struct AccumulationCost {
+  /// peak(`kGradients`) + peak(`kCommunication`) over the M backwards and `step()`, each
+  /// the category's whole value taken from just after the constructor, as for
+  /// `predicted_gradient_peak_bytes`.
+  std::size_t gradient_peak_bytes = 0;
+  /// The bytes this rank sends in the step for its reduce-scatters and all-gathers, as the
+  /// local backend's `CommCounters` count them (see `dp::CommCounters`).
+  std::uint64_t bytes_sent = 0;
+
+  /// Two costs are equal when both fields are.
+  bool operator==(const AccumulationCost&) const = default;
+};
+
+/// Design question, graded against the `MemoryTracker` and the backend's counters: the
+/// cost of one step of M micro-batches (`accumulation`) of your own `ZeroTwoOptimizer`
+/// (clipping off) for `model` (read, not changed) on `world_size` ranks with
+/// `bucket_cap_bytes`. The two strategies trade one for the other; which costs less of
+/// which, and by how much, depends on M, N and the buckets.
+///
+/// The grader draws models, world sizes, caps, M and the strategy (rubric.json lists the
+/// ranges), runs M backwards and one step of your optimizer on each rank of the local
+/// backend, and expects both numbers exactly.
+AccumulationCost predicted_accumulation_cost(Model& model, int world_size,
+                                             std::size_t bucket_cap_bytes,
+                                             AccumulationOptions accumulation);
 
 }  // namespace dp::lab6

@@ -27,6 +27,8 @@ namespace dp::lab6 {
 /// The reference design's bucket buffers (fewer when there are fewer buckets): bucket k
 /// fills buffer k mod 2 while the reduce-scatter of bucket k - 1 is still in flight.
 constexpr std::size_t kBucketBuffers = 2;
+/// A landing that holds no bucket's earlier sum.
+constexpr std::size_t kNothingOwed = static_cast<std::size_t>(-1);
 // END SOLUTION
 
 std::vector<Bucket> plan_buckets(const Model& model, int world_size, std::size_t bucket_cap_bytes) {
@@ -107,7 +109,23 @@ struct ZeroTwoOptimizer::State {
   std::vector<std::unique_ptr<Work>> pending;  ///< per bucket: its reduce-scatter in flight
   std::size_t launched = 0;                    ///< buckets 0 .. launched-1 are on their way
 
+  // Gradient accumulation.
+  AccumulationOptions accumulation;
+  /// Per parameter: the backwards since the last step that made its gradient ready.
+  std::vector<int> arrivals;
+  /// kReduceEveryMicroBatch: micro-batches before the current one since the last step.
+  int micro = 0;
+  /// kReduceEveryMicroBatch with M > 1, one per buffer, C_max elements each: while a later
+  /// micro-batch's reduce-scatter overwrites a bucket's chunk of the shard, the sum of the
+  /// micro-batches before it waits here.
+  std::vector<Tensor> landings;
+  /// Per landing: the bucket whose earlier sum it holds (kNothingOwed: none).
+  std::vector<std::size_t> owed;
+
   Tensor& buffer_of(std::size_t bucket) { return buffers[bucket % buffers.size()]; }
+
+  /// M, the backwards of every step.
+  std::size_t micro_batches() const { return static_cast<std::size_t>(accumulation.micro_batches); }
 
   /// The buffer of bucket `bucket` seen as its padded flat range (N C elements).
   TensorView padded_range(std::size_t bucket) {
@@ -115,15 +133,69 @@ struct ZeroTwoOptimizer::State {
         0, buckets[bucket].chunk_elements * static_cast<std::size_t>(comm.size()));
   }
 
+  bool reduce_once() const { return accumulation.accumulation == Accumulation::kReduceOnce; }
+
+  /// The backwards since the last step (each begins with the first bucket's first gradient).
+  int backwards() const { return arrivals[buckets.front().parameters.front()]; }
+
+  /// Adds the earlier micro-batches' sum kept in landing `l` into its bucket's chunk of the
+  /// shard once that chunk's reduce-scatter is complete: s_m + (s_0 + ... + s_{m-1}), the
+  /// bits of (s_0 + ... + s_{m-1}) + s_m, since IEEE addition commutes.
+  void settle(std::size_t l) {
+    if (owed[l] == kNothingOwed) return;
+    const Bucket& bucket = buckets[owed[l]];
+    if (pending[owed[l]] != nullptr) {
+      pending[owed[l]]->wait();
+      pending[owed[l]].reset();
+    }
+    add(std::as_const(landings[l]).view(0, bucket.chunk_elements),
+        shard_grad.view(bucket.shard_offset, bucket.chunk_elements));
+    owed[l] = kNothingOwed;
+  }
+
+  /// Before bucket `b` of a later micro-batch is reduce-scattered into its chunk of the
+  /// shard (which overwrites it), keeps the sum of the micro-batches before it aside.
+  void keep_sum_aside(std::size_t b) {
+    if (micro == 0) return;
+    const std::size_t l = b % landings.size();
+    settle(l);
+    const Bucket& bucket = buckets[b];
+    copy(std::as_const(shard_grad).view(bucket.shard_offset, bucket.chunk_elements),
+         landings[l].view(0, bucket.chunk_elements));
+    owed[l] = b;
+  }
+
+  /// Counts this gradient's backward; false while kReduceOnce keeps it in
+  /// Parameter::grad for a later backward to add into. A later micro-batch of
+  /// kReduceEveryMicroBatch first completes the one before it.
+  bool arrive(const Parameter& parameter) {
+    int& seen = arrivals[parameter.index];
+    if (seen == accumulation.micro_batches)
+      throw Error(fmt::format(
+          "ZeroTwoOptimizer: the gradient of {} is ready for backward {} since the last step(), "
+          "with {} micro-batch(es) per step; call step() after every {} backward(s)",
+          parameter.name, seen + 1, accumulation.micro_batches, accumulation.micro_batches));
+    ++seen;
+    if (reduce_once()) return seen == accumulation.micro_batches;
+    if (launched == buckets.size()) {  // the first gradient of the next micro-batch
+      for (auto& work : pending)
+        if (work != nullptr) {
+          work->wait();
+          work.reset();
+        }
+      for (std::size_t l = 0; l < landings.size(); ++l) settle(l);
+      for (std::size_t b = 0; b < buckets.size(); ++b) missing[b] = buckets[b].parameters.size();
+      launched = 0;
+      ++micro;
+    }
+    return true;
+  }
+
   /// The gradient-ready hook: copy in, release, launch every complete bucket in order.
   void on_ready(Parameter& parameter) {
+    if (!arrive(parameter)) return;  // kept for the next backward to add into
     const Slot slot = slot_of[parameter.index];
     const Bucket& bucket = buckets[slot.bucket];
-    if (missing[slot.bucket] == 0)
-      throw Error(fmt::format(
-          "ZeroTwoOptimizer: the gradient of {} is ready a second time since the last step(); "
-          "call step() after every backward",
-          parameter.name));
     if (missing[slot.bucket] == bucket.parameters.size() && slot.bucket >= buffers.size() &&
         pending[slot.bucket - buffers.size()] != nullptr) {
       // The first gradient of this bucket: the bucket that used its buffer must be done.
@@ -134,6 +206,7 @@ struct ZeroTwoOptimizer::State {
     parameter.grad = Tensor();  // released: only the shard of the gradient stays
     --missing[slot.bucket];
     while (launched < buckets.size() && missing[launched] == 0) {
+      keep_sum_aside(launched);
       const Bucket& full = buckets[launched];
       const std::size_t padded = full.chunk_elements * static_cast<std::size_t>(comm.size());
       // The buffer is shared with other buckets: zero this bucket's padding before it goes.
@@ -150,22 +223,31 @@ struct ZeroTwoOptimizer::State {
   void rearm() {
     for (std::size_t b = 0; b < buckets.size(); ++b) missing[b] = buckets[b].parameters.size();
     launched = 0;
+
+    std::ranges::fill(arrivals, 0);  // and every micro-batch
+    std::ranges::fill(owed, kNothingOwed);
+    micro = 0;
   }
   // END SOLUTION
 };
 
 ZeroTwoOptimizer::ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFactory make_inner,
-                                   std::size_t bucket_cap_bytes, float max_norm) {
+                                   std::size_t bucket_cap_bytes, float max_norm,
+                                   AccumulationOptions accumulation) {
   // BEGIN SOLUTION
   // SKELETON: (void)model;
   // SKELETON: (void)comm;
   // SKELETON: (void)make_inner;
   // SKELETON: (void)bucket_cap_bytes;
   // SKELETON: (void)max_norm;
+  // SKELETON: (void)accumulation;
   // SKELETON: throw NotImplemented("lab6::ZeroTwoOptimizer::ZeroTwoOptimizer");
   if (!std::isfinite(max_norm) || max_norm < 0)
     throw Error(fmt::format("ZeroTwoOptimizer: max_norm {} is not finite and >= 0", max_norm));
   if (!make_inner) throw Error("ZeroTwoOptimizer: no optimizer factory");
+  if (accumulation.micro_batches < 1)
+    throw Error(fmt::format("ZeroTwoOptimizer: {} micro-batches per step; expected 1 or more",
+                            accumulation.micro_batches));
   auto state = std::make_unique<State>(model, comm);
   State& s = *state;
   s.max_norm = max_norm;
@@ -218,6 +300,20 @@ ZeroTwoOptimizer::ZeroTwoOptimizer(Model& model, Communicator& comm, OptimizerFa
     }
   }
   for (Parameter* parameter : parameters) parameter->grad = Tensor();  // the shard replaces them
+
+  // Gradient accumulation: a landing of the largest chunk per buffer (reducing every
+  // micro-batch), and the backwards counted per parameter.
+  s.accumulation = accumulation;
+  if (accumulation.micro_batches > 1 && !s.reduce_once()) {
+    std::size_t chunk = 0;
+    for (const Bucket& bucket : s.buckets) chunk = std::max(chunk, bucket.chunk_elements);
+    for (std::size_t i = 0; i < std::min(kBucketBuffers, s.buckets.size()); ++i)
+      s.landings.emplace_back(std::vector<std::int64_t>{static_cast<std::int64_t>(chunk)},
+                              MemoryCategory::kCommunication, device);
+    s.owed.assign(s.landings.size(), kNothingOwed);
+  }
+  s.arrivals.resize(parameters.size());
+
   s.missing.resize(s.buckets.size());
   s.pending.resize(s.buckets.size());
   s.rearm();
@@ -244,13 +340,24 @@ std::optional<float> ZeroTwoOptimizer::step() {
         "not arrive since the last step (did backward run?)",
         bucket, s.buckets.size(), missing));
   }
+  if (const int backwards = s.backwards(); backwards < s.accumulation.micro_batches) {
+    for (auto& work : s.pending)
+      if (work != nullptr) work->wait();
+    s.rearm();
+    throw Error(fmt::format(
+        "ZeroTwoOptimizer::step: {} backward(s) since the last step; expected {}, one per "
+        "micro-batch",
+        backwards, s.accumulation.micro_batches));
+  }
+  for (std::size_t l = 0; l < s.landings.size(); ++l) s.settle(l);  // the micro-batches' sums
   const auto world = static_cast<std::size_t>(s.comm.size());
   for (auto& work : s.pending) {
     if (work == nullptr) continue;  // waited in a hook already
     work->wait();
     work.reset();
   }
-  divide(s.shard_grad.view(), static_cast<float>(world));
+  // One division by N M: the sum of M micro-batches' gradients over N ranks.
+  divide(s.shard_grad.view(), static_cast<float>(world * s.micro_batches()));
 
   std::optional<float> norm;
   if (s.max_norm > 0) {
@@ -413,6 +520,45 @@ std::size_t predicted_gradient_peak_bytes(Model& model, int world_size,
   const std::size_t in_backward = 4 * largest_layer;
   const std::size_t buffers = 4 * std::min(kBucketBuffers, buckets.size()) * largest_bucket;
   return shard + in_backward + buffers;
+  // END SOLUTION
+}
+
+AccumulationCost predicted_accumulation_cost(Model& model, int world_size,
+                                             std::size_t bucket_cap_bytes,
+                                             AccumulationOptions accumulation) {
+  // BEGIN SOLUTION
+  // SKELETON: (void)model;
+  // SKELETON: (void)world_size;
+  // SKELETON: (void)bucket_cap_bytes;
+  // SKELETON: (void)accumulation;
+  // SKELETON: throw NotImplemented("lab6::predicted_accumulation_cost");
+  const std::vector<Bucket> buckets = plan_buckets(model, world_size, bucket_cap_bytes);
+  const auto world = static_cast<std::size_t>(world_size);
+  const auto micro_batches = static_cast<std::size_t>(accumulation.micro_batches);
+  const bool once = accumulation.accumulation == Accumulation::kReduceOnce;
+  // One step without accumulation: the shard, one layer's gradients, the buffers.
+  std::size_t peak = predicted_gradient_peak_bytes(model, world_size, bucket_cap_bytes);
+  if (micro_batches > 1 && once) {
+    // Between the micro-batches every gradient stays: the whole 4 Psi instead of a layer's.
+    std::size_t largest_layer = 0;
+    for (const auto& layer : model.layers()) {
+      std::size_t elements = 0;
+      for (const Parameter* parameter : layer->parameters()) elements += parameter->value.size();
+      largest_layer = std::max(largest_layer, elements);
+    }
+    peak += 4 * (model.num_parameters() - largest_layer);
+  } else if (micro_batches > 1) {
+    // A landing of the largest chunk per buffer.
+    std::size_t chunk = 0;
+    for (const Bucket& bucket : buckets) chunk = std::max(chunk, bucket.chunk_elements);
+    peak += 4 * std::min(kBucketBuffers, buckets.size()) * chunk;
+  }
+  // The local backend counts ring algorithms: a reduce-scatter of N C elements and an
+  // all-gather into N C each send (N - 1) C floats from every rank.
+  std::uint64_t per_collective = 0;
+  for (const Bucket& bucket : buckets) per_collective += 4 * (world - 1) * bucket.chunk_elements;
+  const std::size_t reduce_scatters = once ? 1 : micro_batches;
+  return {.gradient_peak_bytes = peak, .bytes_sent = (reduce_scatters + 1) * per_collective};
   // END SOLUTION
 }
 
