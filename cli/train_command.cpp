@@ -159,7 +159,7 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
       "        one process on the global batch: max difference {:.3g} (float32 sums of {} "
       "terms in another order; the bound for a short run is {:.3g}, and over long runs, with "
       "AdamW above all, the gap can outgrow it without any error: not checked)\n",
-      from_single.largest, args.options.global_batch, tolerance);
+      from_single.largest, args.options.global_batch * data.labels_per_sample, tolerance);
   if (!agrees)
     throw CheckFailed(fmt::format(
         "data-parallel training is not the arithmetic of {} ranks: the all-reduce's average, "
