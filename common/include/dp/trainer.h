@@ -7,6 +7,11 @@
 // the global batch's mean gradient, so both produce the same parameters up to float32
 // rounding (see `equivalence_tolerance`). `dplab train` is a thin shell around these.
 //
+// The model is an MLP on a classification set, or a GPT on a text set (options.model
+// "gpt:...", options.dataset "text:PATH" or "fortunes", dp/text_data.h): a sample is then a
+// window of `context` tokens with a label per token, batched and sliced between ranks the
+// same way, and the GPT's vocabulary is the data's.
+//
 // Example:
 //
 //   dp::TrainOptions options;                       // 64-256-256-10 on synthetic data
