@@ -98,6 +98,8 @@ TEST(CharTokenizer, BadInputIsAClearError) {
                {"the prompt has the byte 'x' at position 2", "not in the vocabulary",
                 "expected one of the 3 bytes \"abc\""});
   expect_error([&] { tokenizer.encode("a\n"); }, {"the byte '\\n' at position 1"});
+  // The vocabulary as the message shows it: quotes and control bytes escaped.
+  EXPECT_EQ(dp::CharTokenizer::from_corpus("a\"'\n\x01").describe(), "\"\\x01\\n\\\"'a\"");
   const std::vector<int> bad_ids = {0, 3};
   expect_error([&] { tokenizer.decode(bad_ids); },
                {"token 3 at position 1", "expected an id from 0 to 2"});

@@ -145,8 +145,12 @@ std::string CharTokenizer::decode(std::span<const int> ids) const {
 std::string CharTokenizer::describe() const {
   std::string text = "\"";
   for (const char byte : vocabulary_) {
+    if (byte == '"') {
+      text += "\\\"";  // the closing quote would be ambiguous
+      continue;
+    }
     const std::string shown = describe_byte(byte);
-    text += shown.substr(1, shown.size() - 2);  // without the quotes
+    text += byte == '\'' ? "'" : shown.substr(1, shown.size() - 2);  // without the quotes
   }
   return text + "\"";
 }
