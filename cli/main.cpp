@@ -6,6 +6,7 @@
 //   dplab train -n 8 --net ib-ndr --trace run.json   # simulated InfiniBand, Chrome trace
 //   dplab bench-comm -n 8 --net ib-ndr        # algbw and busbw per message size
 //   dplab consolidate ckpt/ -o full.safetensors   # one file from a sharded checkpoint
+//   dplab sample dplab-train.safetensors          # text from a trained GPT
 //
 // dplab-reference is this program built with DP_REFERENCE_BUILD=1: its `grade` grades the
 // reference solutions instead of labs/.
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
   dp::cli::add_run_command(app);
   dp::cli::add_grade_command(app);
   dp::cli::add_consolidate_command(app);
+  dp::cli::add_sample_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

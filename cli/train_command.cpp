@@ -14,6 +14,13 @@
 //
 // continues from step 700 and ends with bitwise the parameters of an uninterrupted run.
 // Every number is checked and every output path is tried before the data is loaded.
+//
+// A GPT trains on text, a character per token (dp/text_data.h):
+//
+//   dplab train --model gpt:layers=4,dim=128,heads=4,context=64 --dataset fortunes
+//   dplab sample dplab-train.safetensors                # text from the trained model
+//
+// its vocabulary comes from the data and is stored in the checkpoint.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -75,6 +82,7 @@ void save_checkpoint(const TrainArguments& args, const Dataset& data, const Mode
   info.world_size = world_size;
   info.backend = args.backend;
   info.allow_non_finite = args.save_non_finite;
+  info.tokenizer = data.tokenizer;
   save_training_checkpoint(args.checkpoint, args.options, model, optimizer, step, data.size(),
                            info);
   fmt::print("checkpoint: {} (step {}: {} parameters and {} optimizer state tensors)\n",
@@ -151,7 +159,7 @@ void verify_against_single_process(const TrainArguments& args, const Dataset& da
       "        one process on the global batch: max difference {:.3g} (float32 sums of {} "
       "terms in another order; the bound for a short run is {:.3g}, and over long runs, with "
       "AdamW above all, the gap can outgrow it without any error: not checked)\n",
-      from_single.largest, args.options.global_batch, tolerance);
+      from_single.largest, args.options.global_batch * data.labels_per_sample, tolerance);
   if (!agrees)
     throw CheckFailed(fmt::format(
         "data-parallel training is not the arithmetic of {} ranks: the all-reduce's average, "
@@ -190,20 +198,50 @@ void print_simulated_time(const SimulationOptions& simulation,
 /// About how many bytes the checkpoint of a run of `options` takes: every parameter and
 /// optimizer state tensor as float32. The header and layer norm's parameters are left out, so
 /// that it is a lower bound and the free space check never refuses a checkpoint that fits.
-/// No overflow: at most 2^60 parameters (parse_mlp_spec), 3 copies of 4 bytes, under 2^64.
+/// No overflow: at most 2^60 parameters (parse_mlp_spec, parse_gpt_spec), 3 copies of 4
+/// bytes, under 2^64. A GPT's vocabulary is not known before the data: its embedding and
+/// head are left out too.
 std::uintmax_t checkpoint_bytes(const TrainOptions& options) {
-  const std::vector<std::int64_t> widths = parse_mlp_spec(options.model);
   std::uintmax_t parameters = 0;
-  for (std::size_t i = 0; i + 1 < widths.size(); ++i)
-    parameters += static_cast<std::uintmax_t>(widths[i] + 1) *
-                  static_cast<std::uintmax_t>(widths[i + 1]);  // weights and biases
+  if (is_gpt_spec(options.model)) {
+    const GptSpec spec = parse_gpt_spec(options.model);
+    const auto dim = static_cast<std::uintmax_t>(spec.dim);
+    // Per block: the QKV and output projections (4 C^2) and the MLP's two (8 C^2).
+    parameters = static_cast<std::uintmax_t>(spec.layers) * 12 * dim * dim +
+                 static_cast<std::uintmax_t>(spec.context) * dim;  // and the positions
+  } else {
+    const std::vector<std::int64_t> widths = parse_mlp_spec(options.model);
+    for (std::size_t i = 0; i + 1 < widths.size(); ++i)
+      parameters += static_cast<std::uintmax_t>(widths[i] + 1) *
+                    static_cast<std::uintmax_t>(widths[i + 1]);  // weights and biases
+  }
   // AdamW keeps two moments per parameter, SGD one momentum buffer unless momentum is 0.
   const std::uintmax_t states =
       options.optimizer == "adamw" ? 2 : (options.momentum != 0.0f ? 1 : 0);
   return parameters * (1 + states) * sizeof(float);
 }
 
-void run_train(const TrainArguments& args) {
+/// The data set of a run: a text set is cut into windows of the GPT's context.
+Dataset load_training_data(const TrainOptions& options) {
+  const std::int64_t context =
+      is_gpt_spec(options.model) ? parse_gpt_spec(options.model).context : 0;
+  return load_dataset(options.dataset, options.seed, context);
+}
+
+/// The run's first line: the model, the data and how they are trained.
+void print_run_header(const TrainArguments& args, const Dataset& data, int world_size) {
+  const std::string samples =
+      data.tokenizer ? fmt::format("{} windows of {} tokens, a vocabulary of {} bytes", data.size(),
+                                   data.labels_per_sample, data.tokenizer->size())
+                     : fmt::format("{} samples", data.size());
+  fmt::print(
+      "dplab train: model {} on {} ({}), {} ranks on the {} backend, global batch {}, {} "
+      "steps, {} lr {}\n",
+      args.options.model, data.name, samples, world_size, args.backend, args.options.global_batch,
+      args.options.steps, args.options.optimizer, args.options.lr);
+}
+
+void run_train(TrainArguments args) {
   // Everything that can be checked without the data is checked first: a bad number or an
   // unwritable path must not cost a training run.
   LaunchOptions launch_options;
@@ -273,17 +311,23 @@ void run_train(const TrainArguments& args) {
                      stale.string());
   }
 
-  const Dataset data = load_dataset(args.options.dataset, args.options.seed);
+  const Dataset data = load_training_data(args.options);
   check_data_fits_model(args.options, data);
+  // A GPT's vocabulary is the data's: the checkpoint records it, and a resumed run's must match.
+  if (is_gpt_spec(args.options.model)) args.options.vocab = data.num_classes;
   std::optional<TrainingCheckpoint> resumed;
-  if (!args.resume.empty())
+  if (!args.resume.empty()) {
     resumed = load_training_checkpoint(args.resume, args.options, data.size());
+    if (data.tokenizer &&
+        CharTokenizer::from_metadata(resumed->info, args.resume) != *data.tokenizer)
+      throw Error(fmt::format(
+          "cannot resume from '{}': its vocabulary {} is not the data set's {} (the text "
+          "changed since it was saved)",
+          args.resume, CharTokenizer::from_metadata(resumed->info, args.resume).describe(),
+          data.tokenizer->describe()));
+  }
   if (prints) {
-    fmt::print(
-        "dplab train: model {} on {} ({} samples), {} ranks on the {} backend, global "
-        "batch {}, {} steps, {} lr {}\n",
-        args.options.model, data.name, data.size(), world_size, args.backend,
-        args.options.global_batch, args.options.steps, args.options.optimizer, args.options.lr);
+    print_run_header(args, data, world_size);
     if (resumed) {
       fmt::print("resuming from {} at step {}\n", args.resume, resumed->step);
       const auto saved_by = resumed->info.find("world_size");
@@ -303,12 +347,20 @@ void run_train(const TrainArguments& args) {
     save_checkpoint(args, data, model, optimizer, step, world_size);
   };
   std::vector<RankTrace> traces(static_cast<std::size_t>(world_size));
+  // A GPT's samples are windows: its throughput is counted in tokens.
+  const std::int64_t tokens_per_sample = data.tokenizer ? data.labels_per_sample : 0;
   launch(launch_options, [&](Communicator& comm) {
     const TrainResult result = train_data_parallel(
         args.options, data, comm,
-        [simulated](const StepReport& report) {
-          fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}", report.step,
-                     report.loss, report.accuracy, report.samples_per_second);
+        [simulated, tokens_per_sample](const StepReport& report) {
+          if (tokens_per_sample > 0) {
+            fmt::print("step {:5d}  loss {:.4f}  next-token accuracy {:.3f}  tokens/s {:.0f}",
+                       report.step, report.loss, report.accuracy,
+                       report.samples_per_second * static_cast<double>(tokens_per_sample));
+          } else {
+            fmt::print("step {:5d}  loss {:.4f}  accuracy {:.3f}  samples/s {:.0f}", report.step,
+                       report.loss, report.accuracy, report.samples_per_second);
+          }
           if (simulated)
             fmt::print("  simulated step {:.3f} us", report.clock_seconds_per_step * 1e6);
           fmt::print("\n");
@@ -341,11 +393,19 @@ void add_train_command(CLI::App& app) {
   auto args = std::make_shared<TrainArguments>();
   TrainOptions& o = args->options;
   CLI::App* train = app.add_subcommand("train", "Train a model data-parallel");
-  train->add_option("--model", o.model, "MLP layer widths, input first")->capture_default_str();
+  train
+      ->add_option("--model", o.model,
+                   "MLP layer widths, input first, or a GPT: gpt or "
+                   "gpt:layers=L,dim=C,heads=H,context=T (trains on text)")
+      ->capture_default_str();
   train->add_option("--activation", o.activation, "relu or gelu")->capture_default_str();
   train->add_flag("--layer-norm", o.layer_norm, "A LayerNorm before each activation");
-  train->add_option("--dataset", o.dataset, "synthetic[:N], digits, csv:PATH, idx:IMAGES,LABELS")
-      ->capture_default_str();
+  CLI::Option* dataset =
+      train
+          ->add_option("--dataset", o.dataset,
+                       "synthetic[:N], digits, csv:PATH, idx:IMAGES,LABELS; for a GPT text:PATH "
+                       "or fortunes (Debian's fortunes, a GPT's default)")
+          ->capture_default_str();
   train->add_option("--batch", o.global_batch, "Global batch size (all ranks together)")
       ->capture_default_str()
       ->check(whole_number_at_least(1));
@@ -413,8 +473,11 @@ void add_train_command(CLI::App& app) {
                    "Where the model and optimizer state live: host, cuda, or emulated (the "
                    "CUDA device emulated in host memory)")
       ->capture_default_str();
-  train->callback([args] {
+  train->callback([args, dataset] {
     args->options.device = select_device(args->device);
+    // A GPT trains on text: without --dataset, on the default corpus.
+    if (dataset->count() == 0 && is_gpt_spec(args->options.model))
+      args->options.dataset = "fortunes";
     run_train(*args);
   });
 }

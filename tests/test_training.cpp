@@ -310,14 +310,19 @@ TEST(TrainOptionsCheck, NamesEachOptionOutOfRange) {
   EXPECT_NE(with([](TrainOptions& o) { o.optimizer = "lamb"; }).find("unknown optimizer"),
             std::string::npos);
   EXPECT_NE(with([](TrainOptions& o) { o.model = "64-x"; }).find("64-x"), std::string::npos);
-  // A GPT spec is recognised: a bad one gets the GPT grammar's message, a good one says
-  // that training a GPT is not wired in yet (rather than "width 1 is not a whole number").
+  // A GPT spec is recognised: a bad one gets the GPT grammar's message, a good one on data
+  // that is not text says that a GPT trains on text (rather than "width 1 is not a whole
+  // number"); on text it is fine.
   EXPECT_NE(with([](TrainOptions& o) { o.model = "gpt:depth=2"; }).find("unknown key \"depth\""),
             std::string::npos);
   EXPECT_NE(with([](TrainOptions& o) {
               o.model = "gpt:layers=2";
-            }).find("a GPT trains on token sequences, which the trainer does not read yet"),
+            }).find("is a GPT, which trains on text, but the data set 'synthetic' is not"),
             std::string::npos);
+  TrainOptions gpt_on_text;
+  gpt_on_text.model = "gpt:layers=2";
+  gpt_on_text.dataset = "text:any.txt";
+  EXPECT_NO_THROW(check_train_options(gpt_on_text));
   TrainOptions fine;
   EXPECT_NO_THROW(check_train_options(fine));
   // Before: an infinite learning rate trained and saved an all-NaN model.

@@ -138,6 +138,13 @@ class GradientWatch {
   std::vector<std::size_t> sizes_;
 };
 
+/// `options` with a GPT's vocabulary taken from `data` when it is not set.
+TrainOptions with_vocabulary_of(const TrainOptions& options, const Dataset& data) {
+  TrainOptions resolved = options;
+  if (is_gpt_spec(options.model) && resolved.vocab == 0) resolved.vocab = data.num_classes;
+  return resolved;
+}
+
 std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const Model& model) {
   return make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
                         options.weight_decay, options.device);
@@ -204,9 +211,10 @@ void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::
 
 /// The training loop shared by the entry points; `comm` is null for a single process, which
 /// emulates `emulated_world` ranks when that is above 1.
-TrainResult train(const TrainOptions& options, const Dataset& data, Communicator* comm,
+TrainResult train(const TrainOptions& given_options, const Dataset& data, Communicator* comm,
                   const ReportCallback& on_report, const TrainCheckpointing& checkpointing,
                   int emulated_world = 1) {
+  const TrainOptions options = with_vocabulary_of(given_options, data);
   const int world = comm != nullptr ? comm->size() : emulated_world;
   const int rank = comm != nullptr ? comm->rank() : 0;
   check_train_options(options);
@@ -341,17 +349,21 @@ constexpr const char* kCheckpointFormatWithoutChecksums = "dplab-train-1";
 /// their shortest exact form, so that reading them back gives the same bits.
 std::map<std::string, std::string> trajectory_options(const TrainOptions& options,
                                                       std::size_t dataset_size) {
-  return {{"model", options.model},
-          {"activation", options.activation},
-          {"layer_norm", options.layer_norm ? "true" : "false"},
-          {"dataset", options.dataset},
-          {"dataset_samples", std::to_string(dataset_size)},
-          {"global_batch", std::to_string(options.global_batch)},
-          {"seed", std::to_string(options.seed)},
-          {"optimizer", options.optimizer},
-          {"lr", fmt::format("{}", options.lr)},
-          {"momentum", fmt::format("{}", options.momentum)},
-          {"weight_decay", fmt::format("{}", options.weight_decay)}};
+  std::map<std::string, std::string> entries = {
+      {"model", options.model},
+      {"activation", options.activation},
+      {"layer_norm", options.layer_norm ? "true" : "false"},
+      {"dataset", options.dataset},
+      {"dataset_samples", std::to_string(dataset_size)},
+      {"global_batch", std::to_string(options.global_batch)},
+      {"seed", std::to_string(options.seed)},
+      {"optimizer", options.optimizer},
+      {"lr", fmt::format("{}", options.lr)},
+      {"momentum", fmt::format("{}", options.momentum)},
+      {"weight_decay", fmt::format("{}", options.weight_decay)}};
+  // A GPT's vocabulary too (an MLP's checkpoints stay as they were).
+  if (is_gpt_spec(options.model)) entries["vocab"] = std::to_string(options.vocab);
+  return entries;
 }
 
 /// Throws unless every value of `tensor` is finite, naming the first that is not.
@@ -399,13 +411,27 @@ void check_train_device(Device device) {
 void check_train_options(const TrainOptions& options) {
   if (is_gpt_spec(options.model)) {
     parse_gpt_spec(options.model);  // a bad spec's own message first
-    throw Error(fmt::format(
-        "model {}: a GPT trains on token sequences, which the trainer does not read yet (the "
-        "GPT layers and dp::Model::gpt exist; the text data set and its training loop are "
-        "issue 29's next items); train an MLP spec such as \"64-256-10\" for now",
-        options.model));
+    if (!is_text_dataset_spec(options.dataset))
+      throw Error(fmt::format(
+          "model {} is a GPT, which trains on text, but the data set '{}' is not: expected "
+          "--dataset text:FILE or --dataset fortunes",
+          options.model, options.dataset));
+    if (options.layer_norm || options.activation != "relu")
+      throw Error(fmt::format(
+          "model {} is a GPT: --layer-norm and --activation shape an MLP (a GPT's blocks have "
+          "their LayerNorms and GELU built in); expected neither",
+          options.model));
+    if (options.vocab < 0)
+      throw Error(fmt::format("a GPT's vocabulary must be 0 (from the data) or more, got {}",
+                              options.vocab));
+  } else {
+    parse_mlp_spec(options.model);
+    if (is_text_dataset_spec(options.dataset))
+      throw Error(fmt::format(
+          "the data set '{}' is text, which a GPT trains on, but the model {} is an MLP: "
+          "expected --model gpt or gpt:layers=L,dim=C,heads=H,context=T",
+          options.dataset, options.model));
   }
-  parse_mlp_spec(options.model);
   if (options.activation != "relu" && options.activation != "gelu")
     throw Error(
         fmt::format("unknown activation '{}': expected 'relu' or 'gelu'", options.activation));
@@ -427,7 +453,45 @@ void check_train_options(const TrainOptions& options) {
                             options.log_every));
 }
 
+namespace {
+
+/// check_data_fits_model for a GPT: windows of its context, labels in the vocabulary.
+void check_text_fits_gpt(const TrainOptions& options, const Dataset& data) {
+  const GptSpec spec = parse_gpt_spec(options.model);
+  if (!data.tokenizer || data.labels_per_sample != spec.context ||
+      data.feature_dim() != spec.context)
+    throw Error(fmt::format(
+        "the data set '{}' is not windows of {} tokens, the context of model {}: it has {} "
+        "features and {} labels per sample{}; expected a text data set cut for this context "
+        "(dp::load_dataset(spec, seed, {}))",
+        data.name, spec.context, options.model, data.feature_dim(), data.labels_per_sample,
+        data.tokenizer ? "" : " and no tokenizer", spec.context));
+  const std::int64_t vocab = options.vocab != 0 ? options.vocab : data.num_classes;
+  if (vocab != data.num_classes)
+    throw Error(fmt::format(
+        "model {} has a vocabulary of {} tokens, but the data set '{}' has {}: expected equal",
+        options.model, vocab, data.name, data.num_classes));
+  for (std::size_t i = 0; i < data.labels.size(); ++i)
+    if (data.labels[i] < 0 || data.labels[i] >= vocab)
+      throw Error(fmt::format(
+          "window {} of the data set '{}' has the label {} at position {}: expected a token "
+          "id from 0 to {}",
+          i / static_cast<std::size_t>(data.labels_per_sample), data.name, data.labels[i],
+          i % static_cast<std::size_t>(data.labels_per_sample), vocab - 1));
+}
+
+}  // namespace
+
 void check_data_fits_model(const TrainOptions& options, const Dataset& data) {
+  if (is_gpt_spec(options.model)) {
+    check_text_fits_gpt(options, data);
+    return;
+  }
+  if (data.labels_per_sample != 1)
+    throw Error(fmt::format(
+        "the data set '{}' has {} labels per sample (a text set, for a GPT), but the model {} "
+        "is an MLP, which takes one: expected a classification data set",
+        data.name, data.labels_per_sample, options.model));
   const std::vector<std::int64_t> widths = parse_mlp_spec(options.model);
   if (data.feature_dim() != widths.front())
     throw Error(fmt::format(
@@ -503,6 +567,7 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
     for (const NamedTensor& named : tensors) check_finite(path, named.name, *named.tensor, step);
 
   std::map<std::string, std::string> metadata = trajectory_options(options, dataset_size);
+  if (info.tokenizer) info.tokenizer->add_to_metadata(metadata);
   const GlobalBatches position(dataset_size, options.global_batch, options.seed);
   metadata["format"] = kCheckpointFormat;
   metadata["producer"] = "dplab train";
@@ -591,6 +656,15 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
 }
 
 Model make_model(const TrainOptions& options) {
+  if (is_gpt_spec(options.model)) {
+    if (options.vocab == 0)
+      throw Error(
+          fmt::format("model {}: a GPT's vocabulary comes from its data, and none was given (set "
+                      "TrainOptions::vocab to the data set's num_classes)",
+                      options.model));
+    return Model::gpt(parse_gpt_spec(options.model), options.vocab,
+                      {.seed = options.seed, .device = options.device});
+  }
   MlpOptions mlp;
   mlp.activation = options.activation;
   mlp.layer_norm = options.layer_norm;
@@ -628,8 +702,12 @@ float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient)
   if (options.optimizer == "sgd" && options.momentum > 0 && options.momentum < 1)
     effective_lr /= 1.0f - options.momentum;
   if (options.optimizer == "adamw") effective_lr *= kAdamWAmplification;
-  const float per_step = effective_lr * static_cast<float>(options.global_batch) * kUnitRoundoff *
-                         std::max(max_abs_gradient, 1.0f);
+  // The terms of each gradient's sum: one per sample, or per predicted token of a GPT.
+  const float terms =
+      static_cast<float>(options.global_batch) *
+      (is_gpt_spec(options.model) ? static_cast<float>(parse_gpt_spec(options.model).context)
+                                  : 1.0f);
+  const float per_step = effective_lr * terms * kUnitRoundoff * std::max(max_abs_gradient, 1.0f);
   return 2.0f * static_cast<float>(std::max(options.steps, 1)) * per_step;
 }
 

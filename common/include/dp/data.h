@@ -1,9 +1,11 @@
 // data.h: classification data sets held in memory, and how to make or load them.
 //
-// A `Dataset` is N samples of D float features and one integer label each. The labs
-// never read files themselves: they ask `load_dataset` for a set by the name the CLI
-// takes ("synthetic", "digits", "csv:PATH", "idx:IMAGES,LABELS") and cut it into
-// batches with `gather_batch`, which is what a `DistributedSampler`'s indices feed.
+// A `Dataset` is N samples of D float features and one integer label each (or, for a text
+// set, a window of D token ids and the D tokens that follow them: dp/text_data.h). The
+// labs never read files themselves: they ask `load_dataset` for a set by the name the CLI
+// takes ("synthetic", "digits", "csv:PATH", "idx:IMAGES,LABELS", "text:PATH",
+// "fortunes") and cut it into batches with `gather_batch`, which is what a
+// `DistributedSampler`'s indices feed.
 //
 // The default set is synthetic: it is computed from a seed, so every rank of every run
 // on every machine holds bitwise the same samples without a download or a broadcast.
@@ -19,37 +21,46 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "dp/tensor.h"
+#include "dp/tokenizer.h"
 
 namespace dp {
 
-/// A classification data set held in memory.
+/// A classification data set held in memory, or the windows of a tokenized text.
 struct Dataset {
   /// A short name for logs and reports, e.g. "digits" or "synthetic:1024".
   std::string name;
   /// The samples, one per row: (N, D) float32, charged under `MemoryCategory::kOther`.
   Tensor features;
-  /// One label per sample, each in [0, num_classes).
+  /// `labels_per_sample` labels per sample, sample i's at [i L, (i + 1) L), each in
+  /// [0, num_classes).
   std::vector<int> labels;
-  /// The number of classes a model must tell apart.
+  /// The number of classes a model must tell apart (a text set's vocabulary size).
   int num_classes = 0;
+  /// Labels per sample L: 1 for a classification set; a text set's context, the next token
+  /// of each position of the window.
+  std::int64_t labels_per_sample = 1;
+  /// A text set's tokenizer (the ids of features and labels are its tokens); none for a
+  /// classification set.
+  std::optional<CharTokenizer> tokenizer;
 
   /// The number of samples N.
-  std::size_t size() const { return labels.size(); }
+  std::size_t size() const { return labels.size() / static_cast<std::size_t>(labels_per_sample); }
   /// The number of features per sample D (0 for an empty data set).
   std::int64_t feature_dim() const { return features.rank() == 2 ? features.dim(1) : 0; }
 };
 
-/// One batch: inputs (B, D) charged under `MemoryCategory::kActivations`, and B labels.
+/// One batch: inputs (B, D) charged under `MemoryCategory::kActivations`, and B L labels.
 struct Batch {
   /// The gathered samples, one per row.
   Tensor inputs;
-  /// The label of each row of `inputs`.
+  /// The labels of each row of `inputs` (L per row, row after row).
   std::vector<int> labels;
 };
 
@@ -117,15 +128,22 @@ Dataset load_digits(const std::filesystem::path& csv_path);
 Dataset load_idx(const std::filesystem::path& images, const std::filesystem::path& labels);
 
 /// The files a data set spec reads (see `load_dataset`): none for "synthetic", the shipped
-/// CSV for "digits", PATH for "csv:PATH", both files for "idx:IMAGES,LABELS". Commands use
-/// it to refuse an output path that would overwrite their own data. Throws `dp::Error` for
-/// a spec `load_dataset` would reject.
+/// CSV for "digits", PATH for "csv:PATH", both files for "idx:IMAGES,LABELS", PATH for
+/// "text:PATH", the fortune files for "fortunes". Commands use it to refuse an output path
+/// that would overwrite their own data. Throws `dp::Error` for a spec `load_dataset` would
+/// reject.
 std::vector<std::filesystem::path> dataset_files(std::string_view spec);
 
+/// True when `spec` names a text data set, "text:PATH" or "fortunes": one a GPT trains on.
+bool is_text_dataset_spec(std::string_view spec);
+
 /// Makes or loads a data set by the name the CLI takes: "synthetic" (default options),
-/// "synthetic:N" (N samples), "digits", "csv:PATH" or "idx:IMAGES,LABELS". `seed`
-/// selects the synthetic set and is ignored by the others. Any other spec throws
-/// `dp::Error` listing the accepted forms.
-Dataset load_dataset(std::string_view spec, std::uint64_t seed = 0);
+/// "synthetic:N" (N samples), "digits", "csv:PATH", "idx:IMAGES,LABELS", or a text set
+/// cut into windows of `text_context` tokens (dp/text_data.h): "text:PATH" (a file) or
+/// "fortunes" (the default corpus, Debian's fortunes). `seed` selects the synthetic set and
+/// is ignored by the others; `text_context` is needed by the text sets (a GPT's context)
+/// and ignored by the others. Any other spec throws `dp::Error` listing the accepted forms,
+/// and so does a text spec with `text_context` below 1.
+Dataset load_dataset(std::string_view spec, std::uint64_t seed = 0, std::int64_t text_context = 0);
 
 }  // namespace dp

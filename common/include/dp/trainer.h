@@ -7,6 +7,11 @@
 // the global batch's mean gradient, so both produce the same parameters up to float32
 // rounding (see `equivalence_tolerance`). `dplab train` is a thin shell around these.
 //
+// The model is an MLP on a classification set, or a GPT on a text set (options.model
+// "gpt:...", options.dataset "text:PATH" or "fortunes", dp/text_data.h): a sample is then a
+// window of `context` tokens with a label per token, batched and sliced between ranks the
+// same way, and the GPT's vocabulary is the data's.
+//
 // Example:
 //
 //   dp::TrainOptions options;                       // 64-256-256-10 on synthetic data
@@ -37,6 +42,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -46,23 +52,26 @@
 #include "dp/data.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
+#include "dp/tokenizer.h"
 
 namespace dp {
 
 /// What to train and how.
 struct TrainOptions {
-  std::string model = "64-256-256-10";  ///< MLP spec: layer widths, input first
-  std::string activation = "relu";      ///< "relu" or "gelu"
-  bool layer_norm = false;              ///< a LayerNorm before each activation
-  std::string dataset = "synthetic";    ///< a `load_dataset` spec
-  std::int64_t global_batch = 64;       ///< samples per step over all ranks
-  int steps = 100;                      ///< optimizer steps
-  std::string optimizer = "sgd";        ///< "sgd" or "adamw"
-  float lr = 0.1f;                      ///< learning rate
-  float momentum = 0.0f;                ///< SGD momentum
-  float weight_decay = 0.0f;            ///< decoupled for AdamW, L2 for SGD
-  std::uint64_t seed = 0;               ///< initial weights and data order
-  int log_every = 10;                   ///< report every this many steps (and the last), >= 1
+  /// An MLP spec (layer widths, input first) or a GPT spec ("gpt:layers=4,dim=128,heads=4,
+  /// context=64", dp/model.h), which trains on a text data set (dp/text_data.h).
+  std::string model = "64-256-256-10";
+  std::string activation = "relu";    ///< "relu" or "gelu"
+  bool layer_norm = false;            ///< a LayerNorm before each activation
+  std::string dataset = "synthetic";  ///< a `load_dataset` spec
+  std::int64_t global_batch = 64;     ///< samples per step over all ranks
+  int steps = 100;                    ///< optimizer steps
+  std::string optimizer = "sgd";      ///< "sgd" or "adamw"
+  float lr = 0.1f;                    ///< learning rate
+  float momentum = 0.0f;              ///< SGD momentum
+  float weight_decay = 0.0f;          ///< decoupled for AdamW, L2 for SGD
+  std::uint64_t seed = 0;             ///< initial weights and data order
+  int log_every = 10;                 ///< report every this many steps (and the last), >= 1
   /// Data-parallel: issue each gradient's all-reduce from its gradient-ready hook, during
   /// backward, so that communication overlaps the rest of backward (the same all-reduces,
   /// so the same bits, in reverse parameter order); otherwise all after backward.
@@ -72,6 +81,9 @@ struct TrainOptions {
   /// exchange device buffers, which the local and nccl backends take (see
   /// `check_train_device`).
   Device device = Device::kHost;
+  /// A GPT's vocabulary (tokens): 0 takes it from the data set, which the trainers do;
+  /// `make_model` and `load_training_checkpoint` need it set for a GPT.
+  std::int64_t vocab = 0;
 };
 
 /// Throws `dp::Error` unless training on `device` is possible in this build and process:
@@ -82,13 +94,17 @@ void check_train_device(Device device);
 /// Throws `dp::Error` naming the first option of `options` that is out of range: a model
 /// spec that does not parse, an unknown activation or optimizer, a global batch below 1,
 /// negative steps, a learning rate or weight decay that is negative or not finite, a
-/// momentum outside [0, 1), or `log_every` below 1. The trainers call it first; commands
-/// call it before they load data.
+/// momentum outside [0, 1), or `log_every` below 1; a GPT with a data set that is not text
+/// (`is_text_dataset_spec`) or with an MLP's options (--layer-norm, --activation gelu), an
+/// MLP with a text data set. The trainers call it first; commands call it before they
+/// load data.
 void check_train_options(const TrainOptions& options);
 
-/// Throws `dp::Error` unless the model `options` describes can train on `data`: its input
-/// width must equal the data's feature count and every label must be below its output
-/// width (the error names the first sample whose label is not). Checked before the first
+/// Throws `dp::Error` unless the model `options` describes can train on `data`. An MLP:
+/// its input width must equal the data's feature count, one label per sample, and every
+/// label must be below its output width (the error names the first sample whose label is
+/// not). A GPT: the data must be windows of its context (`labels_per_sample`), with a
+/// tokenizer, and `options.vocab`, when set, the data's vocabulary. Checked before the first
 /// step, so a bad label cannot hide until a batch happens to draw it.
 void check_data_fits_model(const TrainOptions& options, const Dataset& data);
 
@@ -155,7 +171,8 @@ std::vector<std::size_t> global_batch_indices(std::size_t dataset_size, std::int
                                               int step, std::uint64_t seed);
 
 /// Builds the model `options` describe, with the initial weights of `options.seed`, on
-/// `options.device`.
+/// `options.device`: `Model::mlp` or, for a GPT spec, `Model::gpt` over `options.vocab`
+/// tokens (throws `dp::Error` when it is 0: the vocabulary comes from the data).
 Model make_model(const TrainOptions& options);
 
 /// A training run's saved state, read back by `load_training_checkpoint`.
@@ -185,6 +202,9 @@ struct TrainingCheckpointInfo {
   int world_size = 1;             ///< ranks of the run that saved it
   std::string backend{};          ///< "local" or "mpi" (empty for a single process)
   bool allow_non_finite = false;  ///< save even if a value is NaN or infinite
+  /// A text data set's tokenizer, recorded in the metadata (`CharTokenizer::add_to_metadata`)
+  /// so that the model's text can be decoded (`dplab sample`).
+  std::optional<CharTokenizer> tokenizer{};
 };
 
 /// Saves the state of a run after `step` steps to `path` as safetensors (see
@@ -193,7 +213,8 @@ struct TrainingCheckpointInfo {
 /// and data position (epoch and batch within it), the optimizer's counter, every option
 /// that decides the trajectory (model, activation, layer_norm, dataset and its size, batch,
 /// seed, optimizer, lr, momentum, weight_decay, exactly as text), the world size and
-/// backend, and checksums of the header and of every tensor (format "dplab-train-2";
+/// backend, a GPT's vocabulary size ("vocab") and a text set's tokenizer, and checksums of
+/// the header and of every tensor (format "dplab-train-2";
 /// "dplab-train-1", the format before checksums, is still read). Other tools read it as an
 /// ordinary checkpoint of the parameters. Throws
 /// `dp::Error` when a value is NaN or infinite (naming it; a diverged run is not worth

@@ -14,6 +14,7 @@
 #include "dp/data.h"
 #include "dp/error.h"
 #include "dp/memory.h"
+#include "dp/text_data.h"
 
 namespace dp {
 
@@ -70,11 +71,14 @@ namespace {
 // Copies samples [begin, end) of `data` into a new data set with the same classes.
 Dataset copy_rows(const Dataset& data, std::size_t begin, std::size_t end, std::string name) {
   const std::int64_t dim = data.feature_dim();
+  const auto per_sample = static_cast<std::size_t>(data.labels_per_sample);
   Dataset part;
   part.name = std::move(name);
   part.num_classes = data.num_classes;
-  part.labels.assign(data.labels.begin() + static_cast<std::ptrdiff_t>(begin),
-                     data.labels.begin() + static_cast<std::ptrdiff_t>(end));
+  part.labels_per_sample = data.labels_per_sample;
+  part.tokenizer = data.tokenizer;
+  part.labels.assign(data.labels.begin() + static_cast<std::ptrdiff_t>(begin * per_sample),
+                     data.labels.begin() + static_cast<std::ptrdiff_t>(end * per_sample));
   part.features =
       Tensor::uninitialized({static_cast<std::int64_t>(end - begin), dim}, MemoryCategory::kOther);
   const std::size_t row_floats = static_cast<std::size_t>(dim);
@@ -88,10 +92,11 @@ Dataset copy_rows(const Dataset& data, std::size_t begin, std::size_t end, std::
 Batch gather_batch(const Dataset& data, std::span<const std::size_t> indices) {
   const std::int64_t dim = data.feature_dim();
   const std::size_t row_floats = static_cast<std::size_t>(dim);
+  const auto per_sample = static_cast<std::size_t>(data.labels_per_sample);
   Batch batch;
   batch.inputs = Tensor::uninitialized({static_cast<std::int64_t>(indices.size()), dim},
                                        MemoryCategory::kActivations);
-  batch.labels.reserve(indices.size());
+  batch.labels.reserve(indices.size() * per_sample);
   for (std::size_t row = 0; row < indices.size(); ++row) {
     const std::size_t sample = indices[row];
     if (sample >= data.size())
@@ -101,7 +106,9 @@ Batch gather_batch(const Dataset& data, std::span<const std::size_t> indices) {
           sample, row, data.name, data.size(), data.size()));
     std::copy_n(data.features.data() + sample * row_floats, row_floats,
                 batch.inputs.data() + row * row_floats);
-    batch.labels.push_back(data.labels[sample]);
+    const auto first_label = data.labels.begin() + static_cast<std::ptrdiff_t>(sample * per_sample);
+    batch.labels.insert(batch.labels.end(), first_label,
+                        first_label + static_cast<std::ptrdiff_t>(per_sample));
   }
   return batch;
 }
@@ -128,7 +135,7 @@ namespace {
 Error invalid_spec(std::string_view spec, std::string_view why) {
   return Error(fmt::format(
       "unknown data set '{}'{}: expected one of 'synthetic', 'synthetic:N' (N samples), "
-      "'digits', 'csv:PATH', 'idx:IMAGES,LABELS'",
+      "'digits', 'csv:PATH', 'idx:IMAGES,LABELS', 'text:PATH', 'fortunes'",
       spec, why));
 }
 
@@ -152,10 +159,16 @@ std::vector<std::filesystem::path> dataset_files(std::string_view spec) {
     return {std::move(images), std::move(labels)};
   }
   if (spec == "synthetic" || spec.starts_with("synthetic:")) return {};
+  if (spec.starts_with("text:") && spec.size() > 5) return {std::filesystem::path(spec.substr(5))};
+  if (spec == "fortunes") return fortune_files();
   throw invalid_spec(spec, "");
 }
 
-Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
+bool is_text_dataset_spec(std::string_view spec) {
+  return spec.starts_with("text:") || spec == "fortunes";
+}
+
+Dataset load_dataset(std::string_view spec, std::uint64_t seed, std::int64_t text_context) {
   const auto starts_with = [&](std::string_view prefix) { return spec.starts_with(prefix); };
   const auto invalid = [&](std::string_view why) { return invalid_spec(spec, why); };
 
@@ -185,6 +198,17 @@ Dataset load_dataset(std::string_view spec, std::uint64_t seed) {
     const auto [images, labels] = idx_paths(spec, spec.substr(4));
     return load_idx(images, labels);
   }
+  if (is_text_dataset_spec(spec) && text_context < 1)
+    throw Error(fmt::format(
+        "the text data set '{}' is cut into windows of a GPT's context: expected a context of "
+        "at least 1 token, got {} (train a GPT on it: --model gpt:...,context=N)",
+        spec, text_context));
+  if (starts_with("text:")) {
+    const std::string_view path = spec.substr(5);
+    if (path.empty()) throw invalid(" (no path after 'text:')");
+    return load_text(std::filesystem::path(path), text_context);
+  }
+  if (spec == "fortunes") return load_fortunes(text_context);
   throw invalid("");
 }
 
