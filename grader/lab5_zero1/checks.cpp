@@ -53,8 +53,10 @@
 #include "heap_use.h"
 #include "lab5.h"
 #include "memory_check.h"
+#include "misuse_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "speed_workload.h"
 #include "wait_timer.h"
 
 namespace dp::lab5 {
@@ -309,52 +311,18 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
         [&](Communicator& comm, Verdict& verdict) {
           const TrainOptions options = training.for_world(world);
           const std::size_t shard = contract_partition(psi_of(training), world).shard_elements;
-          const auto expect_error = [&](const std::string& what, const auto& make) {
-            try {
-              make();
-              verdict.fail(fmt::format("{}: the constructor returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
-            }
-          };
-          {
-            Model model = training.model();
-            const std::string& name = model.parameters().front()->name;
-            model.freeze(name);
-            expect_error(fmt::format("a frozen parameter ({})", name),
-                         [&] { ZeroOneOptimizer zero(model, comm, factory_for(options)); });
-          }
           Model model = training.model();
-          expect_error("max_norm -1",
-                       [&] { ZeroOneOptimizer zero(model, comm, factory_for(options), -1.0f); });
-          expect_error("max_norm NaN", [&] {
-            ZeroOneOptimizer zero(model, comm, factory_for(options),
-                                  std::numeric_limits<float>::quiet_NaN());
-          });
-          expect_error("max_norm infinity", [&] {
-            ZeroOneOptimizer zero(model, comm, factory_for(options),
-                                  std::numeric_limits<float>::infinity());
-          });
-          expect_error("an empty factory",
-                       [&] { ZeroOneOptimizer zero(model, comm, OptimizerFactory{}); });
-          expect_error("a factory that returns nullptr", [&] {
-            ZeroOneOptimizer zero(model, comm,
-                                  [](std::size_t) { return std::unique_ptr<Optimizer>{}; });
-          });
-          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
-                                   shard + 1),
-                       [&] {
-                         ZeroOneOptimizer zero(model, comm, [](std::size_t s) {
-                           return std::make_unique<Sgd>(s + 1, SgdOptions{},
-                                                        grading::check_device());
-                         });
-                       });
-          // The inner optimizer's state on another device than the model's: every update
-          // would mix the devices.
-          grading::expect_inner_optimizer_elsewhere_refused(
-              verdict, model.device(),
-              [&](const auto& make) { ZeroOneOptimizer zero(model, comm, make); });
+          grading::expect_constructor_refuses_misuse(
+              verdict,
+              {.training = training,
+               .model = model,
+               .factory = factory_for(options),
+               .shard = shard,
+               .frozen = grading::FrozenParameter::kFirst,
+               .returned = "constructor"},
+              [&](Model& zero_model, const OptimizerFactory& factory, float max_norm) {
+                ZeroOneOptimizer zero(zero_model, comm, factory, max_norm);
+              });
           if (!verdict.passed()) return;
           std::vector<std::size_t> asked;
           const Optimizer* made = nullptr;
@@ -1417,27 +1385,10 @@ TEST(Lab5Overlap, HidesHalfTheAllGatherBehindTheNextForward) {
   const int world = static_cast<int>(draws.integer("ranks", 2, 4));
   const std::int64_t hidden = draws.integer("hidden", 192, 320);
   const std::int64_t depth = draws.integer("hidden layers", 16, 20);
-  std::string spec = "64";
-  for (std::int64_t layer = 0; layer < depth; ++layer) spec += fmt::format("-{}", hidden);
-  TrainOptions options;
-  options.model = spec + "-10";
-  options.activation = "relu";
   const std::int64_t rows = draws.integer("rows per rank", 32, 48);
-  options.global_batch = rows * world;
-  options.dataset = fmt::format("synthetic:{}", options.global_batch);
-  options.seed = draws.seed("seed");
-  options.steps = 1;
-  options.optimizer = "sgd";
-  options.lr = 0.01f;
+  const TrainOptions options = grading::equal_layers_sgd_step(draws, hidden, depth, rows, world);
   const Dataset data = load_dataset(options.dataset, 1);
-  LaunchOptions launch_options;
-  launch_options.world_size = world;
-  launch_options.backend = Backend::kLocal;
-  launch_options.comm.completion = Completion::kAdversarial;
-  launch_options.comm.completion_seed = draws.completion_seed();
-  launch_options.simulation.enabled = true;
-  launch_options.simulation.network = NetworkModel::preset("100gbe");
-  launch_options.simulation.device = DeviceModel::preset("cpu");
+  const LaunchOptions launch_options = grading::simulated_launch(draws, world, "100gbe", "cpu");
   std::vector<OverlapTiming> overlapped;
   std::vector<OverlapTiming> plain;
   std::array<double, 3> steady{};  // lab 4's overlapped DDP, ZeRO-1, ZeRO-1 with overlap
@@ -1666,24 +1617,7 @@ TEST(Lab5Design, PredictsExposedCommunication) {
 // --- Lab5Checkpoint ----------------------------------------------------------------------------
 
 /// The student's ZeroOneOptimizer as the checkpoint check drives it.
-class ZeroOneSubject final : public grading::CheckpointSubject {
- public:
-  ZeroOneSubject(Model& model, Communicator& comm, const TrainOptions& options)
-      : model_(model), zero_(model, comm, factory_for(options)) {}
-  void train_step(const Batch& batch) override {
-    model_.zero_grad();
-    model_.backward(grading::forward(model_, batch), batch.labels);
-    (void)zero_.step();
-  }
-  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
-  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
-  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
-  Optimizer& inner() override { return zero_.inner(); }
-
- private:
-  Model& model_;
-  ZeroOneOptimizer zero_;
-};
+using ZeroOneSubject = grading::ZeroCheckpointSubject<ZeroOneOptimizer>;
 
 TEST(Lab5Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Draws draws("Lab5Checkpoint.SavedAtFourLoadsAtTwoAndThree");
@@ -1697,7 +1631,7 @@ TEST(Lab5Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
     return std::vector<std::vector<std::size_t>>{all};
   };
   lab.make = [](Model& model, Communicator& comm, const TrainOptions& options) {
-    return std::make_unique<ZeroOneSubject>(model, comm, options);
+    return std::make_unique<ZeroOneSubject>(model, comm, factory_for(options));
   };
   lab.values_replicated = true;
   lab.segments_name = "one segment of every parameter in definition order";

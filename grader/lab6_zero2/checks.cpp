@@ -54,8 +54,11 @@
 #include "heap_use.h"
 #include "lab6.h"
 #include "memory_check.h"
+#include "misuse_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "speed_workload.h"
+#include "step_allocations.h"
 #include "wait_timer.h"
 
 namespace dp::lab6 {
@@ -356,56 +359,17 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           const TrainOptions options = training.for_world(world);
           const std::size_t cap = training.cap_bytes;
           const std::size_t shard = contract_shard(contract_buckets(training.model(), world, cap));
-          const auto expect_error = [&](const std::string& what, const auto& make) {
-            try {
-              make();
-              verdict.fail(fmt::format("{}: the call returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
-            }
-          };
-          {
-            Model model = training.model();
-            const std::string& name = model.parameters().back()->name;
-            model.freeze(name);
-            expect_error(fmt::format("a frozen parameter ({})", name),
-                         [&] { ZeroTwoOptimizer zero(model, comm, factory_for(options), cap); });
-          }
           Model model = training.model();
-          expect_error("max_norm -1", [&] {
-            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap, -1.0f);
-          });
-          expect_error("max_norm NaN", [&] {
-            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap,
-                                  std::numeric_limits<float>::quiet_NaN());
-          });
-          expect_error("max_norm infinity", [&] {
-            ZeroTwoOptimizer zero(model, comm, factory_for(options), cap,
-                                  std::numeric_limits<float>::infinity());
-          });
-          expect_error("an empty factory",
-                       [&] { ZeroTwoOptimizer zero(model, comm, OptimizerFactory{}, cap); });
-          expect_error("a factory that returns nullptr", [&] {
-            ZeroTwoOptimizer zero(
-                model, comm, [](std::size_t) { return std::unique_ptr<Optimizer>{}; }, cap);
-          });
-          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
-                                   shard + 1),
-                       [&] {
-                         ZeroTwoOptimizer zero(
-                             model, comm,
-                             [](std::size_t s) {
-                               return std::make_unique<Sgd>(s + 1, SgdOptions{},
-                                                            grading::check_device());
-                             },
-                             cap);
-                       });
-          // The inner optimizer's state on another device than the model's: every update
-          // would mix the devices.
-          grading::expect_inner_optimizer_elsewhere_refused(
-              verdict, model.device(),
-              [&](const auto& make) { ZeroTwoOptimizer zero(model, comm, make, cap); });
+          grading::expect_constructor_refuses_misuse(
+              verdict,
+              {.training = training,
+               .model = model,
+               .factory = factory_for(options),
+               .shard = shard,
+               .frozen = grading::FrozenParameter::kLast},
+              [&](Model& zero_model, const OptimizerFactory& factory, float max_norm) {
+                ZeroTwoOptimizer zero(zero_model, comm, factory, cap, max_norm);
+              });
           if (!verdict.passed()) return;
           Model fresh = training.model();
           std::vector<std::size_t> asked;
@@ -426,7 +390,8 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           else if (&zero.inner() != made)
             verdict.fail("inner() is not the optimizer the factory made");
           if (!verdict.passed()) return;
-          expect_error("step() without a backward", [&] { (void)zero.step(); });
+          grading::expect_dp_error(verdict, "step() without a backward",
+                                   [&] { (void)zero.step(); });
           const std::int64_t steps_before = made->step_count();
           const Batch batch = grading::on_check_device(
               grading::local_batch(*training.data, options, 0, comm.rank(), world));
@@ -451,8 +416,9 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // shard: the contract asks for dp::Error from the hook. Every rank throws at its
           // first hook, before it launches anything, so the ranks stay in step.
           fresh.backward(grading::forward(fresh, batch), batch.labels);
-          expect_error("a second backward before step()",
-                       [&] { fresh.backward(grading::forward(fresh, batch), batch.labels); });
+          grading::expect_dp_error(verdict, "a second backward before step()", [&] {
+            fresh.backward(grading::forward(fresh, batch), batch.labels);
+          });
           if (verdict.passed())
             verdict.note(
                 "a frozen parameter, a negative, NaN or infinite max_norm, an empty factory, one "
@@ -755,14 +721,10 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          // With clipping and without: the norm's buffer must not be allocated per step.
-          for (const auto& [kind, floats, max_norm] :
-               std::vector<std::tuple<std::string, std::size_t, float>>{
-                   {"adamw", 2, 0.0f}, {"sgd", 1, 0.0f}, {"adamw", 2, 1.0f}, {"sgd", 1, 1.0f}}) {
-            const std::string label = kind + (max_norm > 0 ? " with clipping" : "");
-            TrainOptions options = training.for_world(world);
-            options.optimizer = kind;
-            if (kind == "sgd") options.momentum = 0.9f;
+          for (const grading::StateSetUp& set_up : grading::state_set_ups()) {
+            const auto& [kind, floats, max_norm] = set_up;
+            const std::string label = set_up.label();
+            const TrainOptions options = set_up.applied_to(training.for_world(world));
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t base = tracker.current(MemoryCategory::kOptimizerState);
             tracker.reset_peaks();
@@ -786,55 +748,32 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
-              std::array<std::size_t, kNumMemoryCategories> before{};
-              for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
-                before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
-              const std::size_t twin_activations_before =
-                  tracker.allocations(MemoryCategory::kActivations);
-              const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
-              twin.zero_grad();
-              twin.backward(grading::forward(twin, batch), batch.labels);
-              const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
-              const std::size_t activations_before =
-                  tracker.allocations(MemoryCategory::kActivations);
-              const std::size_t plain_activations = activations_before - twin_activations_before;
-              const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
-              model.backward(grading::forward(model, batch), batch.labels);
-              const grading::HeapUse hooked =
-                  grading::heap_use_of_this_thread().since(hooked_before);
-              const std::size_t tensors = tracker.allocations_total();
-              const grading::HeapUse heap = grading::heap_use_of_this_thread();
-              (void)zero.step();
-              const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
-              const std::size_t in_step = tracker.allocations_total() - tensors;
-              const auto made = [&](MemoryCategory c) {
-                return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
-              };
+              const grading::StepAllocations a = grading::measure_step_allocations(
+                  model, twin, batch, comm, [&] { (void)zero.step(); });
               if (!verdict.passed()) continue;
-              const std::size_t grads = made(MemoryCategory::kGradients);
-              const std::size_t others = made(MemoryCategory::kCommunication) +
-                                         made(MemoryCategory::kParameters) +
-                                         made(MemoryCategory::kOptimizerState);
-              const std::size_t hooked_activations =
-                  tracker.allocations(MemoryCategory::kActivations) - activations_before;
-              if (hooked_activations > plain_activations)
+              const std::size_t grads = a.made(MemoryCategory::kGradients);
+              const std::size_t others = a.made(MemoryCategory::kCommunication) +
+                                         a.made(MemoryCategory::kParameters) +
+                                         a.made(MemoryCategory::kOptimizerState);
+              if (a.hooked_activation_tensors > a.plain_activation_tensors)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} activation tensors, "
                     "the same forward and backward without ZeRO-2 {}; expected no more (no "
                     "staging tensors)",
-                    label, step, hooked_activations, plain_activations));
-              else if (hooked.large_bytes > plain.large_bytes)
+                    label, step, a.hooked_activation_tensors, a.plain_activation_tensors));
+              else if (a.hooked_heap.large_bytes > a.plain_heap.large_bytes)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward and backward with your hooks took {} bytes in heap "
                     "blocks of {} bytes or more, the same without them {}; expected no more "
                     "(no staging copies in the hooks)",
-                    label, step, hooked.large_bytes, grading::kLargeAllocationBytes,
-                    plain.large_bytes));
-              else if (in_step != 0 || used.large_bytes != 0)
+                    label, step, a.hooked_heap.large_bytes, grading::kLargeAllocationBytes,
+                    a.plain_heap.large_bytes));
+              else if (a.step_tensors != 0 || a.step_heap.large_bytes != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
                     "bytes or more from the heap; expected none",
-                    label, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
+                    label, step, a.step_tensors, a.step_heap.large_bytes,
+                    grading::kLargeAllocationBytes));
               else if (grads != model.parameters().size() || others != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} gradient tensor(s) "
@@ -843,17 +782,16 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                     "nothing else",
                     label, step, grads, others, model.parameters().size()));
             }
-            const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
-            const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
+            const std::string state =
+                grading::state_bytes_finding({.label = label,
+                                              .world = world,
+                                              .shard = shard,
+                                              .floats_per_element = floats,
+                                              .base = base,
+                                              .num_parameters = model.num_parameters()});
             if (!verdict.passed()) continue;
-            if (current != expected || peak != expected)
-              verdict.fail(fmt::format(
-                  "{} on N = {} (S = {}): optimizer-state bytes {} after two steps, peak {}; "
-                  "expected {} x 4 x S = {}{}",
-                  label, world, shard, current, peak, floats, expected,
-                  peak >= 4 * floats * model.num_parameters()
-                      ? " (an optimizer over the whole model existed)"
-                      : ""));
+            if (!state.empty())
+              verdict.fail(state);
             else if (kind == "adamw")
               verdict.note(fmt::format(
                   "AdamW state 8 S = {} bytes per rank on N = {}, at its peak too; steps allocate "
@@ -1151,29 +1089,12 @@ TEST(Lab6Speed, HidesHalfTheReduceScatters) {
   // computes hide themselves, and they must: on a fabric fast enough to finish during the
   // copies, no design would have anything to hide.
   const int world = 8;
-  std::string spec = "64";
   const std::int64_t hidden = draws.integer("hidden", 512, 768);
-  for (int layer = 0; layer < 12; ++layer) spec += fmt::format("-{}", hidden);
-  TrainOptions options;
-  options.model = spec + "-10";
-  options.activation = "relu";
   const std::int64_t rows = draws.integer("rows per rank", 48, 64);
-  options.global_batch = rows * world;
-  options.dataset = fmt::format("synthetic:{}", options.global_batch);
-  options.seed = draws.seed("seed");
-  options.steps = 1;
-  options.optimizer = "sgd";
-  options.lr = 0.01f;
+  const TrainOptions options = grading::equal_layers_sgd_step(draws, hidden, 12, rows, world);
   const std::size_t cap_bytes = 4 * static_cast<std::size_t>(hidden * hidden + hidden);
   const Dataset data = load_dataset(options.dataset, 1);
-  LaunchOptions launch_options;
-  launch_options.world_size = world;
-  launch_options.backend = Backend::kLocal;
-  launch_options.comm.completion = Completion::kAdversarial;
-  launch_options.comm.completion_seed = draws.completion_seed();
-  launch_options.simulation.enabled = true;
-  launch_options.simulation.network = NetworkModel::preset("10gbe");
-  launch_options.simulation.device = DeviceModel::preset("cpu");
+  const LaunchOptions launch_options = grading::simulated_launch(draws, world, "10gbe", "cpu");
   std::size_t scatters = 0;
   double on_link = 0;
   double exposed = 0;
@@ -2110,25 +2031,7 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
 // --- Lab6Checkpoint ----------------------------------------------------------------------------
 
 /// The student's ZeroTwoOptimizer as the checkpoint check drives it.
-class ZeroTwoSubject final : public grading::CheckpointSubject {
- public:
-  ZeroTwoSubject(Model& model, Communicator& comm, const TrainOptions& options,
-                 std::size_t cap_bytes)
-      : model_(model), zero_(model, comm, factory_for(options), cap_bytes) {}
-  void train_step(const Batch& batch) override {
-    model_.zero_grad();
-    model_.backward(grading::forward(model_, batch), batch.labels);
-    (void)zero_.step();
-  }
-  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
-  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
-  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
-  Optimizer& inner() override { return zero_.inner(); }
-
- private:
-  Model& model_;
-  ZeroTwoOptimizer zero_;
-};
+using ZeroTwoSubject = grading::ZeroCheckpointSubject<ZeroTwoOptimizer>;
 
 TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Draws draws("Lab6Checkpoint.SavedAtFourLoadsAtTwoAndThree");
@@ -2143,7 +2046,7 @@ TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
     return segments;
   };
   lab.make = [&](Model& model, Communicator& comm, const TrainOptions& options) {
-    return std::make_unique<ZeroTwoSubject>(model, comm, options, training.cap_bytes);
+    return std::make_unique<ZeroTwoSubject>(model, comm, factory_for(options), training.cap_bytes);
   };
   lab.values_replicated = true;
   lab.segments_name = fmt::format("the buckets (cap {} bytes), each its parameters in bucket order",
@@ -2164,7 +2067,7 @@ TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
     return segments;
   };
   lab.make_other = [other_cap](Model& model, Communicator& comm, const TrainOptions& options) {
-    return std::make_unique<ZeroTwoSubject>(model, comm, options, other_cap);
+    return std::make_unique<ZeroTwoSubject>(model, comm, factory_for(options), other_cap);
   };
   lab.other_segments_name = fmt::format("a bucket cap of {} bytes", other_cap);
   grading::check_sharded_checkpoint(draws, training, lab);

@@ -55,8 +55,11 @@
 #include "heap_use.h"
 #include "lab7.h"
 #include "memory_check.h"
+#include "misuse_check.h"
 #include "recording.h"
 #include "sharded.h"
+#include "speed_workload.h"
+#include "step_allocations.h"
 #include "wait_timer.h"
 
 namespace dp::lab7 {
@@ -432,59 +435,25 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           const TrainOptions options = training.for_world(world);
           Model layout = training.model();
           const std::size_t shard = contract_shard(contract_units(layout, world));
-          const auto expect_error = [&](const std::string& what, const auto& make) {
-            try {
-              make();
-              verdict.fail(fmt::format("{}: the call returned; expected dp::Error", what));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
-            }
-          };
-          {
-            Model model = training.model();
-            const std::string& name = model.parameters().back()->name;
-            model.freeze(name);
-            expect_error(fmt::format("a frozen parameter ({})", name),
-                         [&] { ZeroThreeOptimizer zero(model, comm, factory_for(options)); });
-          }
           Model model = training.model();
-          expect_error("max_norm -1",
-                       [&] { ZeroThreeOptimizer zero(model, comm, factory_for(options), -1.0f); });
-          expect_error("max_norm NaN", [&] {
-            ZeroThreeOptimizer zero(model, comm, factory_for(options),
-                                    std::numeric_limits<float>::quiet_NaN());
-          });
-          expect_error("max_norm infinity", [&] {
-            ZeroThreeOptimizer zero(model, comm, factory_for(options),
-                                    std::numeric_limits<float>::infinity());
-          });
-          expect_error("an empty factory",
-                       [&] { ZeroThreeOptimizer zero(model, comm, OptimizerFactory{}); });
-          expect_error("a factory that returns nullptr", [&] {
-            ZeroThreeOptimizer zero(model, comm,
-                                    [](std::size_t) { return std::unique_ptr<Optimizer>{}; });
-          });
-          expect_error(fmt::format("a factory whose optimizer keeps state for S + 1 = {} elements",
-                                   shard + 1),
-                       [&] {
-                         ZeroThreeOptimizer zero(model, comm, [](std::size_t s) {
-                           return std::make_unique<Sgd>(s + 1, SgdOptions{},
-                                                        grading::check_device());
-                         });
-                       });
-          // The inner optimizer's state on another device than the model's: every update
-          // would mix the devices.
-          grading::expect_inner_optimizer_elsewhere_refused(
-              verdict, model.device(),
-              [&](const auto& make) { ZeroThreeOptimizer zero(model, comm, make); });
+          grading::expect_constructor_refuses_misuse(
+              verdict,
+              {.training = training,
+               .model = model,
+               .factory = factory_for(options),
+               .shard = shard,
+               .frozen = grading::FrozenParameter::kLast},
+              [&](Model& zero_model, const OptimizerFactory& factory, float max_norm) {
+                ZeroThreeOptimizer zero(zero_model, comm, factory, max_norm);
+              });
           {
             // A second optimizer on a model whose values the first released: it would shard
             // empty values. Its own model, never run: a second set of hooks stays on it.
             Model released = training.model();
             ZeroThreeOptimizer first(released, comm, factory_for(options));
-            expect_error("a second ZeroThreeOptimizer on a model whose values the first released",
-                         [&] { ZeroThreeOptimizer second(released, comm, factory_for(options)); });
+            grading::expect_dp_error(
+                verdict, "a second ZeroThreeOptimizer on a model whose values the first released",
+                [&] { ZeroThreeOptimizer second(released, comm, factory_for(options)); });
           }
           if (!verdict.passed()) return;
           Model fresh = training.model();
@@ -503,7 +472,8 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           else if (&zero.inner() != made)
             verdict.fail("inner() is not the optimizer the factory made");
           if (!verdict.passed()) return;
-          expect_error("step() without a forward and backward", [&] { (void)zero.step(); });
+          grading::expect_dp_error(verdict, "step() without a forward and backward",
+                                   [&] { (void)zero.step(); });
           const std::int64_t steps_before = made->step_count();
           const Batch batch = grading::on_check_device(
               grading::local_batch(*training.data, options, 0, comm.rank(), world));
@@ -543,8 +513,9 @@ TEST(Lab7Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
           // the contract asks for dp::Error from the hook. Every rank runs the same calls and
           // throws at the same hook, so the ranks stay in step.
           fresh.backward(grading::forward(fresh, batch), batch.labels);
-          expect_error("a second backward before step()",
-                       [&] { fresh.backward(grading::forward(fresh, batch), batch.labels); });
+          grading::expect_dp_error(verdict, "a second backward before step()", [&] {
+            fresh.backward(grading::forward(fresh, batch), batch.labels);
+          });
           if (!verdict.passed()) return;
           // A backward that stops before unit 0 (the grader's hook throws there, on every
           // rank): every other unit was reduce-scattered, unit 0 was not, and step() must say
@@ -966,13 +937,10 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          for (const auto& [kind, floats, max_norm] :
-               std::vector<std::tuple<std::string, std::size_t, float>>{
-                   {"adamw", 2, 0.0f}, {"sgd", 1, 0.0f}, {"adamw", 2, 1.0f}, {"sgd", 1, 1.0f}}) {
-            const std::string label = kind + (max_norm > 0 ? " with clipping" : "");
-            TrainOptions options = training.for_world(world);
-            options.optimizer = kind;
-            if (kind == "sgd") options.momentum = 0.9f;
+          for (const grading::StateSetUp& set_up : grading::state_set_ups()) {
+            const auto& [kind, floats, max_norm] = set_up;
+            const std::string label = set_up.label();
+            const TrainOptions options = set_up.applied_to(training.for_world(world));
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t base = tracker.current(MemoryCategory::kOptimizerState);
             tracker.reset_peaks();
@@ -1000,83 +968,41 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                   label, constructor.large_bytes, grading::kLargeAllocationBytes));
             // What one collective call and its wait take from this thread's heap (the Work,
             // the backend's bookkeeping): the hooks may take that much per call they make.
-            const grading::HeapUse call_start = grading::heap_use_of_this_thread();
-            {
-              Tensor chunk({1}, MemoryCategory::kOther, grading::check_device());
-              Tensor full({world}, MemoryCategory::kOther, grading::check_device());
-              comm.allgather(std::as_const(chunk).view(), full.view())->wait();
-            }
-            const grading::HeapUse one_call = grading::heap_use_of_this_thread().since(call_start);
+            const grading::HeapUse one_call = grading::heap_of_one_collective_call(comm);
             for (int step = 1; step <= 2; ++step) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-              std::array<std::size_t, kNumMemoryCategories> before{};
-              for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
-                before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
-              const std::size_t twin_activations_before =
-                  tracker.allocations(MemoryCategory::kActivations);
-              const std::size_t plain_tensors_before = tracker.allocations_total();
-              const grading::HeapUse plain_before = grading::heap_use_of_this_thread();
-              twin.zero_grad();
-              twin.backward(grading::forward(twin, batch), batch.labels);
-              const grading::HeapUse plain = grading::heap_use_of_this_thread().since(plain_before);
-              const std::size_t activations_before =
-                  tracker.allocations(MemoryCategory::kActivations);
-              const std::size_t plain_activations = activations_before - twin_activations_before;
-              const std::size_t twin_grads =
-                  tracker.allocations(MemoryCategory::kGradients) -
-                  before[static_cast<std::size_t>(MemoryCategory::kGradients)];
-              const CommCounters calls_before = comm.counters();
-              const std::size_t hooked_tensors_before = tracker.allocations_total();
-              const std::size_t plain_tensors = hooked_tensors_before - plain_tensors_before;
-              const grading::HeapUse hooked_before = grading::heap_use_of_this_thread();
-              model.backward(grading::forward(model, batch), batch.labels);
-              const grading::HeapUse hooked =
-                  grading::heap_use_of_this_thread().since(hooked_before);
-              const std::uint64_t hook_calls = comm.counters().since(calls_before).total_calls();
-              const std::size_t hooked_tensors =
-                  tracker.allocations_total() - hooked_tensors_before;
+              const grading::StepAllocations a = grading::measure_step_allocations(
+                  model, twin, batch, comm, [&] { (void)zero.step(); });
               const std::size_t extra_tensors =
-                  hooked_tensors - std::min(hooked_tensors, plain_tensors);
+                  a.hooked_tensors - std::min(a.hooked_tensors, a.plain_tensors);
               // In all, small blocks too: values kept between forward and backward in heap
               // blocks under 1 KiB hid a whole replica from every other rule (a lab 7 trial).
               const std::uint64_t heap_allowed =
-                  plain.bytes + hook_calls * (one_call.bytes + kBookkeepingBytesPerCall) +
+                  a.plain_heap.bytes + a.hook_calls * (one_call.bytes + kBookkeepingBytesPerCall) +
                   extra_tensors * kBookkeepingBytesPerTensor + kHeapSlackBytes;
-              const std::size_t tensors = tracker.allocations_total();
-              const grading::HeapUse heap = grading::heap_use_of_this_thread();
-              const CommCounters step_calls_before = comm.counters();
-              (void)zero.step();
-              const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
-              const std::uint64_t step_calls =
-                  comm.counters().since(step_calls_before).total_calls();
               const std::uint64_t step_allowed =
-                  step_calls * (one_call.bytes + kBookkeepingBytesPerCall) + kHeapSlackBytes;
-              const std::size_t in_step = tracker.allocations_total() - tensors;
-              const auto made = [&](MemoryCategory c) {
-                return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
-              };
+                  a.step_calls * (one_call.bytes + kBookkeepingBytesPerCall) + kHeapSlackBytes;
               if (!verdict.passed()) continue;
               const std::size_t count = model.parameters().size();
-              const std::size_t grads = made(MemoryCategory::kGradients) - twin_grads;
-              const std::size_t values = made(MemoryCategory::kParameters);
+              const std::size_t grads =
+                  a.made(MemoryCategory::kGradients) - a.twin_gradient_tensors;
+              const std::size_t values = a.made(MemoryCategory::kParameters);
               const std::size_t others =
-                  made(MemoryCategory::kCommunication) + made(MemoryCategory::kOptimizerState);
-              const std::size_t hooked_activations =
-                  tracker.allocations(MemoryCategory::kActivations) - activations_before;
-              if (hooked_activations > plain_activations)
+                  a.made(MemoryCategory::kCommunication) + a.made(MemoryCategory::kOptimizerState);
+              if (a.hooked_activation_tensors > a.plain_activation_tensors)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} activation tensors, "
                     "the same forward and backward without ZeRO-3 {}; expected no more",
-                    label, step, hooked_activations, plain_activations));
-              else if (hooked.large_bytes > plain.large_bytes)
+                    label, step, a.hooked_activation_tensors, a.plain_activation_tensors));
+              else if (a.hooked_heap.large_bytes > a.plain_heap.large_bytes)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward and backward with your hooks took {} bytes in heap "
                     "blocks of {} bytes or more, the same without them {}; expected no more "
                     "(no staging copies in the hooks)",
-                    label, step, hooked.large_bytes, grading::kLargeAllocationBytes,
-                    plain.large_bytes));
-              else if (hooked.bytes > heap_allowed)
+                    label, step, a.hooked_heap.large_bytes, grading::kLargeAllocationBytes,
+                    a.plain_heap.large_bytes));
+              else if (a.hooked_heap.bytes > heap_allowed)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward and backward with your hooks took {} bytes from the "
                     "heap (std::vector, new, blocks of every size), the same without them {}; "
@@ -1084,22 +1010,23 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                     "take ({} bytes, + {}), {} bytes for each of the {} tensors your hooks make "
                     "beyond theirs, and {} to spare. Memory held outside tensors escapes the "
                     "memory budget: keep every buffer a Tensor",
-                    label, step, hooked.bytes, plain.bytes, heap_allowed, hook_calls,
-                    one_call.bytes, kBookkeepingBytesPerCall, kBookkeepingBytesPerTensor,
-                    extra_tensors, kHeapSlackBytes));
-              else if (used.bytes > step_allowed)
+                    label, step, a.hooked_heap.bytes, a.plain_heap.bytes, heap_allowed,
+                    a.hook_calls, one_call.bytes, kBookkeepingBytesPerCall,
+                    kBookkeepingBytesPerTensor, extra_tensors, kHeapSlackBytes));
+              else if (a.step_heap.bytes > step_allowed)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() took {} bytes from the heap (blocks of every size); "
                     "expected at most {}: what each of its {} calls and its wait take ({} bytes, "
                     "+ {}) and {} to spare. Memory held outside tensors escapes the memory "
                     "budget: keep every buffer a Tensor",
-                    label, step, used.bytes, step_allowed, step_calls, one_call.bytes,
+                    label, step, a.step_heap.bytes, step_allowed, a.step_calls, one_call.bytes,
                     kBookkeepingBytesPerCall, kHeapSlackBytes));
-              else if (in_step != 0 || used.large_bytes != 0)
+              else if (a.step_tensors != 0 || a.step_heap.large_bytes != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: step() allocated {} tensor(s) and {} bytes in blocks of {} "
                     "bytes or more from the heap; expected none",
-                    label, step, in_step, used.large_bytes, grading::kLargeAllocationBytes));
+                    label, step, a.step_tensors, a.step_heap.large_bytes,
+                    grading::kLargeAllocationBytes));
               else if (grads != count || values > 2 * count || others != 0)
                 verdict.fail(fmt::format(
                     "{}, step {}: forward, backward and step() allocated {} gradient tensor(s), "
@@ -1108,17 +1035,16 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
                     "twice (once per all-gather of its unit: at most {}), and nothing else",
                     label, step, grads, values, others, count, 2 * count));
             }
-            const std::size_t current = tracker.current(MemoryCategory::kOptimizerState) - base;
-            const std::size_t peak = tracker.peak(MemoryCategory::kOptimizerState) - base;
+            const std::string state =
+                grading::state_bytes_finding({.label = label,
+                                              .world = world,
+                                              .shard = shard,
+                                              .floats_per_element = floats,
+                                              .base = base,
+                                              .num_parameters = model.num_parameters()});
             if (!verdict.passed()) continue;
-            if (current != expected || peak != expected)
-              verdict.fail(fmt::format(
-                  "{} on N = {} (S = {}): optimizer-state bytes {} after two steps, peak {}; "
-                  "expected {} x 4 x S = {}{}",
-                  label, world, shard, current, peak, floats, expected,
-                  peak >= 4 * floats * model.num_parameters()
-                      ? " (an optimizer over the whole model existed)"
-                      : ""));
+            if (!state.empty())
+              verdict.fail(state);
             else if (kind == "adamw")
               verdict.note(fmt::format(
                   "AdamW state 8 S = {} bytes per rank on N = {}, at its peak too; steps allocate "
@@ -1686,32 +1612,9 @@ std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
 /// The speed check's model: an MLP of 8 hidden layers 64-h-...-h-10 (h in [512, 768]), 2 to 4
 /// rows per rank on `world` ranks, SGD; `prefix` names its draws.
 TrainOptions speed_model(Draws& draws, int world, const std::string& prefix) {
-  TrainOptions options;
-  std::string spec = "64";
   const std::int64_t hidden = draws.integer(prefix + "hidden", 512, 768);
-  for (int layer = 0; layer < 8; ++layer) spec += fmt::format("-{}", hidden);
-  options.model = spec + "-10";
-  options.activation = "relu";
-  options.global_batch = draws.integer(prefix + "rows per rank", 2, 4) * world;
-  options.dataset = fmt::format("synthetic:{}", options.global_batch);
-  options.seed = draws.seed(prefix + "seed");
-  options.steps = 1;
-  options.optimizer = "sgd";
-  options.lr = 0.01f;
-  return options;
-}
-
-/// Simulated ranks on ib-ndr with `device`, in the adversarial completion mode.
-LaunchOptions simulated_launch(Draws& draws, int world, const char* device) {
-  LaunchOptions launch_options;
-  launch_options.world_size = world;
-  launch_options.backend = Backend::kLocal;
-  launch_options.comm.completion = Completion::kAdversarial;
-  launch_options.comm.completion_seed = draws.completion_seed();
-  launch_options.simulation.enabled = true;
-  launch_options.simulation.network = NetworkModel::preset("ib-ndr");
-  launch_options.simulation.device = DeviceModel::preset(device);
-  return launch_options;
+  const std::int64_t rows = draws.integer(prefix + "rows per rank", 2, 4);
+  return grading::equal_layers_sgd_step(draws, hidden, 8, rows, world, prefix);
 }
 
 /// The speed budget's findings for one simulated step (`label` says where): the all-gathers
@@ -1784,7 +1687,8 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
     const Dataset data = load_dataset(options.dataset, 1);
     std::vector<SimulatedStep> steps;
     try {
-      steps = simulate_steps(simulated_launch(draws, world, "cpu"), options, data, true, kSteps);
+      steps = simulate_steps(grading::simulated_launch(draws, world, "ib-ndr", "cpu"), options,
+                             data, true, kSteps);
     } catch (const NotImplemented&) {
       throw;
     } catch (const std::exception& error) {
@@ -1970,7 +1874,8 @@ TEST(Lab7Reshard, KeepsUnitsGatheredWhenAsked) {
   const Dataset data = load_dataset(simulated.dataset, 1);
   std::vector<std::string> measured;
   for (const char* device : {"cpu", "h100"}) {
-    const LaunchOptions launch_options = simulated_launch(draws, simulated_world, device);
+    const LaunchOptions launch_options =
+        grading::simulated_launch(draws, simulated_world, "ib-ndr", device);
     std::vector<SimulatedStep> resharding;
     std::vector<SimulatedStep> keeping;
     try {
@@ -2341,22 +2246,21 @@ class GatheredInCheckpoint final : public std::runtime_error {
 /// what the buffers held before it, and no parameter bytes beyond the shard and one staged
 /// copy of it: on a device the runtime's save and load stage the shard through host memory
 /// of its category).
-class ZeroThreeSubject final : public grading::CheckpointSubject {
+class ZeroThreeSubject final : public grading::ZeroCheckpointSubject<ZeroThreeOptimizer> {
  public:
   ZeroThreeSubject(Model& model, Communicator& comm, const TrainOptions& options)
-      : model_(model), comm_(comm), zero_(model, comm, factory_for(options)) {}
+      : ZeroCheckpointSubject(model, comm, factory_for(options)), comm_(comm) {}
+  /// Forward, backward and step() (no zero_grad: the optimizer releases every gradient).
   void train_step(const Batch& batch) override {
-    model_.backward(grading::forward(model_, batch), batch.labels);
-    (void)zero_.step();
+    model().backward(grading::forward(model(), batch), batch.labels);
+    (void)zero().step();
   }
   void save(const std::filesystem::path& directory) override {
-    gathering_nothing("save_checkpoint", [&] { zero_.save_checkpoint(directory); });
+    gathering_nothing("save_checkpoint", [&] { zero().save_checkpoint(directory); });
   }
   void load(const std::filesystem::path& directory) override {
-    gathering_nothing("load_checkpoint", [&] { zero_.load_checkpoint(directory); });
+    gathering_nothing("load_checkpoint", [&] { zero().load_checkpoint(directory); });
   }
-  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
-  Optimizer& inner() override { return zero_.inner(); }
 
  private:
   /// Runs `call` and throws `GatheredInCheckpoint` when it issued an all-gather or held
@@ -2383,7 +2287,7 @@ class ZeroThreeSubject final : public grading::CheckpointSubject {
     const std::uint64_t gathers = comm_.counters().since(before).of(CommOp::kAllGather).calls;
     const std::size_t parameter_peak = tracker.peak(MemoryCategory::kParameters);
     const std::size_t communication_peak = tracker.peak(MemoryCategory::kCommunication);
-    const std::size_t staged = zero_.shard_parameters().size() * sizeof(float);
+    const std::size_t staged = zero().shard_parameters().size() * sizeof(float);
     if (gathers > 0 || parameter_peak > parameters + staged || communication_peak > communication)
       throw GatheredInCheckpoint(fmt::format(
           "{} issued {} all-gathers, and held at its peak {} parameter bytes (before it {}; at "
@@ -2394,9 +2298,7 @@ class ZeroThreeSubject final : public grading::CheckpointSubject {
           what, gathers, parameter_peak, parameters, staged, communication_peak, communication));
   }
 
-  Model& model_;
   Communicator& comm_;
-  ZeroThreeOptimizer zero_;
 };
 
 TEST(Lab7Checkpoint, SavedAtFourLoadsAtTwoAndThree) {

@@ -31,7 +31,10 @@
 //
 //   grading::CheckpointLab lab;
 //   lab.segments = [](const Model& model, int) { return {all parameter indices}; };
-//   lab.make = [&](Model& m, Communicator& c, const TrainOptions& o) { return subject...; };
+//   lab.make = [](Model& m, Communicator& c, const TrainOptions& o) {
+//     return std::make_unique<grading::ZeroCheckpointSubject<ZeroOneOptimizer>>(
+//         m, c, factory_for(o));
+//   };
 //   grading::check_sharded_checkpoint(draws, training, lab);
 #pragma once
 
@@ -39,6 +42,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "dp/comm.h"
@@ -66,6 +70,39 @@ class CheckpointSubject {
   virtual const Tensor& shard_parameters() = 0;
   /// The lab's `inner()`.
   virtual Optimizer& inner() = 0;
+};
+
+/// The CheckpointSubject of a lab's ZeRO optimizer class (ZeroOneOptimizer,
+/// ZeroTwoOptimizer, ZeroThreeOptimizer: each has step, save_checkpoint, load_checkpoint,
+/// shard_parameters and inner): every call passed on as it is. A lab whose contract adds a
+/// rule to a call derives from it and overrides that call.
+template <typename ZeroOptimizer>
+class ZeroCheckpointSubject : public CheckpointSubject {
+ public:
+  /// Constructs `ZeroOptimizer(model, arguments...)`, the lab's optimizer over `model`.
+  template <typename... Arguments>
+  explicit ZeroCheckpointSubject(Model& model, Arguments&&... arguments)
+      : model_(model), zero_(model, std::forward<Arguments>(arguments)...) {}
+  /// zero_grad, forward, backward and step() on `batch`.
+  void train_step(const Batch& batch) override {
+    model_.zero_grad();
+    model_.backward(forward(model_, batch), batch.labels);
+    (void)zero_.step();
+  }
+  void save(const std::filesystem::path& directory) override { zero_.save_checkpoint(directory); }
+  void load(const std::filesystem::path& directory) override { zero_.load_checkpoint(directory); }
+  const Tensor& shard_parameters() override { return zero_.shard_parameters(); }
+  Optimizer& inner() override { return zero_.inner(); }
+
+ protected:
+  /// The model the optimizer works on.
+  Model& model() { return model_; }
+  /// The lab's optimizer.
+  ZeroOptimizer& zero() { return zero_; }
+
+ private:
+  Model& model_;
+  ZeroOptimizer zero_;
 };
 
 /// What the check needs to know of a lab.
