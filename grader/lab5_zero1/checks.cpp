@@ -10,18 +10,22 @@
 // reduce-scatters and the parameters gathered by at most four all-gathers per step (plus one
 // all-reduce of one float with clipping), DDP's volume, however the student cuts the pieces;
 // the design question's prediction must equal the tracker's bytes. With overlap_allgather,
-// every forward after a step must run with lab 2's parameters bitwise, and on the simulated
-// clock at least half of the all-gathers' link time must be hidden on every rank, behind the
-// layers' own forward; the second design question's exposed communication (a reduce-scatter
-// after backward, an all-gather after the update) must be within 1% of the simulated clock's.
+// every forward after a step must run with lab 2's parameters bitwise, a step right after a
+// step and a save and a load with the all-gathers in flight must complete them first (the
+// load writing every value before it returns), and on the simulated clock at least half of
+// the all-gathers' link time must be hidden on every rank, behind the layers' own forward;
+// the second design question's exposed communication (a reduce-scatter after backward, an
+// all-gather after the update) must be within 1% of the simulated clock's.
 // Every check draws its configuration from the grading seed and runs in the adversarial
 // completion mode.
 // rubric.json gives the points, the ranges drawn and why the comparisons are bitwise.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>  // mkdtemp
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +45,7 @@
 #include "dp/clock.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/memory.h"
 #include "dp/model.h"
@@ -1259,6 +1264,150 @@ TEST(Lab5Overlap, BitwiseLab2AfterTheNextForward) {
           },
           draws);
     }
+  }
+}
+
+/// A fresh directory under the system's temporary directory, made by rank 0 and named to the
+/// other ranks (processes under mpi) through `comm`.
+std::filesystem::path shared_temporary_directory(Communicator& comm) {
+  std::vector<std::uint8_t> name(4096, 0);
+  if (comm.rank() == 0) {
+    std::string made =
+        (std::filesystem::temp_directory_path() / "dplab-lab5-in-flight-XXXXXX").string();
+    if (mkdtemp(made.data()) == nullptr)
+      throw Error(fmt::format("cannot make a directory {}: {}", made, std::strerror(errno)));
+    DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
+    std::copy(made.begin(), made.end(), name.begin());
+  }
+  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
+  return std::string(reinterpret_cast<const char*>(name.data()));
+}
+
+/// With `overlap_allgather`, the calls that find all-gathers still in flight (lab5.h:
+/// "step(), load_checkpoint and the destructor complete any all-gather still in flight
+/// first"): step 1 as training does it; step 2 at once, without a forward between (its
+/// gradients computed on a copy of the model that holds lab 2's parameters after step 1);
+/// save_checkpoint with step 2's all-gathers in flight; step 3; load_checkpoint of step 2's
+/// checkpoint with step 3's all-gathers in flight, which must write every value before it
+/// returns (checked before any forward); then step 3 again and one more forward, bitwise
+/// lab 2's.
+void step_and_load_with_gathers_in_flight(const Training& training, Communicator& comm,
+                                          Verdict& verdict, const Trajectory& exact, float max_norm,
+                                          const std::string& what) {
+  const int world = comm.size();
+  const TrainOptions options = training.for_world(world);
+  const std::filesystem::path directory = shared_temporary_directory(comm);
+  Model model = training.model();
+  ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, /*overlap_allgather=*/true);
+  const Partition p = contract_partition(model.num_parameters(), world);
+  const auto batch_of = [&](int step) {
+    return grading::on_check_device(
+        grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+  };
+  const auto after = [&](int step) {
+    return std::span<const float>(exact.parameters_after_step[static_cast<std::size_t>(step - 1)]);
+  };
+  const auto judge_shard = [&](int step, const std::string& when) {
+    if (verdict.passed())
+      verdict.expect_empty(
+          check_shard_of(after(step), p, comm.rank(), zero.shard_parameters()),
+          fmt::format("{}: {} (compared with lab 2's parameters after step {})", what, when, step));
+  };
+  const auto judge_values = [&](int step, const std::string& when, const std::string& why) {
+    if (!verdict.passed()) return;
+    const std::string finding =
+        grading::compare_flat(model, model.flat_parameters(), after(step), 0.0f,
+                              fmt::format("the parameter values {}", when));
+    if (!finding.empty()) verdict.fail(fmt::format("{}: {} ({})", what, finding, why));
+  };
+
+  // Every rank makes every call whatever it found, so that no rank waits for a peer that
+  // stopped: a failure is recorded once, and what follows is not judged.
+  Batch batch = batch_of(1);
+  model.zero_grad();
+  model.backward(grading::forward(model, batch), batch.labels);
+  (void)zero.step();
+  judge_shard(1, "after step 1");
+
+  // Step 2's local gradients, at lab 2's parameters after step 1, from a copy of the model:
+  // the student's model runs no forward, so step 1's all-gathers are still in flight.
+  batch = batch_of(2);
+  Model at_step_one = training.model();
+  at_step_one.set_flat_parameters(after(1));
+  at_step_one.zero_grad();
+  at_step_one.backward(grading::forward(at_step_one, batch), batch.labels);
+  for (std::size_t i = 0; i < model.parameters().size(); ++i)
+    copy(std::as_const(at_step_one.parameters()[i]->grad).view(),
+         model.parameters()[i]->grad.view());
+  (void)zero.step();
+  judge_shard(2, "after step 2, which followed step 1 without a forward between them");
+
+  // The checkpoint of step 2, saved while step 2's all-gathers travel; then step 3, and the
+  // checkpoint loaded back while step 3's travel: the values the load must write (step 2's)
+  // differ from those the all-gathers in flight carry (step 3's).
+  zero.save_checkpoint(directory);
+  batch = batch_of(3);
+  model.zero_grad();
+  model.backward(grading::forward(model, batch), batch.labels);
+  (void)zero.step();
+  judge_shard(3, "after step 3, which followed the save");
+  zero.load_checkpoint(directory);
+  judge_shard(2, "after load_checkpoint of the checkpoint saved after step 2");
+  judge_values(2, "right after load_checkpoint returned (no forward since)",
+               "load_checkpoint writes every parameter's value before it returns, with "
+               "overlap_allgather too");
+
+  // Step 3 once more, from the loaded state: bitwise lab 2's step 3.
+  model.zero_grad();
+  const Tensor logits = grading::forward(model, batch);
+  judge_values(2, "after the forward that follows the load",
+               "the forward after the load must run with the loaded parameters");
+  model.backward(logits, batch.labels);
+  (void)zero.step();
+  judge_shard(3, "after step 3 from the loaded checkpoint");
+  (void)grading::forward(model, batch_of(1));
+  judge_values(3, "after the forward that follows step 3 from the loaded checkpoint",
+               "each layer's values must be written before its forward runs");
+  comm.barrier();
+  if (comm.rank() == 0) std::filesystem::remove_all(directory);
+}
+
+TEST(Lab5Overlap, StepAndLoadCompleteTheGathersInFlight) {
+  Draws draws("Lab5Overlap.StepAndLoadCompleteTheGathersInFlight");
+  const std::vector<int> worlds = draws.world_sizes(6);
+  const std::string optimizer = draws.pick("optimizer", std::vector<std::string>{"sgd", "adamw"});
+  // Three steps are drawn at least (grading::draw_sharded_training), as the check needs.
+  const Training training = draw_training(draws, optimizer, worlds);
+  for (std::size_t w = 0; w < worlds.size(); ++w) {
+    const int world = worlds[w];
+    const TrainOptions options = training.for_world(world);
+    // Clipping on every other world size: its all-reduce comes first in step(), before the
+    // reduce-scatter reuses buffers the all-gathers in flight write.
+    const bool clipping = w % 2 == 1;
+    Trajectory exact;
+    float max_norm = 0.0f;
+    if (clipping) {
+      max_norm = 1e-3f;  // below every norm of these models: every step clips
+      exact = grading::emulate_clipped(options, *training.data, world,
+                                       real_elements_by_rank(psi_of(training), world), max_norm)
+                  .exact;
+    } else {
+      exact = grading::emulate_data_parallel(options, *training.data, world);
+    }
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          step_and_load_with_gathers_in_flight(
+              training, comm, verdict, exact, max_norm,
+              fmt::format("ZeroOneOptimizer with {}{} and overlap_allgather", optimizer,
+                          clipping ? ", clipping" : ""));
+          if (verdict.passed())
+            verdict.note(fmt::format(
+                "overlap_allgather: a step right after a step, and a save and load with the "
+                "all-gathers in flight, bitwise lab 2 (here {} on N = {})",
+                optimizer, world));
+        },
+        draws);
   }
 }
 

@@ -132,7 +132,9 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     none (`MemoryTracker::allocations_total`), takes no block of 1 KiB or more from the
 ///     heap, and at most c (h + 256) + 2048 heap bytes in all, blocks of every size, for c
 ///     the calls it makes and h what one call and its wait take (measured by the check): no
-///     staging copy in a `std::vector`, however small its blocks.
+///     staging copy of a shard, a parameter or a gradient, however small the blocks it is
+///     cut into. The 2048 bytes admit a few bytes of bookkeeping (a one-float `std::vector`
+///     fits; a member buffer is the better design), nothing that grows with the model.
 ///   * Parameters must be trainable: a frozen parameter would be moved by weight decay and
 ///     momentum of the flat space, so the constructor rejects it.
 ///
@@ -160,7 +162,11 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///     nothing). Graded on an MLP of many equal layers, where the first shard holds several
 ///     of them (rubric.json).
 ///   * The object must outlive every forward of `model`. `step()`, `load_checkpoint` and the
-///     destructor complete any all-gather still in flight first.
+///     destructor complete any all-gather still in flight first: a `step()` may follow a
+///     `step()` with no forward between them, and a save and a load may follow a step.
+///     `load_checkpoint` writes every parameter's value before it returns, as with overlap
+///     off. Checked: a step right after a step, a save and a load each with all-gathers in
+///     flight, the values read right after the load, bitwise.
 class ZeroOneOptimizer {
  public:
   /// Sets up ZeRO-1 for `model` on `comm`; `max_norm > 0` turns clipping by global norm on
@@ -229,9 +235,9 @@ class ZeroOneOptimizer {
   /// rank's shard of the parameters and of every inner optimizer state tensor for the
   /// current world size (`dp::load_checkpoint_shard`: copied by parameter name and offset,
   /// padding zero), sets the inner optimizer's step count to the checkpoint's "step", and
-  /// writes every parameter's value (all-gather the shards, as a step does): afterwards the
-  /// ranks hold what a run that never stopped would hold, and the next `step()` continues it
-  /// bitwise.
+  /// writes every parameter's value before it returns (all-gather the shards, as a step with
+  /// overlap off does; with `overlap_allgather` too): afterwards the ranks hold what a run
+  /// that never stopped would hold, and the next `step()` continues it bitwise.
   ///
   /// Throws `dp::Error` when the checkpoint's parameters (names and shapes, in order: a
   /// shape with the same element count but other extents differs too) are not this
@@ -282,7 +288,8 @@ std::size_t predicted_state_bytes_per_rank(std::size_t num_parameters, int world
 /// Lab 4 hid the gradients' all-reduce behind backward: its step exposed only what the last
 /// buckets left running when backward returned. ZeRO-1 moves the same bytes, but `step()`
 /// begins after backward has returned, and the all-gather cannot begin before the update is
-/// done. Predict what that costs, for the schedule at the core of every design: the
+/// done. Predict what that costs, for one fixed schedule, the core of every design, whatever
+/// your own `step()` does (pieces, pipelining: predict this schedule, not yours): the
 /// gradients reduce-scattered in one call as `step()` begins, the parameters all-gathered in
 /// one call once the update is done, each waited for at once, on every rank alike. dp/clock.h
 /// says how the simulated network charges each collective; README.md asks how this compares

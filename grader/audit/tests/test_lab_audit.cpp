@@ -170,6 +170,52 @@ TEST_F(LabAuditTest, RefusesStaticStateAndStaticInitialisers) {
   EXPECT_TRUE(mentions(report, "calls")) << report.summary();
 }
 
+// A typed catch makes the compiler keep the address of the class's typeinfo in a writable
+// slot ("DW.ref._ZTIN2dp5ErrorE"), which the audit once refused as a global variable (the lab
+// 5 trial: 0 points for `catch (const dp::Error&)` while the README allows exceptions).
+TEST_F(LabAuditTest, AdmitsACatchOfAClassTheLabMayUse) {
+  const AuditReport report = audit(
+      "#include \"lab1.h\"\n"
+      "#include <stdexcept>\n"
+      "#include \"dp/error.h\"\n"
+      "#include \"dp/tensor_ops.h\"\n"
+      "namespace dp::lab1 {\n"
+      "float total(const dp::Tensor& values) {\n"
+      "  try {\n"
+      "    return static_cast<float>(dp::dot(values.view(0, values.size()), "
+      "values.view(0, values.size())));\n"
+      "  } catch (const dp::Error& error) {\n"
+      "    throw std::runtime_error(error.what());\n"
+      "  } catch (const std::exception&) {\n"
+      "    return 0.0f;\n"
+      "  }\n"
+      "}\n"
+      "}  // namespace dp::lab1\n");
+  EXPECT_TRUE(report.passed()) << report.summary();
+}
+
+// A catch of a class the rules refuse stays refused, and names the class.
+TEST_F(LabAuditTest, RefusesACatchOfAClassTheLabMayNotUse) {
+  const AuditReport report = audit(
+      "#include \"lab1.h\"\n"
+      "#include \"dp/memory.h\"\n"
+      "#include \"dp/tensor_ops.h\"\n"
+      "namespace dp::lab1 {\n"
+      "float total(const dp::Tensor& values) {\n"
+      "  try {\n"
+      "    return static_cast<float>(dp::dot(values.view(0, values.size()), "
+      "values.view(0, values.size())));\n"
+      "  } catch (const dp::detail::UncountedHeapAllocations&) {\n"
+      "    return 1.0f;\n"
+      "  }\n"
+      "}\n"
+      "}  // namespace dp::lab1\n");
+  EXPECT_FALSE(report.passed());
+  EXPECT_TRUE(mentions(report, "typeinfo for dp::detail::UncountedHeapAllocations"))
+      << report.summary();
+  EXPECT_FALSE(mentions(report, "global or static variable")) << report.summary();
+}
+
 TEST_F(LabAuditTest, RefusesTheGradersCodeEvenDeclaredByHand) {
   const AuditReport report = audit(
       "#include \"lab1.h\"\n"
