@@ -3,9 +3,13 @@
 //
 // Lab code does its arithmetic on gradients and parameters with these operations instead
 // of loops over raw memory: each one checks its operands (sizes, devices), is charged to
-// the rank's simulated clock as one compute op (so a copy into a flat buffer costs time,
-// as it does on a GPU), and dispatches on the device the views live on, so the same lab
-// code runs on the host and on a GPU.
+// the rank's simulated clock as one compute op, and dispatches on the device the views
+// live on, so the same lab code runs on the host and on a GPU. What a compute op costs is
+// the simulation's `DeviceModel` (dp/clock.h): on a real device's model, a launch plus its
+// bytes over the memory bandwidth (the roofline), so a copy into a flat buffer costs time,
+// as it does on a GPU; on a model of free compute (infinite rates, no launch cost), which
+// lab 3's all-reduce and speed measurements use, nothing, so that what they time is
+// communication alone.
 //
 // Every operation visits the elements in index order and rounds each result once, exactly
 // as the loop in its comment would: results are reproducible bit for bit. `divide(x, 3)`
