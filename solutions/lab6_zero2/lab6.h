@@ -155,8 +155,8 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///         buffer is a `Tensor`: the constructor, your hooks and `step()` take no block of
 ///         1 KiB or more from the heap (no staging copy in a `std::vector`). Between steps
 ///         every category but the activations holds what it held after the constructor.
-///   * Time, on the simulated clock (8 ranks on 10 GbE, a CPU-class device, an MLP of twelve
-///     equal hidden layers whose per-layer backward takes about as long as its bucket's
+///   * Time, on the simulated clock (4 to 8 ranks on 10 GbE, a CPU-class device, an MLP of 8
+///     to 14 equal hidden layers whose per-layer backward takes about as long as its bucket's
 ///     reduce-scatter, a bucket cap of one hidden layer): the waits on the reduce-scatters
 ///     (`wait()`, `test()`, or destroying the `Work`) block for at most half of the
 ///     reduce-scatters' time on the link, and at least half of that time overlaps the
