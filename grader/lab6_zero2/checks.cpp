@@ -17,9 +17,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
+#include <stdlib.h>  // mkdtemp
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +30,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <ranges>
@@ -42,10 +46,12 @@
 #include "dp/clock.h"
 #include "dp/data.h"
 #include "dp/error.h"
+#include "dp/host_collectives.h"
 #include "dp/launch.h"
 #include "dp/memory.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
+#include "dp/sharded_checkpoint.h"
 #include "dp/tensor_ops.h"
 #include "dp/trace.h"
 #include "dp/trainer.h"
@@ -111,6 +117,21 @@ std::string describe(const std::vector<Bucket>& buckets) {
   std::vector<std::string> parts;
   for (const Bucket& b : buckets) parts.push_back(describe(b));
   return fmt::format("[{}]", fmt::join(parts, ", "));
+}
+
+/// A cap that falls exactly on a bucket boundary: the bytes of the last `j` parameters
+/// (backward order), j drawn in [2, count - 1]. The rule keeps all j in the first bucket (a
+/// bucket closes when the next parameter would exceed the cap); closing a bucket once it
+/// reaches the cap (>=) puts only j - 1 there, which drawn caps almost never show.
+std::size_t cap_on_a_boundary(const Model& model, Draws& draws) {
+  const auto parameters = model.parameters();
+  const auto count = static_cast<std::int64_t>(parameters.size());
+  const auto j = static_cast<std::size_t>(
+      draws.integer("parameters up to the boundary", 2, std::max<std::int64_t>(2, count - 1)));
+  std::size_t bytes = 0;
+  for (std::size_t k = 0; k < j; ++k)
+    bytes += 4 * parameters[parameters.size() - 1 - k]->value.size();
+  return bytes;
 }
 
 /// Rank `rank`'s shard as flat indices of the model's parameter space, in shard order; a
@@ -274,9 +295,10 @@ TEST(Lab6Buckets, FollowTheRule) {
     const Model model = grading::make_check_model(o);
     const int world = static_cast<int>(draws.integer("N", 1, 16));
     const std::size_t psi = model.num_parameters();
-    const std::array<std::size_t, 3> caps = {
+    const std::array<std::size_t, 4> caps = {
         i == 0 ? std::size_t{0} : 4 * static_cast<std::size_t>(draws.integer("cap", 1, psi / 2)),
-        4 * psi + 4, 4 * static_cast<std::size_t>(draws.integer("cap", 1, 2000))};
+        4 * psi + 4, 4 * static_cast<std::size_t>(draws.integer("cap", 1, 2000)),
+        cap_on_a_boundary(model, draws)};
     for (const std::size_t cap : caps) {
       const std::vector<Bucket> expected = contract_buckets(model, world, cap);
       std::vector<Bucket> seen;
@@ -341,7 +363,8 @@ TEST(Lab6Buckets, FollowTheRule) {
   }
   if (!HasFailure())
     grading::note_measured(fmt::format(
-        "drawn models, caps (0, drawn, above the model) and N up to 16 follow the rule; the "
+        "drawn models, caps (0, drawn, above the model, on a bucket boundary) and N up to 16 "
+        "follow the rule; the "
         "optimizer's buckets, initial shard and released gradients on world sizes {}",
         fmt::join(worlds, ", ")));
 }
@@ -475,9 +498,103 @@ TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
 
 // --- Lab6Clipping --------------------------------------------------------------------------
 
+/// Whether the partial squared norms taken over the summed shard before the division by N,
+/// then divided by N^2 in double (the same number in exact arithmetic: a plausible wrong
+/// arithmetic a student trial wrote), give another float norm than the contract's on some
+/// step of the contract's trajectory: a solution computing them fails there.
+bool norm_before_division_differs(const TrainOptions& options, const Dataset& data, int world,
+                                  const std::vector<std::vector<std::size_t>>& real_by_rank,
+                                  float max_norm) {
+  std::vector<float> summed;
+  grading::Emulation how;
+  how.sum = [&summed](const std::vector<std::vector<float>>& local) {
+    summed = grading::sum_in_rank_order(local);
+    return summed;
+  };
+  bool differs = false;
+  how.before_step = [&](int, std::vector<float>& averaged) {
+    const double n_squared = static_cast<double>(world) * world;
+    float wrong = 0;
+    for (std::size_t r = 0; r < real_by_rank.size(); ++r) {
+      double squares = 0;
+      for (const std::size_t i : real_by_rank[r])
+        squares += static_cast<double>(summed[i]) * static_cast<double>(summed[i]);
+      const auto partial = static_cast<float>(squares / n_squared);
+      wrong = r == 0 ? partial : wrong + partial;
+    }
+    // The contract's norm, clipping `averaged` as the contract does (the trajectory).
+    const float right = grading::clip_by_sharded_norm(averaged, real_by_rank, max_norm);
+    differs = differs || std::sqrt(wrong) != right;
+  };
+  (void)grading::emulate_data_parallel(options, data, world, how);
+  return differs;
+}
+
+/// SGD cases with clipping on a world size that is not a power of two (where the division
+/// by N is exact, and so both arithmetics agree), drawn until the norm taken before the
+/// division differs from the contract's on one of them, and that case run: the check's
+/// other draws tell it apart on some seeds only. A grader bug if no case does.
+void tell_the_norm_before_the_division(Draws& draws, const std::vector<int>& worlds) {
+  const auto not_power_of_two = [](int n) { return (n & (n - 1)) != 0; };
+  const auto found = std::find_if(worlds.begin(), worlds.end(), not_power_of_two);
+  if (found == worlds.end()) {
+    grading::note_measured(fmt::format(
+        "world sizes {} are powers of two: a norm before the division is the same float there",
+        fmt::join(worlds, ", ")));
+    return;
+  }
+  const int world = *found;
+  // Each costs an emulation only. About one case in ten tells (1 to 17 on the grading seeds
+  // 1-12 and the CI's large ones); 400 leave a grader bug no real chance.
+  constexpr int kMostCases = 400;
+  for (int attempt = 1; attempt <= kMostCases; ++attempt) {
+    const Training training = draw_training(draws, "sgd");
+    const float fraction = draws.uniform("before the division: max_norm / first norm", 0.2f, 0.7f);
+    const TrainOptions options = training.for_world(world);
+    const Trajectory plain = grading::emulate_data_parallel(options, *training.data, world);
+    double first = 0;
+    for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
+    const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
+    const Model layout = training.model();
+    const std::vector<Bucket> buckets = contract_buckets(layout, world, training.cap_bytes);
+    std::vector<std::vector<std::size_t>> real_by_rank;
+    for (int r = 0; r < world; ++r) {
+      real_by_rank.emplace_back();
+      for (const std::size_t i : shard_indices(layout, buckets, r))
+        if (i != kPadding) real_by_rank.back().push_back(i);
+    }
+    if (!norm_before_division_differs(options, *training.data, world, real_by_rank, max_norm))
+      continue;
+    const grading::ClippedTrajectory clipping =
+        grading::emulate_clipped(options, *training.data, world, real_by_rank, max_norm);
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          train_and_compare(training, comm, verdict, clipping.exact, max_norm, clipping.norms,
+                            fmt::format("ZeroTwoOptimizer with sgd and max_norm {:.4g} (a case "
+                                        "where squares taken before the division by N give "
+                                        "another norm)",
+                                        max_norm));
+          if (verdict.passed())
+            verdict.note(fmt::format(
+                "case {} drawn tells the norm taken before the division (squares of the sum / "
+                "N^2) from the contract's on N = {}: norms and parameters bitwise the contract's",
+                attempt, world));
+        },
+        draws);
+    return;
+  }
+  ADD_FAILURE() << fmt::format(
+      "grader bug: in {} drawn cases on N = {} the norm taken before the division never differed "
+      "from the contract's; the check cannot tell that arithmetic apart\n  drawn: {}",
+      kMostCases, world, draws.describe());
+}
+
 TEST(Lab6Clipping, GlobalNormOverTheShards) {
   Draws draws("Lab6Clipping.GlobalNormOverTheShards");
   const std::vector<int> worlds = draws.world_sizes(6);
+  // First (so that its note shows): a case where the norm before the division differs.
+  tell_the_norm_before_the_division(draws, worlds);
   struct Case {
     std::string optimizer;
     float low;
@@ -928,6 +1045,12 @@ std::string judge_calls(const std::vector<RecordedCall>& calls, const CallLog& l
             "bucket {}'s reduce-scatter was launched after gradient {} of {}; its bucket is "
             "complete only after gradient {} (launch a bucket once all its gradients are in)",
             k, issue.ready, total, complete_at[k]);
+      if (issue.ready > complete_at[k])
+        return fmt::format(
+            "bucket {}'s reduce-scatter was launched after gradient {} of {}; its bucket was "
+            "complete at gradient {}: launch it in the hook of its last gradient, so that it "
+            "travels while the next layers' backward computes",
+            k, issue.ready, total, complete_at[k]);
       if (issue.nonzero_padding)
         return fmt::format(
             "bucket {}'s reduce-scatter input has a non-zero padding element at issue (index "
@@ -1080,18 +1203,21 @@ constexpr double kHiddenFraction = 0.5;
 
 TEST(Lab6Speed, HidesHalfTheReduceScatters) {
   Draws draws("Lab6Speed.HidesHalfTheReduceScatters");
-  // 8 ranks on 10 GbE, a CPU-class device, an MLP of 12 hidden layers 64-h-...-h-10 (h in
-  // [512, 768]), 48 to 64 rows per rank and a cap of one hidden layer (h^2 + h elements): a
+  // 4 to 8 ranks on 10 GbE, a CPU-class device, an MLP of 8 to 14 hidden layers 64-h-...-h-10
+  // (h in [512, 768]), 48 to 64 rows per rank and a cap of one hidden layer (h^2 + h elements): a
   // bucket is about one layer, and its ring reduce-scatter on 8 ranks (7 (alpha + h^2 / 2
   // bytes at 1.25 GB/s)) takes about as long as a hidden layer's backward (4 rows h^2 FLOPs
   // at 50 GFLOP/s) and several times a copy of its gradient into a buffer (8 h^2 bytes at
   // 20 GB/s). So only reduce-scatters left to travel while the next layers' backward
   // computes hide themselves, and they must: on a fabric fast enough to finish during the
   // copies, no design would have anything to hide.
-  const int world = 8;
+  // The world size and the depth are drawn, so that a design that recognises one shape of
+  // this check (a student trial double-buffered only on 8 ranks and 26 parameters) fails.
+  const auto world = static_cast<int>(draws.integer("ranks", 4, 8));
   const std::int64_t hidden = draws.integer("hidden", 512, 768);
+  const std::int64_t depth = draws.integer("hidden layers", 8, 14);
   const std::int64_t rows = draws.integer("rows per rank", 48, 64);
-  const TrainOptions options = grading::equal_layers_sgd_step(draws, hidden, 12, rows, world);
+  const TrainOptions options = grading::equal_layers_sgd_step(draws, hidden, depth, rows, world);
   const std::size_t cap_bytes = 4 * static_cast<std::size_t>(hidden * hidden + hidden);
   const Dataset data = load_dataset(options.dataset, 1);
   const LaunchOptions launch_options = grading::simulated_launch(draws, world, "10gbe", "cpu");
@@ -1126,7 +1252,7 @@ TEST(Lab6Speed, HidesHalfTheReduceScatters) {
   } catch (const NotImplemented&) {
     throw;
   } catch (const std::exception& error) {
-    FAIL() << fmt::format("on 8 simulated ranks a rank failed with {}: {}\n  drawn: {}",
+    FAIL() << fmt::format("on {} simulated ranks a rank failed with {}: {}\n  drawn: {}", world,
                           grading::type_name(error), error.what(), draws.describe());
   }
   ASSERT_GT(on_link, 0.0) << "no reduce-scatter reached the simulated clock";
@@ -1136,29 +1262,29 @@ TEST(Lab6Speed, HidesHalfTheReduceScatters) {
   const double behind_fraction = behind_model / on_link;
   if (hidden_fraction < kHiddenFraction)
     ADD_FAILURE() << fmt::format(
-        "on 8 ranks (10gbe, cpu), {} with a cap of {} bytes ({} buckets): {} reduce-scatters "
+        "on {} ranks (10gbe, cpu), {} with a cap of {} bytes ({} buckets): {} reduce-scatters "
         "took {:.3f} ms on the link and the waits on them (wait(), test() or destroying the "
         "Work) blocked {:.3f} ms: {:.0f}% hidden; expected at least {:.0f}% (wait for a "
         "reduce-scatter only when its buffer is needed again or in step(), so that it travels "
         "while the next layers' backward computes)\n  drawn: {}",
-        options.model, cap_bytes, buckets, scatters, on_link * 1e3, exposed * 1e3,
+        world, options.model, cap_bytes, buckets, scatters, on_link * 1e3, exposed * 1e3,
         100 * hidden_fraction, 100 * kHiddenFraction, draws.describe());
   else if (behind_fraction < kHiddenFraction)
     ADD_FAILURE() << fmt::format(
-        "on 8 ranks (10gbe, cpu), {} with a cap of {} bytes ({} buckets): the waits on {} "
+        "on {} ranks (10gbe, cpu), {} with a cap of {} bytes ({} buckets): the waits on {} "
         "reduce-scatters blocked {:.3f} ms of their {:.3f} ms on the link, but only {:.3f} ms "
         "({:.0f}%) of that time overlapped the model's own backward; expected at least "
         "{:.0f}%. Compute your code adds (copies, work to pass the time) makes the step longer "
         "and hides nothing: launch each bucket while backward still has layers to compute\n"
         "  drawn: {}",
-        options.model, cap_bytes, buckets, scatters, exposed * 1e3, on_link * 1e3,
+        world, options.model, cap_bytes, buckets, scatters, exposed * 1e3, on_link * 1e3,
         behind_model * 1e3, 100 * behind_fraction, 100 * kHiddenFraction, draws.describe());
   else
     grading::note_measured(fmt::format(
-        "8 ranks on 10gbe, {}, {} buckets: {} reduce-scatters, {:.3f} ms on the link, {:.3f} "
+        "{} ranks on 10gbe, {}, {} buckets: {} reduce-scatters, {:.3f} ms on the link, {:.3f} "
         "ms exposed: {:.0f}% hidden, {:.0f}% behind the model's own backward (step {:.3f} ms)",
-        options.model, buckets, scatters, on_link * 1e3, exposed * 1e3, 100 * hidden_fraction,
-        100 * behind_fraction, step_seconds * 1e3));
+        world, options.model, buckets, scatters, on_link * 1e3, exposed * 1e3,
+        100 * hidden_fraction, 100 * behind_fraction, step_seconds * 1e3));
 }
 
 // --- Lab6Design ----------------------------------------------------------------------------
@@ -2077,6 +2203,109 @@ TEST(Lab6Checkpoint, SavedAtFourLoadsAtTwoAndThree) {
   Training sgd{grading::sgd_with_momentum_on_the_same_model(draws, training)};
   sgd.cap_bytes = training.cap_bytes;
   grading::check_sharded_checkpoint(draws, sgd, lab);
+}
+
+/// A fresh directory under the system's temporary directory, made by rank 0 and named to
+/// the other ranks (processes under mpi).
+std::filesystem::path fresh_shared_directory(Communicator& comm) {
+  std::vector<std::uint8_t> name(4096, 0);
+  if (comm.rank() == 0) {
+    std::string made =
+        (std::filesystem::temp_directory_path() / "dplab-lab6-resave-XXXXXX").string();
+    if (mkdtemp(made.data()) == nullptr)
+      throw Error(fmt::format("cannot make a directory {}: {}", made, std::strerror(errno)));
+    DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
+    std::copy(made.begin(), made.end(), name.begin());
+  }
+  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
+  return std::string(reinterpret_cast<const char*>(name.data()));
+}
+
+/// "" when the checkpoints in `first` and `second` hold the same "step" and bitwise the
+/// same tensors; else the first difference.
+std::string compare_checkpoints(const std::filesystem::path& first,
+                                const std::filesystem::path& second) {
+  const Checkpoint a = consolidated_checkpoint(first);
+  const Checkpoint b = consolidated_checkpoint(second);
+  const auto step_of = [](const Checkpoint& c) {
+    const auto found = c.metadata.find("step");
+    return found == c.metadata.end() ? std::string("missing") : '"' + found->second + '"';
+  };
+  if (step_of(a) != step_of(b))
+    return fmt::format(
+        "its \"step\" is {}; the checkpoint loaded holds {} (the step count "
+        "load_checkpoint restored, not a count of the optimizer's own steps)",
+        step_of(b), step_of(a));
+  for (const auto& [name, tensor] : a.tensors) {
+    const auto found = b.tensors.find(name);
+    if (found == b.tensors.end()) return fmt::format("it lacks the tensor {}", name);
+    const std::span<const float> x = tensor.span();
+    const std::span<const float> y = found->second.span();
+    if (x.size() != y.size())
+      return fmt::format("its {} holds {} elements; the loaded one {}", name, y.size(), x.size());
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (std::bit_cast<std::uint32_t>(x[i]) != std::bit_cast<std::uint32_t>(y[i]))
+        return fmt::format("its {}[{}] is {}; the loaded checkpoint holds {} (bitwise)", name, i,
+                           y[i], x[i]);
+  }
+  if (b.tensors.size() != a.tensors.size())
+    return fmt::format("it holds {} tensors; the loaded one {}", b.tensors.size(),
+                       a.tensors.size());
+  return "";
+}
+
+// A save right after a load writes what was loaded: the step count load_checkpoint restored
+// (a count the optimizer keeps of its own steps, which no load restores, saves 0) and the
+// same shards and optimizer state. The other checkpoint check never saves after a load (a
+// student trial's "step" from its own counter passed it).
+TEST(Lab6Checkpoint, SavesWhatItLoaded) {
+  Draws draws("Lab6Checkpoint.SavesWhatItLoaded");
+  const Training training = draw_training(draws, "adamw");
+  const int world = 2;
+  const auto saved_after = static_cast<int>(draws.integer("steps before the save", 1, 3));
+  run_on_ranks(
+      world,
+      [&](Communicator& comm, Verdict& verdict) {
+        const TrainOptions options = training.for_world(world);
+        const std::filesystem::path trained = fresh_shared_directory(comm);
+        const std::filesystem::path resaved = fresh_shared_directory(comm);
+        {
+          Model model = training.model();
+          ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
+          for (int step = 0; step < saved_after; ++step) {
+            const Batch batch = grading::on_check_device(
+                grading::local_batch(*training.data, options, step, comm.rank(), world));
+            model.zero_grad();
+            model.backward(grading::forward(model, batch), batch.labels);
+            (void)zero.step();
+          }
+          zero.save_checkpoint(trained);
+        }
+        Model model = training.model();
+        ZeroTwoOptimizer zero(model, comm, factory_for(options), training.cap_bytes);
+        zero.load_checkpoint(trained);
+        zero.save_checkpoint(resaved);
+        if (comm.rank() == 0) {
+          const std::string finding = compare_checkpoints(trained, resaved);
+          if (!finding.empty())
+            verdict.fail(fmt::format(
+                "saved again right after loading a checkpoint of {} steps on {} ranks: {}",
+                saved_after, world, finding));
+          else
+            verdict.note(fmt::format(
+                "a save right after a load of {} steps on {} ranks: the same \"step\" and "
+                "bitwise the same tensors",
+                saved_after, world));
+        }
+        comm.barrier();
+        if (comm.rank() == 0) {
+          std::filesystem::remove_all(trained);
+          std::filesystem::remove_all(resaved);
+        }
+      },
+      // Local threads under mpi too (the directories are this process's); the files of a
+      // loaded machine may take seconds, as in the other checkpoint check.
+      draws, std::chrono::seconds(240), Backend::kLocal);
 }
 
 }  // namespace

@@ -144,8 +144,9 @@ struct AccumulationOptions {
 ///     releases `Parameter::grad` (an empty tensor) before the next gradient is computed.
 ///   * Once a bucket is complete, its flat range with its padding [E, N C) zero at issue is
 ///     reduce-scattered, `reduce_scatter(buffer [N C elements], ReduceOp::kSum)`, into
-///     elements [shard_offset, shard_offset + C) of `shard_gradients()`, launched while
-///     backward still runs. Every rank must issue its collectives in the same order.
+///     elements [shard_offset, shard_offset + C) of `shard_gradients()`, launched in the
+///     hook of the gradient that completes the bucket (not at a later gradient's hook, nor
+///     after backward). Every rank must issue its collectives in the same order.
 ///   * A call's buffers are neither written (inputs) nor read or written (outputs) by you
 ///     while the call is in flight: wait for it first (the adversarial completion mode
 ///     reports such a buffer at the call's wait, naming the call).
@@ -186,8 +187,8 @@ struct AccumulationOptions {
 ///         buffer is a `Tensor`: the constructor, your hooks and `step()` take no block of
 ///         1 KiB or more from the heap (no staging copy in a `std::vector`). Between steps
 ///         every category but the activations holds what it held after the constructor.
-///   * Time, on the simulated clock (8 ranks on 10 GbE, a CPU-class device, an MLP of twelve
-///     equal hidden layers whose per-layer backward takes about as long as its bucket's
+///   * Time, on the simulated clock (4 to 8 ranks on 10 GbE, a CPU-class device, an MLP of 8
+///     to 14 equal hidden layers whose per-layer backward takes about as long as its bucket's
 ///     reduce-scatter, a bucket cap of one hidden layer): the waits on the reduce-scatters
 ///     (`wait()`, `test()`, or destroying the `Work`) block for at most half of the
 ///     reduce-scatters' time on the link, and at least half of that time overlaps the
@@ -254,7 +255,11 @@ class ZeroTwoOptimizer {
   /// padding is zero and adds nothing); an all-reduce (`kSum`, rank order) gives
   /// s = p_0 + ... + p_{N-1} in float; the norm is std::sqrt(s) in float; when
   /// c = max_norm / (norm + 1e-6f) is below 1, the shard is scaled by c (`dp::scale`)
-  /// before the update.
+  /// before the update. p_r is a square over the averaged shard, after the division by
+  /// N: squares taken before it and divided by N^2 are another float, which the check's
+  /// draws tell apart. Another order of the double-precision sum (per bucket, or
+  /// `dp::norm` squared) rounds to the same float except with vanishing probability, so the
+  /// check cannot tell it from `dp::dot` and does not try.
   ///
   /// Returns the global norm before clipping when clipping is on (the same on every rank),
   /// std::nullopt when it is off. Throws `dp::Error`, naming the bucket, when a bucket was
