@@ -927,7 +927,8 @@ SpeedSetup draw_speed(Draws& draws, const std::string& spec_override = "") {
 
 /// How a simulated run synchronises its gradients.
 struct Strategy {
-  enum Kind { kFlat, kBucketed, kPerParameter } kind = kFlat;
+  /// kWithout: no gradient synchronisation at all, the step's own compute.
+  enum Kind { kFlat, kBucketed, kPerParameter, kWithout } kind = kFlat;
   BucketOptions caps;
   /// The caller's own work between backward and finish_gradient_sync: a forward of the same
   /// batch (as a loop that evaluates the model before its update would run).
@@ -949,7 +950,12 @@ LaunchOptions simulated_launch(const SpeedSetup& setup, const Draws& draws) {
   return launch_options;
 }
 
-StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws) {
+///
+/// With `floor_seconds`, also what the copies and divides a bucketed step must make take on
+/// the same simulated device, timed by the grader after the steps on rank 0's clock: every
+/// trainable gradient copied into a bucket and back out, and divided by N.
+StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws,
+                     double* floor_seconds = nullptr) {
   StepSummary last;
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
     Model model = grading::make_check_model(setup.options);
@@ -977,7 +983,24 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
       optimizer->step(model);
       detail::charging_clock(comm).mark_step();
     }
-    if (comm.rank() == 0) last = summarize_steps(comm.clock().trace()).back();
+    if (comm.rank() != 0) return;
+    last = summarize_steps(comm.clock().trace()).back();
+    if (floor_seconds == nullptr) return;
+    std::size_t largest = 0;
+    for (const Parameter* parameter : model.parameters())
+      largest = std::max(largest, parameter->grad.size());
+    const std::vector<std::int64_t> shape{static_cast<std::int64_t>(largest)};
+    Tensor gradient(shape, MemoryCategory::kOther, model.device());
+    Tensor bucket(shape, MemoryCategory::kOther, model.device());
+    const double start = comm.clock().now();
+    for (const Parameter* parameter : model.parameters()) {
+      if (parameter->frozen) continue;
+      const std::size_t size = parameter->grad.size();
+      copy(std::as_const(gradient).view(0, size), bucket.view(0, size));
+      divide(bucket.view(0, size), static_cast<float>(setup.world));
+      copy(std::as_const(bucket).view(0, size), gradient.view(0, size));
+    }
+    *floor_seconds = comm.clock().now() - start;
   });
   return last;
 }
@@ -1104,6 +1127,13 @@ ModelledStep model_step(const BackwardProfile& profile, const std::vector<Bucket
 /// leaves out (a call's bookkeeping, the order in which ranks reach a call) costs less.
 constexpr double kExposureMargin = 0.01;
 
+/// The budget of the compute the lab adds to a step (its compute minus the same step's
+/// without any gradient synchronisation): at most this many times what the copies and
+/// divides a bucketed step must make take on the same device (`simulate`'s floor). Compute
+/// hides communication only when it is work the step needs; compute added to pass the time
+/// (a late call, then something to keep the rank busy) would otherwise hide anything.
+constexpr double kAddedComputeFactor = 1.5;
+
 /// "" when `strategy`'s step on `setup`, with the caller's work (a forward, which took
 /// `forward_seconds` in `profile`'s run) between backward and finish_gradient_sync, exposes
 /// at most the modelled communication of `buckets` plus the margin, else why not;
@@ -1117,14 +1147,31 @@ std::string judge_exposure(const SpeedSetup& setup, const BackwardProfile& profi
   const double budget = modelled.exposed() + kExposureMargin * modelled.flat_allreduce;
   Strategy timed = strategy;
   timed.caller_work = true;
-  const StepSummary step = simulate(setup, timed, draws);
+  double floor_seconds = 0;
+  const StepSummary step = simulate(setup, timed, draws, &floor_seconds);
+  const StepSummary without = simulate(setup, {Strategy::kWithout, {}, true}, draws);
+  const double added = std::max(0.0, step.compute - without.compute);
   measured = fmt::format(
       "{}: {} of communication exposed, budget {} (the model's {} + {:.0f}% of the flat "
-      "all-reduce's {}); {:.1f}% of {} of communication hidden",
+      "all-reduce's {}); {:.1f}% of {} of communication hidden; {} of compute added "
+      "({:.2f}x the floor's {})",
       what, milliseconds(step.exposed_communication), milliseconds(budget),
       milliseconds(modelled.exposed()), 100 * kExposureMargin,
       milliseconds(modelled.flat_allreduce), 100 * step.overlap_fraction,
-      milliseconds(step.communication));
+      milliseconds(step.communication), milliseconds(added), added / floor_seconds,
+      milliseconds(floor_seconds));
+  if (added > kAddedComputeFactor * floor_seconds)
+    return fmt::format(
+        "on {} ranks of {}, model {}, {} rows per rank: {} added {} of compute to a step "
+        "(its compute {}, the same step's without gradient synchronisation {}), more than "
+        "{:.1f}x the {} that copying every gradient into a bucket and back and dividing it "
+        "take on this device. Compute the lab adds hides no communication: it only "
+        "lengthens the step (a call made late and then compute to pass the time exposes "
+        "the call all the same)\n  drawn: {}",
+        setup.world, setup.network.describe(), setup.options.model,
+        setup.options.global_batch / setup.world, what, milliseconds(added),
+        milliseconds(step.compute), milliseconds(without.compute), kAddedComputeFactor,
+        milliseconds(floor_seconds), draws.describe());
   if (step.exposed_communication <= budget) return "";
   return fmt::format(
       "on {} ranks of {}, model {}, {} rows per rank: {} left {} of communication exposed "
