@@ -313,6 +313,11 @@ TEST(Lab4Buckets, FollowTheRule) {
     ++models_checked;
     // BucketedDDP itself: the same buckets.
     const BucketOptions cap = caps[1];
+    // Where the partial backward below stops: before the first layer that holds a gradient
+    // of the middle bucket or a later one (at a layer boundary, so that a design launching
+    // from layer hooks has launched every bucket completed before it).
+    const std::size_t stop_bucket = contract_buckets(model, cap).size() / 2;
+    const std::int64_t inputs = std::stoll(spec.substr(0, spec.find('-')));
     run_on_ranks(
         1,
         [&](Communicator& comm, Verdict& verdict) {
@@ -331,6 +336,57 @@ TEST(Lab4Buckets, FollowTheRule) {
               throw;
             } catch (const Error&) {
             }
+          }
+          // And after a backward that stops part way: the buckets before the first
+          // incomplete one complete (launched), the later ones not. A check of the first
+          // bucket alone would go on to wait for calls never made.
+          if (stop_bucket != 0 && verdict.passed()) {
+            std::vector<std::size_t> bucket_of(model.parameters().size(), expected.size());
+            for (std::size_t k = 0; k < expected.size(); ++k)
+              for (const std::size_t index : expected[k].parameters) bucket_of[index] = k;
+            std::vector<bool> delivered(model.parameters().size(), false);
+            struct BackwardStopped {};
+            model.on_gradient_ready(
+                [&](Parameter& parameter) { delivered[parameter.index] = true; });
+            model.on_pre_backward([&](Layer& layer) {
+              for (const Parameter* parameter : layer.parameters())
+                if (bucket_of[parameter->index] >= stop_bucket &&
+                    bucket_of[parameter->index] < expected.size())
+                  throw BackwardStopped{};
+            });
+            const Tensor batch({2, inputs}, MemoryCategory::kOther, model.device());
+            try {
+              const std::vector<int> labels = {0, 1};
+              model.backward(model.forward(batch), labels);
+            } catch (const BackwardStopped&) {
+            }
+            // The first bucket with a gradient that did not arrive.
+            std::size_t incomplete = expected.size();
+            for (std::size_t index = 0; index < delivered.size(); ++index)
+              if (!delivered[index]) incomplete = std::min(incomplete, bucket_of[index]);
+            const std::vector<float> before = model.flat_gradients();
+            try {
+              ddp.finish_gradient_sync();
+              verdict.fail(fmt::format(
+                  "finish_gradient_sync() after a backward stopped part way (bucket {} of {} the "
+                  "first without all of its gradients) returned; expected dp::Error naming "
+                  "bucket {}",
+                  incomplete, expected.size(), incomplete));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error& error) {
+              const std::string message = error.what();
+              if (message.find(fmt::format("bucket {}", incomplete)) == std::string::npos)
+                verdict.fail(fmt::format(
+                    "finish_gradient_sync() after a backward stopped part way (bucket {} the "
+                    "first without all of its gradients) threw \"{}\"; expected the error to "
+                    "name the first incomplete bucket (\"bucket {}\")",
+                    incomplete, message, incomplete));
+            }
+            if (model.flat_gradients() != before)
+              verdict.fail(
+                  "finish_gradient_sync() that threw changed the gradients; expected the "
+                  "error before any gradient is touched");
           }
           model.clear_hooks();
         },
