@@ -313,6 +313,11 @@ TEST(Lab4Buckets, FollowTheRule) {
     ++models_checked;
     // BucketedDDP itself: the same buckets.
     const BucketOptions cap = caps[1];
+    // Where the partial backward below stops: before the first layer that holds a gradient
+    // of the middle bucket or a later one (at a layer boundary, so that a design launching
+    // from layer hooks has launched every bucket completed before it).
+    const std::size_t stop_bucket = contract_buckets(model, cap).size() / 2;
+    const std::int64_t inputs = std::stoll(spec.substr(0, spec.find('-')));
     run_on_ranks(
         1,
         [&](Communicator& comm, Verdict& verdict) {
@@ -331,6 +336,57 @@ TEST(Lab4Buckets, FollowTheRule) {
               throw;
             } catch (const Error&) {
             }
+          }
+          // And after a backward that stops part way: the buckets before the first
+          // incomplete one complete (launched), the later ones not. A check of the first
+          // bucket alone would go on to wait for calls never made.
+          if (stop_bucket != 0 && verdict.passed()) {
+            std::vector<std::size_t> bucket_of(model.parameters().size(), expected.size());
+            for (std::size_t k = 0; k < expected.size(); ++k)
+              for (const std::size_t index : expected[k].parameters) bucket_of[index] = k;
+            std::vector<bool> delivered(model.parameters().size(), false);
+            struct BackwardStopped {};
+            model.on_gradient_ready(
+                [&](Parameter& parameter) { delivered[parameter.index] = true; });
+            model.on_pre_backward([&](Layer& layer) {
+              for (const Parameter* parameter : layer.parameters())
+                if (bucket_of[parameter->index] >= stop_bucket &&
+                    bucket_of[parameter->index] < expected.size())
+                  throw BackwardStopped{};
+            });
+            const Tensor batch({2, inputs}, MemoryCategory::kOther, model.device());
+            try {
+              const std::vector<int> labels = {0, 1};
+              model.backward(model.forward(batch), labels);
+            } catch (const BackwardStopped&) {
+            }
+            // The first bucket with a gradient that did not arrive.
+            std::size_t incomplete = expected.size();
+            for (std::size_t index = 0; index < delivered.size(); ++index)
+              if (!delivered[index]) incomplete = std::min(incomplete, bucket_of[index]);
+            const std::vector<float> before = model.flat_gradients();
+            try {
+              ddp.finish_gradient_sync();
+              verdict.fail(fmt::format(
+                  "finish_gradient_sync() after a backward stopped part way (bucket {} of {} the "
+                  "first without all of its gradients) returned; expected dp::Error naming "
+                  "bucket {}",
+                  incomplete, expected.size(), incomplete));
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error& error) {
+              const std::string message = error.what();
+              if (message.find(fmt::format("bucket {}", incomplete)) == std::string::npos)
+                verdict.fail(fmt::format(
+                    "finish_gradient_sync() after a backward stopped part way (bucket {} the "
+                    "first without all of its gradients) threw \"{}\"; expected the error to "
+                    "name the first incomplete bucket (\"bucket {}\")",
+                    incomplete, message, incomplete));
+            }
+            if (model.flat_gradients() != before)
+              verdict.fail(
+                  "finish_gradient_sync() that threw changed the gradients; expected the "
+                  "error before any gradient is touched");
           }
           model.clear_hooks();
         },
@@ -927,7 +983,8 @@ SpeedSetup draw_speed(Draws& draws, const std::string& spec_override = "") {
 
 /// How a simulated run synchronises its gradients.
 struct Strategy {
-  enum Kind { kFlat, kBucketed, kPerParameter } kind = kFlat;
+  /// kWithout: no gradient synchronisation at all, the step's own compute.
+  enum Kind { kFlat, kBucketed, kPerParameter, kWithout } kind = kFlat;
   BucketOptions caps;
   /// The caller's own work between backward and finish_gradient_sync: a forward of the same
   /// batch (as a loop that evaluates the model before its update would run).
@@ -949,7 +1006,12 @@ LaunchOptions simulated_launch(const SpeedSetup& setup, const Draws& draws) {
   return launch_options;
 }
 
-StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws) {
+///
+/// With `floor_seconds`, also what the copies and divides a bucketed step must make take on
+/// the same simulated device, timed by the grader after the steps on rank 0's clock: every
+/// trainable gradient copied into a bucket and back out, and divided by N.
+StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws,
+                     double* floor_seconds = nullptr) {
   StepSummary last;
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
     Model model = grading::make_check_model(setup.options);
@@ -977,7 +1039,24 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
       optimizer->step(model);
       detail::charging_clock(comm).mark_step();
     }
-    if (comm.rank() == 0) last = summarize_steps(comm.clock().trace()).back();
+    if (comm.rank() != 0) return;
+    last = summarize_steps(comm.clock().trace()).back();
+    if (floor_seconds == nullptr) return;
+    std::size_t largest = 0;
+    for (const Parameter* parameter : model.parameters())
+      largest = std::max(largest, parameter->grad.size());
+    const std::vector<std::int64_t> shape{static_cast<std::int64_t>(largest)};
+    Tensor gradient(shape, MemoryCategory::kOther, model.device());
+    Tensor bucket(shape, MemoryCategory::kOther, model.device());
+    const double start = comm.clock().now();
+    for (const Parameter* parameter : model.parameters()) {
+      if (parameter->frozen) continue;
+      const std::size_t size = parameter->grad.size();
+      copy(std::as_const(gradient).view(0, size), bucket.view(0, size));
+      divide(bucket.view(0, size), static_cast<float>(setup.world));
+      copy(std::as_const(bucket).view(0, size), gradient.view(0, size));
+    }
+    *floor_seconds = comm.clock().now() - start;
   });
   return last;
 }
@@ -1104,6 +1183,13 @@ ModelledStep model_step(const BackwardProfile& profile, const std::vector<Bucket
 /// leaves out (a call's bookkeeping, the order in which ranks reach a call) costs less.
 constexpr double kExposureMargin = 0.01;
 
+/// The budget of the compute the lab adds to a step (its compute minus the same step's
+/// without any gradient synchronisation): at most this many times what the copies and
+/// divides a bucketed step must make take on the same device (`simulate`'s floor). Compute
+/// hides communication only when it is work the step needs; compute added to pass the time
+/// (a late call, then something to keep the rank busy) would otherwise hide anything.
+constexpr double kAddedComputeFactor = 1.5;
+
 /// "" when `strategy`'s step on `setup`, with the caller's work (a forward, which took
 /// `forward_seconds` in `profile`'s run) between backward and finish_gradient_sync, exposes
 /// at most the modelled communication of `buckets` plus the margin, else why not;
@@ -1117,14 +1203,31 @@ std::string judge_exposure(const SpeedSetup& setup, const BackwardProfile& profi
   const double budget = modelled.exposed() + kExposureMargin * modelled.flat_allreduce;
   Strategy timed = strategy;
   timed.caller_work = true;
-  const StepSummary step = simulate(setup, timed, draws);
+  double floor_seconds = 0;
+  const StepSummary step = simulate(setup, timed, draws, &floor_seconds);
+  const StepSummary without = simulate(setup, {Strategy::kWithout, {}, true}, draws);
+  const double added = std::max(0.0, step.compute - without.compute);
   measured = fmt::format(
       "{}: {} of communication exposed, budget {} (the model's {} + {:.0f}% of the flat "
-      "all-reduce's {}); {:.1f}% of {} of communication hidden",
+      "all-reduce's {}); {:.1f}% of {} of communication hidden; {} of compute added "
+      "({:.2f}x the floor's {})",
       what, milliseconds(step.exposed_communication), milliseconds(budget),
       milliseconds(modelled.exposed()), 100 * kExposureMargin,
       milliseconds(modelled.flat_allreduce), 100 * step.overlap_fraction,
-      milliseconds(step.communication));
+      milliseconds(step.communication), milliseconds(added), added / floor_seconds,
+      milliseconds(floor_seconds));
+  if (added > kAddedComputeFactor * floor_seconds)
+    return fmt::format(
+        "on {} ranks of {}, model {}, {} rows per rank: {} added {} of compute to a step "
+        "(its compute {}, the same step's without gradient synchronisation {}), more than "
+        "{:.1f}x the {} that copying every gradient into a bucket and back and dividing it "
+        "take on this device. Compute the lab adds hides no communication: it only "
+        "lengthens the step (a call made late and then compute to pass the time exposes "
+        "the call all the same)\n  drawn: {}",
+        setup.world, setup.network.describe(), setup.options.model,
+        setup.options.global_batch / setup.world, what, milliseconds(added),
+        milliseconds(step.compute), milliseconds(without.compute), kAddedComputeFactor,
+        milliseconds(floor_seconds), draws.describe());
   if (step.exposed_communication <= budget) return "";
   return fmt::format(
       "on {} ranks of {}, model {}, {} rows per rank: {} left {} of communication exposed "
