@@ -61,6 +61,14 @@ SMALLER = {
         ["--max-bytes", "16M"],
         "the sweep stops at 16 MiB instead of 256 MiB: the fit still has 10 sizes, and the "
         "larger sizes cost only real copies (38 s of 8 ranks)"),
+    "cmake --build build/student --target grade_lab5 dplab": (
+        ["cmake", "--build", "build/student", "--target", "grade_lab5", "dplab", "--", "-n"],
+        "a dry run (ninja -n) on the build under test, which has the student build's targets: "
+        "it checks that the targets exist without rebuilding programs other tests are running"),
+    "cmake --build build/student --target lab4_experiments": (
+        ["cmake", "--build", "build/student", "--target", "lab4_experiments", "--", "-n"],
+        "a dry run (ninja -n) on the build under test, which has the student build's targets: "
+        "it checks that the target exists without rebuilding programs other tests are running"),
     "tools/run-benchmarks build/default": (
         ["--rounds", "1", "--", "--benchmark_filter=size:4KiB/|train_step/single/batch:64/"],
         "the full sweep takes many minutes; the script runs end to end, one round, on the "
