@@ -7,6 +7,16 @@
 //   train_step/local/ranks:N/batch:B   N local ranks (threads), each on B/N samples, plus
 //                                      the all-reduce (average) of every gradient
 //
+// And one step of dplab's default GPT (4 blocks, dim 128, 4 heads, context 64) on 8
+// windows of text, in one process, without and with activation checkpointing:
+//
+//   gpt_step/single/checkpointing:off/batch:8
+//   gpt_step/single/checkpointing:on/batch:8
+//
+// with the counters tokens_per_s and activations_peak_bytes (the step's peak of
+// `MemoryCategory::kActivations` above the batch's inputs): their ratios are what checkpointing
+// costs in time and saves in memory.
+//
 // The counter samples_per_s is B / (step time); for N ranks the step time is the slowest
 // rank's from a common start. For one process, blas_fraction is the share of the step spent
 // in BLAS (dp::blas_seconds_of_this_thread). After the timed loop, every rank's parameters must
@@ -25,9 +35,11 @@
 #include "bench_support.h"
 #include "dp/comm.h"
 #include "dp/data.h"
+#include "dp/memory.h"
 #include "dp/model.h"
 #include "dp/ops.h"
 #include "dp/optimizer.h"
+#include "dp/text_data.h"
 #include "rank_pool.h"
 
 namespace dp::bench {
@@ -167,9 +179,81 @@ void benchmark_data_parallel(benchmark::State& state, int ranks, std::size_t bat
   }
 }
 
+/// Text for the GPT: sentences drawn from a small vocabulary of words (not a corpus file, so
+/// that the benchmark needs nothing installed). The step's time does not depend on the words.
+const Dataset& text_dataset() {
+  static const Dataset data = [] {
+    const std::vector<std::string> words = {
+        "the",  "data", "parallel", "ranks", "reduce", "gradients", "while", "backward",
+        "runs", "a",    "bucket",   "shard", "of",     "memory",    "each",  "step"};
+    CounterRng rng(kSeed, 29);
+    std::string text;
+    while (text.size() < 64 * 1024) {
+      text += words[rng.below(words.size())];
+      text += rng.below(8) == 0 ? ". " : " ";
+    }
+    return make_text_dataset(text, GptSpec{}.context, "bench-text");
+  }();
+  return data;
+}
+
+void benchmark_gpt(benchmark::State& state, bool checkpointing, std::size_t batch) {
+  try {
+    set_blas_threads(1);
+    // A memory account of its own, so that the peak is this model's.
+    ScopedRankMemory memory(std::make_shared<RankMemory>());
+    const Dataset& data = text_dataset();
+    Model model = Model::gpt(GptSpec{}, data.num_classes,
+                             {.seed = kSeed, .activation_checkpointing = checkpointing});
+    Sgd sgd(model.num_parameters(), {.lr = 0.1f});
+    const Batch windows = gather_batch(data, Replica::row_range(0, batch));
+    float loss = 0;
+    const auto step = [&] {
+      model.zero_grad();
+      const Tensor logits = model.forward(windows.inputs);
+      loss = model.backward(logits, windows.labels);
+      sgd.step(model);
+    };
+    step();  // warm-up: the caching allocator fills up here
+    MemoryTracker& tracker = this_rank_memory().tracker();
+    const std::size_t before = tracker.current(MemoryCategory::kActivations);
+    tracker.reset_peaks();
+    double total_seconds = 0;
+    for (auto _ : state) {
+      const auto start = std::chrono::steady_clock::now();
+      step();
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      state.SetIterationTime(seconds);
+      total_seconds += seconds;
+    }
+    if (!std::isfinite(loss)) {
+      state.SkipWithError("the loss is not finite");
+      return;
+    }
+    const double seconds_per_step = total_seconds / static_cast<double>(state.iterations());
+    state.counters["tokens_per_s"] =
+        static_cast<double>(batch * static_cast<std::size_t>(data.labels_per_sample)) /
+        seconds_per_step;
+    state.counters["activations_peak_bytes"] =
+        static_cast<double>(tracker.peak(MemoryCategory::kActivations) - before);
+    state.counters["batch"] = static_cast<double>(batch);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
 }  // namespace
 
 void register_benchmarks() {
+  for (const bool checkpointing : {false, true})
+    benchmark::RegisterBenchmark(
+        (std::string("gpt_step/single/checkpointing:") + (checkpointing ? "on" : "off") +
+         "/batch:8")
+            .c_str(),
+        [checkpointing](benchmark::State& state) { benchmark_gpt(state, checkpointing, 8); })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   for (const std::size_t batch : {64, 512}) {
     benchmark::RegisterBenchmark(
         ("train_step/single/batch:" + std::to_string(batch)).c_str(),

@@ -536,6 +536,61 @@ TEST(TransformerBlock, ChargesItsActivationsAndReleasesThemInBackward) {
       << "only the output and the input gradient remain";
 }
 
+// The whole point of activation checkpointing: the same bits for a fraction of the memory.
+TEST(TransformerBlock, ActivationCheckpointingKeepsTheInputAndGivesTheSameBits) {
+  auto memory = std::make_shared<dp::RankMemory>();
+  dp::ScopedRankMemory bind(memory);
+  const std::int64_t batch = 2, time = 3, dim = 8, heads = 2;
+  const std::size_t row_elements = batch * time * dim;
+  dp::TransformerBlock keeping("h.0", dim, heads, 4, 1);
+  dp::TransformerBlock checkpointed("h.0", dim, heads, 4, 1);
+  checkpointed.set_activation_checkpointing(true);
+  EXPECT_TRUE(checkpointed.activation_checkpointing());
+  randomize_parameters(keeping);
+  randomize_parameters(checkpointed);
+  const dp::Tensor input = random_input(batch, time, dim);
+  const dp::Tensor kept_output = keeping.forward(input);
+  const dp::Tensor kept_grad_input = keeping.backward(kept_output);
+
+  const std::size_t start = memory->tracker().current(dp::MemoryCategory::kActivations);
+  const dp::Tensor output = checkpointed.forward(input);
+  EXPECT_EQ(memory->tracker().current(dp::MemoryCategory::kActivations) - start,
+            2 * row_elements * sizeof(float))
+      << "a checkpointed block keeps a copy of its input, beside its output, and nothing else";
+  EXPECT_TRUE(std::ranges::equal(output.span(), kept_output.span()));
+  const dp::Tensor grad_input = checkpointed.backward(output);
+  EXPECT_EQ(memory->tracker().current(dp::MemoryCategory::kActivations) - start,
+            2 * row_elements * sizeof(float))
+      << "backward recomputes what it needs and releases it, and the input copy";
+  EXPECT_TRUE(std::ranges::equal(grad_input.span(), kept_grad_input.span()));
+  const std::vector<dp::Parameter*> kept = keeping.parameters();
+  const std::vector<dp::Parameter*> recomputed = checkpointed.parameters();
+  for (std::size_t p = 0; p < kept.size(); ++p)
+    EXPECT_TRUE(std::ranges::equal(recomputed[p]->grad.span(), kept[p]->grad.span()))
+        << kept[p]->name << ": the recomputed forward must give bitwise the same gradient";
+
+  // The recomputation is charged: one more forward in each backward.
+  EXPECT_DOUBLE_EQ(checkpointed.backward_cost(batch).flops,
+                   keeping.backward_cost(batch).flops + keeping.forward_cost(batch).flops);
+  const std::string again = error_message([&] { (void)checkpointed.backward(output); });
+  EXPECT_NE(again.find("backward called without a forward"), std::string::npos) << again;
+}
+
+TEST(GptLayers, DiscardSavedMakesBackwardRefuseUntilTheNextForward) {
+  auto memory = std::make_shared<dp::RankMemory>();
+  dp::ScopedRankMemory bind(memory);
+  dp::TransformerBlock block("h.0", 8, 2, 4, 1);
+  randomize_parameters(block);
+  const dp::Tensor input = random_input(2, 3, 8);
+  const std::size_t start = memory->tracker().current(dp::MemoryCategory::kActivations);
+  const dp::Tensor output = block.forward(input);
+  block.discard_saved();
+  EXPECT_EQ(memory->tracker().current(dp::MemoryCategory::kActivations) - start, output.bytes())
+      << "only the output is left";
+  const std::string message = error_message([&] { (void)block.backward(output); });
+  EXPECT_NE(message.find("backward called without a forward"), std::string::npos) << message;
+}
+
 TEST(TransformerBlock, RejectsBadSizesAndShapes) {
   const std::string heads = error_message([] { dp::TransformerBlock("h.0", 10, 3, 8, 1); });
   EXPECT_TRUE(dp::testing::contains(heads, "transformer block h.0: 3 heads do not divide dim = 10"))

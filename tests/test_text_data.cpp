@@ -352,6 +352,45 @@ TEST(TextTraining, TinyGptLearnsAndRanksMatchTheirEmulation) {
   EXPECT_EQ(parameters[1], parameters[0]);
 }
 
+// Activation checkpointing changes the memory and the compute, never the run.
+TEST(TextTraining, ActivationCheckpointingTrainsTheSameRunOnLessMemory) {
+  const fs::path dir = test_directory();
+  const fs::path file = write_file(dir / "corpus.txt", small_corpus());
+  const dp::TrainOptions options = tiny_gpt_options(file);
+  const dp::Dataset data = dp::load_dataset(options.dataset, options.seed, 8);
+  dp::TrainOptions checkpointed = options;
+  checkpointed.activation_checkpointing = true;
+  checkpointed.steps = 5;
+  dp::TrainOptions plain = checkpointed;
+  plain.activation_checkpointing = false;
+  const dp::TrainResult single = dp::train_emulating_data_parallel(plain, data, 2);
+  std::vector<float> parameters[2];
+  dp::launch({.world_size = 2}, [&](dp::Communicator& comm) {
+    parameters[comm.rank()] =
+        dp::train_data_parallel(checkpointed, data, comm).model.flat_parameters();
+  });
+  EXPECT_EQ(parameters[0], single.model.flat_parameters());
+  EXPECT_EQ(parameters[1], parameters[0]);
+
+  // One block saves nothing (its state is recomputed whole, and the input copy comes on top):
+  // the saving grows with the depth.
+  dp::TrainOptions deep = checkpointed;
+  deep.model = "gpt:layers=4,dim=16,heads=2,context=8";
+  const dp::ActivationCheckpointingEffect effect =
+      dp::measure_activation_checkpointing(deep, data, 4);
+  EXPECT_LT(effect.activations_with, effect.activations_without / 2);
+  EXPECT_GT(effect.flops_with, effect.flops_without);
+  EXPECT_LT(effect.flops_with, 1.5 * effect.flops_without) << "one forward of each block more";
+
+  dp::TrainOptions mlp;
+  mlp.activation_checkpointing = true;
+  expect_error([&] { dp::check_train_options(mlp); },
+               {"activation checkpointing recomputes a GPT's transformer blocks",
+                "the model 64-256-256-10 is an MLP"});
+  expect_error([&] { dp::measure_activation_checkpointing(checkpointed, data, 0); },
+               {"on 0 samples", "expected 1 to"});
+}
+
 TEST(TextTraining, CheckpointRecordsTheVocabularyAndSamplesFromIt) {
   const fs::path dir = test_directory();
   const fs::path file = write_file(dir / "corpus.txt", small_corpus());

@@ -28,6 +28,8 @@ Tensor Layer::backward_parameters_only(const Tensor& grad_output) {
   return Tensor();
 }
 
+void Layer::discard_saved() {}
+
 OpCost Layer::backward_parameters_only_cost(std::int64_t batch) const {
   return backward_cost(batch);
 }

@@ -27,16 +27,12 @@ std::string_view to_string(MemoryCategory category) {
   return "unknown";
 }
 
-namespace {
-
 std::string format_bytes(std::size_t bytes) {
   if (bytes >= std::size_t{1} << 30) return fmt::format("{:.2f} GiB", bytes / double(1 << 30));
   if (bytes >= std::size_t{1} << 20) return fmt::format("{:.2f} MiB", bytes / double(1 << 20));
   if (bytes >= std::size_t{1} << 10) return fmt::format("{:.2f} KiB", bytes / double(1 << 10));
   return fmt::format("{} B", bytes);
 }
-
-}  // namespace
 
 std::size_t machine_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);

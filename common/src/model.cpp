@@ -172,9 +172,12 @@ Model Model::gpt(const GptSpec& spec, std::int64_t vocab, const GptOptions& opti
         spec.layers, spec.dim, kMaxTensorElements));
   Model model;
   model.add(std::make_unique<Embedding>("embed", vocab, spec.context, spec.dim));
-  for (std::int64_t block = 0; block < spec.layers; ++block)
-    model.add(std::make_unique<TransformerBlock>(fmt::format("h.{}", block), spec.dim, spec.heads,
-                                                 spec.context, spec.layers));
+  for (std::int64_t block = 0; block < spec.layers; ++block) {
+    auto transformer_block = std::make_unique<TransformerBlock>(
+        fmt::format("h.{}", block), spec.dim, spec.heads, spec.context, spec.layers);
+    transformer_block->set_activation_checkpointing(options.activation_checkpointing);
+    model.add(std::move(transformer_block));
+  }
   model.add(std::make_unique<LanguageModelHead>("head", spec.dim, vocab, spec.context));
   model.init_parameters(options.seed);
   if (options.device != Device::kHost) model.to(options.device);

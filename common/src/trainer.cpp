@@ -426,6 +426,11 @@ void check_train_options(const TrainOptions& options) {
                               options.vocab));
   } else {
     parse_mlp_spec(options.model);
+    if (options.activation_checkpointing)
+      throw Error(fmt::format(
+          "activation checkpointing recomputes a GPT's transformer blocks, and the model {} is "
+          "an MLP: expected --model gpt or gpt:layers=L,dim=C,heads=H,context=T",
+          options.model));
     if (is_text_dataset_spec(options.dataset))
       throw Error(fmt::format(
           "the data set '{}' is text, which a GPT trains on, but the model {} is an MLP: "
@@ -663,7 +668,9 @@ Model make_model(const TrainOptions& options) {
                       "TrainOptions::vocab to the data set's num_classes)",
                       options.model));
     return Model::gpt(parse_gpt_spec(options.model), options.vocab,
-                      {.seed = options.seed, .device = options.device});
+                      {.seed = options.seed,
+                       .device = options.device,
+                       .activation_checkpointing = options.activation_checkpointing});
   }
   MlpOptions mlp;
   mlp.activation = options.activation;
@@ -671,6 +678,57 @@ Model make_model(const TrainOptions& options) {
   mlp.seed = options.seed;
   mlp.device = options.device;
   return Model::mlp(options.model, mlp);
+}
+
+ActivationCheckpointingEffect measure_activation_checkpointing(const TrainOptions& options,
+                                                               const Dataset& data,
+                                                               std::int64_t rows) {
+  if (!is_gpt_spec(options.model))
+    throw Error(
+        fmt::format("activation checkpointing recomputes a GPT's blocks; the model {} is an MLP",
+                    options.model));
+  if (rows < 1 || static_cast<std::size_t>(rows) > data.size())
+    throw Error(
+        fmt::format("measuring activation checkpointing on {} samples of '{}', which has "
+                    "{}: expected 1 to {}",
+                    rows, data.name, data.size(), data.size()));
+  std::vector<std::size_t> indices(static_cast<std::size_t>(rows));
+  std::iota(indices.begin(), indices.end(), std::size_t{0});
+
+  ActivationCheckpointingEffect effect;
+  std::array<std::vector<std::vector<float>>, 2> gradients;  // [without, with][parameter]
+  for (const bool checkpointing : {false, true}) {
+    // A memory account of its own: the run's peaks stay the run's.
+    ScopedRankMemory probe(std::make_shared<RankMemory>());
+    TrainOptions probed = with_vocabulary_of(options, data);
+    probed.activation_checkpointing = checkpointing;
+    Model model = make_model(probed);
+    const Batch batch = gather_batch(data, indices);
+    const Tensor device_inputs =
+        probed.device != Device::kHost ? batch.inputs.to(probed.device) : Tensor();
+    MemoryTracker& tracker = this_rank_memory().tracker();
+    const std::size_t inputs = tracker.current(MemoryCategory::kActivations);
+    tracker.reset_peaks();
+    {
+      const Tensor logits =
+          model.forward(probed.device != Device::kHost ? device_inputs : batch.inputs);
+      (void)model.backward(logits, batch.labels);
+    }
+    const std::size_t peak = tracker.peak(MemoryCategory::kActivations) - inputs;
+    const double flops = model.forward_cost(rows).flops + model.backward_cost(rows).flops;
+    (checkpointing ? effect.activations_with : effect.activations_without) = peak;
+    (checkpointing ? effect.flops_with : effect.flops_without) = flops;
+    for (const Parameter* parameter : model.parameters()) {
+      const Tensor host = parameter->grad.to(Device::kHost);
+      gradients[checkpointing ? 1 : 0].emplace_back(host.span().begin(), host.span().end());
+    }
+  }
+  for (std::size_t p = 0; p < gradients[0].size(); ++p)
+    DP_CHECK(std::memcmp(gradients[0][p].data(), gradients[1][p].data(),
+                         gradients[0][p].size() * sizeof(float)) == 0,
+             "activation checkpointing changed the gradient of parameter {} of {}", p,
+             options.model);
+  return effect;
 }
 
 TrainResult train_single_process(const TrainOptions& options, const Dataset& data,

@@ -96,6 +96,11 @@ class Layer {
   /// `backward` and drops the input gradient; a layer whose input gradient costs work of its
   /// own overrides it (Linear skips a product as large as its weight gradient's).
   virtual Tensor backward_parameters_only(const Tensor& grad_output);
+  /// Drops what the last forward saved for backward, so that its memory is free before
+  /// backward comes; backward then refuses to run until the next forward. Activation
+  /// checkpointing calls it after a block's forward and runs that forward again in backward.
+  /// The default does nothing, which is right for a layer that saves nothing.
+  virtual void discard_saved();
   /// The layer's parameters in definition order (weight, then bias); empty for activations.
   virtual std::vector<Parameter*> parameters();
   /// Sets the initial value of `parameter` (one of `parameters()`), drawing from `rng`.

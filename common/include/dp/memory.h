@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -49,6 +50,9 @@ inline constexpr std::size_t kNumMemoryCategories = 6;
 
 /// A short lower-case name, e.g. "optimizer_state".
 std::string_view to_string(MemoryCategory category);
+
+/// `bytes` as a person reads them, in B, KiB, MiB or GiB (binary units), e.g. "1.50 MiB".
+std::string format_bytes(std::size_t bytes);
 
 /// An allocation that would take a rank past its memory budget, or that the machine refused.
 class OutOfMemory : public Error {

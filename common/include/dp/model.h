@@ -101,6 +101,9 @@ GptSpec parse_gpt_spec(std::string_view spec);
 struct GptOptions {
   std::uint64_t seed = 0;         ///< seed of `init_parameters`
   Device device = Device::kHost;  ///< where the parameters live (drawn on the host, moved)
+  /// Every block keeps only its input in forward and recomputes the rest in backward
+  /// (`TransformerBlock::set_activation_checkpointing`): the same gradients, bit for bit.
+  bool activation_checkpointing = false;
 };
 
 /// An ordered list of layers ending in softmax cross-entropy; move-only.

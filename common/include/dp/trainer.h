@@ -76,6 +76,10 @@ struct TrainOptions {
   /// backward, so that communication overlaps the rest of backward (the same all-reduces,
   /// so the same bits, in reverse parameter order); otherwise all after backward.
   bool overlap = false;
+  /// A GPT: each block keeps only its input in forward and runs its forward again in
+  /// backward (dp/layers/transformer_block.h). The same gradients, bit for bit, so it does
+  /// not change the run; it trades compute for activation memory.
+  bool activation_checkpointing = false;
   /// Where the model, its gradients and the optimizer state live. `Device::kCuda` trains on
   /// the GPU (or the emulated device, dp::set_cuda_device_emulated); the ranks then
   /// exchange device buffers, which the local and nccl backends take (see
@@ -96,8 +100,8 @@ void check_train_device(Device device);
 /// negative steps, a learning rate or weight decay that is negative or not finite, a
 /// momentum outside [0, 1), or `log_every` below 1; a GPT with a data set that is not text
 /// (`is_text_dataset_spec`) or with an MLP's options (--layer-norm, --activation gelu), an
-/// MLP with a text data set. The trainers call it first; commands call it before they
-/// load data.
+/// MLP with a text data set or with activation checkpointing. The trainers call it first;
+/// commands call it before they load data.
 void check_train_options(const TrainOptions& options);
 
 /// Throws `dp::Error` unless the model `options` describes can train on `data`. An MLP:
@@ -174,6 +178,29 @@ std::vector<std::size_t> global_batch_indices(std::size_t dataset_size, std::int
 /// `options.device`: `Model::mlp` or, for a GPT spec, `Model::gpt` over `options.vocab`
 /// tokens (throws `dp::Error` when it is 0: the vocabulary comes from the data).
 Model make_model(const TrainOptions& options);
+
+/// What activation checkpointing saves and costs on one forward and backward of a GPT.
+struct ActivationCheckpointingEffect {
+  /// Peak bytes of activations (`MemoryCategory::kActivations`, the batch's inputs left out)
+  /// when every block keeps what its sublayers save.
+  std::size_t activations_without = 0;
+  /// The same with activation checkpointing: each block keeps its input only.
+  std::size_t activations_with = 0;
+  /// Flops of the forward and backward without it (the layers' cost model).
+  double flops_without = 0;
+  /// The same with it: each block's forward runs again in its backward.
+  double flops_with = 0;
+};
+
+/// Measures what activation checkpointing changes for the GPT `options` describe, on the
+/// first `rows` samples of `data` (a rank's share of a batch): one forward and backward
+/// without and one with it, each on a fresh model and a memory account of its own (the
+/// caller's account is untouched). It also checks that the two give bitwise the same
+/// gradients, which the recomputation promises (an invariant: a failure is a bug of dplab).
+/// Throws `dp::Error` for an MLP or unless 1 <= rows <= the data set's size.
+ActivationCheckpointingEffect measure_activation_checkpointing(const TrainOptions& options,
+                                                               const Dataset& data,
+                                                               std::int64_t rows);
 
 /// A training run's saved state, read back by `load_training_checkpoint`.
 struct TrainingCheckpoint {

@@ -251,6 +251,14 @@ OpCost CausalSelfAttention::core_cost(std::int64_t batch, bool backward) const {
   return {.flops = flops, .bytes = bytes};
 }
 
+void CausalSelfAttention::discard_saved() {
+  saved_qkv_ = Tensor();
+  saved_probabilities_ = Tensor();
+  saved_time_ = 0;
+  qkv_projection_.discard_saved();
+  output_projection_.discard_saved();
+}
+
 OpCost CausalSelfAttention::forward_cost(std::int64_t batch) const {
   const std::int64_t rows = batch * context_;
   OpCost cost = qkv_projection_.forward_cost(rows);

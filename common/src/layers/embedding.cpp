@@ -159,6 +159,10 @@ void Embedding::initialize(Parameter& parameter, CounterRng& rng) {
   for (float& value : parameter.value.span()) value = kEmbeddingInitStd * rng.normal();
 }
 
+void Embedding::discard_saved() {
+  saved_ids_ = Tensor();
+}
+
 OpCost Embedding::forward_cost(std::int64_t batch) const {
   const double elements =
       static_cast<double>(batch) * static_cast<double>(context_) * static_cast<double>(dim_);

@@ -72,6 +72,10 @@ Tensor GELU::backward(const Tensor& grad_output) {
   return grad_input;
 }
 
+void GELU::discard_saved() {
+  saved_input_ = Tensor();
+}
+
 OpCost GELU::forward_cost(std::int64_t batch) const {
   const double elements = static_cast<double>(batch) * static_cast<double>(features_);
   return {.flops = 10 * elements, .bytes = sizeof(float) * 2 * elements};

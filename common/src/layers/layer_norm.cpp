@@ -133,6 +133,11 @@ void LayerNorm::initialize(Parameter& parameter, CounterRng& /*rng*/) {
   parameter.value.fill(&parameter == &weight_ ? 1.0f : 0.0f);
 }
 
+void LayerNorm::discard_saved() {
+  saved_normalized_ = Tensor();
+  saved_inv_std_ = Tensor();
+}
+
 OpCost LayerNorm::forward_cost(std::int64_t batch) const {
   const double elements = static_cast<double>(batch) * static_cast<double>(features_);
   // Read x; write y and xhat; gamma and beta are small.

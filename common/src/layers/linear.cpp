@@ -100,6 +100,10 @@ void Linear::initialize(Parameter& parameter, CounterRng& rng) {
   for (float& value : parameter.value.span()) value = rng.uniform(-bound, bound);
 }
 
+void Linear::discard_saved() {
+  saved_input_ = Tensor();
+}
+
 OpCost Linear::forward_cost(std::int64_t batch) const {
   const double b = static_cast<double>(batch);
   const double in = static_cast<double>(in_features_);

@@ -86,6 +86,12 @@ Tensor LanguageModelHead::backward(const Tensor& grad_output) {
   return grad_input;
 }
 
+void LanguageModelHead::discard_saved() {
+  saved_normalized_ = Tensor();
+  saved_time_ = 0;
+  ln_f_.discard_saved();
+}
+
 OpCost LanguageModelHead::forward_cost(std::int64_t batch) const {
   const std::int64_t rows = batch * context_;
   const double r = static_cast<double>(rows);

@@ -60,6 +60,10 @@ Tensor ReLU::backward(const Tensor& grad_output) {
   return grad_input;
 }
 
+void ReLU::discard_saved() {
+  saved_input_ = Tensor();
+}
+
 OpCost ReLU::forward_cost(std::int64_t batch) const {
   const double elements = static_cast<double>(batch) * static_cast<double>(features_);
   return {.flops = elements, .bytes = sizeof(float) * 2 * elements};

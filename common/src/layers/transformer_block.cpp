@@ -89,6 +89,17 @@ Tensor TransformerBlock::forward(const Tensor& input) {
   if (input.rank() != 3 || input.dim(1) < 1 || input.dim(1) > context_ || input.dim(2) != dim_)
     throw Error(fmt::format("{} expects input of shape (B, T, {}) with 1 <= T <= {}, got {}",
                             name(), dim_, context_, input.shape_string()));
+  Tensor output = forward_saving_everything(input);
+  saved_input_ = Tensor();
+  if (activation_checkpointing_) {
+    // Keep x alone; backward recomputes the rest from it.
+    discard_saved_by_sublayers();
+    saved_input_ = input.clone(MemoryCategory::kActivations);
+  }
+  return output;
+}
+
+Tensor TransformerBlock::forward_saving_everything(const Tensor& input) {
   const std::int64_t batch = input.dim(0);
   const std::int64_t time = input.dim(1);
 
@@ -125,6 +136,13 @@ Tensor TransformerBlock::backward(const Tensor& grad_output) {
         "{} backward expects a gradient of shape ({}, {}, {}) like its last output, got {}", name(),
         batch, time, dim_, grad_output.shape_string()));
 
+  if (activation_checkpointing_) {
+    // The same forward again, so that every sublayer has what its backward needs; its output
+    // is the one already returned, bit for bit, and is not needed.
+    (void)forward_saving_everything(saved_input_);
+    saved_input_ = Tensor();
+  }
+
   // The gradient of the residual stream, (B T, C): dy, plus what each branch sends back.
   Tensor grad = grad_output.clone(MemoryCategory::kActivations);
   grad.reshape({batch * time, dim_});
@@ -141,6 +159,22 @@ Tensor TransformerBlock::backward(const Tensor& grad_output) {
   saved_batch_ = 0;
   saved_time_ = 0;
   return grad;
+}
+
+void TransformerBlock::discard_saved() {
+  saved_input_ = Tensor();
+  saved_batch_ = 0;
+  saved_time_ = 0;
+  discard_saved_by_sublayers();
+}
+
+void TransformerBlock::discard_saved_by_sublayers() {
+  ln_1_.discard_saved();
+  attention_.discard_saved();
+  ln_2_.discard_saved();
+  mlp_fc_.discard_saved();
+  mlp_gelu_.discard_saved();
+  mlp_proj_.discard_saved();
 }
 
 OpCost TransformerBlock::forward_cost(std::int64_t batch) const {
@@ -160,7 +194,8 @@ OpCost TransformerBlock::forward_cost(std::int64_t batch) const {
 OpCost TransformerBlock::backward_cost(std::int64_t batch) const {
   const std::int64_t rows = batch * context_;
   const double elements = static_cast<double>(rows) * static_cast<double>(dim_);
-  OpCost cost = mlp_proj_.backward_cost(rows);
+  OpCost cost = activation_checkpointing_ ? forward_cost(batch) : OpCost{};
+  cost += mlp_proj_.backward_cost(rows);
   cost += mlp_gelu_.backward_cost(rows);
   cost += mlp_fc_.backward_cost(rows);
   cost += ln_2_.backward_cost(rows);

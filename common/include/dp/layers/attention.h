@@ -63,6 +63,8 @@ class CausalSelfAttention final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, T, dim) -> (B, T, dim); adds into the projections' gradients.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// The same on the rows of B sequences of `time` tokens, (B time, dim) -> (B time, dim),
   /// without the copy that reshaping a caller's tensor takes (what TransformerBlock calls).
   Tensor forward_rows(const Tensor& rows, std::int64_t time);

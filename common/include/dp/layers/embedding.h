@@ -55,6 +55,8 @@ class Embedding final : public Layer {
   /// grad_output: (B, T, dim) -> an empty tensor (ids have no gradient); adds into the
   /// gradients of wte and wpe.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// {wte.weight, wpe.weight}.
   std::vector<Parameter*> parameters() override { return {&token_weight_, &position_weight_}; }
   /// Normal with mean 0 and standard deviation 0.02 for both, as GPT-2.

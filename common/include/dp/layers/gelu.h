@@ -36,6 +36,8 @@ class GELU final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, features) -> (B, features).
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// About 10 flops per element (a tanh counted as one), read x, write y.
   OpCost forward_cost(std::int64_t batch) const override;
   /// About 15 flops per element, read dy and x, write dx.

@@ -41,6 +41,8 @@ class LayerNorm final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, features) -> (B, features); adds into the gamma and beta gradients.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// {weight (gamma), bias (beta)}.
   std::vector<Parameter*> parameters() override { return {&weight_, &bias_}; }
   /// gamma = 1 and beta = 0, as PyTorch; `rng` is not used.

@@ -44,6 +44,8 @@ class Linear final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, out) -> (B, in); adds into the weight and bias gradients.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// As backward without dx = dY W: the weight and bias gradients only (an empty result).
   Tensor backward_parameters_only(const Tensor& grad_output) override;
   /// {weight, bias}.

@@ -47,6 +47,8 @@ class LanguageModelHead final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B T, vocab) -> (B, T, dim); adds into the three gradients.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// {ln_f.weight, ln_f.bias, lm_head.weight}.
   std::vector<Parameter*> parameters() override;
   /// ln_f weight 1 and bias 0; lm_head.weight normal with standard deviation 0.02 (GPT-2).

@@ -31,6 +31,8 @@ class ReLU final : public Layer {
   Tensor forward(const Tensor& input) override;
   /// grad_output: (B, features) -> (B, features).
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved (see `Layer::discard_saved`).
+  void discard_saved() override;
   /// One comparison per element, reading the input and writing the output.
   OpCost forward_cost(std::int64_t batch) const override;
   /// One select per element, reading dy and x and writing dx.

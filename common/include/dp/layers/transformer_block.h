@@ -14,6 +14,14 @@
 // A block is one Layer so that a model's hooks see it whole: ZeRO-3 gathers a block's
 // parameters before its forward and frees them after, as FSDP wraps one block per unit.
 //
+// Activation checkpointing (`set_activation_checkpointing`, `dplab train
+// --activation-checkpointing`) trades compute for memory: forward keeps only a copy of the
+// block's input, (B, T, C), and drops what the sublayers saved; backward first runs the
+// forward again from that copy, then the ordinary backward. The second forward does the same
+// arithmetic on the same values, so the gradients are bitwise those of a block that kept
+// everything; what it costs is one more forward per block in each backward
+// (`backward_cost` counts it, so the simulated clock charges it).
+//
 // Its parameters, in this order, for a block named "h.N" (the name a model gives block N),
 // named as GPT-2 names them, torch.nn.Linear's layout (out, in) as nanoGPT stores them:
 //
@@ -66,15 +74,25 @@ class TransformerBlock final : public Layer {
   /// input: (B, T, dim) with 1 <= T <= context -> (B, T, dim). Throws `dp::Error` naming
   /// the block on another shape.
   Tensor forward(const Tensor& input) override;
-  /// grad_output: (B, T, dim) -> (B, T, dim); adds into every parameter's gradient.
+  /// grad_output: (B, T, dim) -> (B, T, dim); adds into every parameter's gradient. With
+  /// activation checkpointing it runs the forward again first.
   Tensor backward(const Tensor& grad_output) override;
+  /// Drops what the last forward saved, the sublayers' state and the input copy (see
+  /// `Layer::discard_saved`).
+  void discard_saved() override;
+  /// Keeps only the input in forward and recomputes the rest in backward (on), or keeps what
+  /// every sublayer saves (off, the default). Takes effect at the next forward.
+  void set_activation_checkpointing(bool on) { activation_checkpointing_ = on; }
+  /// Whether forward keeps only its input (see `set_activation_checkpointing`).
+  bool activation_checkpointing() const { return activation_checkpointing_; }
   /// The twelve parameters in the order of the table above.
   std::vector<Parameter*> parameters() override;
   /// GPT-2's initialisation (see above); `rng` is the parameter's own stream.
   void initialize(Parameter& parameter, CounterRng& rng) override;
   /// `batch` sequences of `context` tokens: the sublayers' costs and the two residual sums.
   OpCost forward_cost(std::int64_t batch) const override;
-  /// `batch` sequences of `context` tokens: the sublayers' costs and the two gradient sums.
+  /// `batch` sequences of `context` tokens: the sublayers' costs and the two gradient sums,
+  /// plus `forward_cost(batch)` with activation checkpointing (the forward run again).
   OpCost backward_cost(std::int64_t batch) const override;
 
   /// Number of features (C).
@@ -95,6 +113,12 @@ class TransformerBlock final : public Layer {
   Linear& mlp_proj() { return mlp_proj_; }
 
  private:
+  // The forward's arithmetic, input (B, T, C) already checked: saves what every sublayer's
+  // backward needs and returns the output (B, T, C).
+  Tensor forward_saving_everything(const Tensor& input);
+  // Drops what ln_1, the attention, ln_2 and the MLP saved.
+  void discard_saved_by_sublayers();
+
   std::int64_t dim_;
   std::int64_t context_;
   std::int64_t layers_;
@@ -106,6 +130,8 @@ class TransformerBlock final : public Layer {
   Linear mlp_proj_;
   std::int64_t saved_batch_ = 0;  // B of the last forward (0: none to run backward on)
   std::int64_t saved_time_ = 0;   // T of the last forward
+  bool activation_checkpointing_ = false;
+  Tensor saved_input_;  // (B, T, C): with activation checkpointing, the last forward's input
 };
 
 }  // namespace dp
