@@ -5,14 +5,19 @@
 //
 //   zero_memory_figure                       # CSV on stdout: the default sweep
 //   zero_memory_figure --ranks 1,2,4 --model 64-256-256-10   # another sweep
+//   zero_memory_figure --ranks 1,4 --model gpt --activations [--activation-checkpointing]
+//                                            # the default GPT on the fortunes, with a
+//                                            # column for the activations' peak
 //
 // tools/zero-memory-figure draws lab 7's figure from this CSV. What is measured, per rank 0
 // of N local ranks (threads), over the second step of AdamW training (the peaks are reset
 // after the first, so that set-up, such as the whole model ZeRO-3 builds before it shards
 // it, does not count): the peak of each category the strategy controls (parameters,
 // gradients, optimizer state, communication buffers), and their sum. Activations are the
-// same for every strategy and are left out. Memory counts are exact and deterministic: the
-// same on every machine.
+// same for every strategy and are left out of the sum; `--activations` adds their peak as a
+// last column, which shows what no ZeRO stage shards and what activation checkpointing
+// (`--activation-checkpointing`, a GPT's blocks) removes. Memory counts are exact and
+// deterministic: the same on every machine.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -50,6 +55,7 @@ struct Row {
   std::string strategy;  // "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"
   int ranks = 1;
   std::array<double, kStateCategories.size()> bytes{};
+  double activations = 0;  // the peak of kActivations (not part of the total)
 
   double total() const { return bytes[0] + bytes[1] + bytes[2] + bytes[3]; }
 };
@@ -61,6 +67,26 @@ struct Setup {
   std::string model = "64-256-256-256-256-256-256-256-256-256-256-256-256-256-256-256-256-10";
   std::int64_t rows = 8;  // per rank
   float lr = 1e-3f;
+  bool activation_checkpointing = false;  // a GPT's blocks keep their inputs only
+  bool activations = false;               // print the activations' peak as a column
+
+  /// The data set of `options(ranks)`: a GPT's text cut into windows of its context.
+  static Dataset data(const TrainOptions& options) {
+    const std::int64_t context =
+        is_gpt_spec(options.model) ? parse_gpt_spec(options.model).context : 0;
+    return load_dataset(options.dataset, 1, context);
+  }
+
+  /// The training options of this model (a GPT trains on the fortunes, an MLP on synthetic
+  /// data) on `ranks` ranks.
+  TrainOptions options(int ranks) const {
+    TrainOptions options;
+    options.model = model;
+    options.global_batch = rows * ranks;
+    options.dataset = is_gpt_spec(model) ? "fortunes" : fmt::format("synthetic:{}", rows * ranks);
+    options.activation_checkpointing = activation_checkpointing;
+    return options;
+  }
 };
 
 /// One step of a strategy, given the rank's batch.
@@ -76,11 +102,9 @@ std::unique_ptr<Optimizer> adamw(std::size_t elements, const Setup& setup) {
 /// Rank 0's peaks per category over the second of two steps of `strategy` on `ranks` ranks.
 Row measure(const Setup& setup, const std::string& name, int ranks,
             const StrategyFactory& strategy) {
-  TrainOptions options;
-  options.model = setup.model;
-  options.global_batch = setup.rows * ranks;
-  options.dataset = fmt::format("synthetic:{}", options.global_batch);
-  const Dataset data = load_dataset(options.dataset, 1);
+  TrainOptions options = setup.options(ranks);
+  const Dataset data = Setup::data(options);
+  options.vocab = data.num_classes;  // a GPT's, from its text
   LaunchOptions launch_options;
   launch_options.world_size = ranks;
   Row row{"measured", name, ranks, {}};
@@ -98,6 +122,7 @@ Row measure(const Setup& setup, const std::string& name, int ranks,
     if (comm.rank() != 0) return;
     for (std::size_t c = 0; c < kStateCategories.size(); ++c)
       row.bytes[c] = static_cast<double>(tracker.peak(kStateCategories[c]));
+    row.activations = static_cast<double>(tracker.peak(MemoryCategory::kActivations));
   });
   return row;
 }
@@ -114,17 +139,25 @@ Row formula(const std::string& name, int ranks, double psi) {
   return row;
 }
 
-void print(const Row& row, double psi) {
-  fmt::print("{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.4f}\n", row.kind, row.strategy,
+void print(const Row& row, double psi, bool activations) {
+  fmt::print("{},{},{},{:.0f},{:.0f},{:.0f},{:.0f},{:.0f},{:.4f}", row.kind, row.strategy,
              row.ranks, row.bytes[0], row.bytes[1], row.bytes[2], row.bytes[3], row.total(),
              row.total() / psi);
+  // The formula is for the model states only: no activations.
+  if (activations)
+    fmt::print(",{}", row.kind == "measured" ? fmt::format("{:.0f}", row.activations) : "");
+  fmt::print("\n");
 }
 
 int run(int argc, char** argv) {
   Setup setup;
   std::vector<int> world_sizes = {1, 2, 4, 8, 16};
   CLI::App app{"Memory per rank of DDP and ZeRO-1/2/3 against the number of ranks (CSV)"};
-  app.add_option("--model", setup.model, "MLP spec, input first")->capture_default_str();
+  app.add_option("--model", setup.model, "MLP spec, input first, or a GPT spec (gpt:...)")
+      ->capture_default_str();
+  app.add_flag("--activations", setup.activations, "Add a column: the activations' peak");
+  app.add_flag("--activation-checkpointing", setup.activation_checkpointing,
+               "A GPT's blocks keep only their inputs (dplab train --activation-checkpointing)");
   app.add_option("--rows", setup.rows, "rows per rank in a step")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -134,8 +167,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  TrainOptions options;
-  options.model = setup.model;
+  TrainOptions options = setup.options(1);
+  check_train_options(options);
+  if (is_gpt_spec(setup.model)) options.vocab = Setup::data(options).num_classes;
   const double psi = static_cast<double>(make_model(options).num_parameters());
 
   const std::vector<std::pair<std::string, StrategyFactory>> strategies = {
@@ -183,11 +217,12 @@ int run(int argc, char** argv) {
 
   fmt::print(
       "kind,strategy,ranks,parameters_bytes,gradients_bytes,optimizer_state_bytes,"
-      "communication_bytes,total_bytes,bytes_per_parameter\n");
+      "communication_bytes,total_bytes,bytes_per_parameter{}\n",
+      setup.activations ? ",activations_bytes" : "");
   for (const auto& [name, strategy] : strategies)
     for (int ranks : world_sizes) {
-      print(measure(setup, name, ranks, strategy), psi);
-      print(formula(name, ranks, psi), psi);
+      print(measure(setup, name, ranks, strategy), psi, setup.activations);
+      print(formula(name, ranks, psi), psi, setup.activations);
     }
   return 0;
 }
