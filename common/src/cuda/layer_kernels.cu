@@ -137,24 +137,25 @@ __global__ void relu_backward_kernel(const float* x, const float* dy, float* dx,
     dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
 }
 
+// s = sigmoid(2u) = (1 + tanh(u)) / 2, as the host computes it (dp/layers/gelu.h).
+__device__ float gelu_half_one_plus_tanh(float v) {
+  const float u = kSqrtTwoOverPi * (v + kCubic * v * v * v);
+  return 1.0f / (1.0f + expf(-2.0f * u));
+}
+
 __global__ void gelu_forward_kernel(const float* x, float* y, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float v = x[i];
-    const float u = kSqrtTwoOverPi * (v + kCubic * v * v * v);
-    y[i] = 0.5f * v * (1.0f + tanhf(u));
-  }
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = x[i] * gelu_half_one_plus_tanh(x[i]);
 }
 
 __global__ void gelu_backward_kernel(const float* x, const float* dy, float* dx, std::size_t n) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float v = x[i];
-    const float v2 = v * v;
-    const float t = tanhf(kSqrtTwoOverPi * (v + kCubic * v2 * v));
-    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * v2);
-    const float dy_dx = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du_dx;
-    dx[i] = dy[i] * dy_dx;
+    const float s = gelu_half_one_plus_tanh(v);
+    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * v * v);
+    dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du_dx);
   }
 }
 

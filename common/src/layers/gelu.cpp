@@ -14,6 +14,12 @@ namespace {
 constexpr float kSqrtTwoOverPi = std::numbers::sqrt2_v<float> * std::numbers::inv_sqrtpi_v<float>;
 constexpr float kCubic = 0.044715f;
 
+// s = sigmoid(2u) = (1 + tanh(u)) / 2 for the GELU's u(x) (see gelu.h).
+inline float half_one_plus_tanh(float x) {
+  const float u = kSqrtTwoOverPi * (x + kCubic * x * x * x);
+  return 1.0f / (1.0f + std::exp(-2.0f * u));
+}
+
 }  // namespace
 
 GELU::GELU(std::string name, std::int64_t features) : Layer(std::move(name)), features_(features) {
@@ -32,10 +38,7 @@ Tensor GELU::forward(const Tensor& input) {
   } else {
     const float* x = input.view().data();
     float* y = output.view().data();
-    for (std::size_t i = 0; i < input.size(); ++i) {
-      const float u = kSqrtTwoOverPi * (x[i] + kCubic * x[i] * x[i] * x[i]);
-      y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
-    }
+    for (std::size_t i = 0; i < input.size(); ++i) y[i] = x[i] * half_one_plus_tanh(x[i]);
   }
   saved_input_ = input.clone(MemoryCategory::kActivations);
   return output;
@@ -62,10 +65,9 @@ Tensor GELU::backward(const Tensor& grad_output) {
   const float* dy = grad_output.view().data();
   float* dx = grad_input.view().data();
   for (std::size_t i = 0; i < grad_output.size(); ++i) {
-    const float x2 = x[i] * x[i];
-    const float t = std::tanh(kSqrtTwoOverPi * (x[i] + kCubic * x2 * x[i]));
-    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * x2);
-    const float dy_dx = 0.5f * (1.0f + t) + 0.5f * x[i] * (1.0f - t * t) * du_dx;
+    const float s = half_one_plus_tanh(x[i]);
+    const float du_dx = kSqrtTwoOverPi * (1.0f + 3.0f * kCubic * x[i] * x[i]);
+    const float dy_dx = s + 2.0f * x[i] * s * (1.0f - s) * du_dx;
     dx[i] = dy[i] * dy_dx;
   }
   saved_input_ = Tensor();
