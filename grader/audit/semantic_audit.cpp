@@ -401,8 +401,9 @@ std::vector<SourceFinding> run_matchers(const fs::path& source,
         // line in the lab's file clang does not print; the finding names the file.
         const bool in_the_labs_file = match[1].str() == source.string();
         if (!in_the_labs_file) what += " (called for this file by a library template)";
-        const int line = in_the_labs_file ? at : 0;
-        if (seen.insert({line, what}).second) findings.push_back({file, line, what, call.why});
+        const int finding_line = in_the_labs_file ? at : 0;
+        if (seen.insert({finding_line, what}).second)
+          findings.push_back({file, finding_line, what, call.why});
         continue;
       }
       const auto rule = std::find_if(kMatchers.begin(), kMatchers.end(),
