@@ -97,8 +97,9 @@ constexpr std::array<Matcher, 16> kMatchers = {{
             "::std::basic_string_view")))), argumentCountIs(2),
             hasArgument(0, hasType(hasCanonicalType(pointerType())))),
         cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader(),
-            ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
-            hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
+            ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
+                hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                hasAnyName("::std::span", "::std::basic_string_view",
                 "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
                 "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))),
             hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
@@ -109,12 +110,14 @@ constexpr std::array<Matcher, 16> kMatchers = {{
                     hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
                 isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
                     pointerType(unless(pointee(isAnyCharacter())))))))))))))))))),
-        callExpr(callee(functionDecl(isExpansionInSystemHeader(), anyOf(hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
-            hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
+        callExpr(callee(functionDecl(isExpansionInSystemHeader(), anyOf(
+            hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
+                hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
                 "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
                 "::dp::ConstBuffer", "::dp::MutableBuffer"))))))),
-            cxxMethodDecl(ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
-            hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
+            cxxMethodDecl(ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(
+                refersToType(hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                hasAnyName("::std::span", "::std::basic_string_view",
                 "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
                 "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))))),
             hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
@@ -213,7 +216,8 @@ constexpr std::array<Matcher, 16> kMatchers = {{
     {"address_as_number",
      R"(expr(isExpansionInMainFile(), anyOf(
         cxxOperatorCallExpr(callee(cxxMethodDecl(ofClass(classTemplateSpecializationDecl(
-            hasName("::std::hash"), hasTemplateArgument(0, refersToType(hasCanonicalType(pointerType())))))))),
+            hasName("::std::hash"),
+            hasTemplateArgument(0, refersToType(hasCanonicalType(pointerType())))))))),
         cxxOperatorCallExpr(hasOverloadedOperatorName("<<"), hasArgument(1, hasType(
             hasUnqualifiedDesugaredType(pointerType(unless(pointee(isAnyCharacter()))))))),
         callExpr(callee(functionDecl(hasName("::fmt::ptr")))))))",
