@@ -158,8 +158,8 @@ class Auditor {
       if (findings.empty() && options_.read_semantics)
         findings = audit_semantics(source, compile_args, options_.cache_dir, refused_calls);
       for (SourceFinding& finding : findings)
-        find(fmt::format("{}:{}", finding.file, finding.line), std::move(finding.what),
-             std::move(finding.why));
+        find(finding.line > 0 ? fmt::format("{}:{}", finding.file, finding.line) : finding.file,
+             std::move(finding.what), std::move(finding.why));
     }
   }
 

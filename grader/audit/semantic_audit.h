@@ -16,6 +16,18 @@
 //   * a std::span, a dp::TensorView, a communication buffer or a std::string_view built from
 //     a pointer and a length (take views from tensors and containers).
 //
+// Generic code is judged as the compiler resolved it, since a template does what the lab's
+// types and arguments tell it: the rules match the type an expression has, not how it is
+// spelt (a pointer that reaches a generic lambda through std::apply, a template parameter or
+// an alias is a pointer); a library template told to build a view from a pointer
+// (std::make_from_tuple<std::span<T>>, an optional's or a container's in-place construction)
+// builds a view from a pointer; a tuple, pair or array holding a pointer, handed to a
+// library function or function object (std::apply, std::views::counted), hands it an
+// address; a member pointer to a buffer's field is the field; and a refused member function
+// that a library template calls for the lab's file (std::ranges::data calls data()) is
+// refused as if the lab's file called it (reported without a line: clang does not print
+// which line of the lab's file instantiated the template).
+//
 // Reading a file takes clang a few seconds, so results are kept in a cache keyed by
 // everything they depend on (the file, the contract header, the runtime's headers, the
 // rules), beside the check programs.
@@ -61,6 +73,6 @@ std::vector<SourceFinding> audit_semantics(const std::filesystem::path& source,
 
 /// The version of the semantic rules: part of every cache key, so that a change of the rules
 /// reads every file again.
-inline constexpr int kSemanticRulesVersion = 3;
+inline constexpr int kSemanticRulesVersion = 4;
 
 }  // namespace dp::grader::audit

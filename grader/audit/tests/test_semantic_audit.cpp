@@ -98,7 +98,8 @@ TEST_F(SemanticAuditTest, RangesOverOtherMemoryAndModelsOfTheLabsOwnAreFound) {
             "}\n"),
       Found({"11:an iterator passed to a function", "12:an iterator passed to a function",
              "14:an address passed to a library function", "15:a cast that reinterprets memory",
-             "15:an address passed to a library function", "16:an address turned into a number",
+             "15:an address passed to a library function",
+             "16:an address passed to a library function", "16:an address turned into a number",
              "17:a model or a layer of the lab's own", "18:a model or a layer of the lab's own"}));
 }
 
@@ -120,9 +121,81 @@ TEST_F(SemanticAuditTest, ElementAddressesHandedToLibraryTypesAreFound) {
             "  std::pair<S*, int> pair(&s, 1);\n"
             "  (void)buffer; (void)maybe; (void)pair;\n"
             "}\n"),
-      Found({"11:an element address passed to a library type",
+      // The tuple, the optional and the container of buffers are also library templates told
+      // to build a view from a pointer, and std::make_from_tuple is handed a tuple that holds
+      // one.
+      Found({"11:a view built from a pointer and a length",
+             "11:an element address passed to a library type",
+             "14:a view built from a pointer and a length",
              "14:an element address passed to a library type",
+             "9:a view built from a pointer and a length",
+             "9:an address passed to a library function",
              "9:an element address passed to a library type"}));
+}
+
+// Generic code is read with the types the compiler gave it: a pointer that reaches a generic
+// lambda through std::apply over a tuple of object pointers, a function template's parameter
+// or an alias is a pointer all the same (the rules matched the spelling of a pointer type, so
+// each of these walked past its object unseen).
+TEST_F(SemanticAuditTest, PointersInGenericCodeAreFoundWhateverTheirTypeIsCalled) {
+  EXPECT_EQ(
+      found("#include <cstddef>\n#include <span>\n#include <tuple>\n#include <vector>\n"
+            "struct Word { std::size_t bits; };\n"
+            "template <class P> P step(P p, long k) { return p + k; }\n"
+            "using WordPointer = Word*;\n"
+            "void f(std::vector<Word>& words, std::size_t far) {\n"
+            "  std::apply([&](auto first) { (first + far)->bits = 1; },\n"
+            "             std::tuple<Word*>(&words.front()));\n"
+            "  auto all = [](auto first, std::size_t n) { return std::span<Word>(first, n); };\n"
+            "  all(&words.front(), far)[0].bits = 2;\n"
+            "  step(&words.front(), 3)->bits = 3;\n"
+            "  WordPointer last = &words.back();\n"
+            "  ++last;\n"
+            "}\n"),
+      Found({"11:a view built from a pointer and a length", "15:pointer arithmetic",
+             "6:pointer arithmetic", "9:an address passed to a library function",
+             "9:pointer arithmetic"}));
+}
+
+// Library templates do what the lab's types and arguments tell them: a view built from a
+// pointer inside std::make_from_tuple, an optional's or a container's in-place construction,
+// std::views::counted (a function object) or std::apply over a tuple that holds a pointer; a
+// buffer's field named by a member pointer and handed to std::invoke.
+TEST_F(SemanticAuditTest, ViewsAndFieldsReachedThroughLibraryTemplatesAreFound) {
+  EXPECT_EQ(
+      found(
+          "#include <cstddef>\n#include <functional>\n#include <optional>\n"
+          "#include <ranges>\n#include <span>\n#include <tuple>\n#include <utility>\n"
+          "#include <vector>\n#include \"dp/comm.h\"\nstruct Word { std::size_t bits; };\n"
+          "void f(Word& word, std::size_t n, dp::MutableBuffer& buffer) {\n"
+          "  std::pair<Word*, std::size_t> where;\n"
+          "  where.first = &word;\n"
+          "  auto a = std::make_from_tuple<std::span<Word>>(where);\n"
+          "  std::optional<std::span<Word>> b(std::in_place, &word, n);\n"
+          "  std::vector<std::span<Word>> c;\n"
+          "  c.emplace_back(&word, n);\n"
+          "  auto d = std::views::counted(&word, n);\n"
+          "  auto e = std::apply(std::views::counted, std::tuple<Word*, std::size_t>(&word, n));\n"
+          "  std::invoke(&dp::MutableBuffer::count, buffer) = n;\n"
+          "  (void)a; (void)b; (void)d; (void)e;\n"
+          "}\n"),
+      Found({"14:a view built from a pointer and a length",
+             "14:an address passed to a library function",
+             "15:a view built from a pointer and a length",
+             "17:a view built from a pointer and a length",
+             "18:an address passed to a library function",
+             "19:an address passed to a library function",
+             "20:a field of a communication buffer"}));
+}
+
+// A refused method called by a library template for the lab's file: std::ranges::data calls
+// the view's data().
+TEST_F(SemanticAuditTest, ARefusedCallALibraryTemplateMakesIsFound) {
+  const std::vector<RefusedCall> refused = {{"dp::TensorView", "data", "a raw address"}};
+  EXPECT_EQ(found("#include <ranges>\n#include \"dp/tensor.h\"\n"
+                  "float f(dp::TensorView view) { return *std::ranges::data(view); }\n",
+                  {}, refused),
+            Found({"0:dp::TensorView::data() (called for this file by a library template)"}));
 }
 
 TEST_F(SemanticAuditTest, PlacementNewIsFound) {
@@ -163,8 +236,9 @@ TEST_F(SemanticAuditTest, AMalformedRefusedCallsFileNamesItsLine) {
 }
 
 TEST_F(SemanticAuditTest, LabCodeAsTheLabsWriteItPasses) {
-  EXPECT_EQ(found("#include <algorithm>\n#include <array>\n#include <numeric>\n#include <span>\n"
-                  "#include <string_view>\n#include <vector>\n#include \"dp/tensor.h\"\n"
+  EXPECT_EQ(found("#include <algorithm>\n#include <array>\n#include <map>\n#include <numeric>\n"
+                  "#include <span>\n#include <string_view>\n#include <tuple>\n#include <utility>\n"
+                  "#include <vector>\n#include \"dp/tensor.h\"\n"
                   "#include \"dp/tensor_ops.h\"\n"
                   "struct Base { virtual ~Base() = default; };\n"
                   "struct Derived : Base {};\n"
@@ -179,6 +253,15 @@ TEST_F(SemanticAuditTest, LabCodeAsTheLabsWriteItPasses) {
                   "  (void)name; (void)base;\n"
                   "  const auto found = std::ranges::find(v, 2.0f);\n"
                   "  if (found != v.end()) *found = 3.0f;\n"
+                  "  std::vector<Base*> bases;\n"
+                  "  bases.push_back(&d);\n"
+                  "  std::map<const Base*, int> index;\n"
+                  "  index[&d] = 1;\n"
+                  "  std::pair<Base*, int> pair(&d, 1);\n"
+                  "  (void)std::apply([](auto... n) { return (n + ...); }, std::tuple(1, 2));\n"
+                  "  std::vector<std::string_view> names;\n"
+                  "  names.emplace_back(\"literal\");\n"
+                  "  (void)pair;\n"
                   "  return a[1] + s.subspan(1)[0] + v[2] + *std::ranges::max_element(v);\n"
                   "}\n"),
             Found{});
