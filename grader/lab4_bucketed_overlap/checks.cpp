@@ -1500,30 +1500,18 @@ bool disjoint(const DesignCase& first, const DesignCase& second) {
 }
 
 /// The first multiple of alpha x bandwidth that every one of `cases` accepts as a cap, ""
-/// when none: c x alpha x bandwidth itself, or rounded up to a power of two of at least
-/// 64 KiB and at most the model's size (factors at quarter octaves: acceptance moves only
-/// at factors of 2).
+/// when none (factors at quarter octaves: acceptance moves only at factors of 2).
 std::string multiple_every_case_accepts(const std::vector<DesignCase>& cases) {
-  const auto rounded_up = [](double bytes, const DesignCase& drawn) {
-    std::size_t power = std::size_t{64} << 10;
-    while (static_cast<double>(power) < bytes && power < drawn.total) power *= 2;
-    return power;
-  };
   for (int step = -40; step <= 100; ++step) {
     const double factor = std::exp2(step / 4.0);
-    bool every_case_exact = true;
-    bool every_case_rounded = true;
+    bool every_case = true;
     for (const DesignCase& drawn : cases) {
       const LinkModel& link = drawn.setup.network.fabric;
-      const double bytes = std::min(1e18, factor * link.alpha_seconds * link.bytes_per_second);
-      if (!drawn.accepts(static_cast<std::size_t>(std::llround(bytes)))) every_case_exact = false;
-      if (!drawn.accepts(rounded_up(bytes, drawn))) every_case_rounded = false;
+      if (!drawn.accepts(static_cast<std::size_t>(
+              std::llround(std::min(1e18, factor * link.alpha_seconds * link.bytes_per_second)))))
+        every_case = false;
     }
-    if (every_case_exact) return fmt::format("a cap of {:.4g} x alpha x bandwidth", factor);
-    if (every_case_rounded)
-      return fmt::format(
-          "a cap of {:.4g} x alpha x bandwidth rounded up to a power of two of at least 64 KiB",
-          factor);
+    if (every_case) return fmt::format("a cap of {:.4g} x alpha x bandwidth", factor);
   }
   return "";
 }
@@ -1581,8 +1569,8 @@ std::vector<WrongCapRule> design_near_misses() {
 #endif
 
 /// The design question draws pairs of cases, at least this many, more until (1) the two
-/// cases of one pair accept no cap in common and (2) no multiple of alpha x bandwidth, as
-/// it is or rounded up to a power of two, is accepted by every case.
+/// cases of one pair accept no cap in common and (2) no multiple of alpha x bandwidth is
+/// accepted by every case.
 constexpr int kLeastDesignPairs = 2;
 /// It gives up (a grader bug) after this many pairs.
 constexpr int kMostDesignPairs = 48;
