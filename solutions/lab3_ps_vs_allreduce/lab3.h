@@ -185,6 +185,20 @@ struct StalenessRecord {
 ///     optimizer state. Checked exactly, per rank, from the rank's MemoryTracker
 ///     (`MemoryCategory::kOptimizerState`) after the constructor, after the steps and at its
 ///     peak, with AdamW (8 bytes per element) and SGD with momentum (4).
+///   * The memory. What the constructor, `step` and `finish` hold on a rank at their peak,
+///     per `MemoryCategory`, stays within the budget of its roles (P parameters, |shard j|
+///     elements, W workers, staleness s; 4 bytes a float): a worker (s + 2) P floats of
+///     `kCommunication` (its packed gradient and s + 1 pulled versions); server j
+///     (W + 2) |shard j| floats of `kCommunication` (a receive buffer per worker at most,
+///     the average, one more shard, e.g. a version on its way) and |shard j| floats of
+///     `kParameters` (the master copy of its shard, where it keeps one), besides its
+///     optimizer's `kOptimizerState`; a co-located server the sum of both. Nothing is
+///     charged to any other category. Buffers are made once: from step s + 1 (0-based) on,
+///     no `step` and no `finish` allocates a tensor (the first s + 1 steps may make what the
+///     first pulled versions need). Checked on every rank, both placements, staleness 0 to
+///     2, from the rank's MemoryTracker (each call's peaks, `allocations_total`); one
+///     receive buffer or one per worker, a master or none, are all within it, while buffers
+///     of the whole model on a server or a master of the whole model are not.
 class ParameterServer {
  public:
   /// Sets up this rank's part; no communication. Throws `dp::Error` unless 1 <= S <= N
