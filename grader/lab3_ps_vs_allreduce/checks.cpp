@@ -42,6 +42,7 @@
 #include "dp/rng.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
+#include "dp/trace.h"
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
@@ -1396,6 +1397,69 @@ std::size_t draw_timed_count(Draws& draws, std::string_view name, std::int64_t l
   return count;
 }
 
+/// The compute a ring all-reduce may add on a simulated device, against its floor: the N - 1
+/// additions of the reduce-scatter, one per chunk a rank receives. The reference adds exactly
+/// those (1.00x); 1.5x leaves room for none of them twice, nor for a copy of every chunk
+/// (an all-gather received into the scratch and copied out adds 1.7x to 2x, as the device's
+/// launch cost or its bandwidth dominates).
+constexpr double kAddedComputeFactor = 1.5;
+
+/// What one rank's ring all-reduce computed on a simulated device, and its floor.
+struct RingCompute {
+  int rank = 0;
+  double seconds = 0;   ///< the compute ops the rank ran during its call
+  double floor = 0;     ///< its N - 1 additions, timed by the grader on the same device
+  std::string finding;  ///< about its messages or its result; "" when all were right
+};
+
+/// Runs the student's ring all-reduce of `count` floats on the ranks of `values` on the
+/// simulated network `network` with compute priced by `device`, every message and the result
+/// checked as everywhere; returns the rank whose compute was the largest against its floor
+/// (or the first with a finding).
+RingCompute time_ring_compute(std::size_t count, const NetworkModel& network,
+                              const DeviceModel& device, const Draws& draws, TimedValues& values) {
+  const Values all = values.first(count);
+  const RingSums sums(all);
+  const auto ranks = static_cast<int>(all.size());
+  LaunchOptions options = simulated(ranks, network, draws);
+  options.simulation.device = device;
+  options.simulation.record_trace = true;  // the compute between the marks, summed
+  std::vector<RingCompute> measured(static_cast<std::size_t>(ranks));
+  launch(options, [&](Communicator& comm) {
+    const int rank = comm.rank();
+    RingCompute& mine = measured[static_cast<std::size_t>(rank)];
+    mine.rank = rank;
+    Tensor data = tensor_of(all[static_cast<std::size_t>(rank)]);
+    Clock& clock = detail::charging_clock(comm);
+    clock.mark_step();
+    mine.finding =
+        watched_allreduce(Algorithm::kRing, data.view(), comm, all, values.seed() + 2, &sums);
+    clock.mark_step();
+    mine.seconds = summarize_steps(comm.clock().trace()).back().compute;
+    if (mine.finding.empty()) {
+      mine.finding = first_difference(host_copy(data), sums.result());
+      if (!mine.finding.empty()) mine.finding += " (the ring-order sum)";
+    }
+    // The floor: the reduce-scatter adds this rank's values to every chunk but its own.
+    const std::vector<std::int64_t> shape{
+        static_cast<std::int64_t>(contract_chunk(count, ranks, 0).count)};
+    const Tensor partial(shape, MemoryCategory::kOther, grading::check_device());
+    Tensor target(shape, MemoryCategory::kOther, grading::check_device());
+    const double start = comm.clock().now();
+    for (int chunk = 0; chunk < ranks; ++chunk) {
+      const std::size_t size = contract_chunk(count, ranks, chunk).count;
+      if (chunk != rank && size > 0) add(partial.view(0, size), target.view(0, size));
+    }
+    mine.floor = comm.clock().now() - start;
+  });
+  RingCompute worst = measured.front();
+  for (const RingCompute& each : measured) {
+    if (!each.finding.empty()) return each;
+    if (each.seconds * worst.floor > worst.seconds * each.floor) worst = each;
+  }
+  return worst;
+}
+
 TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
   Draws draws("Lab3Ring.WithinTwoPercentOfItsFormula");
   const NetworkModel network = draw_network(draws);
@@ -1431,6 +1495,34 @@ TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
       bytes / (1 << 20), network.describe(), ring.seconds * 1e6, formula * 1e6,
       bytes / ring.seconds * 2.0 * (kRanks - 1) / kRanks / 1e9,
       network.fabric.bytes_per_second / 1e9));
+
+  // The same all-reduce with compute priced: the ring adds its reduce-scatter's sums and
+  // nothing more (the time above, with free compute, cannot see an extra pass).
+  const DeviceModel device = DeviceModel::preset(draws.pick("device", DeviceModel::preset_names()));
+  RingCompute compute;
+  try {
+    compute = time_ring_compute(count, network, device, draws, values);
+  } catch (const Error& error) {
+    FAIL() << fmt::format("{}, compute priced as {}: {}\n({})", what, device.name, error.what(),
+                          draws.describe());
+  }
+  if (!compute.finding.empty())
+    FAIL() << fmt::format("{}, compute priced as {}: {}\n({})", what, device.name, compute.finding,
+                          draws.describe());
+  if (compute.seconds > kAddedComputeFactor * compute.floor)
+    FAIL() << fmt::format(
+        "{}, compute priced as the {} device: rank {} computed {:.1f} us during its call, {:.2f}x "
+        "the {:.1f} us of its N - 1 additions (the reduce-scatter's sums, timed on the same "
+        "device); expected at most {}x: a ring adds each received partial sum into its chunk "
+        "and receives the all-gather's complete chunks where they belong, with no further "
+        "pass over the data (a copy out of a scratch buffer, a sum made twice)\n({})",
+        what, device.name, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+        compute.floor * 1e6, kAddedComputeFactor, draws.describe());
+  grading::note_measured(fmt::format(
+      "with compute priced as the {} device: rank {} computed {:.1f} us, {:.2f}x its N - 1 "
+      "additions (at most {}x)",
+      device.name, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+      kAddedComputeFactor));
 }
 
 // --- the latency-optimal all-reduce --------------------------------------------------------
