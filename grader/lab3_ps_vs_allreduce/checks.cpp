@@ -2194,6 +2194,7 @@ void check_server_exact(const Training& training, const std::vector<Layout>& lay
 TEST(Lab3Server, OneServerIsLab2Bitwise) {
   for (const char* optimizer : {"sgd", "adamw"}) {
     Draws draws(fmt::format("Lab3Server.OneServerIsLab2Bitwise/{}", optimizer));
+    draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
     const Training training = draw_training(draws, optimizer);
     std::vector<Layout> layouts;
     for (int world : draws.world_sizes(6)) layouts.push_back({{.servers = 1}, world});
@@ -2221,6 +2222,7 @@ std::vector<Layout> draw_layouts(Draws& draws, int largest, int fewest_colocated
 
 TEST(Lab3Server, ShardedAndDedicatedServersAreLab2Bitwise) {
   Draws draws("Lab3Server.ShardedAndDedicatedServersAreLab2Bitwise");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
   std::vector<Layout> layouts = draw_layouts(draws, 6, 2, 0, 0);
   // And one server on every rank of the largest world: the layout that moves what a ring does.
@@ -2240,6 +2242,7 @@ std::size_t optimizer_state_bytes(const TrainOptions& options, std::size_t eleme
 
 TEST(Lab3Server, EachServerKeepsTheOptimizerStateOfItsShard) {
   Draws draws("Lab3Server.EachServerKeepsTheOptimizerStateOfItsShard");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, "adamw", 2, 3);
   // Co-located with 2 to N servers and dedicated with 1 to N-1, on every drawn world size
   // above 1: there is always a layout of several servers, where a shard is not the model.
@@ -2432,6 +2435,7 @@ std::string server_budget_finding(const grading::CategoryBytes& peak,
 
 TEST(Lab3Server, StaysWithinItsMemoryBudget) {
   Draws draws("Lab3Server.StaysWithinItsMemoryBudget");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, "adamw", 4, 5);
   // Per world size: co-located with 2 to N servers and dedicated with 2 to N-1 (1 on 2
   // ranks), so that shards are smaller than the model on every seed, where a whole-model
@@ -2778,6 +2782,7 @@ TEST(Lab3Speed, RingBeatsOneServerByThePredictedRatio) {
 
 TEST(Lab3Stale, ExactForAnyStaleness) {
   Draws draws("Lab3Stale.ExactForAnyStaleness");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", 4, 7);
   std::vector<Layout> layouts = draw_layouts(draws, 5, 1, 1, 3);
   // And one layout where every step after the first runs on the oldest version the bound
@@ -2788,6 +2793,7 @@ TEST(Lab3Stale, ExactForAnyStaleness) {
 
 TEST(Lab3Stale, LogShowsTheBound) {
   Draws draws("Lab3Stale.LogShowsTheBound");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, "sgd", 4, 7);
   std::vector<Layout> layouts = draw_layouts(draws, 5, 1, 1, 3);
   layouts.push_back({{.servers = 1}, layouts.back().ranks});  // s = 0: no staleness at all

@@ -27,7 +27,9 @@
 //     exception: a receive into memory that a send of yours still reads (recursive
 //     doubling's folded rank gets the sum back into the buffer it sent) is posted only
 //     after that send's wait. Its peer must then not wait for anything of yours that comes
-//     after that send before it has received it.
+//     after that send before it has received it. The server checks run by these rules on
+//     the local backend too (`CommOptions::point_to_point_in_groups`): such a hang is a
+//     deadlock there, reported at once with the call each rank waits on.
 //   * Every size. N = 1 rank, buffers of 0 and 1 element, fewer elements than ranks and
 //     sizes N does not divide are drawn as often as the easy cases.
 //   * Exact arithmetic where this header fixes the order of additions (the ring, the
