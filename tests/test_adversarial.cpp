@@ -465,5 +465,78 @@ TEST(AdversarialCompletion, CountsAreTheBackendsOwnAndACallThatFailsAtIssueTouch
   });
 }
 
+// --- CommOptions::point_to_point_in_groups: messages launched in groups, as nccl does ----
+
+LaunchOptions in_groups(int world_size) {
+  LaunchOptions options = adversarial(world_size);
+  options.comm.point_to_point_in_groups = true;
+  options.comm.hang_timeout = std::chrono::seconds(20);  // a deadlock is reported at once
+  return options;
+}
+
+/// Two ranks exchange a first message, then each sends its peer a second one, waits for a
+/// call that has completed (which launches the second send alone, as nccl launches what was
+/// issued since the last wait) and only then posts the receive of its peer's second message.
+void second_send_launched_alone(Communicator& comm) {
+  const int peer = 1 - comm.rank();
+  std::vector<float> out(8, static_cast<float>(comm.rank() + 3));
+  std::vector<float> in(8);
+  std::unique_ptr<Work> first_receive = comm.irecv(std::span(in), peer, 1);
+  std::unique_ptr<Work> first_send = comm.isend(std::span<const float>(out), peer, 1);
+  first_receive->wait();
+  first_send->wait();
+  std::unique_ptr<Work> second_send = comm.isend(std::span<const float>(out), peer, 2);
+  first_send->wait();  // done already: it launches the second send, alone
+  comm.irecv(std::span(in), peer, 2)->wait();
+  second_send->wait();
+  EXPECT_EQ(in[0], static_cast<float>(peer + 3));
+}
+
+TEST(AdversarialCompletion, GroupsRunOneAfterAnotherSoCrossWaitingGroupsDeadlock) {
+  // Without groups every call reaches the backend at issue: the second receive is posted
+  // and matches the second send.
+  launch(adversarial(2), second_send_launched_alone);
+  if (testing::test_backend() != Backend::kLocal)
+    GTEST_SKIP() << "the deadlock needs the local backend's rendezvous sends and its detector";
+  // In groups, each rank's second send waits for a receive that sits in the rank's next
+  // group, which starts only once that send has completed: nccl would hang. The local
+  // backend's detector reports it at once, naming the call each rank waits on.
+  const auto start = std::chrono::steady_clock::now();
+  const std::string message =
+      message_of<HangError>([] { launch(in_groups(2), second_send_launched_alone); });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+      << "the hang timeout fired, not the deadlock detector";
+  EXPECT_TRUE(contains(message, "deadlock")) << message;
+  EXPECT_TRUE(contains(message, "rank 0: waits for call #2 send(to=1, tag=2, count=8 float32)"))
+      << message;
+  EXPECT_TRUE(contains(message, "rank 1: waits for call #2 send(to=0, tag=2, count=8 float32)"))
+      << message;
+}
+
+TEST(AdversarialCompletion, GroupsDeliverAnExchangePostedBetweenTwoWaits) {
+  // A ring step posted as one group (the send first, as the ring code writes it), waited
+  // by its receive only, and test() polled until the group completes: every value arrives,
+  // and the counters are the backend's once the groups have gone.
+  launch(in_groups(world()), [](Communicator& comm) {
+    const int ranks = comm.size();
+    const int next = (comm.rank() + 1) % ranks;
+    const int previous = (comm.rank() + ranks - 1) % ranks;
+    std::vector<float> out(16, static_cast<float>(comm.rank()));
+    std::vector<float> in(16);
+    for (int step = 0; step < 3; ++step) {
+      std::unique_ptr<Work> send = comm.isend(std::span<const float>(out), next, step);
+      std::unique_ptr<Work> receive = comm.irecv(std::span(in), previous, step);
+      if (step == 1)
+        while (!receive->test()) {
+        }
+      else
+        receive->wait();
+      EXPECT_EQ(in[15], static_cast<float>(previous)) << "step " << step;
+      send->wait();
+    }
+    EXPECT_EQ(comm.counters().of(CommOp::kSend).messages_sent, 3U);
+  });
+}
+
 }  // namespace
 }  // namespace dp

@@ -97,7 +97,8 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
       return;
     }
     const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
-        detail::make_adversarial(comm, options.comm.completion_seed);
+        detail::make_adversarial(comm, options.comm.completion_seed,
+                                 options.comm.point_to_point_in_groups);
     rank_main(*adversarial);
     synchronize_device();
     // A Work destroyed unwaited as the function returned may have found a touched buffer.

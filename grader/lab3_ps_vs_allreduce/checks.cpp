@@ -42,10 +42,12 @@
 #include "dp/rng.h"
 #include "dp/tensor.h"
 #include "dp/tensor_ops.h"
+#include "dp/trace.h"
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
 #include "lab3.h"
+#include "memory_check.h"
 
 namespace dp::lab3 {
 namespace {
@@ -1395,6 +1397,69 @@ std::size_t draw_timed_count(Draws& draws, std::string_view name, std::int64_t l
   return count;
 }
 
+/// The compute a ring all-reduce may add on a simulated device, against its floor: the N - 1
+/// additions of the reduce-scatter, one per chunk a rank receives. The reference adds exactly
+/// those (1.00x); 1.5x leaves room for none of them twice, nor for a copy of every chunk
+/// (an all-gather received into the scratch and copied out adds 1.7x to 2x, as the device's
+/// launch cost or its bandwidth dominates).
+constexpr double kAddedComputeFactor = 1.5;
+
+/// What one rank's ring all-reduce computed on a simulated device, and its floor.
+struct RingCompute {
+  int rank = 0;
+  double seconds = 0;   ///< the compute ops the rank ran during its call
+  double floor = 0;     ///< its N - 1 additions, timed by the grader on the same device
+  std::string finding;  ///< about its messages or its result; "" when all were right
+};
+
+/// Runs the student's ring all-reduce of `count` floats on the ranks of `values` on the
+/// simulated network `network` with compute priced by `device`, every message and the result
+/// checked as everywhere; returns the rank whose compute was the largest against its floor
+/// (or the first with a finding).
+RingCompute time_ring_compute(std::size_t count, const NetworkModel& network,
+                              const DeviceModel& device, const Draws& draws, TimedValues& values) {
+  const Values all = values.first(count);
+  const RingSums sums(all);
+  const auto ranks = static_cast<int>(all.size());
+  LaunchOptions options = simulated(ranks, network, draws);
+  options.simulation.device = device;
+  options.simulation.record_trace = true;  // the compute between the marks, summed
+  std::vector<RingCompute> measured(static_cast<std::size_t>(ranks));
+  launch(options, [&](Communicator& comm) {
+    const int rank = comm.rank();
+    RingCompute& mine = measured[static_cast<std::size_t>(rank)];
+    mine.rank = rank;
+    Tensor data = tensor_of(all[static_cast<std::size_t>(rank)]);
+    Clock& clock = detail::charging_clock(comm);
+    clock.mark_step();
+    mine.finding =
+        watched_allreduce(Algorithm::kRing, data.view(), comm, all, values.seed() + 2, &sums);
+    clock.mark_step();
+    mine.seconds = summarize_steps(comm.clock().trace()).back().compute;
+    if (mine.finding.empty()) {
+      mine.finding = first_difference(host_copy(data), sums.result());
+      if (!mine.finding.empty()) mine.finding += " (the ring-order sum)";
+    }
+    // The floor: the reduce-scatter adds this rank's values to every chunk but its own.
+    const std::vector<std::int64_t> shape{
+        static_cast<std::int64_t>(contract_chunk(count, ranks, 0).count)};
+    const Tensor partial(shape, MemoryCategory::kOther, grading::check_device());
+    Tensor target(shape, MemoryCategory::kOther, grading::check_device());
+    const double start = comm.clock().now();
+    for (int chunk = 0; chunk < ranks; ++chunk) {
+      const std::size_t size = contract_chunk(count, ranks, chunk).count;
+      if (chunk != rank && size > 0) add(partial.view(0, size), target.view(0, size));
+    }
+    mine.floor = comm.clock().now() - start;
+  });
+  RingCompute worst = measured.front();
+  for (const RingCompute& each : measured) {
+    if (!each.finding.empty()) return each;
+    if (each.seconds * worst.floor > worst.seconds * each.floor) worst = each;
+  }
+  return worst;
+}
+
 TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
   Draws draws("Lab3Ring.WithinTwoPercentOfItsFormula");
   const NetworkModel network = draw_network(draws);
@@ -1430,6 +1495,34 @@ TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
       bytes / (1 << 20), network.describe(), ring.seconds * 1e6, formula * 1e6,
       bytes / ring.seconds * 2.0 * (kRanks - 1) / kRanks / 1e9,
       network.fabric.bytes_per_second / 1e9));
+
+  // The same all-reduce with compute priced: the ring adds its reduce-scatter's sums and
+  // nothing more (the time above, with free compute, cannot see an extra pass).
+  const DeviceModel device = DeviceModel::preset(draws.pick("device", DeviceModel::preset_names()));
+  RingCompute compute;
+  try {
+    compute = time_ring_compute(count, network, device, draws, values);
+  } catch (const Error& error) {
+    FAIL() << fmt::format("{}, compute priced as {}: {}\n({})", what, device.name, error.what(),
+                          draws.describe());
+  }
+  if (!compute.finding.empty())
+    FAIL() << fmt::format("{}, compute priced as {}: {}\n({})", what, device.name, compute.finding,
+                          draws.describe());
+  if (compute.seconds > kAddedComputeFactor * compute.floor)
+    FAIL() << fmt::format(
+        "{}, compute priced as the {} device: rank {} computed {:.1f} us during its call, {:.2f}x "
+        "the {:.1f} us of its N - 1 additions (the reduce-scatter's sums, timed on the same "
+        "device); expected at most {}x: a ring adds each received partial sum into its chunk "
+        "and receives the all-gather's complete chunks where they belong, with no further "
+        "pass over the data (a copy out of a scratch buffer, a sum made twice)\n({})",
+        what, device.name, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+        compute.floor * 1e6, kAddedComputeFactor, draws.describe());
+  grading::note_measured(fmt::format(
+      "with compute priced as the {} device: rank {} computed {:.1f} us, {:.2f}x its N - 1 "
+      "additions (at most {}x)",
+      device.name, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+      kAddedComputeFactor));
 }
 
 // --- the latency-optimal all-reduce --------------------------------------------------------
@@ -1927,10 +2020,12 @@ struct ServerRun {
 /// the grader) through a point-to-point-only communicator whose every send a `ServerWatch`
 /// checks against `exact`'s versions, and calls `after` after every step and after
 /// finish(); a worker computes a gradient first. `after_constructor` (if given) runs once
-/// the server is constructed.
+/// the server is constructed; `before` (if given) runs just before each call of lab code:
+/// with -1 before the constructor, t before step t, the number of steps before finish().
 ServerRun run_server(const Training& training, const Layout& layout, const Trajectory& exact,
                      Communicator& comm, const std::function<void(const ServerStep&)>& after,
-                     const std::function<void()>& after_constructor = {}) {
+                     const std::function<void()>& after_constructor = {},
+                     const std::function<void(int)>& before = {}) {
   const TrainOptions options = training.for_workers(layout.workers());
   Model model = grading::make_check_model(options);
   std::vector<std::vector<float>> versions = {model.flat_parameters()};
@@ -1943,6 +2038,7 @@ ServerRun run_server(const Training& training, const Layout& layout, const Traje
   });
   ServerRun run;
   {
+    if (before) before(-1);
     ParameterServer server(model, layout.options, watch.factory([&](std::size_t elements) {
       return grading::optimizer_for(options, elements);
     }),
@@ -1957,13 +2053,15 @@ ServerRun run_server(const Training& training, const Layout& layout, const Traje
         model.backward(model.forward(batch.inputs.to(model.device())), batch.labels);
         watch.will_push(model.flat_gradients());
       }
-      const CommCounters before = comm.counters();
+      if (before) before(step);
+      const CommCounters counted = comm.counters();
       server.step(model, lab_comm);
-      after({step, model.flat_parameters(), comm.counters().since(before)});
+      after({step, model.flat_parameters(), comm.counters().since(counted)});
     }
-    const CommCounters before = comm.counters();
+    if (before) before(options.steps);
+    const CommCounters counted = comm.counters();
     server.finish(model, lab_comm);
-    after({options.steps, model.flat_parameters(), comm.counters().since(before)});
+    after({options.steps, model.flat_parameters(), comm.counters().since(counted)});
     const std::span<const StalenessRecord> log = server.staleness_log();
     run.log.assign(log.begin(), log.end());
   }
@@ -2096,6 +2194,7 @@ void check_server_exact(const Training& training, const std::vector<Layout>& lay
 TEST(Lab3Server, OneServerIsLab2Bitwise) {
   for (const char* optimizer : {"sgd", "adamw"}) {
     Draws draws(fmt::format("Lab3Server.OneServerIsLab2Bitwise/{}", optimizer));
+    draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
     const Training training = draw_training(draws, optimizer);
     std::vector<Layout> layouts;
     for (int world : draws.world_sizes(6)) layouts.push_back({{.servers = 1}, world});
@@ -2123,6 +2222,7 @@ std::vector<Layout> draw_layouts(Draws& draws, int largest, int fewest_colocated
 
 TEST(Lab3Server, ShardedAndDedicatedServersAreLab2Bitwise) {
   Draws draws("Lab3Server.ShardedAndDedicatedServersAreLab2Bitwise");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
   std::vector<Layout> layouts = draw_layouts(draws, 6, 2, 0, 0);
   // And one server on every rank of the largest world: the layout that moves what a ring does.
@@ -2142,6 +2242,7 @@ std::size_t optimizer_state_bytes(const TrainOptions& options, std::size_t eleme
 
 TEST(Lab3Server, EachServerKeepsTheOptimizerStateOfItsShard) {
   Draws draws("Lab3Server.EachServerKeepsTheOptimizerStateOfItsShard");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, "adamw", 2, 3);
   // Co-located with 2 to N servers and dedicated with 1 to N-1, on every drawn world size
   // above 1: there is always a layout of several servers, where a shard is not the model.
@@ -2217,6 +2318,176 @@ TEST(Lab3Server, EachServerKeepsTheOptimizerStateOfItsShard) {
                                   whole_model, parameters)
                     : ""));
           }
+        },
+        draws);
+  }
+}
+
+/// The memory budget of one rank of a parameter server (lab3.h, "The memory"), in bytes
+/// per category, for a model of `parameters` floats: a worker's flat gradient and its s + 1
+/// pulled versions, (s + 2) P floats of communication; a server's receive buffers, one per
+/// worker at most, the average and one more shard (a version on its way), (W + 2) |shard|
+/// floats of communication, and its shard of the parameters, |shard| floats; the state of
+/// an optimizer made for its shard. A co-located server holds both roles' budgets.
+grading::CategoryBytes server_memory_budget(const Layout& layout, std::size_t parameters,
+                                            const TrainOptions& options, int rank) {
+  grading::CategoryBytes budget;
+  const auto floats = [](std::size_t count) { return static_cast<std::int64_t>(4 * count); };
+  const auto staleness = static_cast<std::size_t>(layout.options.staleness);
+  if (layout.works(rank))
+    budget[MemoryCategory::kCommunication] += floats((staleness + 2) * parameters);
+  if (layout.serves(rank)) {
+    const std::size_t shard = contract_chunk(parameters, layout.options.servers, rank).count;
+    const auto workers = static_cast<std::size_t>(layout.workers());
+    budget[MemoryCategory::kCommunication] += floats((workers + 2) * shard);
+    budget[MemoryCategory::kParameters] = floats(shard);
+    budget[MemoryCategory::kOptimizerState] =
+        static_cast<std::int64_t>(optimizer_state_bytes(options, shard));
+  }
+  return budget;
+}
+
+/// Follows what lab code holds on this rank across the calls of a parameter server, from
+/// the rank's MemoryTracker: each call's peak per category (the tracker's peaks, reset just
+/// before the call) on top of what the lab held when the call began, and the tensors it
+/// allocates. Only the calls of lab code are measured: the forward and backward the grader
+/// runs between them (activations) are not.
+class ServerMemoryWatch {
+ public:
+  explicit ServerMemoryWatch(int staleness)
+      : tracker_(this_rank_memory().tracker()), staleness_(staleness) {}
+
+  /// Just before call `call` (-1 the constructor, t step t, T finish()).
+  void before(int call) {
+    call_ = call;
+    at_call_ = grading::current_bytes(tracker_);
+    tracker_.reset_peaks();
+    allocations_ = tracker_.allocations_total();
+  }
+
+  /// Just after the call `before` announced.
+  void after() {
+    const grading::CategoryBytes now = grading::current_bytes(tracker_);
+    const grading::CategoryBytes peak = grading::peak_bytes(tracker_);
+    for (std::size_t c = 0; c < kNumMemoryCategories; ++c) {
+      peak_.bytes[c] = std::max(peak_.bytes[c], held_.bytes[c] + peak.bytes[c] - at_call_.bytes[c]);
+      held_.bytes[c] += now.bytes[c] - at_call_.bytes[c];
+    }
+    const std::size_t made = tracker_.allocations_total() - allocations_;
+    // Steps 0 .. s may make what the first s + 1 pulled versions need; from step s + 1 on,
+    // every buffer has been made.
+    if (call_ > staleness_ && made > 0 && allocation_finding_.empty())
+      allocation_finding_ = fmt::format(
+          "{} allocated {} tensor(s); expected none after the first {} step(s) (s + 1): the "
+          "buffers a server and a worker need are the same every step, made once and reused",
+          call_ == steps_ ? "finish()" : fmt::format("step {}", call_ + 1), made, staleness_ + 1);
+  }
+
+  /// The number of steps, so that finish() is named as such.
+  void set_steps(int steps) { steps_ = steps; }
+  /// What lab code held at its peak, per category, over every call so far.
+  const grading::CategoryBytes& peak() const { return peak_; }
+  /// The first call after the warm-up that allocated a tensor, or "".
+  const std::string& allocation_finding() const { return allocation_finding_; }
+
+ private:
+  MemoryTracker& tracker_;
+  int staleness_;
+  int steps_ = -2;
+  int call_ = -1;
+  grading::CategoryBytes at_call_;  // the tracker's bytes when the call began
+  grading::CategoryBytes held_;     // what lab code held between calls
+  grading::CategoryBytes peak_;     // its peak over the calls
+  std::size_t allocations_ = 0;
+  std::string allocation_finding_;
+};
+
+/// What rank `rank` of `layout` held above its `budget` at its `peak`, or "".
+std::string server_budget_finding(const grading::CategoryBytes& peak,
+                                  const grading::CategoryBytes& budget, const Layout& layout,
+                                  std::size_t parameters, int rank) {
+  std::vector<std::string> over;
+  for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
+    if (peak.bytes[c] > budget.bytes[c])
+      over.push_back(fmt::format("{} {} bytes at its peak, budget {}",
+                                 to_string(static_cast<MemoryCategory>(c)), peak.bytes[c],
+                                 budget.bytes[c]));
+  if (over.empty()) return "";
+  const std::size_t shard =
+      layout.serves(rank) ? contract_chunk(parameters, layout.options.servers, rank).count : 0;
+  std::vector<std::string> rules;
+  if (layout.works(rank))
+    rules.push_back(fmt::format(
+        "as a worker (s + 2) P = {} floats of communication: its packed gradient and s + 1 "
+        "pulled versions",
+        (layout.options.staleness + 2) * parameters));
+  if (layout.serves(rank))
+    rules.push_back(fmt::format(
+        "as server {} (W + 2) |shard| = {} floats of communication (a receive buffer per "
+        "worker, the average, one more shard) and |shard| = {} of parameters (its master), "
+        "the optimizer state of its shard",
+        rank, (layout.workers() + 2) * shard, shard));
+  return fmt::format(
+      "{} (P = {} parameters): {}; lab3.h's budget: {}; nothing charged to any other "
+      "category (a buffer of messages is communication, a master copy parameters)",
+      layout.describe(), parameters, fmt::join(over, "; "), fmt::join(rules, ", and "));
+}
+
+TEST(Lab3Server, StaysWithinItsMemoryBudget) {
+  Draws draws("Lab3Server.StaysWithinItsMemoryBudget");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
+  const Training training = draw_training(draws, "adamw", 4, 5);
+  // Per world size: co-located with 2 to N servers and dedicated with 2 to N-1 (1 on 2
+  // ranks), so that shards are smaller than the model on every seed, where a whole-model
+  // buffer or master copy is seen; staleness 0 to 2, which sizes a worker's versions.
+  std::vector<Layout> layouts;
+  for (int world : draws.world_sizes(6)) {
+    const auto staleness = static_cast<int>(draws.integer("s", 0, 2));
+    if (world == 1) {
+      layouts.push_back({{.servers = 1, .staleness = staleness}, 1});
+      continue;
+    }
+    const auto colocated = static_cast<int>(draws.integer("co-located S", 2, world));
+    layouts.push_back({{.servers = colocated, .staleness = staleness}, world});
+    const auto dedicated =
+        static_cast<int>(draws.integer("dedicated S", std::min(2, world - 1), world - 1));
+    layouts.push_back({{.servers = dedicated, .dedicated = true, .staleness = staleness}, world});
+  }
+  for (const Layout& layout : layouts) {
+    const int workers = layout.workers();
+    const TrainOptions options = training.for_workers(workers);
+    const Trajectory exact =
+        grading::emulate_data_parallel(options, *training.data, workers,
+                                       grading::Emulation{.staleness = layout.options.staleness});
+    const std::size_t parameters = grading::make_check_model(options).num_parameters();
+    run_on_ranks(
+        layout.ranks,
+        [&](Communicator& comm, Verdict& verdict) {
+          const int rank = comm.rank();
+          ServerMemoryWatch watch(layout.options.staleness);
+          watch.set_steps(options.steps);
+          const ServerRun run = run_server(
+              training, layout, exact, comm, [&](const ServerStep&) { watch.after(); },
+              [&] { watch.after(); }, [&](int call) { watch.before(call); });
+          verdict.expect_empty(run.finding, layout.describe());
+          if (!verdict.passed()) return;
+          const grading::CategoryBytes budget =
+              server_memory_budget(layout, parameters, options, rank);
+          const std::string over =
+              server_budget_finding(watch.peak(), budget, layout, parameters, rank);
+          if (!over.empty()) {
+            verdict.fail(over);
+            return;
+          }
+          if (!watch.allocation_finding().empty()) {
+            verdict.fail(fmt::format("{}: {}", layout.describe(), watch.allocation_finding()));
+            return;
+          }
+          if (rank == 0)
+            verdict.note(fmt::format(
+                "{}: rank 0 held at its peak {} (budget {}), no tensor made after step {}",
+                layout.describe(), grading::describe_bytes(watch.peak()),
+                grading::describe_bytes(budget), layout.options.staleness + 1));
         },
         draws);
   }
@@ -2511,6 +2782,7 @@ TEST(Lab3Speed, RingBeatsOneServerByThePredictedRatio) {
 
 TEST(Lab3Stale, ExactForAnyStaleness) {
   Draws draws("Lab3Stale.ExactForAnyStaleness");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", 4, 7);
   std::vector<Layout> layouts = draw_layouts(draws, 5, 1, 1, 3);
   // And one layout where every step after the first runs on the oldest version the bound
@@ -2521,6 +2793,7 @@ TEST(Lab3Stale, ExactForAnyStaleness) {
 
 TEST(Lab3Stale, LogShowsTheBound) {
   Draws draws("Lab3Stale.LogShowsTheBound");
+  draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
   const Training training = draw_training(draws, "sgd", 4, 7);
   std::vector<Layout> layouts = draw_layouts(draws, 5, 1, 1, 3);
   layouts.push_back({{.servers = 1}, layouts.back().ranks});  // s = 0: no staleness at all

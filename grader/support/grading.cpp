@@ -205,6 +205,7 @@ bool run_on_ranks(int world_size, const RankCheck& check, const Draws& draws,
   options.comm.hang_timeout = hang_timeout;
   options.comm.completion = Completion::kAdversarial;
   options.comm.completion_seed = draws.completion_seed() + static_cast<std::uint64_t>(world_size);
+  options.comm.point_to_point_in_groups = draws.point_to_point_in_groups();
 
   // One slot per rank; under mpi only this process's rank fills its slot.
   std::vector<Verdict> verdicts(static_cast<std::size_t>(world_size));

@@ -122,12 +122,19 @@ class Draws {
   void overrule(std::string_view name, const std::string& text);
   /// The seed of the adversarial completion mode for runs of this check.
   std::uint64_t completion_seed() const { return completion_seed_; }
+  /// Makes this check's `run_on_ranks` launches hold point-to-point calls and launch them in
+  /// groups, one group after another, as nccl does (CommOptions::point_to_point_in_groups):
+  /// code that hangs on nccl because its groups wait on each other deadlocks there too.
+  void launch_point_to_point_in_groups() { point_to_point_in_groups_ = true; }
+  /// Whether `launch_point_to_point_in_groups` was called.
+  bool point_to_point_in_groups() const { return point_to_point_in_groups_; }
 
  private:
   void record(std::string_view name, const std::string& value);
 
   CounterRng rng_;
   std::uint64_t completion_seed_;
+  bool point_to_point_in_groups_ = false;
   std::vector<std::string> drawn_;
 };
 

@@ -27,7 +27,9 @@
 //     exception: a receive into memory that a send of yours still reads (recursive
 //     doubling's folded rank gets the sum back into the buffer it sent) is posted only
 //     after that send's wait. Its peer must then not wait for anything of yours that comes
-//     after that send before it has received it.
+//     after that send before it has received it. The server checks run by these rules on
+//     the local backend too (`CommOptions::point_to_point_in_groups`): such a hang is a
+//     deadlock there, reported at once with the call each rank waits on.
 //   * Every size. N = 1 rank, buffers of 0 and 1 element, fewer elements than ranks and
 //     sizes N does not divide are drawn as often as the easy cases.
 //   * Exact arithmetic where this header fixes the order of additions (the ring, the
@@ -100,6 +102,11 @@ Range chunk_of(std::size_t elements, int parts, int index);
 ///     (the peak of each category, `allocations_total`).
 ///   * The time. On the simulated network (dp/clock.h) with free compute, 8 ranks and
 ///     1 to 4 MiB: within 2% of 2(N-1) (alpha + n/N / bandwidth).
+///   * The compute. The same call with compute priced by a simulated device (a drawn
+///     preset, dp/clock.h's DeviceModel): the compute ops a rank runs during the call take
+///     at most 1.5x its N - 1 additions of a received chunk (the reduce-scatter's sums, one
+///     `add` per chunk but its own, timed by the grader on the same device): no further
+///     pass over the data, such as a received chunk copied out of a scratch buffer.
 void ring_allreduce(TensorView data, Communicator& comm);
 
 /// An all-reduce for small messages in O(lg N) rounds, recursive doubling or a binomial
@@ -185,6 +192,20 @@ struct StalenessRecord {
 ///     optimizer state. Checked exactly, per rank, from the rank's MemoryTracker
 ///     (`MemoryCategory::kOptimizerState`) after the constructor, after the steps and at its
 ///     peak, with AdamW (8 bytes per element) and SGD with momentum (4).
+///   * The memory. What the constructor, `step` and `finish` hold on a rank at their peak,
+///     per `MemoryCategory`, stays within the budget of its roles (P parameters, |shard j|
+///     elements, W workers, staleness s; 4 bytes a float): a worker (s + 2) P floats of
+///     `kCommunication` (its packed gradient and s + 1 pulled versions); server j
+///     (W + 2) |shard j| floats of `kCommunication` (a receive buffer per worker at most,
+///     the average, one more shard, e.g. a version on its way) and |shard j| floats of
+///     `kParameters` (the master copy of its shard, where it keeps one), besides its
+///     optimizer's `kOptimizerState`; a co-located server the sum of both. Nothing is
+///     charged to any other category. Buffers are made once: from step s + 1 (0-based) on,
+///     no `step` and no `finish` allocates a tensor (the first s + 1 steps may make what the
+///     first pulled versions need). Checked on every rank, both placements, staleness 0 to
+///     2, from the rank's MemoryTracker (each call's peaks, `allocations_total`); one
+///     receive buffer or one per worker, a master or none, are all within it, while buffers
+///     of the whole model on a server or a master of the whole model are not.
 class ParameterServer {
  public:
   /// Sets up this rank's part; no communication. Throws `dp::Error` unless 1 <= S <= N

@@ -237,6 +237,17 @@ struct CommOptions {
   Completion completion = Completion::kEager;
   /// Seeds the random answers of `test()` under `Completion::kAdversarial` (with the rank).
   std::uint64_t completion_seed = 0;
+  /// Under `Completion::kAdversarial` only: `isend` and `irecv` are held and launched as one
+  /// group at the rank's next `wait()` or `test()` (of any call), as the nccl backend launches
+  /// them, sorted by tag (issue order within a tag); a rank's groups then run one after
+  /// another, a group's calls reaching the backend only once every call of the rank's previous
+  /// group has completed, and waiting for a call completes its whole group. A collective or a
+  /// barrier first hands every held and launched call to the backend. Without the simulated
+  /// network a local send completes only once its receive is posted, so code whose groups wait
+  /// on each other across ranks (a rank that waits for its sends before it posts the receives
+  /// its peer's sends need) deadlocks here as it does on nccl, and the deadlock report names
+  /// the call each rank waits on. The backend counts a call when the group hands it over.
+  bool point_to_point_in_groups = false;
 };
 
 /// The group of ranks a lab communicates over. One object per rank.

@@ -37,6 +37,19 @@
 // A read alone changes nothing and is not reported: it sees the poison, numbers the checks
 // find wrong. Dividing by 1 or adding 0 changes nothing either, and no check could see it.
 //
+// Groups (CommOptions::point_to_point_in_groups). NCCL launches the messages a rank issues
+// between two waits as one group on the rank's one communication stream: a group starts only
+// once the rank's previous one has finished, and a send finishes only once its receive is
+// posted. Code that waits for its sends before posting the receives its peers' sends need
+// therefore hangs on nccl while the local and mpi backends, which post every call at issue,
+// run it. With the option, `Stream` below holds isend and irecv and hands a group to the
+// backend only when the group before it has completed, so the local backend (whose sends are
+// rendezvous without the simulated network) deadlocks as nccl hangs, and its deadlock
+// detector reports it at once. Two simplifications: a group's completion is noticed when the
+// rank next waits or tests (the calls of the next group are handed over then, not at the
+// instant a GPU would start them), and a collective or barrier hands every held call over
+// at once instead of queueing behind them.
+//
 // The backend underneath counts, validates and times the calls exactly as it would
 // without the decorator. Staging buffers come from malloc inside a
 // dp::detail::UncountedHeapAllocations, so that the grader's count of the allocations made
@@ -55,7 +68,9 @@
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
+#include <functional>
 #include <new>
 #include <optional>
 #include <string>
@@ -329,14 +344,100 @@ struct DeferredReport {
   std::string message;
 };
 
+/// One point-to-point call held back under grouped launching (see `Stream`).
+struct HeldCall {
+  std::function<std::unique_ptr<Work>()> issue;  // hands the call to the backend
+  std::unique_ptr<Work> backend_work;            // once handed over
+  int tag = 0;
+  bool done = false;       // its group has completed
+  bool abandoned = false;  // its Work was destroyed unwaited during an unwind: never handed over
+};
+
+/// A rank's point-to-point calls under `CommOptions::point_to_point_in_groups`, as the nccl
+/// backend runs them (see the top of this file): held until the next wait or test, launched
+/// as one group sorted by tag, and the groups handed to the backend one after another, each
+/// once the one before it has completed.
+class Stream {
+ public:
+  /// Holds `call` until the next launch.
+  void hold(std::shared_ptr<HeldCall> call) { held_.push_back(std::move(call)); }
+
+  /// Launches the held calls as one group behind the launched ones (handed to the backend at
+  /// once when no group is ahead of it).
+  void launch() {
+    if (held_.empty()) return;
+    std::stable_sort(held_.begin(), held_.end(),
+                     [](const auto& a, const auto& b) { return a->tag < b->tag; });
+    groups_.push_back(std::exchange(held_, {}));
+    if (groups_.size() == 1) start_front();
+  }
+
+  /// Launches the held calls, then completes the groups up to `call`'s, each after the one
+  /// before it (blocking in the backend's waits, where its deadlock detector sees the rank).
+  void complete(const HeldCall& call) {
+    launch();
+    while (!call.done && !groups_.empty()) finish_front();
+  }
+
+  /// As `complete`, without blocking: false when a call of a group up to `call`'s has not
+  /// completed yet.
+  bool try_complete(const HeldCall& call) {
+    launch();
+    while (!call.done && !groups_.empty()) {
+      for (const auto& each : groups_.front())
+        if (each->backend_work && !each->backend_work->test()) return false;
+      finish_front();
+    }
+    return call.done;
+  }
+
+  /// Launches the held calls and hands every launched call to the backend (before a
+  /// collective or a barrier, which would otherwise wait for calls no one hands over).
+  void hand_over_all() {
+    launch();
+    for (const auto& group : groups_)
+      for (const auto& each : group) hand_over(*each);
+  }
+
+ private:
+  static void hand_over(HeldCall& call) {
+    if (!call.backend_work && !call.abandoned) call.backend_work = call.issue();
+  }
+  void start_front() {
+    for (const auto& each : groups_.front()) hand_over(*each);
+  }
+  /// Completes the front group (every call of it), then hands the next one to the backend.
+  void finish_front() {
+    const std::vector<std::shared_ptr<HeldCall>> group = std::move(groups_.front());
+    groups_.pop_front();
+    for (const auto& each : group)
+      if (each->backend_work) each->backend_work->wait();
+    for (const auto& each : group) each->done = true;
+    if (!groups_.empty()) start_front();
+  }
+
+  std::vector<std::shared_ptr<HeldCall>> held_;
+  std::deque<std::vector<std::shared_ptr<HeldCall>>> groups_;
+};
+
 class AdversarialWork final : public Work {
  public:
   AdversarialWork(std::unique_ptr<Work> inner, Pending pending, std::shared_ptr<Coin> coin,
-                  std::shared_ptr<DeferredReport> deferred)
+                  std::shared_ptr<DeferredReport> deferred, std::shared_ptr<Stream> stream)
       : inner_(std::move(inner)),
         pending_(std::move(pending)),
         coin_(std::move(coin)),
-        deferred_(std::move(deferred)) {}
+        deferred_(std::move(deferred)),
+        stream_(std::move(stream)) {}
+  /// A point-to-point call held by `stream` (grouped launching): `held` reaches the backend
+  /// when its group does.
+  AdversarialWork(std::shared_ptr<HeldCall> held, std::shared_ptr<Stream> stream, Pending pending,
+                  std::shared_ptr<Coin> coin, std::shared_ptr<DeferredReport> deferred)
+      : pending_(std::move(pending)),
+        coin_(std::move(coin)),
+        deferred_(std::move(deferred)),
+        held_(std::move(held)),
+        stream_(std::move(stream)) {}
 
   ~AdversarialWork() override {
     // Destroying a Work waits for its call (comm.h), and the result is delivered then. While
@@ -344,7 +445,7 @@ class AdversarialWork final : public Work {
     // rather than wait for a call that may never complete): nothing is delivered.
     if (!delivered_ && std::uncaught_exceptions() == 0) {
       try {
-        inner_->wait();
+        wait_backend();
         // The caller never waited: a buffer it touched meanwhile is reported by the
         // communicator instead (a destructor cannot throw).
         if (std::optional<std::string> report = find_touched_buffer();
@@ -362,11 +463,17 @@ class AdversarialWork final : public Work {
     // the input copy and write the staging buffer that `pending_` owns (members would be
     // destroyed in the other order, freeing them under a running call).
     inner_.reset();
+    if (held_) {
+      if (!held_->done) held_->abandoned = true;  // never handed over after this
+      held_->backend_work.reset();
+    }
   }
 
   void wait() override {
+    // Under grouped launching any wait launches the calls held so far, as nccl's does.
+    if (stream_) stream_->launch();
     if (delivered_) return;
-    inner_->wait();
+    wait_backend();
     if (std::optional<std::string> report = find_touched_buffer()) {
       reported_ = true;
       throw error_of_rank(pending_.rank, *report);
@@ -375,9 +482,10 @@ class AdversarialWork final : public Work {
   }
 
   bool test() override {
+    if (stream_) stream_->launch();
     if (delivered_) return true;
     if (coin_->heads()) return false;  // "not yet", whatever the backend would say
-    if (!inner_->test()) return false;
+    if (held_ ? !stream_->try_complete(*held_) : !inner_->test()) return false;
     wait();
     return true;
   }
@@ -439,10 +547,20 @@ class AdversarialWork final : public Work {
     copy_on(pending_.output.device, pending_.output.data, result, pending_.output.bytes());
   }
 
-  std::unique_ptr<Work> inner_;
+  /// Waits for the backend's call (a held call: for its group and the groups before it).
+  void wait_backend() {
+    if (held_)
+      stream_->complete(*held_);
+    else
+      inner_->wait();
+  }
+
+  std::unique_ptr<Work> inner_;  // the backend's Work, unless the call is held
   Pending pending_;
   std::shared_ptr<Coin> coin_;
   std::shared_ptr<DeferredReport> deferred_;
+  std::shared_ptr<HeldCall> held_;  // a held call (grouped launching), instead of inner_
+  std::shared_ptr<Stream> stream_;  // the rank's stream under grouped launching, or null
   bool delivered_ = false;
   bool reported_ = false;  // wait() threw the report already
 };
@@ -483,12 +601,13 @@ class ReadingClock final : public Clock {
 
 class Decorator final : public AdversarialCommunicator {
  public:
-  Decorator(Communicator& inner, std::uint64_t seed)
+  Decorator(Communicator& inner, std::uint64_t seed, bool in_groups)
       : inner_(inner),
         reading_clock_(inner.clock()),
         seed_(seed),
         coin_(std::make_shared<Coin>(seed, inner.rank())),
-        deferred_(std::make_shared<DeferredReport>()) {}
+        deferred_(std::make_shared<DeferredReport>()),
+        stream_(in_groups ? std::make_shared<Stream>() : nullptr) {}
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -499,6 +618,9 @@ class Decorator final : public AdversarialCommunicator {
         with_input("isend", fmt::format("{} to rank {}, tag {}", sizes(data), peer, tag), data,
                    /*check=*/true);
     const ConstBuffer copy{pending.input_copy.data(), data.count, data.type, data.device};
+    if (stream_)
+      return hold([&inner = inner_, copy, peer, tag] { return inner.isend(copy, peer, tag); }, tag,
+                  std::move(pending));
     return finish(inner_.isend(copy, peer, tag), std::move(pending));
   }
 
@@ -506,10 +628,14 @@ class Decorator final : public AdversarialCommunicator {
     Pending pending = with_output(
         "irecv", fmt::format("{} from rank {}, tag {}", sizes(data), peer, tag), {}, data);
     const MutableBuffer staging{pending.output_staging.data(), data.count, data.type, data.device};
+    if (stream_)
+      return hold([&inner = inner_, staging, peer, tag] { return inner.irecv(staging, peer, tag); },
+                  tag, std::move(pending));
     return finish(inner_.irecv(staging, peer, tag), std::move(pending));
   }
 
   std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp op) override {
+    hand_over_held_calls();
     // In place: the backend reduces a copy of the input, which becomes the result. The
     // buffer holds the poison meanwhile, whose check covers it as input too.
     Pending pending =
@@ -521,6 +647,7 @@ class Decorator final : public AdversarialCommunicator {
   }
 
   std::unique_ptr<Work> reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op) override {
+    hand_over_held_calls();
     Pending pending =
         with_output("reduce_scatter", fmt::format("{} in, {} out", sizes(in), out.count), in, out);
     const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
@@ -529,6 +656,7 @@ class Decorator final : public AdversarialCommunicator {
   }
 
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override {
+    hand_over_held_calls();
     Pending pending =
         with_output("allgather", fmt::format("{} in, {} out", sizes(in), out.count), in, out);
     const ConstBuffer copy{pending.input_copy.data(), in.count, in.type, in.device};
@@ -537,6 +665,7 @@ class Decorator final : public AdversarialCommunicator {
   }
 
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override {
+    hand_over_held_calls();
     const std::string what = fmt::format("{} from rank {}", sizes(data), root);
     if (rank() == root) {
       // The root's buffer is only read: it must stay unchanged until the call completes.
@@ -551,6 +680,7 @@ class Decorator final : public AdversarialCommunicator {
 
   void barrier() override {
     throw_report_of_destroyed_work();
+    hand_over_held_calls();
     inner_.barrier();
   }
   CommCounters counters() const override { return inner_.counters(); }
@@ -609,12 +739,30 @@ class Decorator final : public AdversarialCommunicator {
     cuda::copy_bytes(output.data, host.data(), host.bytes());
   }
 
+  /// Under grouped launching: hands every held point-to-point call to the backend.
+  void hand_over_held_calls() {
+    if (stream_) stream_->hand_over_all();
+  }
+
+  /// Holds a point-to-point call, which `issue` hands to the backend when its group goes
+  /// (grouped launching); the caller's output gets its poison now.
+  std::unique_ptr<Work> hold(std::function<std::unique_ptr<Work>()> issue, int tag,
+                             Pending pending) {
+    auto held = std::make_shared<HeldCall>();
+    held->issue = std::move(issue);
+    held->tag = tag;
+    stream_->hold(held);
+    poison(pending);
+    return std::make_unique<AdversarialWork>(std::move(held), stream_, std::move(pending), coin_,
+                                             deferred_);
+  }
+
   /// Wraps the backend's Work of a call that was issued without error; only now does the
   /// caller's output get its poison (a call that throws at issue leaves it alone).
   std::unique_ptr<Work> finish(std::unique_ptr<Work> inner, Pending pending) {
     poison(pending);
-    return std::make_unique<AdversarialWork>(std::move(inner), std::move(pending), coin_,
-                                             deferred_);
+    return std::make_unique<AdversarialWork>(std::move(inner), std::move(pending), coin_, deferred_,
+                                             stream_);
   }
 
   Communicator& inner_;
@@ -622,13 +770,15 @@ class Decorator final : public AdversarialCommunicator {
   std::uint64_t seed_;
   std::shared_ptr<Coin> coin_;
   std::shared_ptr<DeferredReport> deferred_;
+  std::shared_ptr<Stream> stream_;  // grouped launching, or null
   std::uint64_t calls_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed) {
-  return std::make_unique<Decorator>(inner, seed);
+std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed,
+                                                          bool in_groups) {
+  return std::make_unique<Decorator>(inner, seed, in_groups);
 }
 
 Clock& charging_clock(Communicator& comm) {

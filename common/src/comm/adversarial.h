@@ -23,7 +23,9 @@ class AdversarialCommunicator : public Communicator {
 
 /// Wraps `inner` so that every call's results reach the caller's buffers only when the
 /// call's own `Work` is waited on. `inner` must outlive the returned communicator; `seed`
-/// draws the poison of the outputs and the answers of `test()`.
-std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed);
+/// draws the poison of the outputs and the answers of `test()`; `in_groups` holds and
+/// launches point-to-point calls in groups (`CommOptions::point_to_point_in_groups`).
+std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, std::uint64_t seed,
+                                                          bool in_groups = false);
 
 }  // namespace dp::detail
