@@ -31,29 +31,12 @@ namespace {
 /// after 30 s with rank 0 still writing index.json.
 constexpr std::chrono::milliseconds kFileHangTimeout = std::chrono::seconds(240);
 
+/// The name of the check's checkpoint directories: <prefix>-XXXXXX.
+constexpr std::string_view kDirectoryPrefix = "dplab-checkpoint";
+
 /// The world size the checkpoint is saved on, and those it is loaded on.
 constexpr int kSavedWorld = 4;
 const std::vector<int> kLoadWorlds = {2, 3, 4};
-
-/// A fresh directory of its own under the system's temporary directory.
-std::filesystem::path make_directory() {
-  std::string name = (std::filesystem::temp_directory_path() / "dplab-checkpoint-XXXXXX").string();
-  if (mkdtemp(name.data()) == nullptr)
-    throw Error(fmt::format("cannot make a directory {}: {}", name, std::strerror(errno)));
-  return name;
-}
-
-/// Rank 0 makes the directory; the other ranks (processes under mpi) learn its name.
-std::filesystem::path shared_directory(Communicator& comm) {
-  std::vector<std::uint8_t> name(4096, 0);
-  if (comm.rank() == 0) {
-    const std::string made = make_directory().string();
-    DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
-    std::copy(made.begin(), made.end(), name.begin());
-  }
-  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
-  return std::string(reinterpret_cast<const char*>(name.data()));
-}
 
 std::string describe(const ShardRange& range) {
   return fmt::format("{{{} elements [{}, {}) at shard offset {}}}", range.parameter,
@@ -245,6 +228,25 @@ void save_foreign_checkpoint(const std::filesystem::path& directory,
 
 }  // namespace
 
+std::filesystem::path make_temporary_directory(std::string_view prefix) {
+  std::string name =
+      (std::filesystem::temp_directory_path() / fmt::format("{}-XXXXXX", prefix)).string();
+  if (mkdtemp(name.data()) == nullptr)
+    throw Error(fmt::format("cannot make a directory {}: {}", name, std::strerror(errno)));
+  return name;
+}
+
+std::filesystem::path shared_temporary_directory(Communicator& comm, std::string_view prefix) {
+  std::vector<std::uint8_t> name(4096, 0);
+  if (comm.rank() == 0) {
+    const std::string made = make_temporary_directory(prefix).string();
+    DP_CHECK(made.size() < name.size(), "temporary directory name too long: {}", made);
+    std::copy(made.begin(), made.end(), name.begin());
+  }
+  broadcast_host_values(std::span<std::uint8_t>(name), 0, comm);
+  return std::string(reinterpret_cast<const char*>(name.data()));
+}
+
 void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
                               const CheckpointLab& lab) {
   const int steps = training.options.steps;
@@ -280,9 +282,9 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
   // 1. k steps on 4 ranks, then the save: on the job's ranks under a 4-process mpi job.
   const bool on_mpi_ranks = check_backend() == Backend::kMpi && mpi_world_size() == kSavedWorld;
   std::filesystem::path directory;
-  if (!on_mpi_ranks) directory = make_directory();
+  if (!on_mpi_ranks) directory = make_temporary_directory(kDirectoryPrefix);
   const auto save = [&](Communicator& comm, Verdict& verdict) {
-    if (on_mpi_ranks) directory = shared_directory(comm);
+    if (on_mpi_ranks) directory = shared_temporary_directory(comm, kDirectoryPrefix);
     const TrainOptions options = training.for_world(kSavedWorld);
     Model model = training.model();
     const std::unique_ptr<CheckpointSubject> subject = lab.make(model, comm, options);
@@ -496,7 +498,7 @@ void check_sharded_checkpoint(Draws& draws, const ShardedTraining& training,
              }});
       for (const Foreign& bad : foreign) {
         // A directory of this process's own: under mpi every process runs this part.
-        const std::filesystem::path where = make_directory();
+        const std::filesystem::path where = make_temporary_directory(kDirectoryPrefix);
         bad.write(where);
         passed = run_on_ranks(
             2,

@@ -42,6 +42,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -132,6 +133,15 @@ struct CheckpointLab {
   /// How the lab calls `other_segments` in messages ("the buckets of cap 0 bytes").
   std::string other_segments_name;
 };
+
+/// A fresh directory of its own under the system's temporary directory, named
+/// `<prefix>-XXXXXX` (mkdtemp); throws dp::Error naming it and the system's reason when it
+/// cannot be made. The caller removes it.
+std::filesystem::path make_temporary_directory(std::string_view prefix);
+
+/// The same, made by rank 0 alone and named to the other ranks (processes under mpi) through
+/// `comm`: a collective, which every rank of `comm` calls, each getting the same path.
+std::filesystem::path shared_temporary_directory(Communicator& comm, std::string_view prefix);
 
 /// The whole check (see the top of this file), on `training` (AdamW or SGD with momentum: an
 /// optimizer with state) drawn by the caller

@@ -2,7 +2,9 @@
 #include "misuse_check.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <cstdint>
 #include <limits>
 
 #include "dp/error.h"
@@ -18,6 +20,26 @@ void expect_dp_error(Verdict& verdict, std::string_view what, const std::functio
     throw;
   } catch (const Error&) {
   }
+}
+
+void expect_factory_called_once(Verdict& verdict, const std::vector<std::size_t>& asked,
+                                std::size_t shard, const Optimizer* made, const Optimizer& inner) {
+  if (asked != std::vector<std::size_t>{shard})
+    verdict.fail(
+        fmt::format("the factory was called with [{}]; expected once, with the shard's S = {}",
+                    fmt::join(asked, ", "), shard));
+  else if (&inner != made)
+    verdict.fail("inner() is not the optimizer the factory made");
+}
+
+void expect_one_inner_step(Verdict& verdict, const Optimizer& inner,
+                           const std::function<void()>& step) {
+  const std::int64_t steps_before = inner.step_count();
+  step();
+  if (verdict.passed() && inner.step_count() != steps_before + 1)
+    verdict.fail(fmt::format(
+        "one step() began {} steps of the inner optimizer; expected 1 (begin_step once)",
+        inner.step_count() - steps_before));
 }
 
 void expect_constructor_refuses_misuse(Verdict& verdict, const ConstructorMisuse& misuse,

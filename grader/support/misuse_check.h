@@ -19,6 +19,8 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "dp/model.h"
 #include "dp/optimizer.h"
@@ -63,5 +65,53 @@ struct ConstructorMisuse {
 /// `misuse.training`, the others on `misuse.model`.
 void expect_constructor_refuses_misuse(Verdict& verdict, const ConstructorMisuse& misuse,
                                        const ConstructZero& construct);
+
+/// Fails `verdict` unless `asked` (the sizes the factory was called with) is `shard` alone, S,
+/// and `inner` (the lab's inner()) is `made`, the optimizer the factory returned. What
+/// FactoryCalls::expect_called_once checks.
+void expect_factory_called_once(Verdict& verdict, const std::vector<std::size_t>& asked,
+                                std::size_t shard, const Optimizer* made, const Optimizer& inner);
+
+/// The calls a ZeRO optimizer's constructor makes to its factory, watched for the check every
+/// sharded lab makes of them: the factory called once, with S, and inner() the optimizer it
+/// made. `Made` is what the watched factory returns (grading::UpdateRecorder, say, to read
+/// its updates after a step).
+template <typename Made = Optimizer>
+class FactoryCalls {
+ public:
+  /// Watches `make`, the factory the lab's optimizer would be given.
+  explicit FactoryCalls(std::function<std::unique_ptr<Made>(std::size_t)> make)
+      : make_(std::move(make)) {}
+
+  /// The factory to construct the lab's optimizer with: records each size it is asked for and
+  /// the optimizer it makes. It refers to this object, which must outlive the construction.
+  InnerOptimizerFactory factory() {
+    return [this](std::size_t elements) -> std::unique_ptr<Optimizer> {
+      asked_.push_back(elements);
+      std::unique_ptr<Made> optimizer = make_(elements);
+      made_ = optimizer.get();
+      return optimizer;
+    };
+  }
+
+  /// The optimizer the factory made last; nullptr before its first call.
+  Made* made() const { return made_; }
+
+  /// Fails `verdict` unless the factory was called once, with `shard` (S), and `inner` (the
+  /// lab's inner()) is the optimizer it made.
+  void expect_called_once(Verdict& verdict, std::size_t shard, const Optimizer& inner) const {
+    expect_factory_called_once(verdict, asked_, shard, made_, inner);
+  }
+
+ private:
+  std::function<std::unique_ptr<Made>(std::size_t)> make_;
+  std::vector<std::size_t> asked_;
+  Made* made_ = nullptr;
+};
+
+/// Runs `step` (the lab's step(), after a forward and backward) and fails `verdict` unless it
+/// began exactly one step of `inner`, the lab's inner optimizer (begin_step once).
+void expect_one_inner_step(Verdict& verdict, const Optimizer& inner,
+                           const std::function<void()>& step);
 
 }  // namespace dp::grading
