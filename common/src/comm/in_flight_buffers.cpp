@@ -4,7 +4,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
@@ -25,8 +24,9 @@ struct GuardedRange {
   std::string_view role;  // "input buffer", "output buffer", "buffer"
 };
 
-/// A call in flight, from its issue until its Work completes. It lives inside the call's
-/// Work and is linked into the registry, so registering it allocates nothing.
+/// A call in flight, from its issue until its Work completes. Its Work owns it (allocated as
+/// the runtime's heap, uncounted) and the registry links it into a list of its own, so
+/// registering and unregistering allocate nothing.
 struct InFlightCall {
   CommOp op = CommOp::kBarrier;
   std::uint64_t number = 0;  // the call's position among the rank's calls
