@@ -5,6 +5,7 @@
 
 #include "comm/adversarial.h"
 #include "comm/backends.h"
+#include "comm/in_flight_buffers.h"
 #include "dp/error.h"
 #include "dp/memory.h"
 #include "dp/ops.h"
@@ -82,7 +83,9 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   // product's summation order, and so its result, fixed.
   set_blas_threads(1);
   // Under Completion::kAdversarial the rank's code talks to a decorator over the backend's
-  // communicator (comm/adversarial.h); the backend underneath is unchanged.
+  // communicator (comm/adversarial.h); the backend underneath is unchanged. In every mode a
+  // guard outermost registers each call's buffers while it is in flight, so that a tensor
+  // freed under a call is reported (comm/in_flight_buffers.h).
   // Each rank charges its tensors to memory of its own, under the budget if there is one.
   // A rank returns once its device work has finished: kernels still queued on its thread's
   // stream (its last optimizer step) would race with the caller, who reads those tensors on
@@ -92,17 +95,25 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
     memory->tracker().set_budget(options.memory_budget_bytes);
     ScopedRankMemory bind(std::move(memory));
     if (options.comm.completion != Completion::kAdversarial) {
-      rank_main(comm);
+      const std::unique_ptr<detail::InFlightBufferGuard> guard =
+          detail::make_in_flight_buffer_guard(comm);
+      rank_main(*guard);
       synchronize_device();
+      // A Work destroyed unwaited as the function returned may have found a freed buffer.
+      guard->throw_report_of_freed_buffer();
       return;
     }
     const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
         detail::make_adversarial(comm, options.comm.completion_seed,
                                  options.comm.point_to_point_in_groups);
-    rank_main(*adversarial);
+    // The guard goes outside: it registers the caller's buffers, not the decorator's copies.
+    const std::unique_ptr<detail::InFlightBufferGuard> guard =
+        detail::make_in_flight_buffer_guard(*adversarial);
+    rank_main(*guard);
     synchronize_device();
     // A Work destroyed unwaited as the function returned may have found a touched buffer.
     adversarial->throw_report_of_destroyed_work();
+    guard->throw_report_of_freed_buffer();
   };
   switch (options.backend) {
     case Backend::kLocal: detail::run_local(options, run_rank); return;

@@ -4,12 +4,14 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <new>
 #include <shared_mutex>
 #include <utility>
 
+#include "comm/in_flight_buffers.h"
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
@@ -251,15 +253,40 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
   }
 }
 
+namespace {
+
+/// Returns a tensor's block to where it came from.
+void free_tensor_block(RankMemory& owner, float* data, std::size_t bytes, Device device) {
+  if (in_emulated_device(device)) detail::forget_emulated_device_memory(data);
+  if (detail::on_gpu(device))
+    cuda::deallocate(data);
+  else
+    owner.allocator().deallocate(data, bytes);
+  if (device != Device::kHost) --device_tensors_alive;
+}
+
+}  // namespace
+
 void Tensor::release() {
   if (owner_ != nullptr) {
     owner_->tracker().on_release(category_, bytes());
-    if (in_emulated_device(device_)) detail::forget_emulated_device_memory(data_);
-    if (detail::on_gpu(device_))
-      cuda::deallocate(data_);
-    else
-      owner_->allocator().deallocate(data_, bytes());
-    if (device_ != Device::kHost) --device_tensors_alive;
+    // Memory a call in flight still reads or writes is reported, and held back until the
+    // call completes (comm/in_flight_buffers.h); a single atomic load while none is.
+    // The lambdas capture `this` alone: std::function keeps them without an allocation.
+    const bool held =
+        detail::any_call_in_flight() &&
+        detail::hold_block_under_call_in_flight(
+            data_, bytes(),
+            [this] {
+              return fmt::format("a tensor of {}, shape {} on {} ({} bytes)", to_string(category_),
+                                 shape_string(), to_string(device_), bytes());
+            },
+            [this]() -> std::function<void()> {
+              return [owner = owner_, data = data_, bytes = bytes(), device = device_] {
+                free_tensor_block(*owner, data, bytes, device);
+              };
+            });
+    if (!held) free_tensor_block(*owner_, data_, bytes(), device_);
   }
   owner_.reset();
   data_ = nullptr;

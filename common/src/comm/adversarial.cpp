@@ -78,6 +78,7 @@
 #include <utility>
 
 #include "comm/argument_checks.h"
+#include "comm/in_flight_buffers.h"
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/clock.h"
@@ -782,6 +783,8 @@ std::unique_ptr<AdversarialCommunicator> make_adversarial(Communicator& inner, s
 }
 
 Clock& charging_clock(Communicator& comm) {
+  if (auto* guard = dynamic_cast<InFlightBufferGuard*>(&comm))
+    return charging_clock(guard->inner());
   if (auto* adversarial = dynamic_cast<AdversarialCommunicator*>(&comm))
     return adversarial->charging_clock();
   return comm.clock();

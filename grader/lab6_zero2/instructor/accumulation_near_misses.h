@@ -6,8 +6,8 @@
 // The check compares a prediction with what the student's own optimizer measured; these
 // name the mistake when a prediction that misses equals one of them, and the check fails as
 // a grader bug when its draws never tell one of them from the reference's answer. Included
-// by checks.cpp after AccumulationNearMiss and the contract's helpers, in its anonymous
-// namespace.
+// by checks.cpp after AccumulationNearMiss, the contract's helpers and
+// gradient_peak_formulas.h (reference_buffer_bytes), in its anonymous namespace.
 #pragma once
 
 /// The reference design's cost of one step (two bucket buffers, one with a single bucket;
