@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch eager's CPU throughput for the training steps of bench/bench_train_step.
 
-The same steps as bench_train_step's, on one thread (torch.set_num_threads(1), as each
+The same steps as bench_train_step's, on one thread (ATen's and the BLAS library's, as each
 dplab rank gets one BLAS thread), float32, SGD with lr 0.1:
 
   mlp   train_step/single/batch:64: the MLP 64-256-256-10 (Linear, ReLU), softmax
@@ -26,6 +26,7 @@ Exit status: 0; 77 when torch is missing (Debian's python3-torch; the caller say
 """
 import json
 import math
+import os
 import sys
 import time
 
@@ -129,6 +130,11 @@ def main() -> int:
             len(args) == 2 and not args[1].isdigit()):
         print("usage: cpu_step_time_torch.py mlp|gpt [STEPS] [--json FILE]", file=sys.stderr)
         return 2
+    # One thread everywhere: torch.set_num_threads sets ATen's pool only, and the BLAS
+    # library under it (OpenBLAS in Debian's build) starts one thread per core unless told
+    # before it loads; measured here, PyTorch then used 2 cores for a 1-thread step.
+    for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[variable] = "1"
     try:
         import torch
     except ImportError:

@@ -139,8 +139,7 @@ __global__ void relu_backward_kernel(const float* x, const float* dy, float* dx,
 
 // s = sigmoid(2u) = (1 + tanh(u)) / 2, as the host computes it (dp/layers/gelu.h).
 __device__ float gelu_half_one_plus_tanh(float v) {
-  const float u = kSqrtTwoOverPi * (v + kCubic * v * v * v);
-  return 1.0f / (1.0f + expf(-2.0f * u));
+  return 1.0f / (1.0f + expf(-2.0f * kSqrtTwoOverPi * (v + kCubic * v * v * v)));
 }
 
 __global__ void gelu_forward_kernel(const float* x, float* y, std::size_t n) {
