@@ -234,7 +234,11 @@ struct AccumulationOptions {
 ///     after the constructor. As every backward that reduces returns (each one with
 ///     `kReduceEveryMicroBatch`, the last one with `kReduceOnce`), every `Parameter::grad`
 ///     is released and `kGradients` holds the shard's 4 S alone: your hook releases each
-///     gradient once it is in a buffer, as with M = 1, not `step()`.
+///     gradient once it is in a buffer, as with M = 1, not `step()`. Nothing is kept on the
+///     heap either, in blocks of any size: the constructor takes at most 640 bytes a
+///     parameter + 2048 from it, the M forwards and backwards with your hooks at most what
+///     they take without them + 256 bytes a call beyond what one call and its wait take +
+///     2048, `step()` the same per call.
 ///   * Launches and time: every backward that reduces launches each bucket in the hook of
 ///     the gradient that completes it, as with M = 1. On the simulated clock of the time
 ///     budget above, one step of M = 3 or 4 micro-batches: the waits on the reduce-scatters
