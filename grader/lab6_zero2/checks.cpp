@@ -2408,13 +2408,10 @@ TEST(Lab6Accumulation, LaunchesAndHidesEachStrategy) {
           "or in step())\n  drawn: {}",
           what, m.scatters, m.on_link * 1e3, m.exposed * 1e3, 100 * hidden_fraction,
           100 * kHiddenFraction, draws.describe());
-    else if (behind_fraction < kHiddenFraction)
-      ADD_FAILURE() << fmt::format(
-          "{}: only {:.3f} ms ({:.0f}%) of the reduce-scatters' {:.3f} ms on the link "
-          "overlapped the model's own forwards and backwards; expected at least {:.0f}% "
-          "(launch each bucket while backward still has layers to compute)\n  drawn: {}",
-          what, m.behind_model * 1e3, 100 * behind_fraction, m.on_link * 1e3, 100 * kHiddenFraction,
-          draws.describe());
+    // No bound on the time behind the model's own compute, as in lab 7's reduce-scatters:
+    // the bound on the compute the lab adds below catches work burned to hide them, and the
+    // last buckets of the step have only step() after them (a correct ring of two buckets
+    // reducing once kept 48% of its time on the link behind the model on 8 layers).
     else if (m.added_seconds() > kAddedComputeFactor * m.floor_seconds)
       ADD_FAILURE() << fmt::format(
           "{}: the step took {:.3f} ms: the model's own compute {:.3f} ms, the waits {:.3f} ms, "

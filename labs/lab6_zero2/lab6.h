@@ -242,8 +242,7 @@ struct AccumulationOptions {
 ///   * Launches and time: every backward that reduces launches each bucket in the hook of
 ///     the gradient that completes it, as with M = 1. On the simulated clock of the time
 ///     budget above, one step of M = 3 or 4 micro-batches: the waits on the reduce-scatters
-///     block for at most half of their time on the link, at least half of that time
-///     overlaps the model's own forwards and backwards, and the compute your code adds to
+///     block for at most half of their time on the link, and the compute your code adds to
 ///     the step (its time minus the model's compute and the waits) is at most 1.5 x what
 ///     the copies and adds the arithmetic needs take on that device: each gradient copied
 ///     into a buffer once per backward that reduces, the later micro-batches' chunks added
