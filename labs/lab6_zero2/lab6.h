@@ -135,7 +135,11 @@ struct AccumulationOptions {
 /// With gradient accumulation (`AccumulationOptions`, M micro-batches) a step is M
 /// backwards, each of one micro-batch with `loss_scale` 1 (the caller scales nothing),
 /// then one `step()`; backward M + 1 before `step()` throws `dp::Error` from your hook, and
-/// `step()` after fewer than M throws. Everything below is for M = 1 unless it names M;
+/// `step()` after fewer than M throws. Such a `step()` discards the partial step before it
+/// throws: no call is left in flight, the backwards since the last step no longer count
+/// (the next step is again M backwards, after the caller's `Model::zero_grad()`), and the
+/// parameters, their shard and the inner optimizer are as before it. Everything below is
+/// for M = 1 unless it names M;
 /// "Gradient accumulation" after the budgets states what changes with M > 1.
 ///
 /// What a step must do, in whatever order and with whatever buffers you design:
@@ -217,7 +221,9 @@ struct AccumulationOptions {
 ///   * Memory at the peak over the M backwards and `step()` (C_max = max_k C_k):
 ///       - `kReduceEveryMicroBatch`: `kGradients` at most 4 S + 4 L, as with M = 1;
 ///         `kCommunication` at most 2 x 4 (P + C_max) (+ 4 with clipping): two buffers
-///         of the largest padded bucket, each with room for one chunk more;
+///         of the largest padded bucket, each with room for one chunk more. That room is
+///         for M > 1 only: with M = 1 (the default options too) both strategies are held
+///         to M = 1's 2 x 4 P;
 ///       - `kReduceOnce`: `kGradients` at most 4 S + 4 Psi (the whole local gradient
 ///         between the micro-batches); `kCommunication` at most 2 x 4 P (+ 4 with
 ///         clipping), as with M = 1.
@@ -225,7 +231,24 @@ struct AccumulationOptions {
 ///     M backwards make after your hook released them (`kReduceEveryMicroBatch`: M per
 ///     parameter; `kReduceOnce`: one per parameter), none in `step()`, no heap block of
 ///     1 KiB or more; between steps every category but the activations holds what it held
-///     after the constructor.
+///     after the constructor. As every backward that reduces returns (each one with
+///     `kReduceEveryMicroBatch`, the last one with `kReduceOnce`), every `Parameter::grad`
+///     is released and `kGradients` holds the shard's 4 S alone: your hook releases each
+///     gradient once it is in a buffer, as with M = 1, not `step()`. Nothing is kept on the
+///     heap either, in blocks of any size: the constructor takes at most 640 bytes a
+///     parameter + 2048 from it, the M forwards and backwards with your hooks at most what
+///     they take without them + 256 bytes a call beyond what one call and its wait take +
+///     2048, `step()` the same per call.
+///   * Launches and time: every backward that reduces launches each bucket in the hook of
+///     the gradient that completes it, as with M = 1. On the simulated clock of the time
+///     budget above, one step of M = 3 or 4 micro-batches: the waits on the reduce-scatters
+///     block for at most half of their time on the link, and the compute your code adds to
+///     the step (its time minus the model's compute and the waits) is at most 1.5 x what
+///     the copies and adds the arithmetic needs take on that device: each gradient copied
+///     into a buffer once per backward that reduces, the later micro-batches' chunks added
+///     into the shard (`kReduceEveryMicroBatch`), the division, the inner update and the
+///     copies out of the all-gathers (a copy of the whole gradient in every backward that
+///     does not reduce is above it).
 class ZeroTwoOptimizer {
  public:
   /// Sets up ZeRO-2 for `model` on `comm` with buckets of at most `bucket_cap_bytes`

@@ -47,6 +47,9 @@ std::pair<AccumulationCost, std::vector<AccumulationNearMiss>> accumulation_cost
     wrong.push_back({"M reduce-scatters per step, as when reducing every micro-batch",
                      with_bytes((m + 1) * per_call_set), true});
   }
+  if (m == 1 && once)
+    wrong.push_back({"the whole gradient held between micro-batches, though M = 1 has none",
+                     with_peak(shard + psi + buffers), true});
   if (m > 1 && !once) {
     wrong.push_back(
         {"no room for the earlier micro-batches' sum while a reduce-scatter "
