@@ -103,9 +103,8 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
       guard->throw_report_of_freed_buffer();
       return;
     }
-    const std::unique_ptr<detail::AdversarialCommunicator> adversarial =
-        detail::make_adversarial(comm, options.comm.completion_seed,
-                                 options.comm.point_to_point_in_groups);
+    const std::unique_ptr<detail::AdversarialCommunicator> adversarial = detail::make_adversarial(
+        comm, options.comm.completion_seed, options.comm.point_to_point_in_groups);
     // The guard goes outside: it registers the caller's buffers, not the decorator's copies.
     const std::unique_ptr<detail::InFlightBufferGuard> guard =
         detail::make_in_flight_buffer_guard(*adversarial);
