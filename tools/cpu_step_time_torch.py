@@ -54,10 +54,11 @@ def mlp_step(torch):
     return step, 64, "mlp 64-256-256-10 batch 64", "samples/s", "mlp/batch:64"
 
 
-def gpt_step(torch):
-    torch.manual_seed(1)
+def gpt_model(torch, layers=4, dim=128, heads=4, context=64, vocab=114):
+    """dplab's GPT (Model::gpt) in PyTorch: pre-LayerNorm blocks, a fused QKV projection,
+    the plain causal attention, a tanh-GELU MLP d -> 4d -> d, a final LayerNorm and an untied
+    head without bias. tools/gpu_step_time_torch.py builds it too."""
     nn = torch.nn
-    layers, dim, heads, context, vocab, batch = 4, 128, 4, 64, 114, 8
 
     class Block(nn.Module):
         def __init__(self):
@@ -98,13 +99,21 @@ def gpt_step(torch):
             self.lm_head = nn.Linear(dim, vocab, bias=False)
 
         def forward(self, ids):
-            positions = torch.arange(ids.shape[1])
+            positions = torch.arange(ids.shape[1], device=ids.device)
             x = self.wte(ids) + self.wpe(positions)
             for block in self.h:
                 x = block(x)
             return self.lm_head(self.ln_f(x))
 
-    model = Gpt()
+    return Gpt()
+
+
+def gpt_step(torch):
+    torch.manual_seed(1)
+    nn = torch.nn
+    layers, dim, heads, context, vocab, batch = 4, 128, 4, 64, 114, 8
+
+    model = gpt_model(torch, layers, dim, heads, context, vocab)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ids = torch.randint(0, vocab, (batch, context))
     targets = torch.randint(0, vocab, (batch, context))

@@ -1,16 +1,21 @@
-// dp_gpu_step_time: the wall time of one training step of an MLP on the GPU, for
+// dp_gpu_step_time: the wall time of one training step of an MLP or a GPT on the GPU, for
 // tools/gpu-check, which prints it next to PyTorch eager's time for the same model and
 // batch (tools/gpu_step_time_torch.py does the same step in PyTorch).
 //
 // A step is what `dplab train` does on one rank: zero the gradients, forward, the loss read
 // back to the host, backward, and an SGD update (lr 0.1, no momentum), every tensor on the
-// device. The inputs are fixed random values drawn once (data loading is not timed). A few
-// warm-up steps come first (the pool, the cuBLAS handle and its kernels' first calls), then
-// the mean over the timed steps, which ends with a read of a parameter so that the last
-// step's kernels have finished.
+// device. The inputs are fixed random values drawn once (data loading is not timed): an
+// MLP's rows uniform in [-1, 1) with labels cycling through the classes; a GPT's windows of
+// `context` token ids and their next-token labels drawn uniformly from a vocabulary of 114
+// (the default corpus's; tools/cpu_step_time_torch.py uses the same). A few warm-up steps
+// come first (the pool, the cuBLAS handle and its kernels' first calls), then the mean over
+// the timed steps, which ends with a read of a parameter so that the last step's kernels
+// have finished.
 //
 //   dp_gpu_step_time 4096-4096-4096-4096-10 1024 [STEPS]
-//   -> dplab  model 4096-4096-4096-4096-10  batch 1024: 5.123 ms/step (mean of 20 steps)
+//   -> dplab    model 4096-4096-4096-4096-10  batch 1024: 5.123 ms/step (mean of 20 steps)
+//   dp_gpu_step_time gpt:layers=12,dim=768,heads=12,context=1024 8
+//   -> dplab    model gpt:layers=12,...  batch 8: 81.2 ms/step (mean of 20 steps; 100900 tokens/s)
 //
 // `dp_gpu_step_time --cases [MLP-SPEC BATCH [STEPS]]` times the performance work of issue 28
 // against what it replaced, each case with and without it, on the model given (by default
@@ -24,6 +29,11 @@
 //                 copy of the same bytes (the memory-bound time they can approach);
 //   cublas-handles a launch of 2 rank threads doing one product each, with the handles
 //                 pooled across launches and made and destroyed per launch (as before).
+//
+// `dp_gpu_step_time --emulated SPEC BATCH [STEPS]` runs the same step on the emulated CUDA
+// device (dp::set_cuda_device_emulated: device tensors in host memory, computed by the host
+// code), so that a machine without a GPU runs this program's every line but the kernels'
+// (ctest does, on a tiny MLP and a tiny GPT); its times say nothing about a GPU.
 //
 // `dp_gpu_step_time --probe` is tools/gpu-check's first step: it loads what a GPU run needs
 // and says what it found, before any long step: the devices, cuBLAS (loaded on the first
@@ -79,13 +89,43 @@ DeviceBatch random_batch(const std::string& spec, std::int64_t batch) {
   return result;
 }
 
-/// Mean seconds of one training step of `spec` at `batch` rows over `steps` steps.
-double seconds_per_step(const std::string& spec, std::int64_t batch, int steps) {
-  dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
+/// The vocabulary of a timed GPT: the default corpus's 114 symbols.
+constexpr std::int64_t kGptVocabulary = 114;
+
+/// A model on the GPU, the batch its steps are timed on, and how many items (samples or
+/// predicted tokens) one step trains on.
+struct Workload {
+  dp::Model model;
+  DeviceBatch batch;
+  std::int64_t items = 0;
+};
+
+/// The workload of `spec` (an MLP spec, or a GPT's: "gpt" or "gpt:...") at `batch` rows or
+/// windows. A GPT's windows are `context` token ids drawn uniformly, stored as floats as
+/// `Model::gpt`'s forward takes them, (batch, context), with one drawn label per token.
+Workload make_workload(const std::string& spec, std::int64_t batch) {
+  if (!dp::is_gpt_spec(spec))
+    return {dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda}),
+            random_batch(spec, batch), batch};
+  const dp::GptSpec gpt = dp::parse_gpt_spec(spec);
+  dp::CounterRng rng(2, 0);
+  const auto tokens = static_cast<std::size_t>(batch * gpt.context);
+  std::vector<float> ids(tokens);
+  for (float& id : ids) id = static_cast<float>(rng.below(kGptVocabulary));
+  DeviceBatch windows{dp::Tensor::from(ids, dp::MemoryCategory::kActivations, dp::Device::kCuda),
+                      std::vector<int>(tokens)};
+  windows.inputs.reshape({batch, gpt.context});  // (B, T)
+  for (int& label : windows.labels) label = static_cast<int>(rng.below(kGptVocabulary));
+  return {dp::Model::gpt(gpt, kGptVocabulary, {.seed = 1, .device = dp::Device::kCuda}),
+          std::move(windows), batch * gpt.context};
+}
+
+/// Mean seconds of one training step of `workload` over `steps` steps.
+double seconds_per_step(Workload& workload, int steps) {
+  dp::Model& model = workload.model;
   dp::Sgd optimizer(model.num_parameters(), {.lr = 0.1f}, dp::Device::kCuda);
-  const DeviceBatch data = random_batch(spec, batch);
-  const dp::Tensor& inputs = data.inputs;
-  const std::vector<int>& labels = data.labels;
+  const dp::Tensor& inputs = workload.batch.inputs;
+  const std::vector<int>& labels = workload.batch.labels;
 
   const auto step = [&] {
     model.zero_grad();
@@ -122,6 +162,8 @@ void print_case(const std::string& name, const std::string& variant, double seco
 
 /// The cases of --cases (see the top).
 void run_cases(const std::string& spec, std::int64_t batch, int steps) {
+  if (dp::is_gpt_spec(spec))
+    throw dp::Error(fmt::format("--cases times an MLP's layers, got the GPT spec '{}'", spec));
   fmt::print("dplab    performance cases, model {} batch {} ({} repeats each)\n", spec, batch,
              steps);
   dp::Model model = dp::Model::mlp(spec, {.seed = 1, .device = dp::Device::kCuda});
@@ -248,14 +290,17 @@ int main(int argc, char** argv) {
     }
   }
   const bool cases = argc >= 2 && std::string(argv[1]) == "--cases";
-  const int first = cases ? 2 : 1;  // where MLP-SPEC is
-  if (cases ? (argc != 2 && argc != 4 && argc != 5) : (argc < 3 || argc > 4)) {
+  const bool emulated = argc >= 2 && std::string(argv[1]) == "--emulated";
+  const int first = cases || emulated ? 2 : 1;  // where the model's spec is
+  if (cases ? (argc != 2 && argc != 4 && argc != 5) : (argc < first + 2 || argc > first + 3)) {
     std::fprintf(stderr,
-                 "usage: dp_gpu_step_time MLP-SPEC BATCH [STEPS (default 20)] | --probe | "
-                 "--cases [MLP-SPEC BATCH [STEPS]]\n");
+                 "usage: dp_gpu_step_time [--emulated] MODEL-SPEC BATCH [STEPS (default 20)] | "
+                 "--probe | --cases [MLP-SPEC BATCH [STEPS]]\n");
     return 1;
   }
-  if (dp::cuda_device_count() == 0) {
+  if (emulated) {
+    dp::set_cuda_device_emulated(true);
+  } else if (dp::cuda_device_count() == 0) {
     std::fprintf(stderr, "no CUDA device: no step time (exit code 77)\n");
     return 77;
   }
@@ -272,9 +317,14 @@ int main(int argc, char** argv) {
       run_cases(spec, batch, steps);
       return 0;
     }
-    const double seconds = seconds_per_step(spec, batch, steps);
-    fmt::print("dplab    model {}  batch {}: {:.3f} ms/step (mean of {} steps)\n", spec, batch,
-               seconds * 1e3, steps);
+    Workload workload = make_workload(spec, batch);
+    const double seconds = seconds_per_step(workload, steps);
+    const std::string tokens =
+        dp::is_gpt_spec(spec)
+            ? fmt::format("; {:.0f} tokens/s", static_cast<double>(workload.items) / seconds)
+            : "";
+    fmt::print("dplab    model {}  batch {}: {:.3f} ms/step (mean of {} steps{})\n", spec, batch,
+               seconds * 1e3, steps, tokens);
     return 0;
   } catch (const std::exception& error) {
     std::fprintf(stderr, "dp_gpu_step_time: error: %s\n", error.what());
