@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "dp/error.h"
 #include "lab_audit.h"
@@ -28,6 +29,95 @@ struct Matcher {
   const char* what;
   const char* why;
 };
+
+/// String literals `parts` joined at compile time into one, '\0'-terminated: the table of
+/// rules below is constexpr, and rules that share a piece of matcher text are joined from it.
+template <std::size_t... Sizes>
+consteval std::array<char, (Sizes + ...) - sizeof...(Sizes) + 1> joined_literals(
+    const char (&... parts)[Sizes]) {
+  std::array<char, (Sizes + ...) - sizeof...(Sizes) + 1> text{};
+  std::size_t end = 0;
+  for (const std::string_view part : {std::string_view(parts, Sizes - 1)...})
+    for (const char c : part) text[end++] = c;
+  return text;  // its last element stays '\0'
+}
+
+// A type that carries an address a library template can go past: a pointer to anything but
+// characters, or a std::tuple, std::pair or std::array that holds one (as a template argument,
+// or in a field of one of its bases, where std::tuple keeps its elements). The rules on
+// pointers see only the lab's own file; handed to a library function or constructor, such a
+// value is moved, or made a view of any length, in a system header, where they do not look
+// (std::apply and std::make_from_tuple unpack a tuple into whatever they call or build, so a
+// tuple that holds a pointer hands it on as surely as the bare pointer). From there the lab's
+// code reads or writes any memory of the grading process, the grader's results and memory
+// accounts too. Character pointers stay allowed: a string literal handed to the library (a
+// message, a format) is one.
+constexpr char kNonCharPointerOrAHolderOfOne[] = R"(hasUnqualifiedDesugaredType(anyOf(
+            pointerType(unless(pointee(isAnyCharacter()))),
+            recordType(hasDeclaration(cxxRecordDecl(
+                hasAnyName("::std::tuple", "::std::pair", "::std::array"), anyOf(
+                classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
+                    hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
+                isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
+                    pointerType(unless(pointee(isAnyCharacter())))))))))))))))";
+
+// The matchers of the rules view_from_pointer and pointer_to_library (see the table below),
+// each of which looks for an argument of kNonCharPointerOrAHolderOfOne's type in two places.
+constexpr auto kViewFromPointerMatcher = joined_literals(
+    R"(expr(isExpansionInMainFile(), anyOf(
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(ofClass(hasAnyName("::std::span",
+            "::dp::TensorView", "::dp::ConstTensorView", "::dp::ConstBuffer",
+            "::dp::MutableBuffer")))), hasAnyArgument(hasType(hasCanonicalType(pointerType())))),
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(ofClass(hasName(
+            "::std::basic_string_view")))), argumentCountIs(2),
+            hasArgument(0, hasType(hasCanonicalType(pointerType())))),
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader(),
+            ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
+                hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                hasAnyName("::std::span", "::std::basic_string_view",
+                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
+                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))),
+            hasAnyArgument(hasType()",
+    kNonCharPointerOrAHolderOfOne,
+    R"()))),
+        callExpr(callee(functionDecl(isExpansionInSystemHeader(), anyOf(
+            hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
+                hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
+                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
+                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))),
+            cxxMethodDecl(ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(
+                refersToType(hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
+                hasAnyName("::std::span", "::std::basic_string_view",
+                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
+                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))))),
+            hasAnyArgument(hasType()",
+    kNonCharPointerOrAHolderOfOne, R"()))))))");
+
+constexpr auto kPointerToLibraryMatcher = joined_literals(
+    R"m(expr(isExpansionInMainFile(), anyOf(
+        callExpr(unless(cxxOperatorCallExpr()), callee(functionDecl(isExpansionInSystemHeader(),
+            unless(cxxMethodDecl()), unless(hasAnyName("::std::move", "::std::forward",
+            "::std::exchange", "::std::swap", "::std::addressof", "::std::min", "::std::max",
+            "::std::make_pair", "::std::make_tuple", "::std::tie", "::std::get")))),
+            hasAnyArgument(hasType()m",
+    kNonCharPointerOrAHolderOfOne,
+    R"m()))),
+        cxxOperatorCallExpr(hasOverloadedOperatorName("()"),
+            callee(cxxMethodDecl(isExpansionInSystemHeader())),
+            hasAnyArgument(hasType()m",
+    kNonCharPointerOrAHolderOfOne,
+    R"m()))),
+        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader())),
+            argumentCountIs(2),
+            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter())))))),
+            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter()))))))),
+        cxxMemberCallExpr(callee(cxxMethodDecl(isExpansionInSystemHeader())),
+            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter())))))),
+            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
+                unless(pointee(isAnyCharacter()))))))))))m");
 
 // Every matcher looks at the lab's own file only (isExpansionInMainFile), template instances
 // included (traversal AsIs). Types are matched as the compiler resolved them
@@ -88,46 +178,7 @@ constexpr std::array<Matcher, 16> kMatchers = {{
     // library whose template argument is a view type, given a pointer or a tuple-like that
     // holds one (std::make_from_tuple<std::span<T>>(pair), std::optional<std::span<T>>(
     // std::in_place, p, n), a container of spans' emplace_back(p, n)).
-    {"view_from_pointer",
-     R"(expr(isExpansionInMainFile(), anyOf(
-        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(ofClass(hasAnyName("::std::span",
-            "::dp::TensorView", "::dp::ConstTensorView", "::dp::ConstBuffer",
-            "::dp::MutableBuffer")))), hasAnyArgument(hasType(hasCanonicalType(pointerType())))),
-        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(ofClass(hasName(
-            "::std::basic_string_view")))), argumentCountIs(2),
-            hasArgument(0, hasType(hasCanonicalType(pointerType())))),
-        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader(),
-            ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
-                hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::span", "::std::basic_string_view",
-                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
-                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))),
-            hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
-            pointerType(unless(pointee(isAnyCharacter()))),
-            recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::tuple", "::std::pair", "::std::array"), anyOf(
-                classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
-                    hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
-                isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
-                    pointerType(unless(pointee(isAnyCharacter())))))))))))))))))),
-        callExpr(callee(functionDecl(isExpansionInSystemHeader(), anyOf(
-            hasAnyTemplateArgument(refersToType(hasUnqualifiedDesugaredType(recordType(
-                hasDeclaration(cxxRecordDecl(hasAnyName("::std::span", "::std::basic_string_view",
-                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
-                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))),
-            cxxMethodDecl(ofClass(classTemplateSpecializationDecl(hasAnyTemplateArgument(
-                refersToType(hasUnqualifiedDesugaredType(recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::span", "::std::basic_string_view",
-                "::std::ranges::subrange", "::dp::TensorView", "::dp::ConstTensorView",
-                "::dp::ConstBuffer", "::dp::MutableBuffer"))))))))))))),
-            hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
-            pointerType(unless(pointee(isAnyCharacter()))),
-            recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::tuple", "::std::pair", "::std::array"), anyOf(
-                classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
-                    hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
-                isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
-                    pointerType(unless(pointee(isAnyCharacter())))))))))))))))))))))",
+    {"view_from_pointer", kViewFromPointerMatcher.data(),
      "a view built from a pointer and a length",
      "it reaches as far as the length says, past what the pointer points to: take views from "
      "tensors (view, slice) and from containers"},
@@ -153,41 +204,7 @@ constexpr std::array<Matcher, 16> kMatchers = {{
     // object (std::views::counted) is a library function; a std::tuple, std::pair or
     // std::array that holds a pointer hands the pointer on as surely as the pointer itself
     // (std::apply and std::make_from_tuple unpack it into whatever they call or build).
-    {"pointer_to_library",
-     R"m(expr(isExpansionInMainFile(), anyOf(
-        callExpr(unless(cxxOperatorCallExpr()), callee(functionDecl(isExpansionInSystemHeader(),
-            unless(cxxMethodDecl()), unless(hasAnyName("::std::move", "::std::forward",
-            "::std::exchange", "::std::swap", "::std::addressof", "::std::min", "::std::max",
-            "::std::make_pair", "::std::make_tuple", "::std::tie", "::std::get")))),
-            hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
-            pointerType(unless(pointee(isAnyCharacter()))),
-            recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::tuple", "::std::pair", "::std::array"), anyOf(
-                classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
-                    hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
-                isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
-                    pointerType(unless(pointee(isAnyCharacter())))))))))))))))))),
-        cxxOperatorCallExpr(hasOverloadedOperatorName("()"),
-            callee(cxxMethodDecl(isExpansionInSystemHeader())),
-            hasAnyArgument(hasType(hasUnqualifiedDesugaredType(anyOf(
-            pointerType(unless(pointee(isAnyCharacter()))),
-            recordType(hasDeclaration(cxxRecordDecl(
-                hasAnyName("::std::tuple", "::std::pair", "::std::array"), anyOf(
-                classTemplateSpecializationDecl(hasAnyTemplateArgument(refersToType(
-                    hasCanonicalType(pointerType(unless(pointee(isAnyCharacter()))))))),
-                isDerivedFrom(cxxRecordDecl(has(fieldDecl(hasType(hasCanonicalType(
-                    pointerType(unless(pointee(isAnyCharacter())))))))))))))))))),
-        cxxConstructExpr(hasDeclaration(cxxConstructorDecl(isExpansionInSystemHeader())),
-            argumentCountIs(2),
-            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
-                unless(pointee(isAnyCharacter())))))),
-            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
-                unless(pointee(isAnyCharacter()))))))),
-        cxxMemberCallExpr(callee(cxxMethodDecl(isExpansionInSystemHeader())),
-            hasArgument(0, hasType(hasUnqualifiedDesugaredType(pointerType(
-                unless(pointee(isAnyCharacter())))))),
-            hasArgument(1, hasType(hasUnqualifiedDesugaredType(pointerType(
-                unless(pointee(isAnyCharacter()))))))))))m",
+    {"pointer_to_library", kPointerToLibraryMatcher.data(),
      "an address passed to a library function",
      "a library function given addresses (std::memcpy, std::copy, a range of pointers) reads "
      "or writes as far as it is told, unchecked: use containers, their checked operator[], "
