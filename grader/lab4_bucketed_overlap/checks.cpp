@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -122,6 +123,7 @@ struct IssuedCall {
   const void* data = nullptr;
   std::size_t count = 0;
   ReduceOp op = ReduceOp::kSum;
+  Device device = Device::kHost;  ///< where its buffer lives
 };
 
 /// What the grader records of lab code's calls through a `grading::RecordingCommunicator`
@@ -140,7 +142,7 @@ struct AllReduceLog {
             ++other_calls;
             return;
           }
-          calls.push_back({data.data, data.count, call.reduce});
+          calls.push_back({data.data, data.count, call.reduce, data.device});
         });
   }
   /// Forgets what was recorded.
@@ -637,12 +639,23 @@ TEST(Lab4Calls, AtMostOneAllReducePerBucket) {
               ddp.finish_gradient_sync();
               optimizer->step(model);
               std::size_t elements = 0;
-              for (const IssuedCall& call : allreduces.calls) elements += call.count;
+              std::optional<Device> elsewhere;  // a buffer not where the gradients are
+              for (const IssuedCall& call : allreduces.calls) {
+                elements += call.count;
+                if (call.device != model.device()) elsewhere = call.device;
+              }
               most_calls = std::max(most_calls, allreduces.calls.size());
               if (!found.passed()) continue;
               const std::string rule = buckets_differ_from_rule(model, ddp, layout.caps);
               if (!rule.empty())
                 found.fail(rule);
+              else if (elsewhere)
+                found.fail(fmt::format(
+                    "step {}: an all-reduce's buffer is on the device \"{}\" while the model's "
+                    "gradients are on \"{}\": a bucket belongs where its gradients are "
+                    "(model.device()), or every step copies each bucket across devices and "
+                    "the collective runs where the GPU's interconnect is not",
+                    step, to_string(*elsewhere), to_string(model.device())));
               else if (allreduces.calls.size() > buckets.size() || allreduces.other_calls != 0)
                 found.fail(fmt::format(
                     "step {}: {} all-reduce(s) and {} other call(s); the budget is at most one "
@@ -1011,9 +1024,18 @@ LaunchOptions simulated_launch(const SpeedSetup& setup, const Draws& draws) {
 /// With `floor_seconds`, also what the copies and divides a bucketed step must make take on
 /// the same simulated device, timed by the grader after the steps on rank 0's clock: every
 /// trainable gradient copied into a bucket and back out, and divided by N.
+///
+/// The lab's steps must also be right: after them every rank runs the same steps on a
+/// fresh model with lab 2's flat average, and its parameters must be bitwise the lab's; the
+/// check fails otherwise, naming the rank and the parameter (without this, a design could
+/// give up the arithmetic where only the clock is read: the lab 4 trial's cheat skipped the
+/// average on models of more than a million parameters, which only the speed checks use).
+/// That work comes after rank 0 has summarised the timed steps, so it is not timed.
 StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Draws& draws,
                      double* floor_seconds = nullptr) {
   StepSummary last;
+  std::mutex findings_mutex;
+  std::vector<std::string> findings;  // a rank's parameters that are not lab 2's
   launch(simulated_launch(setup, draws), [&](Communicator& comm) {
     Model model = grading::make_check_model(setup.options);
     const auto optimizer = grading::optimizer_for(setup.options, model.num_parameters());
@@ -1040,8 +1062,27 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
       optimizer->step(model);
       detail::charging_clock(comm).mark_step();
     }
+    if (comm.rank() == 0) last = summarize_steps(comm.clock().trace()).back();
+    if (bucketed || per_parameter) {
+      Model twin = grading::make_check_model(setup.options);
+      const auto twin_optimizer = grading::optimizer_for(setup.options, twin.num_parameters());
+      Tensor twin_flat({static_cast<std::int64_t>(twin.num_parameters())},
+                       MemoryCategory::kCommunication, twin.device());
+      for (int step = 0; step < setup.options.steps; ++step) {
+        const Batch batch =
+            grading::local_batch(*setup.data, setup.options, step, comm.rank(), setup.world);
+        twin.zero_grad();
+        twin.backward(twin.forward(batch.inputs.to(twin.device())), batch.labels);
+        grading::average_gradients_flat(twin, comm, twin_flat);
+        twin_optimizer->step(twin);
+      }
+      const std::string finding = grading::compare_parameters(model, twin.flat_parameters(), 0.0f);
+      if (!finding.empty()) {
+        const std::lock_guard lock(findings_mutex);
+        findings.push_back(fmt::format("rank {}: {}", comm.rank(), finding));
+      }
+    }
     if (comm.rank() != 0) return;
-    last = summarize_steps(comm.clock().trace()).back();
     if (floor_seconds == nullptr) return;
     std::size_t largest = 0;
     for (const Parameter* parameter : model.parameters())
@@ -1059,6 +1100,17 @@ StepSummary simulate(const SpeedSetup& setup, const Strategy& strategy, const Dr
     }
     *floor_seconds = comm.clock().now() - start;
   });
+  if (!findings.empty()) {
+    std::sort(findings.begin(), findings.end());
+    ADD_FAILURE() << fmt::format(
+        "on {} ranks, model {}, {} rows per rank, a step of {} timed on the simulated clock "
+        "did not give lab 2's parameters: after its {} step(s), the same steps with lab 2's "
+        "flat average differ; a design must be right on every model it runs, timed or "
+        "not\n  {}\n  drawn: {}",
+        setup.world, setup.options.model, setup.options.global_batch / setup.world,
+        strategy.kind == Strategy::kBucketed ? "BucketedDDP" : "PerParameterDDP",
+        setup.options.steps, fmt::join(findings, "\n  "), draws.describe());
+  }
   return last;
 }
 
