@@ -531,7 +531,8 @@ template <typename H>
 std::vector<H> host_values(const Tensor& tensor, std::size_t count) {
   const Tensor host = tensor.to(Device::kHost);
   std::vector<H> values(count);
-  if (count > 0) std::memcpy(values.data(), host.span().data(), count * sizeof(H));
+  if (count > 0)
+    std::memcpy(static_cast<void*>(values.data()), host.span().data(), count * sizeof(H));
   return values;
 }
 
