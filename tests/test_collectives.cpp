@@ -394,7 +394,8 @@ TEST(CollectiveArguments, BadArgumentsAreRejectedWithTheSameWordsOnEveryBackend)
                 comm.allreduce(MutableBuffer(bytes.data(), bytes.size(), DataType::kUInt8),
                                ReduceOp::kSum);
               }),
-              "allreduce: cannot reduce uint8 elements; expected float32 or int32");
+              "allreduce: cannot reduce uint8 elements; expected float32, int32, bfloat16 or "
+              "float16");
   });
 }
 

@@ -6,7 +6,8 @@
 // sums agree to the bit), the same counters, and with the simulation the same virtual times.
 // Nccl backend (one rank per GPU: 1 rank here, more on a machine with more GPUs): every
 // collective and a ring of messages against the local host path, on integer-valued floats,
-// whose sums are exact in any order (NCCL adds in its ring's order).
+// whose sums are exact in any order (NCCL adds in its ring's order). bfloat16 and float16
+// buffers: the same comparisons for their reductions (comm.h's rule at `ReduceOp`).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 #include "dp/clock.h"
 #include "dp/comm.h"
 #include "dp/error.h"
+#include "dp/float16.h"
 #include "dp/launch.h"
 #include "dp/rng.h"
 #include "dp/tensor.h"
@@ -306,6 +308,96 @@ TEST(GpuNcclComm, EveryCallOnEveryGpuMatchesTheHostPath) {
     expect_bitwise_equal(host, nccl, what);
     expect_same_counters(host, nccl, what);
   }
+}
+
+// --- bfloat16 and float16 buffers --------------------------------------------------------
+
+/// Rank `rank`'s `n` values rounded to the 16-bit type of `type`, as bit patterns: random
+/// magnitudes, or small integers (sums exact in any order for both types) when `integers`.
+std::vector<std::uint16_t> bits_of(DataType type, int rank, std::size_t n, bool integers) {
+  const std::vector<float> values = values_of(rank, n, integers);
+  std::vector<std::uint16_t> bits(n);
+  for (std::size_t k = 0; k < n; ++k) {
+    // + 0: fmod keeps the sign of a -31's zero, and maxima of -0 and +0 depend on the order.
+    const float value = integers ? std::fmod(values[k], 31.0f) + 0.0f : values[k];
+    bits[k] = type == DataType::kBFloat16 ? to_bfloat16(value).bits : to_float16(value).bits;
+  }
+  return bits;
+}
+
+/// A tensor on `device` whose memory holds `bits` (two 16-bit elements per float32 slot).
+Tensor tensor_of_bits(const std::vector<std::uint16_t>& bits, Device device) {
+  std::vector<float> words((bits.size() + 1) / 2, 0.0f);
+  std::memcpy(words.data(), bits.data(), bits.size() * sizeof(std::uint16_t));
+  return Tensor::from(words, MemoryCategory::kActivations, device);
+}
+
+std::vector<std::uint16_t> bits_in(const Tensor& tensor, std::size_t n) {
+  const Tensor host = tensor.to(Device::kHost);
+  std::vector<std::uint16_t> bits(n);
+  std::memcpy(bits.data(), host.span().data(), n * sizeof(std::uint16_t));
+  return bits;
+}
+
+/// Every reduction of one rank's 16-bit buffers on `device`, all-reduce and reduce-scatter
+/// of each op, as the bits of each output.
+std::vector<std::vector<std::uint16_t>> reduce_16bit(Communicator& comm, Device device,
+                                                     DataType type, std::size_t n, bool integers) {
+  const std::size_t total = n * static_cast<std::size_t>(comm.size());
+  const std::vector<std::uint16_t> mine = bits_of(type, comm.rank(), total, integers);
+  std::vector<std::vector<std::uint16_t>> results;
+  for (const ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+    Tensor data = tensor_of_bits(mine, device);
+    comm.allreduce({data.view().data(), total, type, device}, op)->wait();
+    results.push_back(bits_in(data, total));
+    const Tensor in = tensor_of_bits(mine, device);
+    Tensor shard = tensor_of_bits(std::vector<std::uint16_t>(n), device);
+    comm.reduce_scatter({in.view().data(), total, type, device},
+                        {shard.view().data(), n, type, device}, op)
+        ->wait();
+    results.push_back(bits_in(shard, n));
+  }
+  return results;
+}
+
+/// Every rank's `reduce_16bit` results.
+std::vector<std::vector<std::vector<std::uint16_t>>> run_16bit(LaunchOptions options, Device device,
+                                                               DataType type, std::size_t n,
+                                                               bool integers) {
+  std::vector<std::vector<std::vector<std::uint16_t>>> results(
+      static_cast<std::size_t>(options.world_size));
+  launch(options, [&](Communicator& comm) {
+    results[static_cast<std::size_t>(comm.rank())] = reduce_16bit(comm, device, type, n, integers);
+  });
+  return results;
+}
+
+TEST(GpuLocalComm, SixteenBitReductionsOnDeviceBuffersAreBitwiseTheHostPath) {
+  // The kernel converts, adds in float32 and rounds after each rank as the host does (comm.h,
+  // ReduceOp); the random values hold no NaN, whose payload CUDA may choose differently.
+  for (const DataType type : {DataType::kBFloat16, DataType::kFloat16})
+    for (const int p : {2, 3, 4})
+      for (const std::size_t n : kSizes) {
+        const std::string what =
+            fmt::format("{}, {} ranks, {} elements per shard", to_string(type), p, n);
+        const LaunchOptions options{.world_size = p};
+        EXPECT_EQ(run_16bit(options, Device::kHost, type, n, /*integers=*/false),
+                  run_16bit(options, Device::kCuda, type, n, /*integers=*/false))
+            << what;
+      }
+}
+
+TEST(GpuNcclComm, SixteenBitReductionsOnEveryGpuMatchTheHostPath) {
+  // Small integers: sums exact in any order (NCCL adds in its ring's order), averages rounded
+  // once by the divide after the sum, maxima exact.
+  const int gpus = std::min(cuda_device_count(), 4);
+  for (const DataType type : {DataType::kBFloat16, DataType::kFloat16})
+    for (int p = 1; p <= gpus; ++p) {
+      const auto host = run_16bit({.world_size = p}, Device::kHost, type, 1000, true);
+      const auto nccl =
+          run_16bit({.world_size = p, .backend = Backend::kNccl}, Device::kCuda, type, 1000, true);
+      EXPECT_EQ(host, nccl) << to_string(type) << ", nccl, " << p << " ranks";
+    }
 }
 
 TEST(GpuNcclComm, AdversarialCompletionReportsAKernelOnAnInFlightBuffer) {

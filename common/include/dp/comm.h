@@ -43,6 +43,8 @@
 #include <string_view>
 #include <vector>
 
+#include "dp/float16.h"
+
 namespace dp {
 
 class Clock;
@@ -59,7 +61,13 @@ enum class Device {
 std::string_view to_string(Device device);
 
 /// The element type of a communication buffer.
-enum class DataType { kFloat32, kInt32, kUInt8 };
+enum class DataType {
+  kFloat32,   ///< IEEE binary32 (4 bytes)
+  kInt32,     ///< two's complement (4 bytes)
+  kUInt8,     ///< bytes: moved, never reduced
+  kBFloat16,  ///< dp::BFloat16 (2 bytes; reduced as `ReduceOp` states)
+  kFloat16,   ///< dp::Float16, IEEE binary16 (2 bytes; reduced as `ReduceOp` states)
+};
 
 /// Size in bytes of one element of `type`.
 std::size_t element_size(DataType type);
@@ -90,6 +98,18 @@ struct ConstBuffer {
   /// Views int32 elements.
   ConstBuffer(std::span<std::int32_t> values)  // NOLINT(google-explicit-constructor)
       : ConstBuffer(std::span<const std::int32_t>(values)) {}
+  /// Views bfloat16 elements.
+  ConstBuffer(std::span<const BFloat16> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kBFloat16) {}
+  /// Views bfloat16 elements.
+  ConstBuffer(std::span<BFloat16> values)  // NOLINT(google-explicit-constructor)
+      : ConstBuffer(std::span<const BFloat16>(values)) {}
+  /// Views float16 elements.
+  ConstBuffer(std::span<const Float16> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kFloat16) {}
+  /// Views float16 elements.
+  ConstBuffer(std::span<Float16> values)  // NOLINT(google-explicit-constructor)
+      : ConstBuffer(std::span<const Float16>(values)) {}
   /// Size in bytes.
   std::size_t bytes() const { return count * element_size(type); }
 };
@@ -112,6 +132,12 @@ struct MutableBuffer {
   /// Views int32 elements.
   MutableBuffer(std::span<std::int32_t> values)  // NOLINT(google-explicit-constructor)
       : data(values.data()), count(values.size()), type(DataType::kInt32) {}
+  /// Views bfloat16 elements.
+  MutableBuffer(std::span<BFloat16> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kBFloat16) {}
+  /// Views float16 elements.
+  MutableBuffer(std::span<Float16> values)  // NOLINT(google-explicit-constructor)
+      : data(values.data()), count(values.size()), type(DataType::kFloat16) {}
   /// Size in bytes.
   std::size_t bytes() const { return count * element_size(type); }
   /// The same memory, read-only.
@@ -119,10 +145,27 @@ struct MutableBuffer {
 };
 
 /// How a collective combines the ranks' values.
+///
+/// bfloat16 and float16 are combined as NCCL combines them (its src/device/reduce_kernel.h,
+/// `FuncSum`, `FuncMinMax` and the `Apply_Cast` pair): each step converts both 16-bit
+/// operands to float32 exactly, operates in float32 and rounds the result back to the 16-bit
+/// type, nearest even (dp::to_bfloat16, dp::to_float16). So a sum over p ranks rounds p - 1
+/// times, once per partial sum, ((x0 + x1) rounded + x2) rounded ...; nothing is carried in
+/// float32 from one addition to the next. float32 holds more than twice the 16-bit types'
+/// precision plus two bits (24 >= 2 x 11 + 2), so each rounded float32 step is the correctly
+/// rounded 16-bit operation, bitwise what NCCL's native half and bfloat16 additions (__hadd)
+/// give. The IEEE cases follow: float16 sums past 65504 become infinities, subnormals are
+/// kept, a NaN stays a NaN, (-0) + (-0) is -0. A maximum compares the float32 values with the
+/// float32 rule below and keeps one operand's bits: exact. An average is this sum divided by
+/// size() afterwards, in float32 and rounded once to the 16-bit type (the correctly rounded
+/// 16-bit quotient). NCCL's own ncclAvg on these types multiplies every input by 1/size()
+/// rounded to the 16-bit type before the sum (ncclDevPreMulSum, src/enqueue.cc), inexact
+/// when size() is not a power of two; every backend here divides afterwards, as for float32.
 enum class ReduceOp {
   kSum,  ///< element-wise sum in rank order 0, 1, ..., size-1 (nccl: on 1 or 2 ranks only)
   kAvg,  ///< the sum divided by size() (a post-divide)
-  kMax,  ///< element-wise maximum
+  kMax,  ///< element-wise maximum: the running value stays unless the next is greater, so on
+         ///< ties and NaN the value combined first stays (in rank order on local and mpi)
 };
 
 /// A short name, e.g. "sum".
@@ -211,8 +254,8 @@ enum class Completion {
   kEager,
   /// Only when the call's own `Work` is waited on (or its `test()` returns true), in
   /// whatever order the caller waits. Until then an output buffer holds a poison: finite
-  /// numbers that differ between calls, ranks and elements (for float32 in +-[1, 2)).
-  /// `wait()` reports an output that no longer holds exactly its poison (written, or
+  /// numbers that differ between calls, ranks and elements (for the floating types in
+  /// +-[1, 2)). `wait()` reports an output that no longer holds exactly its poison (written, or
   /// computed on: a divide, a scale, an add) and an input changed before the call
   /// completed, naming the call and the rank. `test()` answers false at random (seeded)
   /// before it looks. A missing or misplaced `wait()` therefore fails every time instead of

@@ -32,6 +32,7 @@
 // keeps it:
 //   float32  +-[1, 2) with a random mantissa: finite and ordinary, and x / N, x * s (s not
 //            1), x + y (y not tiny against x) or another call's poison copied in change it;
+//   bfloat16, float16  the same in the 16-bit formats: +-[1, 2), random sign and mantissa;
 //   int32    a random odd number: x / N, x * s (s not 1) and x + y (y not 0) change it;
 //   uint8    a random odd byte, likewise.
 // A read alone changes nothing and is not reported: it sees the poison, numbers the checks
@@ -184,9 +185,15 @@ std::size_t first_different_byte(const unsigned char* a, const unsigned char* b,
   return static_cast<std::size_t>(std::mismatch(a + first, a + last, b + first).first - a);
 }
 
-/// The bits of element `i` of `bytes` (one byte for uint8, else four).
+/// The bits of element `i` of `bytes` (element_size(type) bytes: 1, 2 or 4).
 std::uint32_t element_bits(DataType type, const unsigned char* bytes, std::size_t i) {
-  if (type == DataType::kUInt8) return bytes[i];
+  const std::size_t size = element_size(type);
+  if (size == 1) return bytes[i];
+  if (size == 2) {
+    std::uint16_t bits = 0;
+    std::memcpy(&bits, bytes + 2 * i, 2);
+    return bits;
+  }
   std::uint32_t bits = 0;
   std::memcpy(&bits, bytes + 4 * i, 4);
   return bits;
@@ -197,6 +204,10 @@ std::string element_text(DataType type, std::uint32_t bits) {
   switch (type) {
     case DataType::kFloat32: return fmt::format("{}", std::bit_cast<float>(bits));
     case DataType::kInt32: return fmt::format("{}", std::bit_cast<std::int32_t>(bits));
+    case DataType::kBFloat16:
+      return fmt::format("{}", to_float(BFloat16{static_cast<std::uint16_t>(bits)}));
+    case DataType::kFloat16:
+      return fmt::format("{}", to_float(Float16{static_cast<std::uint16_t>(bits)}));
     case DataType::kUInt8: break;
   }
   return fmt::format("{}", bits);
@@ -228,12 +239,20 @@ class Poison {
                         // then the rank (below 2^8) and the call (below 2^40).
                         (std::uint64_t{1} << 63) | (static_cast<std::uint64_t>(rank) << 40) | call)
                  .next_u32()),
-        one_byte_(type == DataType::kUInt8) {
+        width_(element_size(type)) {
     switch (type) {
       case DataType::kFloat32:
         // Sign and mantissa random, the exponent of 1: +-[1, 2), never 0, NaN or infinite.
         keep_ = 0x807F'FFFFU;
         set_ = 0x3F80'0000U;
+        break;
+      case DataType::kBFloat16:  // the same in bfloat16's 16 bits: +-[1, 2)
+        keep_ = 0x807FU;
+        set_ = 0x3F80U;
+        break;
+      case DataType::kFloat16:  // float16's exponent of 1 (15): +-[1, 2)
+        keep_ = 0x83FFU;
+        set_ = 0x3C00U;
         break;
       case DataType::kInt32:  // odd
         keep_ = 0xFFFF'FFFFU;
@@ -246,15 +265,18 @@ class Poison {
     }
   }
 
-  /// The bits of element `i` (a byte's worth for uint8).
+  /// The bits of element `i` (an element's worth: a byte for uint8, two for the 16-bit
+  /// floats).
   std::uint32_t element(std::size_t i) const {
     return (mix(key_ + static_cast<std::uint32_t>(i)) & keep_) | set_;
   }
 
   /// Fills `count` elements of host memory with the poison.
   void fill(unsigned char* bytes, std::size_t count) const {
-    if (one_byte_)
+    if (width_ == 1)
       fill_with<std::uint8_t>(bytes, count);
+    else if (width_ == 2)
+      fill_with<std::uint16_t>(bytes, count);
     else
       fill_with<std::uint32_t>(bytes, count);
   }
@@ -262,8 +284,9 @@ class Poison {
   /// The index of the first of `count` elements of host memory that is not the poison, or
   /// `count` if all are.
   std::size_t first_difference(const unsigned char* bytes, std::size_t count) const {
-    return one_byte_ ? first_difference_of<std::uint8_t>(bytes, count)
-                     : first_difference_of<std::uint32_t>(bytes, count);
+    if (width_ == 1) return first_difference_of<std::uint8_t>(bytes, count);
+    if (width_ == 2) return first_difference_of<std::uint16_t>(bytes, count);
+    return first_difference_of<std::uint32_t>(bytes, count);
   }
 
  private:
@@ -299,7 +322,7 @@ class Poison {
   }
 
   std::uint32_t key_;
-  bool one_byte_;
+  std::size_t width_;       // bytes per element: 1, 2 or 4
   std::uint32_t keep_ = 0;  // the random bits of the element kept
   std::uint32_t set_ = 0;   // the bits then set
 };

@@ -12,6 +12,8 @@ std::size_t element_size(DataType type) {
     case DataType::kFloat32: return 4;
     case DataType::kInt32: return 4;
     case DataType::kUInt8: return 1;
+    case DataType::kBFloat16: return 2;
+    case DataType::kFloat16: return 2;
   }
   return 0;
 }
@@ -21,6 +23,8 @@ std::string_view to_string(DataType type) {
     case DataType::kFloat32: return "float32";
     case DataType::kInt32: return "int32";
     case DataType::kUInt8: return "uint8";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat16: return "float16";
   }
   return "unknown";
 }
@@ -141,8 +145,10 @@ void require_peer_in_range(int peer, int world_size, std::string_view call) {
 
 void require_reducible(ConstBuffer buffer, std::string_view call) {
   if (buffer.type != DataType::kUInt8) return;
-  throw Error(fmt::format("{}: cannot reduce {} elements; expected float32 or int32", call,
-                          to_string(buffer.type)));
+  throw Error(
+      fmt::format("{}: cannot reduce {} elements; expected float32, int32, bfloat16 or "
+                  "float16",
+                  call, to_string(buffer.type)));
 }
 
 void require_reduce_scatter_sizes(ConstBuffer in, MutableBuffer out, int world_size) {

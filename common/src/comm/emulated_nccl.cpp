@@ -28,7 +28,8 @@
 //     hangs the same way;
 //   * sums and averages of float32 over 3 or more ranks are added in the order of NCCL's
 //     ring all-reduce with one channel (below); an average is that sum divided afterwards,
-//     as nccl_backend.cpp divides on its stream;
+//     as nccl_backend.cpp divides on its stream; bfloat16 and float16 are added in the same
+//     order, each partial sum rounded to the type (comm.h's rule at `ReduceOp`);
 //   * messages: isend and irecv are held and launched together as one group (one entry of
 //     the stream) at the rank's next wait, test, collective, barrier or dropped handle,
 //     posted sorted by tag (issue order within a tag), as nccl_backend.cpp's flush posts
@@ -91,6 +92,7 @@
 #include "comm/argument_checks.h"
 #include "comm/backends.h"
 #include "comm/call_log.h"
+#include "comm/reduce_arithmetic.h"
 #include "comm/ring_counts.h"
 #include "dp/error.h"
 #include "dp/launch.h"
@@ -158,10 +160,24 @@ T ring_combine(std::span<const T* const> sources, std::size_t k, int chunk, Redu
   T value = sources[static_cast<std::size_t>((chunk + 1) % p)][k];
   for (int step = 2; step <= p; ++step) {
     const T next = sources[static_cast<std::size_t>((chunk + step) % p)][k];
-    value = op == ReduceOp::kMax ? std::max(value, next) : static_cast<T>(value + next);
+    value = reduce_step(value, next, op);
   }
-  if (op == ReduceOp::kAvg) value /= static_cast<T>(p);  // the post-divide
+  if (op == ReduceOp::kAvg) value = reduce_average(value, p);  // the post-divide
   return value;
+}
+
+/// Calls `reduce.template operator()<T>()` with T the C++ type of `type`, a reducible type
+/// (require_reducible ran at the call).
+template <typename Reduce>
+void with_element_type(DataType type, Reduce&& reduce) {
+  switch (type) {
+    case DataType::kFloat32: return reduce.template operator()<float>();
+    case DataType::kInt32: return reduce.template operator()<std::int32_t>();
+    case DataType::kBFloat16: return reduce.template operator()<BFloat16>();
+    case DataType::kFloat16: return reduce.template operator()<Float16>();
+    case DataType::kUInt8: break;
+  }
+  DP_CHECK(false, "a reduction of {} reached the emulated nccl", to_string(type));
 }
 
 /// The ranks' buffers of one collective, by rank. On the stack: the rank that arrives last
@@ -472,19 +488,15 @@ class EmulatedNcclWorld {
     }
     const std::span<const ConstBuffer> inputs(inputs_);
     const std::span<const MutableBuffer> outputs(outputs_);
-    const bool floats = record.type == DataType::kFloat32;
     switch (record.op) {
       case CommOp::kAllReduce:
-        if (floats)
-          ring_allreduce<float>(inputs, outputs, record.reduce);
-        else
-          ring_allreduce<std::int32_t>(inputs, outputs, record.reduce);
+        with_element_type(record.type,
+                          [&]<typename T>() { ring_allreduce<T>(inputs, outputs, record.reduce); });
         break;
       case CommOp::kReduceScatter:
-        if (floats)
-          ring_reduce_scatter<float>(inputs, outputs, record.reduce);
-        else
-          ring_reduce_scatter<std::int32_t>(inputs, outputs, record.reduce);
+        with_element_type(record.type, [&]<typename T>() {
+          ring_reduce_scatter<T>(inputs, outputs, record.reduce);
+        });
         break;
       case CommOp::kAllGather: {
         const std::size_t bytes = inputs.front().bytes();

@@ -24,10 +24,13 @@ cuda::ReduceElement element_of(DataType type) {
   switch (type) {
     case DataType::kFloat32: return cuda::ReduceElement::kFloat32;
     case DataType::kInt32: return cuda::ReduceElement::kInt32;
+    case DataType::kBFloat16: return cuda::ReduceElement::kBFloat16;
+    case DataType::kFloat16: return cuda::ReduceElement::kFloat16;
     case DataType::kUInt8: break;
   }
-  throw Error(fmt::format("a reduction of {} elements on a device: expected float32 or int32",
-                          to_string(type)));
+  throw Error(fmt::format(
+      "a reduction of {} elements on a device: expected float32, int32, bfloat16 or float16",
+      to_string(type)));
 }
 
 cuda::ReduceCombine combine_of(ReduceOp op) {

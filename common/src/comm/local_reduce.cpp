@@ -1,10 +1,12 @@
 // local_reduce.cpp: the local backend's arithmetic. A collective reduces each element over
 // the ranks' buffers in rank order, ((x_0 + x_1) + x_2) + ..., whatever the rank count and
 // whichever thread does the work, so every rank ends with the same bits on every run (see
-// local_world.h).
+// local_world.h). bfloat16 and float16 round each partial sum to their type (the rule of
+// `ReduceOp` in comm.h; the arithmetic is in comm/reduce_arithmetic.h).
 #include <cstring>
 
 #include "comm/local_world.h"
+#include "comm/reduce_arithmetic.h"
 
 namespace dp::detail::local {
 namespace {
@@ -27,14 +29,14 @@ void reduce_in_rank_order(std::span<T* const> destinations, std::span<const T* c
     for (std::size_t s = 1; s < parts; ++s) {
       const T* source = sources[s] + start;
       if (op == ReduceOp::kMax) {
-        for (std::size_t k = 0; k < length; ++k) block[k] = std::max(block[k], source[k]);
+        for (std::size_t k = 0; k < length; ++k) block[k] = reduce_max(block[k], source[k]);
       } else {
-        for (std::size_t k = 0; k < length; ++k) block[k] += source[k];
+        for (std::size_t k = 0; k < length; ++k) block[k] = reduce_add(block[k], source[k]);
       }
     }
     if (op == ReduceOp::kAvg) {
-      const T divisor = static_cast<T>(parts);
-      for (std::size_t k = 0; k < length; ++k) block[k] /= divisor;
+      const int divisor = static_cast<int>(parts);
+      for (std::size_t k = 0; k < length; ++k) block[k] = reduce_average(block[k], divisor);
     }
     for (T* destination : destinations) std::memcpy(destination + start, block, length * sizeof(T));
   }
@@ -78,6 +80,12 @@ void reduce_chunk(std::span<const MutableBuffer> destinations, std::size_t dst_o
       return;
     case DataType::kInt32:
       reduce_typed<std::int32_t>(destinations, dst_offset, sources, src_offset, count, op);
+      return;
+    case DataType::kBFloat16:
+      reduce_typed<BFloat16>(destinations, dst_offset, sources, src_offset, count, op);
+      return;
+    case DataType::kFloat16:
+      reduce_typed<Float16>(destinations, dst_offset, sources, src_offset, count, op);
       return;
     case DataType::kUInt8: break;
   }

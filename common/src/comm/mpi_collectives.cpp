@@ -1,8 +1,8 @@
 // mpi_collectives.cpp: the mpi backend's collectives. The rank's thread posts them to a
 // queue; the progress thread runs them one at a time in issue order, after checking that
 // every rank called the same collective, with MPI's own blocking collectives (float32 sums
-// over 3 or more ranks: mpi_rank_order.cpp), and keeps MPI moving while point-to-point
-// transfers are outstanding. Overview: mpi_world.h.
+// over 3 or more ranks and every bfloat16 or float16 reduction: mpi_rank_order.cpp), and
+// keeps MPI moving while point-to-point transfers are outstanding. Overview: mpi_world.h.
 #include "comm/mpi_world.h"
 
 namespace dp::detail::mpi {
@@ -15,10 +15,17 @@ void divide_elements(void* data, std::size_t count, int divisor) {
   for (std::size_t k = 0; k < count; ++k) values[k] /= by;
 }
 
-/// data[k] /= divisor, the second half of kAvg.
+/// data[k] /= divisor, the second half of kAvg after MPI's own sum (float32 on 1 or 2 ranks,
+/// int32; the 16-bit floats never reach it: mpi_rank_order.cpp divides them).
 void divide_by(MutableBuffer data, int divisor) {
-  if (data.type == DataType::kFloat32) divide_elements<float>(data.data, data.count, divisor);
-  if (data.type == DataType::kInt32) divide_elements<std::int32_t>(data.data, data.count, divisor);
+  switch (data.type) {
+    case DataType::kFloat32: return divide_elements<float>(data.data, data.count, divisor);
+    case DataType::kInt32: return divide_elements<std::int32_t>(data.data, data.count, divisor);
+    case DataType::kBFloat16:
+    case DataType::kFloat16:
+    case DataType::kUInt8: break;
+  }
+  DP_CHECK(false, "an average of {} reached MPI's own sum", to_string(data.type));
 }
 
 bool overlaps(ConstBuffer in, MutableBuffer out) {

@@ -26,6 +26,8 @@ MPI_Datatype mpi_type(DataType type) {
     case DataType::kFloat32: return MPI_FLOAT;
     case DataType::kInt32: return MPI_INT32_T;
     case DataType::kUInt8: return MPI_UINT8_T;
+    case DataType::kBFloat16: return MPI_UINT16_T;
+    case DataType::kFloat16: return MPI_UINT16_T;
   }
   DP_CHECK(false, "no MPI type for data type {}", static_cast<int>(type));
   return MPI_DATATYPE_NULL;

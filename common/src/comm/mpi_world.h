@@ -47,6 +47,9 @@
 // picks; for two ranks that cannot matter (a + b == b + a), so MPI_Allreduce serves them,
 // but float32 sums over three or more ranks go through `rank_order_allreduce` and
 // `rank_order_reduce_scatter`, which exchange chunks and add them here, in rank order.
+// bfloat16 and float16 have no MPI type (they travel as MPI_UINT16_T), so each of their
+// reductions goes through the same functions, which round each partial sum to the type as
+// the local backend does (comm.h, `ReduceOp`).
 //
 // Errors. A collective whose descriptor (kind, count, type, reduce op, root) differs across
 // ranks fails with the same dp::CommError on every rank; later collectives of that launch
@@ -59,7 +62,8 @@
 // The files of the mpi backend:
 //   mpi_world.h            this overview, and the types and helpers the files below share
 //   mpi_process.cpp        MPI itself: the process's MPI state, MPI errors, types, sleeping waits
-//   mpi_rank_order.cpp     float32 sums over 3 or more ranks, added here in rank order
+//   mpi_rank_order.cpp     float32 sums over 3 or more ranks and every bfloat16 or float16
+//                          reduction, computed here in rank order
 //   mpi_point_to_point.cpp isend/irecv: posting, completing with MPI_Test, size mismatches
 //   mpi_collectives.cpp    collectives: the progress thread, MPI's collectives, validation
 //   mpi_world.cpp          hang reports (watchdog, status requests) and the end of a launch
@@ -131,7 +135,8 @@ constexpr milliseconds kSlowPoll{1};
 /// Throws dp::CommError naming `what` and MPI's message when `code` is not MPI_SUCCESS.
 void check_mpi(int code, std::string_view what);
 
-/// The MPI datatype of `type`.
+/// The MPI datatype of `type`: MPI_UINT16_T for bfloat16 and float16, which only move through
+/// MPI (their reductions are the backend's own, `needs_rank_order`).
 MPI_Datatype mpi_type(DataType type);
 
 /// kAvg is a sum followed by a division (a post-divide, see `divide_by`
@@ -150,17 +155,18 @@ bool wait_sleeping(MPI_Request& request, SteadyClock::time_point deadline);
 /// rank order 0, 1, ..., p-1). Open MPI adds in an order its algorithm picks; for two ranks
 /// a + b == b + a bit for bit, but from three ranks on a float32 sum depends on the order,
 /// and graders compare sums bitwise with the local backend's. Integer sums and maxima do
-/// not depend on the order.
+/// not depend on the order. Every reduction of bfloat16 or float16 is computed in rank order
+/// too: MPI would combine their MPI_UINT16_T bits as integers.
 bool needs_rank_order(const CallRecord& record, int world_size);
 
-/// A float32 all-reduce that adds in rank order, as the local backend does: rank i
-/// receives chunk i = [n i/p, n (i+1)/p) of every rank's buffer (MPI_Alltoallv), adds the
-/// p chunks in rank order, and every rank gathers every chunk's sum (MPI_Allgatherv). It
-/// moves the bytes of a ring all-reduce, 2 (p-1)/p n per rank.
+/// A float32, bfloat16 or float16 all-reduce that combines in rank order, as the local
+/// backend does: rank i receives chunk i = [n i/p, n (i+1)/p) of every rank's buffer
+/// (MPI_Alltoallv), combines the p chunks in rank order, and every rank gathers every chunk's
+/// result (MPI_Allgatherv). It moves the bytes of a ring all-reduce, 2 (p-1)/p n per rank.
 void rank_order_allreduce(MutableBuffer data, ReduceOp op, MPI_Comm comm, int rank, int size);
 
-/// A float32 reduce-scatter that adds in rank order: shard i of every rank's input goes to
-/// rank i (MPI_Alltoall), which adds the p shards in rank order.
+/// A float32, bfloat16 or float16 reduce-scatter that combines in rank order: shard i of every
+/// rank's input goes to rank i (MPI_Alltoall), which combines the p shards in rank order.
 void rank_order_reduce_scatter(ConstBuffer in, MutableBuffer out, ReduceOp op, MPI_Comm comm,
                                int size);
 

@@ -36,7 +36,12 @@
 //     report says which call of which rank is waiting;
 //   - a float sum over three or more ranks adds in NCCL's ring order, not in rank order, so
 //     it may differ from the local backend's in the last bits (two ranks: a + b == b + a);
-//     an average is that sum divided afterwards, on the communication stream;
+//     an average is that sum divided afterwards, on the communication stream (bfloat16 and
+//     float16: NCCL's kernels round each partial sum to the type, comm.h's rule at
+//     `ReduceOp`, and the divide rounds once; NCCL's own ncclAvg would pre-multiply by a
+//     rounded 1/p instead). A maximum on a GPU of compute capability 8.0 or later uses
+//     __hmax for these types, which returns the other operand where one is a NaN (the
+//     other backends keep the value combined first);
 //   - under Completion::kAdversarial the decorator (comm/adversarial.cpp) stages device
 //     buffers on the device and copies them on the caller's compute stream (cuda::copy_bytes),
 //     after its kernels and after the calls `wait()` ordered that stream behind.
@@ -109,8 +114,23 @@ ncclDataType_t nccl_type(DataType type) {
     case DataType::kFloat32: return ncclFloat32;
     case DataType::kInt32: return ncclInt32;
     case DataType::kUInt8: return ncclUint8;
+    case DataType::kBFloat16: return ncclBfloat16;
+    case DataType::kFloat16: return ncclFloat16;
   }
   return ncclFloat32;
+}
+
+/// The element type of a division on the device (a reducible type: require_reducible ran).
+cuda::ReduceElement reduce_element(DataType type) {
+  switch (type) {
+    case DataType::kFloat32: return cuda::ReduceElement::kFloat32;
+    case DataType::kInt32: return cuda::ReduceElement::kInt32;
+    case DataType::kBFloat16: return cuda::ReduceElement::kBFloat16;
+    case DataType::kFloat16: return cuda::ReduceElement::kFloat16;
+    case DataType::kUInt8: break;
+  }
+  throw Error(
+      fmt::format("nccl: an average of {} elements: expected a reducible type", to_string(type)));
 }
 
 /// The NCCL operation of `op`; an average is a sum here, divided afterwards.
@@ -528,10 +548,7 @@ std::unique_ptr<Work> NcclCommunicator::irecv(MutableBuffer data, int peer, int 
 
 void NcclCommunicator::divide_if_average(MutableBuffer result, ReduceOp op) {
   if (op != ReduceOp::kAvg) return;
-  cuda::comm_divide_on(
-      stream_, result.data, result.count,
-      result.type == DataType::kInt32 ? cuda::ReduceElement::kInt32 : cuda::ReduceElement::kFloat32,
-      size_);
+  cuda::comm_divide_on(stream_, result.data, result.count, reduce_element(result.type), size_);
 }
 
 std::unique_ptr<Work> NcclCommunicator::allreduce(MutableBuffer data, ReduceOp op) {

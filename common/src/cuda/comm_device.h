@@ -91,7 +91,7 @@ void comm_copy(void* destination, const void* source, std::size_t bytes, int dev
 inline constexpr std::size_t kMaxReduceBuffers = 256;
 
 /// The element types a reduction combines (dp::DataType's reducible ones).
-enum class ReduceElement { kFloat32, kInt32 };
+enum class ReduceElement { kFloat32, kInt32, kBFloat16, kFloat16 };
 /// How a reduction combines (dp::ReduceOp).
 enum class ReduceCombine { kSum, kAvg, kMax };
 
@@ -99,6 +99,8 @@ enum class ReduceCombine { kSum, kAvg, kMax };
 /// sources[p-1][k]) for k < count, combined in rank order as the host's
 /// `reduce_in_rank_order` does: ((s0 + s1) + s2) + ..., a maximum as `std::max` keeps its
 /// first argument on ties and NaN, and an average is the sum divided by p afterwards.
+/// bfloat16 and float16 elements are combined in float32 and rounded to their type after
+/// each step (comm.h, `ReduceOp`; comm/reduce_arithmetic.h).
 /// Destinations may alias sources. Every pointer is device memory on one device.
 struct ReduceJob {
   const void* const* sources = nullptr;          ///< p pointers (already offset to element 0)
@@ -106,7 +108,7 @@ struct ReduceJob {
   void* const* destinations = nullptr;           ///< pointers to write the result to
   std::size_t destination_count = 0;             ///< at most kMaxReduceBuffers
   std::size_t count = 0;                         ///< elements
-  ReduceElement type = ReduceElement::kFloat32;  ///< float32 or int32
+  ReduceElement type = ReduceElement::kFloat32;  ///< the element type
   ReduceCombine op = ReduceCombine::kSum;        ///< how to combine
 };
 /// Launches `job` on the calling thread's communication stream of `device`, asynchronously.

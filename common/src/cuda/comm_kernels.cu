@@ -8,11 +8,16 @@
 // a maximum keeps the running value unless the next is greater (std::max's rule, NaN
 // included), and an average divides the sum by p once, correctly rounded (__fdiv_rn). A
 // thread reads element k of every source before it writes element k of any destination,
-// and no other thread touches element k, so destinations may alias sources.
+// and no other thread touches element k, so destinations may alias sources. bfloat16 and
+// float16 elements are converted to float32, combined there and rounded back to their type
+// after each step, as the host's comm/reduce_arithmetic.h and NCCL do (comm.h, `ReduceOp`):
+// the same bits, except that a NaN's payload may differ (CUDA's conversions choose their own).
 //
 // The buffers' addresses travel in the kernel's parameter block (4 KiB for 256 ranks; CUDA
 // 12.1 and later accept 32 KiB on the architectures built here), so a launch needs no copy
 // of them to the device.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,12 +53,35 @@ __device__ inline std::int32_t combine(std::int32_t running, std::int32_t next, 
                                    static_cast<std::uint32_t>(next));
 }
 
+__device__ inline __nv_bfloat16 combine(__nv_bfloat16 running, __nv_bfloat16 next,
+                                        ReduceCombine op) {
+  const float a = __bfloat162float(running);
+  const float b = __bfloat162float(next);
+  if (op == ReduceCombine::kMax) return a < b ? next : running;
+  return __float2bfloat16_rn(__fadd_rn(a, b));
+}
+
+__device__ inline __half combine(__half running, __half next, ReduceCombine op) {
+  const float a = __half2float(running);
+  const float b = __half2float(next);
+  if (op == ReduceCombine::kMax) return a < b ? next : running;
+  return __float2half_rn(__fadd_rn(a, b));
+}
+
 __device__ inline float average(float sum, int parts) {
   return __fdiv_rn(sum, static_cast<float>(parts));
 }
 
 __device__ inline std::int32_t average(std::int32_t sum, int parts) {
   return sum / parts;
+}
+
+__device__ inline __nv_bfloat16 average(__nv_bfloat16 sum, int parts) {
+  return __float2bfloat16_rn(__fdiv_rn(__bfloat162float(sum), static_cast<float>(parts)));
+}
+
+__device__ inline __half average(__half sum, int parts) {
+  return __float2half_rn(__fdiv_rn(__half2float(sum), static_cast<float>(parts)));
 }
 
 template <typename T>
@@ -95,6 +123,14 @@ void comm_divide_on(void* stream, void* data, std::size_t count, ReduceElement t
       divide_kernel<std::int32_t><<<blocks_for(count), kThreads, 0, on>>>(
           static_cast<std::int32_t*>(data), count, divisor);
       break;
+    case ReduceElement::kBFloat16:
+      divide_kernel<__nv_bfloat16><<<blocks_for(count), kThreads, 0, on>>>(
+          static_cast<__nv_bfloat16*>(data), count, divisor);
+      break;
+    case ReduceElement::kFloat16:
+      divide_kernel<__half>
+          <<<blocks_for(count), kThreads, 0, on>>>(static_cast<__half*>(data), count, divisor);
+      break;
   }
   check_status(static_cast<int>(cudaGetLastError()), "comm_divide kernel launch");
 }
@@ -120,6 +156,12 @@ void comm_reduce(const ReduceJob& job, int device) {
       break;
     case ReduceElement::kInt32:
       reduce_kernel<std::int32_t><<<blocks, kThreads, 0, stream>>>(parameters, job.op);
+      break;
+    case ReduceElement::kBFloat16:
+      reduce_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(parameters, job.op);
+      break;
+    case ReduceElement::kFloat16:
+      reduce_kernel<__half><<<blocks, kThreads, 0, stream>>>(parameters, job.op);
       break;
   }
   check_status(static_cast<int>(cudaGetLastError()), "comm_reduce kernel launch");
