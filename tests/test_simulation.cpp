@@ -10,9 +10,10 @@
 // documented algorithm. On two levels (NVLink inside a node, 100 GbE between nodes) a
 // message takes alpha + n / bandwidth of its pair's fabric, ranks sharing a NIC queue for
 // it (j messages through one NIC: j n / bandwidth + alpha), a ring from messages takes
-// 2(p-1) times its slowest hop, and native collectives their formula on the slowest
-// fabric. Overlap hides communication; two runs give the same clocks even
-// when wall-clock timing is perturbed; the trace is valid Chrome Trace Event JSON.
+// 2(p-1) times its slowest hop, a hierarchical all-reduce from messages its two-level
+// formula, and native collectives their formula on the slowest fabric. Overlap hides communication;
+// two runs give the same clocks even when wall-clock timing is perturbed; the trace is valid Chrome
+// Trace Event JSON.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -783,6 +784,102 @@ TEST(TwoLevels, ARingOfMessagesStepsAtThePaceOfItsSlowestHop) {
         slow_start);
     expect_time(seconds, 6 * slowest_hop(n / 4, slow_start),
                 fmt::format("ring with a 20 us NVLink, n = {} B", n));
+  }
+}
+
+/// Part `index` (mod the group's size) of `data` cut into one equal part per group member.
+std::span<float> group_part(std::span<float> data, std::size_t members, int index) {
+  const int g = static_cast<int>(members);
+  const std::size_t chunk = data.size() / members;
+  return data.subspan(static_cast<std::size_t>((index % g + g) % g) * chunk, chunk);
+}
+
+/// The ring reduce-scatter of `ring_allreduce` over `group` (ranks in ring order, the
+/// caller among them): afterwards the member at index i holds the group's sum of part
+/// i + 1 (mod the group's size).
+void group_reduce_scatter(Communicator& comm, const std::vector<int>& group, std::span<float> data,
+                          int tag) {
+  const int g = static_cast<int>(group.size());
+  const int i =
+      static_cast<int>(std::find(group.begin(), group.end(), comm.rank()) - group.begin());
+  std::vector<float> incoming(data.size() / group.size());
+  for (int step = 0; step < g - 1; ++step) {
+    auto send = comm.isend(group_part(data, group.size(), i - step),
+                           group[static_cast<std::size_t>((i + 1) % g)], tag);
+    auto receive =
+        comm.irecv(std::span(incoming), group[static_cast<std::size_t>((i + g - 1) % g)], tag);
+    receive->wait();
+    send->wait();
+    add_into(group_part(data, group.size(), i - step - 1), incoming);
+  }
+}
+
+/// The ring all-gather of `ring_allreduce` over `group`, from the parts that
+/// `group_reduce_scatter` leaves.
+void group_allgather(Communicator& comm, const std::vector<int>& group, std::span<float> data,
+                     int tag) {
+  const int g = static_cast<int>(group.size());
+  const int i =
+      static_cast<int>(std::find(group.begin(), group.end(), comm.rank()) - group.begin());
+  for (int step = 0; step < g - 1; ++step) {
+    auto send = comm.isend(group_part(data, group.size(), i + 1 - step),
+                           group[static_cast<std::size_t>((i + 1) % g)], tag);
+    auto receive = comm.irecv(group_part(data, group.size(), i - step),
+                              group[static_cast<std::size_t>((i + g - 1) % g)], tag);
+    receive->wait();
+    send->wait();
+  }
+}
+
+/// Hierarchical all-reduce over nodes of `k` ranks: a ring reduce-scatter inside the node,
+/// a ring all-reduce of the node's part across the nodes (among the ranks with the same
+/// index in their node), a ring all-gather inside the node.
+void hierarchical_allreduce(Communicator& comm, std::vector<float>& data, int k) {
+  const int node = comm.rank() / k;
+  const int local = comm.rank() % k;
+  const int nodes = comm.size() / k;
+  std::vector<int> inside;
+  std::vector<int> across;
+  for (int j = 0; j < k; ++j) inside.push_back(node * k + j);
+  for (int m = 0; m < nodes; ++m) across.push_back(m * k + local);
+  group_reduce_scatter(comm, inside, data, 0);
+  const std::span<float> shard = group_part(data, inside.size(), local + 1);
+  group_reduce_scatter(comm, across, shard, 1);
+  group_allgather(comm, across, shard, 2);
+  group_allgather(comm, inside, data, 3);
+}
+
+TEST(TwoLevels, AHierarchicalAllReduceOfMessagesTakesItsFormula) {
+  // N nodes of k ranks, a NIC per rank: the phases follow each other, and in each all
+  // hops cross one fabric, so 2(k-1) (alpha_f + n/k / bw_f) inside the nodes plus
+  // 2(N-1) (alpha_i + n/(kN) / bw_i) across them.
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+  };
+  for (const Topology& topology :
+       {Topology{2, 2}, Topology{2, 4}, Topology{4, 2}, Topology{3, 2}}) {
+    const int k = topology.ranks_per_node;
+    const int nodes = topology.nodes;
+    const int p = nodes * k;
+    const NetworkModel network = two_levels(k);
+    for (std::size_t count : counts_for(p)) {
+      if (count > 100000 * static_cast<std::size_t>(p)) continue;
+      const double n = static_cast<double>(count * sizeof(float));
+      const double seconds = simulated_time(
+          p,
+          [&](Communicator& comm) {
+            std::vector<float> data = rank_values(comm.rank(), count);
+            hierarchical_allreduce(comm, data, k);
+            expect_sum(data, p);
+          },
+          network);
+      const double expected = 2 * (k - 1) * message(n / k, network.fabric) +
+                              2 * (nodes - 1) * message(n / (k * nodes), network.inter_node);
+      expect_time(
+          seconds, expected,
+          fmt::format("hierarchical all-reduce over {} nodes x {} ranks, n = {} B", nodes, k, n));
+    }
   }
 }
 
