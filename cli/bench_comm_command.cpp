@@ -252,10 +252,11 @@ void run_bench(const BenchArguments& args) {
   options.simulation = simulation_options(args.simulation);
   const bool mystery = !args.mystery_seed.empty();
   if (mystery) {
+    // --nics-per-node comes with --ranks-per-node (simulation_options checks it).
     if (options.simulation.enabled || args.simulation.ranks_per_node > 0)
       throw Error(
-          "--mystery draws its own network: drop --net, --alpha, --bandwidth and "
-          "--ranks-per-node");
+          "--mystery draws its own network: drop --net, --alpha, --bandwidth, "
+          "--ranks-per-node and --nics-per-node");
     options.simulation.enabled = true;
     options.simulation.network.name = "mystery";
     options.simulation.network.fabric = mystery_link(parse_seed(args.mystery_seed));

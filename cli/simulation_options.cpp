@@ -31,6 +31,12 @@ void add_simulation_options(CLI::App& command, SimulationArguments& args) {
                   "Two levels: this many ranks per node on --intra-net, nodes on --net")
       ->check(whole_number_at_least(0))
       ->group("Simulated clock");
+  command
+      .add_option("--nics-per-node", args.nics_per_node,
+                  "Two levels: inter-node ports per node, shared by its ranks (rank r of a node "
+                  "uses NIC r mod this); must divide --ranks-per-node [default: one per rank]")
+      ->check(whole_number_at_least(1))
+      ->group("Simulated clock");
   command.add_option("--intra-net", args.intra_net, "The network inside a node (two levels)")
       ->capture_default_str()
       ->group("Simulated clock");
@@ -67,11 +73,23 @@ SimulationOptions simulation_options(const SimulationArguments& args) {
   }
   if (args.ranks_per_node < 0)
     throw Error(fmt::format("--ranks-per-node must be >= 0, got {}", args.ranks_per_node));
+  if (args.nics_per_node < 0)
+    throw Error(fmt::format("--nics-per-node must be >= 1, got {}", args.nics_per_node));
+  if (args.nics_per_node > 0 && args.ranks_per_node == 0)
+    throw Error(fmt::format(
+        "--nics-per-node {} needs two levels: add --ranks-per-node (the NICs are shared by the "
+        "ranks of a node)",
+        args.nics_per_node));
+  if (args.nics_per_node > 0 && args.ranks_per_node % args.nics_per_node != 0)
+    throw Error(fmt::format(
+        "--nics-per-node must divide --ranks-per-node: got {} NICs for {} ranks per node",
+        args.nics_per_node, args.ranks_per_node));
   if (args.ranks_per_node > 0) {
     // Nodes talk over --net (with its overrides); ranks of a node over --intra-net.
     options.network.inter_node = options.network.fabric;
     options.network.fabric = NetworkModel::preset(args.intra_net).fabric;
     options.network.ranks_per_node = args.ranks_per_node;
+    options.network.nics_per_node = args.nics_per_node;
   }
   options.device = DeviceModel::preset(args.device);
   if (args.compute == "roofline")

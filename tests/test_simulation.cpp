@@ -7,8 +7,13 @@
 // recursive doubling, one-server parameter server) take exactly the time of their
 // alpha-beta formulas (docs/reference.md, gamma = 0: reductions are not charged) for
 // p = 2..8 and messages from 4 bytes to 256 MiB; native collectives are charged by their
-// documented algorithm; overlap hides communication; two runs give the same clocks even
-// when wall-clock timing is perturbed; the trace is valid Chrome Trace Event JSON.
+// documented algorithm. On two levels (NVLink inside a node, 100 GbE between nodes) a
+// message takes alpha + n / bandwidth of its pair's fabric, ranks sharing a NIC queue for
+// it (j messages through one NIC: j n / bandwidth + alpha), a ring from messages takes
+// 2(p-1) times its slowest hop, a hierarchical all-reduce from messages its two-level
+// formula, and native collectives their formula on the slowest fabric. Overlap hides communication;
+// two runs give the same clocks even when wall-clock timing is perturbed; the trace is valid Chrome
+// Trace Event JSON.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -336,49 +341,57 @@ TEST(AlgorithmFormulaHuge, RingBeatsTheParameterServerByThePredictedFactor) {
 
 // --- Native collectives --------------------------------------------------------------------
 
+/// Every native collective on `p` ranks of `network` takes its documented formula on
+/// `link`: ring all-reduce 2(p-1) (alpha + n/p beta), ring reduce-scatter and all-gather
+/// (p-1) (alpha + n/p beta), binomial-tree broadcast ceil(lg p) (alpha + n beta),
+/// dissemination barrier ceil(lg p) alpha.
+void expect_native_formulas(int p, const NetworkModel& network, const LinkModel& link,
+                            std::string_view where) {
+  const std::size_t count = 1000 * static_cast<std::size_t>(p);
+  const double n = static_cast<double>(count * sizeof(float));
+  const double whole = static_cast<double>(p);
+  struct Case {
+    const char* name;
+    std::function<void(Communicator&)> call;
+    double expected;
+  };
+  std::vector<Case> cases = {
+      {"allreduce (ring)",
+       [&](Communicator& comm) {
+         std::vector<float> x(count, 1.0f);
+         comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+       },
+       2 * (p - 1) * message(n / whole, link)},
+      {"reduce_scatter (ring)",
+       [&](Communicator& comm) {
+         std::vector<float> in(count, 1.0f);
+         std::vector<float> out(count / static_cast<std::size_t>(p));
+         comm.reduce_scatter(std::span(in), std::span(out), ReduceOp::kSum)->wait();
+       },
+       (p - 1) * message(n / whole, link)},
+      {"allgather (ring)",
+       [&](Communicator& comm) {
+         std::vector<float> in(count / static_cast<std::size_t>(p), 1.0f);
+         std::vector<float> out(count);
+         comm.allgather(std::span(in), std::span(out))->wait();
+       },
+       (p - 1) * message(n / whole, link)},
+      {"broadcast (binomial tree)",
+       [&](Communicator& comm) {
+         std::vector<float> x(count, 1.0f);
+         comm.broadcast(std::span(x), 0)->wait();
+       },
+       ceil_log2(p) * message(n, link)},
+      {"barrier (dissemination)", [&](Communicator& comm) { comm.barrier(); },
+       ceil_log2(p) * link.alpha_seconds},
+  };
+  for (const Case& c : cases)
+    expect_time(simulated_time(p, c.call, network), c.expected,
+                fmt::format("{} at p = {}, {}", c.name, p, where));
+}
+
 TEST(NativeCollectives, AreChargedByTheirDocumentedAlgorithm) {
-  for (int p : {1, 2, 3, 5, 8}) {
-    const std::size_t count = 1000 * static_cast<std::size_t>(p);
-    const double n = static_cast<double>(count * sizeof(float));
-    const double whole = static_cast<double>(p);
-    struct Case {
-      const char* name;
-      std::function<void(Communicator&)> call;
-      double expected;
-    };
-    std::vector<Case> cases = {
-        {"allreduce (ring)",
-         [&](Communicator& comm) {
-           std::vector<float> x(count, 1.0f);
-           comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
-         },
-         2 * (p - 1) * message(n / whole)},
-        {"reduce_scatter (ring)",
-         [&](Communicator& comm) {
-           std::vector<float> in(count, 1.0f);
-           std::vector<float> out(count / static_cast<std::size_t>(p));
-           comm.reduce_scatter(std::span(in), std::span(out), ReduceOp::kSum)->wait();
-         },
-         (p - 1) * message(n / whole)},
-        {"allgather (ring)",
-         [&](Communicator& comm) {
-           std::vector<float> in(count / static_cast<std::size_t>(p), 1.0f);
-           std::vector<float> out(count);
-           comm.allgather(std::span(in), std::span(out))->wait();
-         },
-         (p - 1) * message(n / whole)},
-        {"broadcast (binomial tree)",
-         [&](Communicator& comm) {
-           std::vector<float> x(count, 1.0f);
-           comm.broadcast(std::span(x), 0)->wait();
-         },
-         ceil_log2(p) * message(n)},
-        {"barrier (dissemination)", [&](Communicator& comm) { comm.barrier(); },
-         ceil_log2(p) * kNet.fabric.alpha_seconds},
-    };
-    for (const Case& c : cases)
-      expect_time(simulated_time(p, c.call), c.expected, fmt::format("{} at p = {}", c.name, p));
-  }
+  for (int p : {1, 2, 3, 5, 8}) expect_native_formulas(p, kNet, kNet.fabric, "one fabric");
 }
 
 TEST(NativeCollectives, QueueBehindEachOtherOnTheLinks) {
@@ -626,6 +639,299 @@ TEST(PointToPoint, TwoLevelTopologyUsesTheFabricOfEachPair) {
       },
       network);
   expect_time(ring, 2 * 3 * message(4096.0 / 4, network.inter_node), "two-level ring");
+}
+
+// --- Two levels: the closed forms of "Two levels" in dp/clock.h -------------------------------
+
+/// `nodes` x `ranks_per_node` ranks: NVLink inside a node, 100 GbE between nodes, `nics`
+/// NICs per node (0: one per rank).
+NetworkModel two_levels(int ranks_per_node, int nics = 0) {
+  NetworkModel network = NetworkModel::preset("100gbe");
+  network.fabric = NetworkModel::preset("nvlink").fabric;
+  network.ranks_per_node = ranks_per_node;
+  network.nics_per_node = nics;
+  return network;
+}
+
+/// The time of one step of a ring whose hops cross both fabrics: its slowest hop.
+double slowest_hop(double bytes, const NetworkModel& network) {
+  return std::max(message(bytes, network.fabric), message(bytes, network.inter_node));
+}
+
+TEST(TwoLevels, AMessageTakesAlphaPlusNOverBandwidthOfItsPairsFabric) {
+  const NetworkModel network = two_levels(2);
+  // Every ordered pair of 2 nodes x 2 ranks, alone on the network, latency- and
+  // bandwidth-bound: inside a node NVLink's alpha and bandwidth, across nodes 100 GbE's.
+  for (double n : {64.0, double(1 << 20)}) {
+    for (int from = 0; from < 4; ++from) {
+      for (int to = 0; to < 4; ++to) {
+        if (from == to) continue;
+        std::vector<double> ends(4);
+        launch(simulated(4, network), [&](Communicator& comm) {
+          std::vector<std::uint8_t> x(static_cast<std::size_t>(n));
+          const MutableBuffer buffer(x.data(), x.size(), DataType::kUInt8);
+          if (comm.rank() == from) comm.isend(buffer, to, 0)->wait();
+          if (comm.rank() == to) comm.irecv(buffer, from, 0)->wait();
+          ends[static_cast<std::size_t>(comm.rank())] = comm.clock().now();
+        });
+        const bool across = from / 2 != to / 2;
+        const LinkModel& link = across ? network.inter_node : network.fabric;
+        const std::string what =
+            fmt::format("{} B from {} to {} ({})", n, from, to, across ? "across nodes" : "inside");
+        EXPECT_EQ(network.crosses_nodes(from, to), across) << what;
+        expect_time(ends[static_cast<std::size_t>(from)], message(n, link), what + ": the send");
+        expect_time(ends[static_cast<std::size_t>(to)], message(n, link), what + ": the receive");
+      }
+    }
+  }
+}
+
+TEST(TwoLevels, RanksOfANodeShareItsNicsAndQueueForThem) {
+  // 2 nodes x 4 ranks; rank l of node 0 sends n bytes to rank l of node 1, all at time 0.
+  // With m NICs, rank l uses NIC l mod m (both nodes), the 4/m ranks of one NIC take it in
+  // rank order: rank l's message arrives at (l / m + 1) n / bandwidth + alpha, the last at
+  // (4/m) n / bandwidth + alpha: 4 n / bw + alpha through 1 NIC, n / bw + alpha through 4.
+  // Meanwhile node 0's ranks 0 and 1 also exchange n bytes over NVLink, untouched by the
+  // NICs' queues (a rank's two ports are independent).
+  const int k = 4;
+  for (double n : {64.0, double(1 << 20)}) {
+    for (int nics : {1, 2, 4, 0}) {
+      const NetworkModel network = two_levels(k, nics);
+      const int m = nics == 0 ? k : nics;
+      std::vector<double> ends(2 * k);
+      std::vector<double> intra_ends(2);
+      launch(simulated(2 * k, network), [&](Communicator& comm) {
+        std::vector<std::uint8_t> x(static_cast<std::size_t>(n));
+        std::vector<std::uint8_t> y(static_cast<std::size_t>(n));
+        const MutableBuffer buffer(x.data(), x.size(), DataType::kUInt8);
+        const MutableBuffer local(y.data(), y.size(), DataType::kUInt8);
+        const int r = comm.rank();
+        std::unique_ptr<Work> inside;
+        if (r == 0) inside = comm.isend(local, 1, 7);
+        if (r == 1) inside = comm.irecv(local, 0, 7);
+        auto across = r < k ? comm.isend(buffer, r + k, 0) : comm.irecv(buffer, r - k, 0);
+        if (inside) {
+          inside->wait();
+          intra_ends[static_cast<std::size_t>(r)] = comm.clock().now();
+        }
+        across->wait();
+        ends[static_cast<std::size_t>(r)] = comm.clock().now();
+      });
+      for (double end : intra_ends)
+        expect_time(end, message(n, network.fabric),
+                    fmt::format("{} B, {} NICs per node: NVLink beside the NICs", n, m));
+      for (int l = 0; l < k; ++l) {
+        const double expected =
+            (l / m + 1) * transfer(n, network.inter_node) + network.inter_node.alpha_seconds;
+        const std::string what =
+            fmt::format("{} B, {} NICs per node: rank {} of the node", n, m, l);
+        expect_time(ends[static_cast<std::size_t>(l)], expected, what + " (sender)");
+        expect_time(ends[static_cast<std::size_t>(l + k)], expected, what + " (receiver)");
+      }
+      const double last = *std::max_element(ends.begin(), ends.end());
+      expect_time(last,
+                  (k / m) * transfer(n, network.inter_node) + network.inter_node.alpha_seconds,
+                  fmt::format("{} B through {} NICs: the last", n, m));
+    }
+  }
+}
+
+TEST(TwoLevels, ARingOfMessagesStepsAtThePaceOfItsSlowestHop) {
+  // The ring all-reduce of AlgorithmFormula, from isend/irecv over node-contiguous ranks:
+  // each of its 2(p-1) steps waits for the previous one, and the rank before the slowest hop
+  // takes that hop's alpha + n/p beta every step, so the ring takes 2(p-1) times the slowest
+  // hop. Its hops across nodes are one per node and direction, so one NIC per node is
+  // enough: the NIC count does not change it.
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+    int nics;
+  };
+  for (const Topology& topology :
+       {Topology{2, 2, 0}, Topology{2, 2, 1}, Topology{2, 4, 1}, Topology{4, 2, 0}}) {
+    const NetworkModel network = two_levels(topology.ranks_per_node, topology.nics);
+    const int p = topology.nodes * topology.ranks_per_node;
+    for (std::size_t count : counts_for(p)) {
+      if (count > 100000 * static_cast<std::size_t>(p)) continue;  // 4p MiB: the first test's
+      const double n = static_cast<double>(count * sizeof(float));
+      const double seconds = simulated_time(
+          p,
+          [&](Communicator& comm) {
+            std::vector<float> data = rank_values(comm.rank(), count);
+            ring_allreduce(comm, data);
+            expect_sum(data, p);
+          },
+          network);
+      expect_time(seconds, 2 * (p - 1) * slowest_hop(n / p, network),
+                  fmt::format("ring over {} nodes x {} ranks, {} NICs per node, n = {} B",
+                              topology.nodes, topology.ranks_per_node, topology.nics, n));
+    }
+  }
+  // Which hop is slowest depends on the size: with a 20 us NVLink, small chunks are paced
+  // by the NVLink hops (20 us against 10 us) and 4 MiB chunks by 100 GbE's (335 us
+  // against 29 us); a model charging the inter-node fabric alone would miss the first.
+  NetworkModel slow_start = two_levels(2);
+  slow_start.fabric.alpha_seconds = 20e-6;
+  for (std::size_t count : {std::size_t{4}, std::size_t{4} << 20}) {
+    const double n = static_cast<double>(count * sizeof(float));
+    const double seconds = simulated_time(
+        4,
+        [&](Communicator& comm) {
+          std::vector<float> data = rank_values(comm.rank(), count);
+          ring_allreduce(comm, data);
+          expect_sum(data, 4);
+        },
+        slow_start);
+    expect_time(seconds, 6 * slowest_hop(n / 4, slow_start),
+                fmt::format("ring with a 20 us NVLink, n = {} B", n));
+  }
+}
+
+/// Part `index` (mod the group's size) of `data` cut into one equal part per group member.
+std::span<float> group_part(std::span<float> data, std::size_t members, int index) {
+  const int g = static_cast<int>(members);
+  const std::size_t chunk = data.size() / members;
+  return data.subspan(static_cast<std::size_t>((index % g + g) % g) * chunk, chunk);
+}
+
+/// The ring reduce-scatter of `ring_allreduce` over `group` (ranks in ring order, the
+/// caller among them): afterwards the member at index i holds the group's sum of part
+/// i + 1 (mod the group's size).
+void group_reduce_scatter(Communicator& comm, const std::vector<int>& group, std::span<float> data,
+                          int tag) {
+  const int g = static_cast<int>(group.size());
+  const int i =
+      static_cast<int>(std::find(group.begin(), group.end(), comm.rank()) - group.begin());
+  std::vector<float> incoming(data.size() / group.size());
+  for (int step = 0; step < g - 1; ++step) {
+    auto send = comm.isend(group_part(data, group.size(), i - step),
+                           group[static_cast<std::size_t>((i + 1) % g)], tag);
+    auto receive =
+        comm.irecv(std::span(incoming), group[static_cast<std::size_t>((i + g - 1) % g)], tag);
+    receive->wait();
+    send->wait();
+    add_into(group_part(data, group.size(), i - step - 1), incoming);
+  }
+}
+
+/// The ring all-gather of `ring_allreduce` over `group`, from the parts that
+/// `group_reduce_scatter` leaves.
+void group_allgather(Communicator& comm, const std::vector<int>& group, std::span<float> data,
+                     int tag) {
+  const int g = static_cast<int>(group.size());
+  const int i =
+      static_cast<int>(std::find(group.begin(), group.end(), comm.rank()) - group.begin());
+  for (int step = 0; step < g - 1; ++step) {
+    auto send = comm.isend(group_part(data, group.size(), i + 1 - step),
+                           group[static_cast<std::size_t>((i + 1) % g)], tag);
+    auto receive = comm.irecv(group_part(data, group.size(), i - step),
+                              group[static_cast<std::size_t>((i + g - 1) % g)], tag);
+    receive->wait();
+    send->wait();
+  }
+}
+
+/// Hierarchical all-reduce over nodes of `k` ranks: a ring reduce-scatter inside the node,
+/// a ring all-reduce of the node's part across the nodes (among the ranks with the same
+/// index in their node), a ring all-gather inside the node.
+void hierarchical_allreduce(Communicator& comm, std::vector<float>& data, int k) {
+  const int node = comm.rank() / k;
+  const int local = comm.rank() % k;
+  const int nodes = comm.size() / k;
+  std::vector<int> inside;
+  std::vector<int> across;
+  for (int j = 0; j < k; ++j) inside.push_back(node * k + j);
+  for (int m = 0; m < nodes; ++m) across.push_back(m * k + local);
+  group_reduce_scatter(comm, inside, data, 0);
+  const std::span<float> shard = group_part(data, inside.size(), local + 1);
+  group_reduce_scatter(comm, across, shard, 1);
+  group_allgather(comm, across, shard, 2);
+  group_allgather(comm, inside, data, 3);
+}
+
+TEST(TwoLevels, AHierarchicalAllReduceOfMessagesTakesItsFormula) {
+  // N nodes of k ranks, a NIC per rank: the phases follow each other, and in each all
+  // hops cross one fabric, so 2(k-1) (alpha_f + n/k / bw_f) inside the nodes plus
+  // 2(N-1) (alpha_i + n/(kN) / bw_i) across them.
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+  };
+  for (const Topology& topology :
+       {Topology{2, 2}, Topology{2, 4}, Topology{4, 2}, Topology{3, 2}}) {
+    const int k = topology.ranks_per_node;
+    const int nodes = topology.nodes;
+    const int p = nodes * k;
+    const NetworkModel network = two_levels(k);
+    for (std::size_t count : counts_for(p)) {
+      if (count > 100000 * static_cast<std::size_t>(p)) continue;
+      const double n = static_cast<double>(count * sizeof(float));
+      const double seconds = simulated_time(
+          p,
+          [&](Communicator& comm) {
+            std::vector<float> data = rank_values(comm.rank(), count);
+            hierarchical_allreduce(comm, data, k);
+            expect_sum(data, p);
+          },
+          network);
+      const double expected = 2 * (k - 1) * message(n / k, network.fabric) +
+                              2 * (nodes - 1) * message(n / (k * nodes), network.inter_node);
+      expect_time(
+          seconds, expected,
+          fmt::format("hierarchical all-reduce over {} nodes x {} ranks, n = {} B", nodes, k, n));
+    }
+  }
+}
+
+TEST(TwoLevels, NativeCollectivesAreChargedTheFlatFormulaOnTheSlowestFabric) {
+  // Across nodes: the inter-node fabric, whatever the NIC count; inside one node: NVLink.
+  struct Case {
+    int p;
+    int ranks_per_node;
+    int nics;
+  };
+  for (const Case& c : {Case{4, 2, 0}, Case{4, 2, 1}, Case{8, 4, 1}, Case{8, 4, 2}, Case{6, 2, 0},
+                        Case{3, 4, 0}, Case{4, 4, 1}}) {
+    const NetworkModel network = two_levels(c.ranks_per_node, c.nics);
+    const bool spans_nodes = c.p > c.ranks_per_node;
+    EXPECT_EQ(&network.slowest_link(c.p), spans_nodes ? &network.inter_node : &network.fabric);
+    expect_native_formulas(c.p, network, spans_nodes ? network.inter_node : network.fabric,
+                           fmt::format("{} ranks per node, {} NICs per node", c.ranks_per_node,
+                                       c.nics == 0 ? c.ranks_per_node : c.nics));
+  }
+}
+
+TEST(TwoLevels, EachRankUsesNicRankModNicsOfItsNode) {
+  const NetworkModel shared = two_levels(4, 2);
+  EXPECT_EQ(shared.effective_nics_per_node(), 2);
+  std::vector<int> nics;
+  for (int rank = 0; rank < 8; ++rank) nics.push_back(shared.nic_of(rank));
+  EXPECT_EQ(nics, (std::vector<int>{0, 1, 0, 1, 2, 3, 2, 3}));
+  const NetworkModel own = two_levels(4);
+  EXPECT_EQ(own.effective_nics_per_node(), 4);
+  for (int rank = 0; rank < 8; ++rank) EXPECT_EQ(own.nic_of(rank), rank);
+  EXPECT_NE(shared.describe().find("2 NICs per node"), std::string::npos) << shared.describe();
+}
+
+TEST(TwoLevels, NicsPerNodeMustBeAPositiveDivisorOfTheRanksPerNode) {
+  struct Bad {
+    int ranks_per_node;
+    int nics;
+    const char* says;
+  };
+  for (const Bad& bad :
+       {Bad{4, 3, "NICs per node must divide the ranks per node, got 3 NICs for 4"},
+        Bad{4, -1, "NICs per node must be >= 0 (0: one per rank), got -1"},
+        Bad{0, 2, "2 NICs per node on a flat network"}}) {
+    std::string message;
+    try {
+      launch(simulated(8, two_levels(bad.ranks_per_node, bad.nics)), [](Communicator&) {});
+    } catch (const Error& error) {
+      message = error.what();
+    }
+    EXPECT_NE(message.find(bad.says), std::string::npos) << "got: '" << message << "'";
+  }
+  for (int nics : {0, 1, 2, 4}) EXPECT_NO_THROW(two_levels(4, nics).validate());
 }
 
 // --- Overlap -------------------------------------------------------------------------------

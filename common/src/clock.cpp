@@ -93,6 +93,42 @@ bool NetworkModel::crosses_nodes(int a, int b) const {
   return ranks_per_node > 0 && a / ranks_per_node != b / ranks_per_node;
 }
 
+int NetworkModel::effective_nics_per_node() const {
+  return nics_per_node > 0 ? nics_per_node : ranks_per_node;
+}
+
+int NetworkModel::nic_of(int rank) const {
+  DP_CHECK(ranks_per_node > 0, "nic_of({}) on a flat network", rank);
+  const int nics = effective_nics_per_node();
+  return rank / ranks_per_node * nics + rank % ranks_per_node % nics;
+}
+
+void NetworkModel::validate() const {
+  for (const auto& [which, link] :
+       {std::pair{"fabric", &fabric}, std::pair{"inter-node", &inter_node}})
+    if (!(link->alpha_seconds >= 0) || !(link->bytes_per_second > 0))
+      throw Error(fmt::format(
+          "simulated network: expected alpha >= 0 and bandwidth > 0 on the {} link, got alpha "
+          "{} s and {} B/s",
+          which, link->alpha_seconds, link->bytes_per_second));
+  if (ranks_per_node < 0)
+    throw Error(
+        fmt::format("simulated network: ranks per node must be >= 0, got {}", ranks_per_node));
+  if (nics_per_node < 0)
+    throw Error(fmt::format(
+        "simulated network: NICs per node must be >= 0 (0: one per rank), got {}", nics_per_node));
+  if (nics_per_node > 0 && ranks_per_node == 0)
+    throw Error(fmt::format(
+        "simulated network: {} NICs per node on a flat network: NICs per node need two levels "
+        "(ranks per node > 0)",
+        nics_per_node));
+  if (nics_per_node > 0 && ranks_per_node % nics_per_node != 0)
+    throw Error(fmt::format(
+        "simulated network: NICs per node must divide the ranks per node, got {} NICs for {} "
+        "ranks per node",
+        nics_per_node, ranks_per_node));
+}
+
 const LinkModel& NetworkModel::link_between(int a, int b) const {
   return crosses_nodes(a, b) ? inter_node : fabric;
 }
@@ -123,8 +159,9 @@ std::vector<std::string> NetworkModel::preset_names() {
 
 std::string NetworkModel::describe() const {
   if (ranks_per_node > 0)
-    return fmt::format("{} ranks per node on {}, nodes on {} ({})", ranks_per_node,
-                       describe_link(fabric), name, describe_link(inter_node));
+    return fmt::format("{} ranks per node on {}, nodes on {} ({}, {} NICs per node)",
+                       ranks_per_node, describe_link(fabric), name, describe_link(inter_node),
+                       effective_nics_per_node());
   return fmt::format("{} ({})", name, describe_link(fabric));
 }
 

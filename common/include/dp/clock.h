@@ -6,9 +6,10 @@
 //   compute        advanced by each compute op: on the roofline model of a `DeviceModel`,
 //                  time = max(flops / rate, bytes / bandwidth) + launch cost, or by the
 //                  op's measured thread CPU time (`ComputeModel::kMeasured`)
-//   communication  the rank's link (one NIC, full duplex, each direction serialised):
+//   communication  the rank's link (one port, full duplex, each direction serialised):
 //                  a message of n bytes holds it for n / bandwidth and arrives alpha
-//                  later (`LinkModel`): alone, it costs alpha + n / bandwidth
+//                  later (`LinkModel`): alone, it costs alpha + n / bandwidth (on two
+//                  levels a rank has a port per fabric; see "Two levels" below)
 //
 // An asynchronous call is issued at the rank's current compute time onto the link;
 // `Work::wait()` moves the compute time to the call's completion. A message from s to d
@@ -41,9 +42,47 @@
 // 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter and all-gather
 // (p-1) (alpha + n/p / bandwidth) with n the whole array, binomial-tree broadcast
 // ceil(lg p) (alpha + n / bandwidth), dissemination barrier ceil(lg p) alpha.
-// Reductions are not charged (gamma = 0). The simulation only accounts time: results are
-// bitwise those of an unsimulated run, and the virtual times never depend on thread
-// timing, so two runs give the same clocks on any machine.
+// Reductions are not charged (gamma = 0).
+//
+// Two levels (`NetworkModel::ranks_per_node` = k > 0): ranks [k i, k (i+1)) form node i.
+//
+//   inside a node   a message between two ranks of one node crosses `fabric` (NVLink):
+//                   alpha + n / bandwidth of `fabric`, through the two ranks' own intra-node
+//                   ports (each rank has one, full duplex, as above).
+//   across nodes    a message between ranks of two nodes crosses `inter_node`: alpha +
+//                   n / bandwidth of `inter_node`, through the sender's NIC and the
+//                   receiver's NIC. A node has `nics_per_node` = m NICs (default k: one per
+//                   rank, as on a DGX); rank r uses NIC (r mod k) mod m of its node, so with
+//                   m < k the ranks r, r+m, r+2m... of a node share one NIC. Each NIC is a
+//                   port like a rank's: one transfer per direction at a time, so j ranks
+//                   sending n bytes each across nodes at once through one NIC finish at
+//                   j n / bandwidth + alpha, through j NICs at n / bandwidth + alpha.
+//                   A node's inter-node bandwidth is m times `inter_node`'s, shared by its
+//                   ranks only through the NICs they have in common.
+//   both at once    the two ports are independent: a rank can send inside its node and
+//                   across nodes at the same time, each at its fabric's full bandwidth.
+//
+// There is no switch or core contention: any number of NICs talk at once at full speed.
+// A message's two ends are placed as on one fabric (the earliest interval in which the
+// sender's port and the receiver's are both free), so a NIC's queue orders the messages
+// of its ranks by issue time, then rank: the i-th of them arrives at i n / bandwidth +
+// alpha.
+//
+// Native collectives on two levels are charged the flat formulas above on
+// `NetworkModel::slowest_link(p)`: `inter_node` once the p ranks span more than one node,
+// `fabric` inside one node. For a ring this is exact while `inter_node` is the slower
+// fabric for the chunk size (every preset pair): a ring steps at the pace of its slowest
+// hop, and one built from messages takes 2(p-1) max over the two fabrics of
+// (alpha + n/p / bandwidth), as tests/test_simulation.cpp checks. For the tree and the
+// barrier it is an upper bound: every round is charged at `inter_node`, also the rounds
+// that stay inside a node. None depends on the NIC count: a ring over node-contiguous
+// ranks sends one message per node and direction across nodes in each step, so its hops
+// never share a NIC. Hierarchical algorithms are built from messages (or, once there are
+// sub-communicators, from collectives on them).
+//
+// The simulation only accounts time: results are bitwise those of an unsimulated run, and
+// the virtual times never depend on thread timing, so two runs give the same clocks on
+// any machine.
 //
 // On the mpi backend (and with the simulation off) `Communicator::clock()` is a wall clock.
 //
@@ -98,15 +137,27 @@ struct LinkModel {
 };
 
 /// The interconnect: one fabric, or two levels (ranks of a node on a fast fabric, nodes on
-/// a slower one).
+/// a slower one; see "Two levels" at the top of this file).
 struct NetworkModel {
   std::string name = "ib-ndr";  ///< preset name, or "custom"
   LinkModel fabric;             ///< between any two ranks (within a node when two-level)
   LinkModel inter_node;         ///< between nodes (used only when ranks_per_node > 0)
   int ranks_per_node = 0;       ///< 0: one flat fabric; k: ranks [k i, k (i+1)) form node i
+  /// Two levels: the inter-node ports (NICs) of each node, which its ranks share; 0: one
+  /// per rank (a DGX: one NIC per GPU). Must divide `ranks_per_node`.
+  int nics_per_node = 0;
 
   /// True when ranks `a` and `b` talk over `inter_node`.
   bool crosses_nodes(int a, int b) const;
+  /// The NIC that carries `rank`'s inter-node messages, numbered across the whole network:
+  /// node * k + (rank mod ranks_per_node) mod k, with k the NICs per node (two levels only).
+  int nic_of(int rank) const;
+  /// The NICs per node in effect: `nics_per_node`, or `ranks_per_node` when that is 0.
+  int effective_nics_per_node() const;
+  /// Throws `dp::Error` naming the bad value unless the latencies are >= 0, the bandwidths
+  /// > 0, `ranks_per_node` >= 0 and `nics_per_node` is 0 or a positive divisor of
+  /// `ranks_per_node` (and 0 on one flat fabric).
+  void validate() const;
   /// The fabric a message from `a` to `b` crosses.
   const LinkModel& link_between(int a, int b) const;
   /// The slowest fabric a ring over `world_size` ranks crosses (a flat ring is paced by it).

@@ -13,8 +13,6 @@
 namespace dp::detail {
 namespace {
 
-constexpr int kPorts = 2;  // 0: the fabric (within a node), 1: between nodes
-
 std::int64_t thread_cpu_ns() {
   timespec now{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
@@ -152,18 +150,15 @@ VirtualNetwork::VirtualNetwork(int size, SimulationOptions options, std::mutex& 
       collective_index_(static_cast<std::size_t>(size), 0),
       blocked_(static_cast<std::size_t>(size), nullptr),
       finished_(static_cast<std::size_t>(size), false),
-      send_timeline_(static_cast<std::size_t>(size), std::vector<Timeline>(kPorts)),
-      receive_timeline_(static_cast<std::size_t>(size), std::vector<Timeline>(kPorts)) {
-  const LinkModel* links[] = {&options_.network.fabric, &options_.network.inter_node};
-  for (const LinkModel* link : links) {
-    if (!(link->alpha_seconds >= 0) || !(link->bytes_per_second > 0))
-      throw Error(fmt::format(
-          "simulated network: expected alpha >= 0 and bandwidth > 0, got alpha {} s and {} B/s",
-          link->alpha_seconds, link->bytes_per_second));
-  }
-  if (options_.network.ranks_per_node < 0)
-    throw Error(fmt::format("simulated network: ranks per node must be >= 0, got {}",
-                            options_.network.ranks_per_node));
+      network_(options_.network) {
+  network_.validate();
+  // Ports [0, size): each rank's port on the fabric; then the NICs, node by node.
+  const int nodes = network_.ranks_per_node > 0
+                        ? (size_ + network_.ranks_per_node - 1) / network_.ranks_per_node
+                        : 0;
+  const auto ports = static_cast<std::size_t>(size_ + nodes * network_.effective_nics_per_node());
+  send_timeline_.resize(ports);
+  receive_timeline_.resize(ports);
   const DeviceModel& device = options_.device;
   if (!(device.flops_per_second > 0) || !(device.bytes_per_second > 0) ||
       !(device.launch_seconds >= 0))
@@ -325,23 +320,26 @@ void VirtualNetwork::prune() {
     if (!finished_[static_cast<std::size_t>(q)])
       horizon = std::min(horizon, floor_[static_cast<std::size_t>(q)]);
   for (auto* timelines : {&send_timeline_, &receive_timeline_})
-    for (auto& ports : *timelines)
-      for (Timeline& timeline : ports) {
-        auto& busy = timeline.busy;
-        const auto kept = std::find_if(busy.begin(), busy.end(), [&](const auto& interval) {
-          return interval.second > horizon;
-        });
-        busy.erase(busy.begin(), kept);
-      }
+    for (Timeline& timeline : *timelines) {
+      auto& busy = timeline.busy;
+      const auto kept = std::find_if(busy.begin(), busy.end(), [&](const auto& interval) {
+        return interval.second > horizon;
+      });
+      busy.erase(busy.begin(), kept);
+    }
+}
+
+std::size_t VirtualNetwork::port_of(int rank, bool across_nodes) const {
+  return static_cast<std::size_t>(across_nodes ? size_ + network_.nic_of(rank) : rank);
 }
 
 void VirtualNetwork::commit_send(VirtualCall& send) {
   const int s = send.rank;
   const int d = send.peer;
-  const auto port = static_cast<std::size_t>(options_.network.crosses_nodes(s, d) ? 1 : 0);
-  const LinkModel& link = options_.network.link_between(s, d);
-  Timeline& sender = send_timeline_[static_cast<std::size_t>(s)][port];
-  Timeline& receiver = receive_timeline_[static_cast<std::size_t>(d)][port];
+  const bool across = network_.crosses_nodes(s, d);
+  const LinkModel& link = network_.link_between(s, d);
+  Timeline& sender = send_timeline_[port_of(s, across)];
+  Timeline& receiver = receive_timeline_[port_of(d, across)];
   // Only the transfer holds the two directions; the latency follows it off the link.
   const double transfer = static_cast<double>(send.bytes) / link.bytes_per_second;
   send.start = earliest_common_gap(send.issue, transfer, sender, receiver);
@@ -370,7 +368,7 @@ void VirtualNetwork::determine_receive(VirtualCall& receive, VirtualCall& send) 
 double VirtualNetwork::collective_seconds(CommOp op, std::uint64_t bytes) const {
   const int p = size_;
   if (p == 1) return 0.0;
-  const LinkModel& link = options_.network.slowest_link(p);
+  const LinkModel& link = network_.slowest_link(p);
   const double n = static_cast<double>(bytes);
   const double steps = p - 1;
   switch (op) {
@@ -399,12 +397,10 @@ void VirtualNetwork::commit_collective(std::uint64_t index) {
   }
   if (first == nullptr) return;  // every member failed
   for (auto* timelines : {&send_timeline_, &receive_timeline_})
-    for (const auto& ports : *timelines)
-      for (const Timeline& timeline : ports) start = std::max(start, timeline.free_after);
+    for (const Timeline& timeline : *timelines) start = std::max(start, timeline.free_after);
   const double end = start + collective_seconds(first->op, first->bytes);
   for (auto* timelines : {&send_timeline_, &receive_timeline_})
-    for (auto& ports : *timelines)
-      for (Timeline& timeline : ports) reserve(timeline, start, end);
+    for (Timeline& timeline : *timelines) reserve(timeline, start, end);
   for (VirtualCall* member : group.members) {
     if (member == nullptr) continue;
     member->start = start;
@@ -428,11 +424,12 @@ std::vector<VirtualCall*> VirtualNetwork::take_determined() {
 }
 
 double VirtualNetwork::link_free(int rank) const {
-  const auto r = static_cast<std::size_t>(rank);
   double free = 0;
-  for (std::size_t port = 0; port < kPorts; ++port)
-    free =
-        std::max({free, send_timeline_[r][port].free_after, receive_timeline_[r][port].free_after});
+  for (bool across : {false, true}) {
+    if (across && network_.ranks_per_node == 0) break;  // a flat network has no NICs
+    const std::size_t port = port_of(rank, across);
+    free = std::max({free, send_timeline_[port].free_after, receive_timeline_[port].free_after});
+  }
   return free;
 }
 

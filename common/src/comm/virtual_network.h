@@ -27,8 +27,16 @@
 // a later one that fits into the gap goes first, as on a real network. The send completes
 // at the arrival and the receive at max(arrival, receive issue time). A collective starts
 // when every rank issued it and every link is free after everything placed before it,
-// lasts its algorithm's time (see dp/clock.h) and occupies every link for all of it. With
-// two levels, ranks have one port per fabric.
+// lasts its algorithm's time (see dp/clock.h) and occupies every link for all of it.
+//
+// Ports. On one flat fabric each rank has one port (a send and a receive direction). On
+// two levels (see "Two levels" in dp/clock.h) each rank has its own port on the intra-node
+// fabric, and each node has `nics_per_node` NICs on the inter-node fabric (one per rank by
+// default), rank r using NIC (r mod ranks_per_node) mod nics_per_node of its node: a
+// message inside a node holds the two ranks' fabric ports, one across nodes holds the
+// sender's NIC's send direction and the receiver's NIC's receive direction. Ranks that
+// share a NIC queue for it exactly as messages of one rank queue for its port; the two
+// ports of a rank are independent (it can send inside and across nodes at once).
 //
 // Not thread-safe: the local backend calls it with its mutex held (the same mutex the
 // clocks take to read what was recorded on them).
@@ -194,8 +202,14 @@ class VirtualNetwork {
   /// Forgets the intervals that end before any rank can issue again.
   void prune();
 
-  std::vector<std::vector<Timeline>> send_timeline_;     // [rank][port]
-  std::vector<std::vector<Timeline>> receive_timeline_;  // [rank][port]
+  /// The port a rank's message uses: its own on the fabric, or its node's NIC across nodes.
+  std::size_t port_of(int rank, bool across_nodes) const;
+
+  const NetworkModel& network_;  // options_.network
+  // [port]: ports [0, size) are the ranks' ports on the fabric (inside a node), then the
+  // NICs (NetworkModel::nic_of), nics_per_node of them per node.
+  std::vector<Timeline> send_timeline_;
+  std::vector<Timeline> receive_timeline_;
   std::map<Key, Item> queue_;
   std::map<std::uint64_t, Group> groups_;
   std::vector<VirtualCall*> determined_;
