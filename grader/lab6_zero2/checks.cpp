@@ -195,6 +195,15 @@ Training draw_training(Draws& draws, const std::string& optimizer) {
   return training;
 }
 
+/// A tiny GPT (grading::draw_sharded_gpt_training) and a bucket cap of 0 to 4 dim^2
+/// elements, the largest weight of a block: several buckets, some cut inside a block.
+Training draw_gpt_training(Draws& draws, const std::string& optimizer) {
+  Training training{grading::draw_sharded_gpt_training(draws, optimizer)};
+  training.cap_bytes = 4 * static_cast<std::size_t>(draws.integer(
+                               "cap elements", 0, 4 * training.hidden1 * training.hidden2));
+  return training;
+}
+
 OptimizerFactory factory_for(const TrainOptions& options) {
   return grading::shard_optimizer_factory(options);
 }
@@ -505,11 +514,20 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
 TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
   Draws draws("Lab6Equivalence.BitwiseLab2AfterEveryStep");
   const std::vector<int> worlds = draws.world_sizes(6);
+  // SGD and AdamW on drawn MLPs, then a tiny GPT (its optimizer and cap drawn) on the
+  // grader's text: a block's 12 gradients become ready together, in one layer's backward.
+  std::vector<Training> trainings;
   for (const std::string optimizer : {"sgd", "adamw"}) {
     Training training = draw_training(draws, optimizer);
     // AdamW with a cap of 0: one bucket per parameter, so that small buckets give some ranks
     // a chunk of padding only (a bias of 10 on N = 6), and every buffer is reused.
     if (optimizer == "adamw") training.cap_bytes = 0;
+    trainings.push_back(std::move(training));
+  }
+  draws.section("then a GPT:");
+  trainings.push_back(draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings) {
+    const std::string& optimizer = training.options.optimizer;
     for (int world : worlds) {
       const TrainOptions options = training.for_world(world);
       const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
@@ -530,10 +548,12 @@ TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
                 padding +=
                     static_cast<std::size_t>(world) * bucket.chunk_elements - bucket.elements;
               verdict.note(fmt::format(
-                  "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
-                  "(here {} on N = {}: {} buckets, S = {}, {} padding elements stayed 0); one "
-                  "process on the global batch differs by {:.1e} after {} steps",
-                  optimizer, world, b.size(), contract_shard(b), padding, from_one, options.steps));
+                  "SGD and AdamW on MLPs and a GPT: every rank bitwise lab 2's flat arithmetic "
+                  "after every step (here {} on {}, N = {}: {} buckets, S = {}, {} padding "
+                  "elements stayed 0); one process on the global batch differs by {:.1e} after "
+                  "{} steps",
+                  optimizer, training.model_name(), world, b.size(), contract_shard(b), padding,
+                  from_one, options.steps));
             }
           },
           draws);
@@ -819,12 +839,12 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
         comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers, buckets.size(),
         comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
   else
-    verdict.note(
-        fmt::format("N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
-                    "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
-                    "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
-                    world, psi, grad_peak, shard, layer, comm_peak, buffers,
-                    max_norm > 0 ? " with the norm's float" : "", 4 * psi));
+    verdict.note(fmt::format(
+        "{}, N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
+        "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
+        "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
+        training.model_name(), world, psi, grad_peak, shard, layer, comm_peak, buffers,
+        max_norm > 0 ? " with the norm's float" : "", 4 * psi));
 }
 
 TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
@@ -878,6 +898,20 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           check_gradient_memory(blocks, world, max_norm, comm, verdict);
         },
         draws, std::chrono::seconds(30), Backend::kLocal);
+  }
+  // Then a tiny GPT: a transformer block is one layer, so its 12 gradients may coexist (the
+  // largest layer is a block), and the activations are the twin's, attention included.
+  draws.section("then a GPT:");
+  const Training gpt = draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd");
+  for (std::size_t w = 0; w < worlds.size(); ++w) {
+    const int world = worlds[w];
+    const float max_norm = w % 2 == 1 ? 1.0f : 0.0f;  // the other world sizes clip here
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          check_gradient_memory(gpt, world, max_norm, comm, verdict);
+        },
+        draws);
   }
 }
 
