@@ -807,8 +807,8 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
   }
   if (activations > plain_activations) {
     verdict.fail(fmt::format(
-        "{} activation bytes at the peak of the steps, {} for the same forward and "
-        "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
+        "{} activation bytes at the peak of the steps, {} for the same two forwards and "
+        "backwards without ZeRO-2; expected no more (gradients under kGradients, buffers "
         "under kCommunication)",
         activations, plain_activations));
     return;

@@ -792,11 +792,11 @@ void check_parameter_memory(const Training& training, int world, float max_norm,
       "= {}, {} units)",
       shard / 4, two_units / 4, buffer / 4, psi, world, units.size());
   if (activations > plain_activations)
-    verdict.fail(
-        fmt::format("{} activation bytes at the peak of the steps, {} for the same forward and "
-                    "backward without ZeRO-3; expected no more (values under kParameters, buffers "
-                    "under kCommunication)",
-                    activations, plain_activations));
+    verdict.fail(fmt::format(
+        "{} activation bytes at the peak of the steps, {} for the same two forwards and "
+        "backwards without ZeRO-3; expected no more (values under kParameters, buffers "
+        "under kCommunication)",
+        activations, plain_activations));
   else if (other_peak != 0)
     verdict.fail(
         fmt::format("{} bytes under MemoryCategory::kOther at the peak of the steps; expected none",

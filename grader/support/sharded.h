@@ -56,9 +56,10 @@ struct ShardedTraining {
   Model model() const;
 };
 
-/// A twin of a training's model, without ZeRO, after one plain forward and backward of this
-/// rank's first batch, and the activation bytes that took at its peak: the most the ZeRO
-/// memory checks let the lab's model hold in activations. The twin stays alive (its loss
+/// A twin of a training's model, without ZeRO, after plain forwards and backwards of this
+/// rank's first two batches (as the memory checks train two steps), and the activation bytes
+/// those took at their peak: the most the ZeRO memory checks let the lab's model hold in
+/// activations. The twin stays alive (its loss
 /// keeps a row of logits per sample), so a check counts the lab's activations from the
 /// tracker's current bytes after this call.
 struct PlainTwin {
@@ -66,8 +67,8 @@ struct PlainTwin {
   std::size_t activation_bytes = 0;  ///< its forward and backward's peak activations
 };
 
-/// Runs the twin of `training`'s model on `world` ranks' batch 0 of this rank (the tracker's
-/// peaks are reset first: they count from here).
+/// Runs the twin of `training`'s model on `world` ranks' batches 0 and 1 of this rank (the
+/// tracker's peaks are reset first: they count from here).
 PlainTwin plain_twin(const ShardedTraining& training, int world, const Communicator& comm);
 
 /// Draws a `ShardedTraining` with `optimizer` ("sgd" or "adamw"): h1 in [24, 72], h2 in
