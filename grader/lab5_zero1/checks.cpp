@@ -915,110 +915,116 @@ std::string call_breaches(const std::vector<RecordedCall>& calls, const Partitio
 TEST(Lab5Communication, CallsAndBytesWithinBudget) {
   Draws draws("Lab5Communication.CallsAndBytesWithinBudget");
   const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds);
-  for (int world : worlds) {
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          const Partition p = contract_partition(psi_of(training), world);
-          // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
-          const std::uint64_t ddp_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});
-          const std::uint64_t scalar_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
-          double ratio = 0;
-          std::size_t most_calls = 0;
-          // With overlap_allgather the all-gathers issued by step() may be waited on (or even
-          // issued) in the next forward: a step's calls and bytes are then counted from
-          // step() to the end of that forward, against the same budget.
-          for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
-                   {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
-            Model model = training.model();
-            grading::RecordingCommunicator recorder(comm);
-            // Read at issue, before any transport may: a trial's padding of ones (or an
-            // uninitialised flat buffer) passed every check that reads only the real elements.
-            std::vector<IssuedReduceScatter> issued;
-            recorder.set_issue_callback([&](std::size_t, const RecordedCall& call, ConstBuffer in,
-                                            MutableBuffer out) {
-              if (call.op != CommOp::kReduceScatter || in.type != DataType::kFloat32) return;
-              IssuedReduceScatter at_issue;
-              at_issue.out = out.data;
-              at_issue.elements = out.count;
-              at_issue.in.resize(in.count);
-              // A GPU's memory is read through a copy (the emulated device's is the
-              // host's, read directly: a copy would be one more op on the clock).
-              if (in.device != Device::kHost && !cuda_device_emulated())
-                dp::copy(ConstTensorView(static_cast<const float*>(in.data), in.count, in.device),
-                         TensorView(at_issue.in.data(), at_issue.in.size()));
-              else if (in.count > 0)
-                std::memcpy(at_issue.in.data(), in.data, 4 * in.count);
-              issued.push_back(std::move(at_issue));
-            });
-            ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm, overlap);
-            const std::string window = step_window_name(overlap);
-            CommCounters before;
-            const auto open = [&](int) {
-              recorder.forget_calls();
-              issued.clear();
-              before = comm.counters();
-            };
-            const auto close = [&](int step) {
-              const CommCounters used = comm.counters().since(before);
-              if (!verdict.passed()) return;
-              const std::string with = fmt::format("{}{}", overlap ? "overlap_allgather, " : "",
-                                                   max_norm > 0 ? "with clipping, " : "");
-              const std::string calls = call_breaches(recorder.calls(), p, max_norm > 0);
-              if (!calls.empty()) {
-                verdict.fail(fmt::format(
-                    "{}step {}: {} called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
-                    "1 to {} reduce-scatters (sum) and 1 to {} all-gathers, each covering "
-                    "the shard once{})",
-                    with, step, window, grading::describe(recorder.calls()), calls,
-                    p.num_parameters, world, p.shard_elements, kMaxPiecesPerCollective,
-                    kMaxPiecesPerCollective,
-                    max_norm > 0 ? ", one all-reduce of one float" : ", nothing else"));
-                return;
-              }
-              const std::string padding = nonzero_padding(issued, p);
-              if (!padding.empty()) {
-                verdict.fail(fmt::format(
-                    "{}step {}: a reduce-scatter's input has a non-zero padding element at "
-                    "issue: {}; expected the padding zero in the gradients reduce-scattered",
-                    with, step, padding));
-                return;
-              }
-              const std::uint64_t sent = used.total_bytes_sent();
-              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
-                                               used.of(CommOp::kAllGather).bytes_sent;
-              if (used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0) ||
-                  static_cast<double>(grad_bytes) >
-                      1.01 * static_cast<double>(ddp_bytes) + 8.0 * world ||
-                  static_cast<double>(grad_bytes) <
-                      0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
-                verdict.fail(fmt::format(
-                    "{}step {}: in {} this rank sent {} bytes ({} by reduce-scatters and "
-                    "all-gathers, {} by all-reduce); expected DDP's {} (one all-reduce of Psi = "
-                    "{} floats) within 1%{}",
-                    with, step, window, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
-                    ddp_bytes, p.num_parameters,
-                    max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
-                                 : ""));
-              most_calls = std::max(most_calls, recorder.calls().size());
-              if (ddp_bytes > 0)
-                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
-            };
-            run_step_windows(training, options, comm, model, zero, overlap, 2, open, close);
-          }
-          if (verdict.passed())
-            verdict.note(fmt::format(
-                "at most {} calls a step (clipping's all-reduce of one float included), with "
-                "overlap_allgather and without; on N = {} the reduce-scatters and all-gathers "
-                "sent {:.4f}x DDP's all-reduce bytes",
-                most_calls, world, world > 1 ? ratio : 1.0));
-        },
-        draws);
-  }
+  // A drawn MLP, then a tiny GPT: the budget is in Psi and S alone, whatever the layers.
+  std::vector<Training> trainings{
+      draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds)};
+  draws.section("then a GPT:");
+  trainings.push_back(
+      grading::draw_sharded_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings)
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            const Partition p = contract_partition(psi_of(training), world);
+            // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
+            const std::uint64_t ddp_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});
+            const std::uint64_t scalar_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+            double ratio = 0;
+            std::size_t most_calls = 0;
+            // With overlap_allgather the all-gathers issued by step() may be waited on (or even
+            // issued) in the next forward: a step's calls and bytes are then counted from
+            // step() to the end of that forward, against the same budget.
+            for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
+                     {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
+              Model model = training.model();
+              grading::RecordingCommunicator recorder(comm);
+              // Read at issue, before any transport may: a trial's padding of ones (or an
+              // uninitialised flat buffer) passed every check that reads only the real elements.
+              std::vector<IssuedReduceScatter> issued;
+              recorder.set_issue_callback([&](std::size_t, const RecordedCall& call, ConstBuffer in,
+                                              MutableBuffer out) {
+                if (call.op != CommOp::kReduceScatter || in.type != DataType::kFloat32) return;
+                IssuedReduceScatter at_issue;
+                at_issue.out = out.data;
+                at_issue.elements = out.count;
+                at_issue.in.resize(in.count);
+                // A GPU's memory is read through a copy (the emulated device's is the
+                // host's, read directly: a copy would be one more op on the clock).
+                if (in.device != Device::kHost && !cuda_device_emulated())
+                  dp::copy(ConstTensorView(static_cast<const float*>(in.data), in.count, in.device),
+                           TensorView(at_issue.in.data(), at_issue.in.size()));
+                else if (in.count > 0)
+                  std::memcpy(at_issue.in.data(), in.data, 4 * in.count);
+                issued.push_back(std::move(at_issue));
+              });
+              ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm, overlap);
+              const std::string window = step_window_name(overlap);
+              CommCounters before;
+              const auto open = [&](int) {
+                recorder.forget_calls();
+                issued.clear();
+                before = comm.counters();
+              };
+              const auto close = [&](int step) {
+                const CommCounters used = comm.counters().since(before);
+                if (!verdict.passed()) return;
+                const std::string with = fmt::format("{}{}", overlap ? "overlap_allgather, " : "",
+                                                     max_norm > 0 ? "with clipping, " : "");
+                const std::string calls = call_breaches(recorder.calls(), p, max_norm > 0);
+                if (!calls.empty()) {
+                  verdict.fail(fmt::format(
+                      "{}step {}: {} called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
+                      "1 to {} reduce-scatters (sum) and 1 to {} all-gathers, each covering "
+                      "the shard once{})",
+                      with, step, window, grading::describe(recorder.calls()), calls,
+                      p.num_parameters, world, p.shard_elements, kMaxPiecesPerCollective,
+                      kMaxPiecesPerCollective,
+                      max_norm > 0 ? ", one all-reduce of one float" : ", nothing else"));
+                  return;
+                }
+                const std::string padding = nonzero_padding(issued, p);
+                if (!padding.empty()) {
+                  verdict.fail(fmt::format(
+                      "{}step {}: a reduce-scatter's input has a non-zero padding element at "
+                      "issue: {}; expected the padding zero in the gradients reduce-scattered",
+                      with, step, padding));
+                  return;
+                }
+                const std::uint64_t sent = used.total_bytes_sent();
+                const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                                 used.of(CommOp::kAllGather).bytes_sent;
+                if (used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0) ||
+                    static_cast<double>(grad_bytes) >
+                        1.01 * static_cast<double>(ddp_bytes) + 8.0 * world ||
+                    static_cast<double>(grad_bytes) <
+                        0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
+                  verdict.fail(fmt::format(
+                      "{}step {}: in {} this rank sent {} bytes ({} by reduce-scatters and "
+                      "all-gathers, {} by all-reduce); expected DDP's {} (one all-reduce of Psi = "
+                      "{} floats) within 1%{}",
+                      with, step, window, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
+                      ddp_bytes, p.num_parameters,
+                      max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
+                                   : ""));
+                most_calls = std::max(most_calls, recorder.calls().size());
+                if (ddp_bytes > 0)
+                  ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
+              };
+              run_step_windows(training, options, comm, model, zero, overlap, 2, open, close);
+            }
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "{}: at most {} calls a step (clipping's all-reduce of one float included), "
+                  "with overlap_allgather and without; on N = {} the reduce-scatters and "
+                  "all-gathers sent {:.4f}x DDP's all-reduce bytes",
+                  training.model_name(), most_calls, world, world > 1 ? ratio : 1.0));
+          },
+          draws);
+    }
 }
 
 // --- Lab5Design --------------------------------------------------------------------------------

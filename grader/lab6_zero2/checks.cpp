@@ -1194,75 +1194,81 @@ std::string judge_calls(const std::vector<RecordedCall>& calls, const CallLog& l
 TEST(Lab6Communication, CallsAndBytesWithinBudget) {
   Draws draws("Lab6Communication.CallsAndBytesWithinBudget");
   const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
-  for (int world : worlds) {
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          const std::vector<Bucket> buckets =
-              contract_buckets(training.model(), world, training.cap_bytes);
-          const std::uint64_t expected_bytes = contract_bytes_sent(comm, buckets);
-          const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
-              comm, std::vector<std::size_t>{training.model().num_parameters()});
-          const std::uint64_t scalar_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
-          double ratio = 0;
-          for (const float max_norm : {0.0f, 1.0f}) {
-            Model model = training.model();
-            grading::RecordingCommunicator recorder(comm);
-            CallLog log;
-            log.attach(recorder, buckets);
-            model.on_gradient_ready([&](Parameter&) { ++log.ready; });  // before theirs
-            ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
-                                  max_norm);
-            // Compared, never read.
-            const float* shard_gradients = zero.shard_gradients().view().data();
-            const float* shard_parameters = zero.shard_parameters().view().data();
-            log.shard_gradients = shard_gradients;
-            const std::string label = max_norm > 0 ? "with clipping, " : "";
-            for (int step = 1; step <= 2; ++step) {
-              const Batch batch = grading::on_check_device(
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-              model.zero_grad();
-              log.reset(recorder);
-              const CommCounters before = comm.counters();
-              recorder.set_in_backward(true);
-              model.backward(grading::forward(model, batch), batch.labels);
-              recorder.set_in_backward(false);
-              (void)zero.step();
-              const CommCounters used = comm.counters().since(before);
-              if (!verdict.passed()) continue;
-              const std::string finding =
-                  judge_calls(recorder.calls(), log, buckets, world, max_norm > 0, shard_gradients,
-                              shard_parameters);
-              if (!finding.empty()) {
-                verdict.fail(fmt::format("{}step {} ({} buckets): {}", label, step, buckets.size(),
-                                         finding));
-                continue;
+  // A drawn MLP, then a tiny GPT, whose blocks' 12 gradients become ready together.
+  std::vector<Training> trainings{draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd")};
+  draws.section("then a GPT:");
+  trainings.push_back(draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings)
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            const std::vector<Bucket> buckets =
+                contract_buckets(training.model(), world, training.cap_bytes);
+            const std::uint64_t expected_bytes = contract_bytes_sent(comm, buckets);
+            const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
+                comm, std::vector<std::size_t>{training.model().num_parameters()});
+            const std::uint64_t scalar_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+            double ratio = 0;
+            for (const float max_norm : {0.0f, 1.0f}) {
+              Model model = training.model();
+              grading::RecordingCommunicator recorder(comm);
+              CallLog log;
+              log.attach(recorder, buckets);
+              model.on_gradient_ready([&](Parameter&) { ++log.ready; });  // before theirs
+              ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
+                                    max_norm);
+              // Compared, never read.
+              const float* shard_gradients = zero.shard_gradients().view().data();
+              const float* shard_parameters = zero.shard_parameters().view().data();
+              log.shard_gradients = shard_gradients;
+              const std::string label = max_norm > 0 ? "with clipping, " : "";
+              for (int step = 1; step <= 2; ++step) {
+                const Batch batch = grading::on_check_device(
+                    grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+                model.zero_grad();
+                log.reset(recorder);
+                const CommCounters before = comm.counters();
+                recorder.set_in_backward(true);
+                model.backward(grading::forward(model, batch), batch.labels);
+                recorder.set_in_backward(false);
+                (void)zero.step();
+                const CommCounters used = comm.counters().since(before);
+                if (!verdict.passed()) continue;
+                const std::string finding =
+                    judge_calls(recorder.calls(), log, buckets, world, max_norm > 0,
+                                shard_gradients, shard_parameters);
+                if (!finding.empty()) {
+                  verdict.fail(fmt::format("{}step {} ({} buckets): {}", label, step,
+                                           buckets.size(), finding));
+                  continue;
+                }
+                const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                                 used.of(CommOp::kAllGather).bytes_sent;
+                if (grad_bytes != expected_bytes ||
+                    used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
+                  verdict.fail(fmt::format(
+                      "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
+                      "all-gathers and {} by all-reduce; expected {} for the buckets' calls{}",
+                      label, step, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
+                      expected_bytes,
+                      max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
+                                   : " and none by all-reduce"));
+                if (ddp_bytes > 0)
+                  ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
               }
-              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
-                                               used.of(CommOp::kAllGather).bytes_sent;
-              if (grad_bytes != expected_bytes ||
-                  used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
-                verdict.fail(fmt::format(
-                    "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
-                    "all-gathers and {} by all-reduce; expected {} for the buckets' calls{}",
-                    label, step, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent, expected_bytes,
-                    max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
-                                 : " and none by all-reduce"));
-              if (ddp_bytes > 0)
-                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
             }
-          }
-          if (verdict.passed())
-            verdict.note(fmt::format(
-                "{} reduce-scatters launched during backward, then {} all-gathers; on N = {} "
-                "they sent {:.4f}x DDP's all-reduce bytes (the padding)",
-                buckets.size(), buckets.size(), world, world > 1 ? ratio : 1.0));
-        },
-        draws);
-  }
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "{}: {} reduce-scatters launched during backward, then {} all-gathers; on N = "
+                  "{} they sent {:.4f}x DDP's all-reduce bytes (the padding)",
+                  training.model_name(), buckets.size(), buckets.size(), world,
+                  world > 1 ? ratio : 1.0));
+          },
+          draws);
+    }
 }
 
 // --- Lab6Speed -----------------------------------------------------------------------------
