@@ -415,8 +415,17 @@ TEST(Lab5Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
 TEST(Lab5Equivalence, BitwiseLab2AfterEveryStep) {
   Draws draws("Lab5Equivalence.BitwiseLab2AfterEveryStep");
   const std::vector<int> worlds = draws.world_sizes(6);
-  for (const std::string optimizer : {"sgd", "adamw"}) {
-    const Training training = draw_training(draws, optimizer, worlds);
+  // SGD and AdamW on drawn MLPs, then a tiny GPT (its optimizer drawn) on the grader's text:
+  // the same arithmetic on a transformer, whose blocks are one layer each. The GPT's size is
+  // a multiple of its even dim, so it pads only where N leaves a remainder.
+  std::vector<Training> trainings;
+  for (const std::string optimizer : {"sgd", "adamw"})
+    trainings.push_back(draw_training(draws, optimizer, worlds));
+  draws.section("then a GPT:");
+  trainings.push_back(
+      grading::draw_sharded_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings) {
+    const std::string& optimizer = training.options.optimizer;
     for (int world : worlds) {
       const TrainOptions options = training.for_world(world);
       const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
@@ -432,11 +441,11 @@ TEST(Lab5Equivalence, BitwiseLab2AfterEveryStep) {
             const Partition p = contract_partition(psi_of(training), world);
             if (verdict.passed())
               verdict.note(fmt::format(
-                  "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
-                  "(here {} on N = {}: Psi = {}, S = {}, {} padding element(s) stayed 0); one "
-                  "process on the global batch differs by {:.1e} after {} steps (float32 "
-                  "reordering)",
-                  optimizer, world, p.num_parameters, p.shard_elements,
+                  "SGD and AdamW on MLPs and a GPT: every rank bitwise lab 2's flat arithmetic "
+                  "after every step (here {} on {}, N = {}: Psi = {}, S = {}, {} padding "
+                  "element(s) stayed 0); one process on the global batch differs by {:.1e} "
+                  "after {} steps (float32 reordering)",
+                  optimizer, training.model_name(), world, p.num_parameters, p.shard_elements,
                   p.padded_elements - p.num_parameters, from_one, options.steps));
           },
           draws);
@@ -589,113 +598,118 @@ std::string budget_breaches(const grading::CategoryBytes& seen,
 TEST(Lab5Memory, EveryCategoryWithinItsBudget) {
   Draws draws("Lab5Memory.EveryCategoryWithinItsBudget");
   const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training = draw_training(draws, "adamw", worlds);
-  for (int world : worlds) {
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const Partition p = contract_partition(psi_of(training), world);
-          // AdamW without clipping, SGD with momentum with it (the norm's float), each with
-          // overlap_allgather off and on (the same budget: the same buffers, waited on later).
-          for (const auto& [kind, floats, max_norm, overlap] :
-               std::vector<std::tuple<std::string, std::size_t, float, bool>>{
-                   {"adamw", 2, 0.0f, false},
-                   {"sgd", 1, 1.0f, false},
-                   {"adamw", 2, 0.0f, true},
-                   {"sgd", 1, 1.0f, true}}) {
-            TrainOptions options = training.for_world(world);
-            options.optimizer = kind;
-            if (kind == "sgd") options.momentum = 0.9f;
-            const std::string name =
-                fmt::format("{}{}", kind == "adamw" ? "AdamW" : "SGD with momentum, clipping",
-                            overlap ? ", overlap_allgather" : "");
-            Model model = training.model();
-            MemoryTracker& tracker = this_rank_memory().tracker();
-            const grading::CategoryBytes budget = budget_bytes(p, floats, max_norm > 0);
-            // From the model on: what the constructor adds, and what it held at its peak.
-            const grading::CategoryBytes base = grading::current_bytes(tracker);
-            tracker.reset_peaks();
-            ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, overlap);
-            const grading::CategoryBytes constructed = grading::current_bytes(tracker) - base;
-            const grading::CategoryBytes constructor_peak = grading::peak_bytes(tracker) - base;
-            // Each step: what step() leaves and what it holds at its peak, from just before it
-            // (forward and backward are the model's, outside the optimizer). With overlap the
-            // window runs to the end of the next forward, where the all-gathers are waited on:
-            // every category but the activations (the forward's own) as before the step.
-            const std::string window = step_window_name(overlap);
-            const auto beyond_activations = [forward_in_window =
-                                                 overlap](grading::CategoryBytes bytes) {
-              if (forward_in_window) bytes[MemoryCategory::kActivations] = 0;
-              return grading::category_differences(bytes, {});
-            };
-            std::string in_step;
-            grading::CategoryBytes before;
-            run_step_windows(
-                training, options, comm, model, zero, overlap, 2,
-                [&](int) {
-                  before = grading::current_bytes(tracker);
-                  tracker.reset_peaks();
-                },
-                [&](int step) {
-                  const std::string left =
-                      beyond_activations(grading::current_bytes(tracker) - before);
-                  const std::string peak =
-                      beyond_activations(grading::peak_bytes(tracker) - before);
-                  if (in_step.empty() && !left.empty())
-                    in_step =
-                        fmt::format("in step {}, {} left more or less held than before it: {}",
-                                    step, window, left);
-                  else if (in_step.empty() && !peak.empty())
-                    in_step = fmt::format("in step {}, {} held more than before it at its peak: {}",
-                                          step, window, peak);
-                });
-            if (!verdict.passed()) continue;
-            const std::string after = budget_breaches(constructed, budget);
-            const std::string at_peak = budget_breaches(constructor_peak, budget);
-            const std::string where =
-                fmt::format("{} on N = {} (Psi = {}, S = {}, N S = {}): ", name, world,
-                            p.num_parameters, p.shard_elements, p.padded_elements);
-            const std::int64_t state = constructor_peak[MemoryCategory::kOptimizerState];
-            // (On one rank the shard is the whole model: only more state than the shard's
-            // tells an optimizer over the whole model.)
-            const std::string whole_state =
-                state > budget[MemoryCategory::kOptimizerState] &&
-                        state >= static_cast<std::int64_t>(4 * floats * p.num_parameters)
-                    ? fmt::format(
-                          " (optimizer state for {} elements existed: an optimizer "
-                          "over the whole model or the padded space)",
-                          state / static_cast<std::int64_t>(4 * floats))
-                    : "";
-            if (!after.empty())
-              verdict.fail(fmt::format(
-                  "{}after the constructor {}; the budget: optimizer state exactly {} x 4 x S, "
-                  "communication at most 4 N S{}, gradients at most 4 S, parameters at most "
-                  "4 S, nothing else{}",
-                  where, after, floats, max_norm > 0 ? " + 4 (the norm's float)" : "",
-                  whole_state));
-            else if (!at_peak.empty())
-              verdict.fail(fmt::format(
-                  "{}at the peak of the constructor {}; the budget holds at the peak too: no "
-                  "buffer beyond it, even a moment's{}",
-                  where, at_peak, whole_state));
-            else if (!in_step.empty())
-              verdict.fail(
-                  fmt::format("{}{}; expected no change (every buffer is the "
-                              "constructor's)",
-                              where, in_step));
-            else
-              // No byte counts of the student's buffers: with the model's own they add up to
-              // the design question's answer, which the score table must not give away.
-              verdict.note(fmt::format(
-                  "{}: every category within its budget after the constructor, at its peak and "
-                  "around every step; the optimizer state {:.2f}x less than unsharded",
-                  name,
-                  static_cast<double>(4 * floats * p.num_parameters) /
-                      static_cast<double>(budget[MemoryCategory::kOptimizerState])));
-          }
-        },
-        draws);
-  }
+  // A drawn MLP, then a tiny GPT: the budget is in S alone, whatever the layers.
+  std::vector<Training> trainings{draw_training(draws, "adamw", worlds)};
+  draws.section("then a GPT:");
+  trainings.push_back(grading::draw_sharded_gpt_training(draws, "adamw"));
+  for (const Training& training : trainings)
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const Partition p = contract_partition(psi_of(training), world);
+            // AdamW without clipping, SGD with momentum with it (the norm's float), each with
+            // overlap_allgather off and on (the same budget: the same buffers, waited on later).
+            for (const auto& [kind, floats, max_norm, overlap] :
+                 std::vector<std::tuple<std::string, std::size_t, float, bool>>{
+                     {"adamw", 2, 0.0f, false},
+                     {"sgd", 1, 1.0f, false},
+                     {"adamw", 2, 0.0f, true},
+                     {"sgd", 1, 1.0f, true}}) {
+              TrainOptions options = training.for_world(world);
+              options.optimizer = kind;
+              if (kind == "sgd") options.momentum = 0.9f;
+              const std::string name =
+                  fmt::format("{}{}, {}", kind == "adamw" ? "AdamW" : "SGD with momentum, clipping",
+                              overlap ? ", overlap_allgather" : "", training.model_name());
+              Model model = training.model();
+              MemoryTracker& tracker = this_rank_memory().tracker();
+              const grading::CategoryBytes budget = budget_bytes(p, floats, max_norm > 0);
+              // From the model on: what the constructor adds, and what it held at its peak.
+              const grading::CategoryBytes base = grading::current_bytes(tracker);
+              tracker.reset_peaks();
+              ZeroOneOptimizer zero(model, comm, factory_for(options), max_norm, overlap);
+              const grading::CategoryBytes constructed = grading::current_bytes(tracker) - base;
+              const grading::CategoryBytes constructor_peak = grading::peak_bytes(tracker) - base;
+              // Each step: what step() leaves and what it holds at its peak, from just before it
+              // (forward and backward are the model's, outside the optimizer). With overlap the
+              // window runs to the end of the next forward, where the all-gathers are waited on:
+              // every category but the activations (the forward's own) as before the step.
+              const std::string window = step_window_name(overlap);
+              const auto beyond_activations = [forward_in_window =
+                                                   overlap](grading::CategoryBytes bytes) {
+                if (forward_in_window) bytes[MemoryCategory::kActivations] = 0;
+                return grading::category_differences(bytes, {});
+              };
+              std::string in_step;
+              grading::CategoryBytes before;
+              run_step_windows(
+                  training, options, comm, model, zero, overlap, 2,
+                  [&](int) {
+                    before = grading::current_bytes(tracker);
+                    tracker.reset_peaks();
+                  },
+                  [&](int step) {
+                    const std::string left =
+                        beyond_activations(grading::current_bytes(tracker) - before);
+                    const std::string peak =
+                        beyond_activations(grading::peak_bytes(tracker) - before);
+                    if (in_step.empty() && !left.empty())
+                      in_step =
+                          fmt::format("in step {}, {} left more or less held than before it: {}",
+                                      step, window, left);
+                    else if (in_step.empty() && !peak.empty())
+                      in_step =
+                          fmt::format("in step {}, {} held more than before it at its peak: {}",
+                                      step, window, peak);
+                  });
+              if (!verdict.passed()) continue;
+              const std::string after = budget_breaches(constructed, budget);
+              const std::string at_peak = budget_breaches(constructor_peak, budget);
+              const std::string where =
+                  fmt::format("{} on N = {} (Psi = {}, S = {}, N S = {}): ", name, world,
+                              p.num_parameters, p.shard_elements, p.padded_elements);
+              const std::int64_t state = constructor_peak[MemoryCategory::kOptimizerState];
+              // (On one rank the shard is the whole model: only more state than the shard's
+              // tells an optimizer over the whole model.)
+              const std::string whole_state =
+                  state > budget[MemoryCategory::kOptimizerState] &&
+                          state >= static_cast<std::int64_t>(4 * floats * p.num_parameters)
+                      ? fmt::format(
+                            " (optimizer state for {} elements existed: an optimizer "
+                            "over the whole model or the padded space)",
+                            state / static_cast<std::int64_t>(4 * floats))
+                      : "";
+              if (!after.empty())
+                verdict.fail(fmt::format(
+                    "{}after the constructor {}; the budget: optimizer state exactly {} x 4 x S, "
+                    "communication at most 4 N S{}, gradients at most 4 S, parameters at most "
+                    "4 S, nothing else{}",
+                    where, after, floats, max_norm > 0 ? " + 4 (the norm's float)" : "",
+                    whole_state));
+              else if (!at_peak.empty())
+                verdict.fail(fmt::format(
+                    "{}at the peak of the constructor {}; the budget holds at the peak too: no "
+                    "buffer beyond it, even a moment's{}",
+                    where, at_peak, whole_state));
+              else if (!in_step.empty())
+                verdict.fail(
+                    fmt::format("{}{}; expected no change (every buffer is the "
+                                "constructor's)",
+                                where, in_step));
+              else
+                // No byte counts of the student's buffers: with the model's own they add up to
+                // the design question's answer, which the score table must not give away.
+                verdict.note(fmt::format(
+                    "{}: every category within its budget after the constructor, at its peak and "
+                    "around every step; the optimizer state {:.2f}x less than unsharded",
+                    name,
+                    static_cast<double>(4 * floats * p.num_parameters) /
+                        static_cast<double>(budget[MemoryCategory::kOptimizerState])));
+            }
+          },
+          draws);
+    }
 }
 
 /// Heap bytes step() may take per call beyond what one call and its wait took when measured
@@ -901,110 +915,116 @@ std::string call_breaches(const std::vector<RecordedCall>& calls, const Partitio
 TEST(Lab5Communication, CallsAndBytesWithinBudget) {
   Draws draws("Lab5Communication.CallsAndBytesWithinBudget");
   const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds);
-  for (int world : worlds) {
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          const Partition p = contract_partition(psi_of(training), world);
-          // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
-          const std::uint64_t ddp_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});
-          const std::uint64_t scalar_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
-          double ratio = 0;
-          std::size_t most_calls = 0;
-          // With overlap_allgather the all-gathers issued by step() may be waited on (or even
-          // issued) in the next forward: a step's calls and bytes are then counted from
-          // step() to the end of that forward, against the same budget.
-          for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
-                   {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
-            Model model = training.model();
-            grading::RecordingCommunicator recorder(comm);
-            // Read at issue, before any transport may: a trial's padding of ones (or an
-            // uninitialised flat buffer) passed every check that reads only the real elements.
-            std::vector<IssuedReduceScatter> issued;
-            recorder.set_issue_callback([&](std::size_t, const RecordedCall& call, ConstBuffer in,
-                                            MutableBuffer out) {
-              if (call.op != CommOp::kReduceScatter || in.type != DataType::kFloat32) return;
-              IssuedReduceScatter at_issue;
-              at_issue.out = out.data;
-              at_issue.elements = out.count;
-              at_issue.in.resize(in.count);
-              // A GPU's memory is read through a copy (the emulated device's is the
-              // host's, read directly: a copy would be one more op on the clock).
-              if (in.device != Device::kHost && !cuda_device_emulated())
-                dp::copy(ConstTensorView(static_cast<const float*>(in.data), in.count, in.device),
-                         TensorView(at_issue.in.data(), at_issue.in.size()));
-              else if (in.count > 0)
-                std::memcpy(at_issue.in.data(), in.data, 4 * in.count);
-              issued.push_back(std::move(at_issue));
-            });
-            ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm, overlap);
-            const std::string window = step_window_name(overlap);
-            CommCounters before;
-            const auto open = [&](int) {
-              recorder.forget_calls();
-              issued.clear();
-              before = comm.counters();
-            };
-            const auto close = [&](int step) {
-              const CommCounters used = comm.counters().since(before);
-              if (!verdict.passed()) return;
-              const std::string with = fmt::format("{}{}", overlap ? "overlap_allgather, " : "",
-                                                   max_norm > 0 ? "with clipping, " : "");
-              const std::string calls = call_breaches(recorder.calls(), p, max_norm > 0);
-              if (!calls.empty()) {
-                verdict.fail(fmt::format(
-                    "{}step {}: {} called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
-                    "1 to {} reduce-scatters (sum) and 1 to {} all-gathers, each covering "
-                    "the shard once{})",
-                    with, step, window, grading::describe(recorder.calls()), calls,
-                    p.num_parameters, world, p.shard_elements, kMaxPiecesPerCollective,
-                    kMaxPiecesPerCollective,
-                    max_norm > 0 ? ", one all-reduce of one float" : ", nothing else"));
-                return;
-              }
-              const std::string padding = nonzero_padding(issued, p);
-              if (!padding.empty()) {
-                verdict.fail(fmt::format(
-                    "{}step {}: a reduce-scatter's input has a non-zero padding element at "
-                    "issue: {}; expected the padding zero in the gradients reduce-scattered",
-                    with, step, padding));
-                return;
-              }
-              const std::uint64_t sent = used.total_bytes_sent();
-              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
-                                               used.of(CommOp::kAllGather).bytes_sent;
-              if (used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0) ||
-                  static_cast<double>(grad_bytes) >
-                      1.01 * static_cast<double>(ddp_bytes) + 8.0 * world ||
-                  static_cast<double>(grad_bytes) <
-                      0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
-                verdict.fail(fmt::format(
-                    "{}step {}: in {} this rank sent {} bytes ({} by reduce-scatters and "
-                    "all-gathers, {} by all-reduce); expected DDP's {} (one all-reduce of Psi = "
-                    "{} floats) within 1%{}",
-                    with, step, window, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
-                    ddp_bytes, p.num_parameters,
-                    max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
-                                 : ""));
-              most_calls = std::max(most_calls, recorder.calls().size());
-              if (ddp_bytes > 0)
-                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
-            };
-            run_step_windows(training, options, comm, model, zero, overlap, 2, open, close);
-          }
-          if (verdict.passed())
-            verdict.note(fmt::format(
-                "at most {} calls a step (clipping's all-reduce of one float included), with "
-                "overlap_allgather and without; on N = {} the reduce-scatters and all-gathers "
-                "sent {:.4f}x DDP's all-reduce bytes",
-                most_calls, world, world > 1 ? ratio : 1.0));
-        },
-        draws);
-  }
+  // A drawn MLP, then a tiny GPT: the budget is in Psi and S alone, whatever the layers.
+  std::vector<Training> trainings{
+      draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd", worlds)};
+  draws.section("then a GPT:");
+  trainings.push_back(
+      grading::draw_sharded_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings)
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            const Partition p = contract_partition(psi_of(training), world);
+            // DDP's volume, as this backend counts it: one all-reduce of Psi floats.
+            const std::uint64_t ddp_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{p.num_parameters});
+            const std::uint64_t scalar_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+            double ratio = 0;
+            std::size_t most_calls = 0;
+            // With overlap_allgather the all-gathers issued by step() may be waited on (or even
+            // issued) in the next forward: a step's calls and bytes are then counted from
+            // step() to the end of that forward, against the same budget.
+            for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
+                     {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
+              Model model = training.model();
+              grading::RecordingCommunicator recorder(comm);
+              // Read at issue, before any transport may: a trial's padding of ones (or an
+              // uninitialised flat buffer) passed every check that reads only the real elements.
+              std::vector<IssuedReduceScatter> issued;
+              recorder.set_issue_callback([&](std::size_t, const RecordedCall& call, ConstBuffer in,
+                                              MutableBuffer out) {
+                if (call.op != CommOp::kReduceScatter || in.type != DataType::kFloat32) return;
+                IssuedReduceScatter at_issue;
+                at_issue.out = out.data;
+                at_issue.elements = out.count;
+                at_issue.in.resize(in.count);
+                // A GPU's memory is read through a copy (the emulated device's is the
+                // host's, read directly: a copy would be one more op on the clock).
+                if (in.device != Device::kHost && !cuda_device_emulated())
+                  dp::copy(ConstTensorView(static_cast<const float*>(in.data), in.count, in.device),
+                           TensorView(at_issue.in.data(), at_issue.in.size()));
+                else if (in.count > 0)
+                  std::memcpy(at_issue.in.data(), in.data, 4 * in.count);
+                issued.push_back(std::move(at_issue));
+              });
+              ZeroOneOptimizer zero(model, recorder, factory_for(options), max_norm, overlap);
+              const std::string window = step_window_name(overlap);
+              CommCounters before;
+              const auto open = [&](int) {
+                recorder.forget_calls();
+                issued.clear();
+                before = comm.counters();
+              };
+              const auto close = [&](int step) {
+                const CommCounters used = comm.counters().since(before);
+                if (!verdict.passed()) return;
+                const std::string with = fmt::format("{}{}", overlap ? "overlap_allgather, " : "",
+                                                     max_norm > 0 ? "with clipping, " : "");
+                const std::string calls = call_breaches(recorder.calls(), p, max_norm > 0);
+                if (!calls.empty()) {
+                  verdict.fail(fmt::format(
+                      "{}step {}: {} called {}; {} (Psi = {}, N = {}, S = {}; the budget: "
+                      "1 to {} reduce-scatters (sum) and 1 to {} all-gathers, each covering "
+                      "the shard once{})",
+                      with, step, window, grading::describe(recorder.calls()), calls,
+                      p.num_parameters, world, p.shard_elements, kMaxPiecesPerCollective,
+                      kMaxPiecesPerCollective,
+                      max_norm > 0 ? ", one all-reduce of one float" : ", nothing else"));
+                  return;
+                }
+                const std::string padding = nonzero_padding(issued, p);
+                if (!padding.empty()) {
+                  verdict.fail(fmt::format(
+                      "{}step {}: a reduce-scatter's input has a non-zero padding element at "
+                      "issue: {}; expected the padding zero in the gradients reduce-scattered",
+                      with, step, padding));
+                  return;
+                }
+                const std::uint64_t sent = used.total_bytes_sent();
+                const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                                 used.of(CommOp::kAllGather).bytes_sent;
+                if (used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0) ||
+                    static_cast<double>(grad_bytes) >
+                        1.01 * static_cast<double>(ddp_bytes) + 8.0 * world ||
+                    static_cast<double>(grad_bytes) <
+                        0.99 * static_cast<double>(ddp_bytes) - 8.0 * world)
+                  verdict.fail(fmt::format(
+                      "{}step {}: in {} this rank sent {} bytes ({} by reduce-scatters and "
+                      "all-gathers, {} by all-reduce); expected DDP's {} (one all-reduce of Psi = "
+                      "{} floats) within 1%{}",
+                      with, step, window, sent, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
+                      ddp_bytes, p.num_parameters,
+                      max_norm > 0 ? fmt::format(", plus {} for the norm's one float", scalar_bytes)
+                                   : ""));
+                most_calls = std::max(most_calls, recorder.calls().size());
+                if (ddp_bytes > 0)
+                  ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
+              };
+              run_step_windows(training, options, comm, model, zero, overlap, 2, open, close);
+            }
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "{}: at most {} calls a step (clipping's all-reduce of one float included), "
+                  "with overlap_allgather and without; on N = {} the reduce-scatters and "
+                  "all-gathers sent {:.4f}x DDP's all-reduce bytes",
+                  training.model_name(), most_calls, world, world > 1 ? ratio : 1.0));
+          },
+          draws);
+    }
 }
 
 // --- Lab5Design --------------------------------------------------------------------------------

@@ -195,6 +195,15 @@ Training draw_training(Draws& draws, const std::string& optimizer) {
   return training;
 }
 
+/// A tiny GPT (grading::draw_sharded_gpt_training) and a bucket cap of 0 to 4 dim^2
+/// elements, the largest weight of a block: several buckets, some cut inside a block.
+Training draw_gpt_training(Draws& draws, const std::string& optimizer) {
+  Training training{grading::draw_sharded_gpt_training(draws, optimizer)};
+  training.cap_bytes = 4 * static_cast<std::size_t>(draws.integer(
+                               "cap elements", 0, 4 * training.hidden1 * training.hidden2));
+  return training;
+}
+
 OptimizerFactory factory_for(const TrainOptions& options) {
   return grading::shard_optimizer_factory(options);
 }
@@ -505,11 +514,20 @@ TEST(Lab6Contract, ErrorsOnMisuseAndOneInnerOptimizer) {
 TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
   Draws draws("Lab6Equivalence.BitwiseLab2AfterEveryStep");
   const std::vector<int> worlds = draws.world_sizes(6);
+  // SGD and AdamW on drawn MLPs, then a tiny GPT (its optimizer and cap drawn) on the
+  // grader's text: a block's 12 gradients become ready together, in one layer's backward.
+  std::vector<Training> trainings;
   for (const std::string optimizer : {"sgd", "adamw"}) {
     Training training = draw_training(draws, optimizer);
     // AdamW with a cap of 0: one bucket per parameter, so that small buckets give some ranks
     // a chunk of padding only (a bias of 10 on N = 6), and every buffer is reused.
     if (optimizer == "adamw") training.cap_bytes = 0;
+    trainings.push_back(std::move(training));
+  }
+  draws.section("then a GPT:");
+  trainings.push_back(draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings) {
+    const std::string& optimizer = training.options.optimizer;
     for (int world : worlds) {
       const TrainOptions options = training.for_world(world);
       const Trajectory exact = grading::emulate_data_parallel(options, *training.data, world);
@@ -530,10 +548,12 @@ TEST(Lab6Equivalence, BitwiseLab2AfterEveryStep) {
                 padding +=
                     static_cast<std::size_t>(world) * bucket.chunk_elements - bucket.elements;
               verdict.note(fmt::format(
-                  "SGD and AdamW: every rank bitwise lab 2's flat arithmetic after every step "
-                  "(here {} on N = {}: {} buckets, S = {}, {} padding elements stayed 0); one "
-                  "process on the global batch differs by {:.1e} after {} steps",
-                  optimizer, world, b.size(), contract_shard(b), padding, from_one, options.steps));
+                  "SGD and AdamW on MLPs and a GPT: every rank bitwise lab 2's flat arithmetic "
+                  "after every step (here {} on {}, N = {}: {} buckets, S = {}, {} padding "
+                  "elements stayed 0); one process on the global batch differs by {:.1e} after "
+                  "{} steps",
+                  optimizer, training.model_name(), world, b.size(), contract_shard(b), padding,
+                  from_one, options.steps));
             }
           },
           draws);
@@ -787,8 +807,8 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
   }
   if (activations > plain_activations) {
     verdict.fail(fmt::format(
-        "{} activation bytes at the peak of the steps, {} for the same forward and "
-        "backward without ZeRO-2; expected no more (gradients under kGradients, buffers "
+        "{} activation bytes at the peak of the steps, {} for the same two forwards and "
+        "backwards without ZeRO-2; expected no more (gradients under kGradients, buffers "
         "under kCommunication)",
         activations, plain_activations));
     return;
@@ -819,12 +839,12 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
         comm_peak, max_norm > 0 ? " + 4 for the norm (clipping on)" : "", buffers, buckets.size(),
         comm_peak >= 4 * psi ? ": a buffer as large as the whole gradient" : ""));
   else
-    verdict.note(
-        fmt::format("N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
-                    "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
-                    "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
-                    world, psi, grad_peak, shard, layer, comm_peak, buffers,
-                    max_norm > 0 ? " with the norm's float" : "", 4 * psi));
+    verdict.note(fmt::format(
+        "{}, N = {}, Psi = {}: gradient peak {} bytes (budget 4 S = {} plus the largest "
+        "layer's {}) and {} bytes of communication at the peak (budget {}{}), against "
+        "DDP's 4 Psi = {} of gradients plus lab 4's 4 Psi of buckets",
+        training.model_name(), world, psi, grad_peak, shard, layer, comm_peak, buffers,
+        max_norm > 0 ? " with the norm's float" : "", 4 * psi));
 }
 
 TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
@@ -878,6 +898,20 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
           check_gradient_memory(blocks, world, max_norm, comm, verdict);
         },
         draws, std::chrono::seconds(30), Backend::kLocal);
+  }
+  // Then a tiny GPT: a transformer block is one layer, so its 12 gradients may coexist (the
+  // largest layer is a block), and the activations are the twin's, attention included.
+  draws.section("then a GPT:");
+  const Training gpt = draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd");
+  for (std::size_t w = 0; w < worlds.size(); ++w) {
+    const int world = worlds[w];
+    const float max_norm = w % 2 == 1 ? 1.0f : 0.0f;  // the other world sizes clip here
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          check_gradient_memory(gpt, world, max_norm, comm, verdict);
+        },
+        draws);
   }
 }
 
@@ -1160,75 +1194,81 @@ std::string judge_calls(const std::vector<RecordedCall>& calls, const CallLog& l
 TEST(Lab6Communication, CallsAndBytesWithinBudget) {
   Draws draws("Lab6Communication.CallsAndBytesWithinBudget");
   const std::vector<int> worlds = draws.world_sizes(6);
-  const Training training = draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd");
-  for (int world : worlds) {
-    run_on_ranks(
-        world,
-        [&](Communicator& comm, Verdict& verdict) {
-          const TrainOptions options = training.for_world(world);
-          const std::vector<Bucket> buckets =
-              contract_buckets(training.model(), world, training.cap_bytes);
-          const std::uint64_t expected_bytes = contract_bytes_sent(comm, buckets);
-          const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
-              comm, std::vector<std::size_t>{training.model().num_parameters()});
-          const std::uint64_t scalar_bytes =
-              grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
-          double ratio = 0;
-          for (const float max_norm : {0.0f, 1.0f}) {
-            Model model = training.model();
-            grading::RecordingCommunicator recorder(comm);
-            CallLog log;
-            log.attach(recorder, buckets);
-            model.on_gradient_ready([&](Parameter&) { ++log.ready; });  // before theirs
-            ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
-                                  max_norm);
-            // Compared, never read.
-            const float* shard_gradients = zero.shard_gradients().view().data();
-            const float* shard_parameters = zero.shard_parameters().view().data();
-            log.shard_gradients = shard_gradients;
-            const std::string label = max_norm > 0 ? "with clipping, " : "";
-            for (int step = 1; step <= 2; ++step) {
-              const Batch batch = grading::on_check_device(
-                  grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
-              model.zero_grad();
-              log.reset(recorder);
-              const CommCounters before = comm.counters();
-              recorder.set_in_backward(true);
-              model.backward(grading::forward(model, batch), batch.labels);
-              recorder.set_in_backward(false);
-              (void)zero.step();
-              const CommCounters used = comm.counters().since(before);
-              if (!verdict.passed()) continue;
-              const std::string finding =
-                  judge_calls(recorder.calls(), log, buckets, world, max_norm > 0, shard_gradients,
-                              shard_parameters);
-              if (!finding.empty()) {
-                verdict.fail(fmt::format("{}step {} ({} buckets): {}", label, step, buckets.size(),
-                                         finding));
-                continue;
+  // A drawn MLP, then a tiny GPT, whose blocks' 12 gradients become ready together.
+  std::vector<Training> trainings{draw_training(draws, draws.coin("adamw") ? "adamw" : "sgd")};
+  draws.section("then a GPT:");
+  trainings.push_back(draw_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
+  for (const Training& training : trainings)
+    for (int world : worlds) {
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            const TrainOptions options = training.for_world(world);
+            const std::vector<Bucket> buckets =
+                contract_buckets(training.model(), world, training.cap_bytes);
+            const std::uint64_t expected_bytes = contract_bytes_sent(comm, buckets);
+            const std::uint64_t ddp_bytes = grading::allreduce_bytes_sent(
+                comm, std::vector<std::size_t>{training.model().num_parameters()});
+            const std::uint64_t scalar_bytes =
+                grading::allreduce_bytes_sent(comm, std::vector<std::size_t>{1});
+            double ratio = 0;
+            for (const float max_norm : {0.0f, 1.0f}) {
+              Model model = training.model();
+              grading::RecordingCommunicator recorder(comm);
+              CallLog log;
+              log.attach(recorder, buckets);
+              model.on_gradient_ready([&](Parameter&) { ++log.ready; });  // before theirs
+              ZeroTwoOptimizer zero(model, recorder, factory_for(options), training.cap_bytes,
+                                    max_norm);
+              // Compared, never read.
+              const float* shard_gradients = zero.shard_gradients().view().data();
+              const float* shard_parameters = zero.shard_parameters().view().data();
+              log.shard_gradients = shard_gradients;
+              const std::string label = max_norm > 0 ? "with clipping, " : "";
+              for (int step = 1; step <= 2; ++step) {
+                const Batch batch = grading::on_check_device(
+                    grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
+                model.zero_grad();
+                log.reset(recorder);
+                const CommCounters before = comm.counters();
+                recorder.set_in_backward(true);
+                model.backward(grading::forward(model, batch), batch.labels);
+                recorder.set_in_backward(false);
+                (void)zero.step();
+                const CommCounters used = comm.counters().since(before);
+                if (!verdict.passed()) continue;
+                const std::string finding =
+                    judge_calls(recorder.calls(), log, buckets, world, max_norm > 0,
+                                shard_gradients, shard_parameters);
+                if (!finding.empty()) {
+                  verdict.fail(fmt::format("{}step {} ({} buckets): {}", label, step,
+                                           buckets.size(), finding));
+                  continue;
+                }
+                const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
+                                                 used.of(CommOp::kAllGather).bytes_sent;
+                if (grad_bytes != expected_bytes ||
+                    used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
+                  verdict.fail(fmt::format(
+                      "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
+                      "all-gathers and {} by all-reduce; expected {} for the buckets' calls{}",
+                      label, step, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent,
+                      expected_bytes,
+                      max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
+                                   : " and none by all-reduce"));
+                if (ddp_bytes > 0)
+                  ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
               }
-              const std::uint64_t grad_bytes = used.of(CommOp::kReduceScatter).bytes_sent +
-                                               used.of(CommOp::kAllGather).bytes_sent;
-              if (grad_bytes != expected_bytes ||
-                  used.of(CommOp::kAllReduce).bytes_sent != (max_norm > 0 ? scalar_bytes : 0))
-                verdict.fail(fmt::format(
-                    "{}step {}: the backend counted {} bytes sent by reduce-scatters and "
-                    "all-gathers and {} by all-reduce; expected {} for the buckets' calls{}",
-                    label, step, grad_bytes, used.of(CommOp::kAllReduce).bytes_sent, expected_bytes,
-                    max_norm > 0 ? fmt::format(" and {} for the norm's one float", scalar_bytes)
-                                 : " and none by all-reduce"));
-              if (ddp_bytes > 0)
-                ratio = static_cast<double>(grad_bytes) / static_cast<double>(ddp_bytes);
             }
-          }
-          if (verdict.passed())
-            verdict.note(fmt::format(
-                "{} reduce-scatters launched during backward, then {} all-gathers; on N = {} "
-                "they sent {:.4f}x DDP's all-reduce bytes (the padding)",
-                buckets.size(), buckets.size(), world, world > 1 ? ratio : 1.0));
-        },
-        draws);
-  }
+            if (verdict.passed())
+              verdict.note(fmt::format(
+                  "{}: {} reduce-scatters launched during backward, then {} all-gathers; on N = "
+                  "{} they sent {:.4f}x DDP's all-reduce bytes (the padding)",
+                  training.model_name(), buckets.size(), buckets.size(), world,
+                  world > 1 ? ratio : 1.0));
+          },
+          draws);
+    }
 }
 
 // --- Lab6Speed -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 
 #include "dp/error.h"
 #include "dp/tensor_ops.h"
+#include "dp/text_data.h"
 
 namespace dp::grading {
 
@@ -25,6 +26,65 @@ TrainOptions ShardedTraining::for_world(int world) const {
 
 Model ShardedTraining::model() const {
   return make_check_model(options);
+}
+
+std::string ShardedTraining::model_name() const {
+  if (!is_gpt()) return options.model;
+  return fmt::format("{} (vocab {})", options.model, options.vocab);
+}
+
+std::string_view grader_text() {
+  // Plain ASCII prose of the labs' own subject; every window of it is a sample.
+  static constexpr std::string_view kText =
+      "Every rank keeps a copy of the model and reads its own slice of the batch. "
+      "After the backward pass the ranks add their gradients, divide by the number of "
+      "ranks and take the same step, so the copies never drift apart. The cost is "
+      "memory: each rank holds the parameters, the gradients and the optimizer state "
+      "of the whole model, and the state of Adam alone is twice the parameters. ZeRO "
+      "splits that state into shards, one per rank. In the first stage a rank updates "
+      "only its shard of the parameters and then gathers the others from its peers. In "
+      "the second stage it also keeps only its shard of the gradient: a reduce-scatter "
+      "hands each rank the sum of its own part, and the rest is freed as soon as it is "
+      "sent. In the third stage even the parameters live in shards; a layer is "
+      "gathered just before its forward and released right after, then gathered again "
+      "for the backward. None of this touches the activations, which grow with the "
+      "batch and the length of the sequence and stay on the rank that made them. A "
+      "transformer keeps the input of every block, the attention weights of every head "
+      "and the wide hidden layer of every feed-forward part, so a long context can "
+      "cost more than the model itself. Recomputing a block in the backward pass "
+      "trades that memory for a second forward. The lesson of these labs is that "
+      "sharding and recomputing answer different questions: one asks who must hold the "
+      "model, the other what must be remembered between the two passes. Measure both, "
+      "then choose.\n";
+  return kText;
+}
+
+ShardedTraining draw_sharded_gpt_training(Draws& draws, const std::string& optimizer) {
+  ShardedTraining training;
+  TrainOptions& o = training.options;
+  GptSpec spec;
+  spec.layers = draws.integer("gpt layers", 1, 2);
+  spec.heads = 2;
+  spec.dim = 2 * draws.integer("gpt head dim", 8, 16);
+  spec.context = draws.integer("gpt context", 8, 16);
+  o.model = fmt::format("gpt:layers={},dim={},heads={},context={}", spec.layers, spec.dim,
+                        spec.heads, spec.context);
+  training.hidden1 = spec.dim;
+  training.hidden2 = spec.dim;
+  const std::string_view text = grader_text();
+  const auto characters =
+      static_cast<std::size_t>(draws.integer("text characters", 900, std::ssize(text)));
+  o.dataset = fmt::format("the grader's text ({} characters)", characters);
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 3, 5));
+  draw_optimizer(draws, optimizer, o);
+  training.rows_per_rank = draws.integer("windows per rank", 2, 4);
+  training.data = std::make_shared<const Dataset>(
+      make_text_dataset(text.substr(0, characters), spec.context, o.dataset));
+  o.vocab = training.data->num_classes;
+  draws.section(fmt::format("model {}, vocab {}, {} windows of {} tokens", o.model, o.vocab,
+                            training.data->size(), spec.context));
+  return training;
 }
 
 ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer) {
@@ -99,9 +159,12 @@ PlainTwin plain_twin(const ShardedTraining& training, int world, const Communica
   PlainTwin twin{training.model(), 0};
   const std::size_t activation_base = tracker.current(MemoryCategory::kActivations);
   tracker.reset_peaks();
-  {
+  // Two steps, as the memory checks run them: in the second forward the loss still keeps
+  // the first step's rows (a GPT's B T x vocab probabilities outweigh what the first
+  // backward's temporaries add, an MLP's B x 10 do not).
+  for (int step = 0; step < 2; ++step) {
     const Batch batch =
-        on_check_device(local_batch(*training.data, options, 0, comm.rank(), world));
+        on_check_device(local_batch(*training.data, options, step, comm.rank(), world));
     twin.model.backward(forward(twin.model, batch), batch.labels);
   }
   twin.activation_bytes = tracker.peak(MemoryCategory::kActivations) - activation_base;

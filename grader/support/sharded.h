@@ -34,13 +34,20 @@ namespace dp::grading {
 
 /// One drawn training set-up of the sharded labs: the MLP 64-h1-h2-10 with GELU (LayerNorm
 /// drawn), 3 to 5 steps, 2 to 6 rows of the global batch per rank, SGD or AdamW with drawn
-/// settings, and its data set.
+/// settings, and its data set; or a tiny GPT on the grader's text (draw_sharded_gpt_training).
 struct ShardedTraining {
   TrainOptions options;                 ///< the global set-up (global_batch: see for_world)
-  std::int64_t hidden1 = 0;             ///< h1 as drawn (a lab may change options.model)
-  std::int64_t hidden2 = 0;             ///< h2 as drawn
-  std::int64_t rows_per_rank = 2;       ///< rows of the global batch per rank
+  std::int64_t hidden1 = 0;             ///< h1 as drawn (a lab may change options.model); a
+                                        ///< GPT: its dim
+  std::int64_t hidden2 = 0;             ///< h2 as drawn; a GPT: its dim
+  std::int64_t rows_per_rank = 2;       ///< rows of the global batch per rank (a GPT: windows)
   std::shared_ptr<const Dataset> data;  ///< loaded once, shared by every rank
+
+  /// True for a GPT (options.model a GPT spec, options.vocab the text's vocabulary).
+  bool is_gpt() const { return is_gpt_spec(options.model); }
+  /// The model in words, for notes and failures: "64-40-20-10" or "gpt:layers=2,dim=24,
+  /// heads=2,context=12 (vocab 41)".
+  std::string model_name() const;
 
   /// The options on `world` ranks: the global batch is rows_per_rank x world.
   TrainOptions for_world(int world) const;
@@ -49,9 +56,10 @@ struct ShardedTraining {
   Model model() const;
 };
 
-/// A twin of a training's model, without ZeRO, after one plain forward and backward of this
-/// rank's first batch, and the activation bytes that took at its peak: the most the ZeRO
-/// memory checks let the lab's model hold in activations. The twin stays alive (its loss
+/// A twin of a training's model, without ZeRO, after plain forwards and backwards of this
+/// rank's first two batches (as the memory checks train two steps), and the activation bytes
+/// those took at their peak: the most the ZeRO memory checks let the lab's model hold in
+/// activations. The twin stays alive (its loss
 /// keeps a row of logits per sample), so a check counts the lab's activations from the
 /// tracker's current bytes after this call.
 struct PlainTwin {
@@ -59,14 +67,27 @@ struct PlainTwin {
   std::size_t activation_bytes = 0;  ///< its forward and backward's peak activations
 };
 
-/// Runs the twin of `training`'s model on `world` ranks' batch 0 of this rank (the tracker's
-/// peaks are reset first: they count from here).
+/// Runs the twin of `training`'s model on `world` ranks' batches 0 and 1 of this rank (the
+/// tracker's peaks are reset first: they count from here).
 PlainTwin plain_twin(const ShardedTraining& training, int world, const Communicator& comm);
 
 /// Draws a `ShardedTraining` with `optimizer` ("sgd" or "adamw"): h1 in [24, 72], h2 in
 /// [12, 40], then LayerNorm, samples, seed, steps, the optimizer's settings and the rows
 /// per rank, in that order.
 ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer);
+
+/// The text a GPT of the sharded labs trains on: the grader's own short English text
+/// (written for it, about 1.5 KB), so that no check depends on a corpus file being installed.
+std::string_view grader_text();
+
+/// Draws a tiny GPT `ShardedTraining` with `optimizer` ("sgd" or "adamw"): layers in [1, 2],
+/// dim 2 x [8, 16] with 2 heads, context in [8, 16], then the text's length (a prefix of
+/// `grader_text()` of 900 to all its characters, cut into windows of the context), seed,
+/// steps, the optimizer's settings and 2 to 4 windows per rank, in that order. The draws
+/// end with a section naming the spec, the vocabulary and the windows (a failure's "drawn:"
+/// line says what model it was). options.vocab is the text's vocabulary, so that make_model
+/// and the ground truth build the same GPT.
+ShardedTraining draw_sharded_gpt_training(Draws& draws, const std::string& optimizer);
 
 /// The second phase of a check that ran AdamW on `first`: SGD with momentum 0.9, drawn
 /// afresh (samples, seed, steps, settings) but on `first`'s model (its hidden sizes, layer
