@@ -26,9 +26,9 @@
 
 namespace dp::grading {
 
-/// The text the checks' GPTs train on: about 3,000 characters of English prose written for
-/// the grader (byte-level tokens, a vocabulary of a few dozen), enough for 180 or more
-/// windows at every drawn context.
+/// The text the checks' GPTs train on: about 1,800 characters of English prose written for
+/// the grader (byte-level tokens, a vocabulary of 38), enough for 111 or more windows at
+/// every drawn context (the checks' global batches take at most 24).
 std::string_view grader_text();
 
 /// Draws a small GPT and sets `options` to train it on `grader_text()`: `model` the spec
