@@ -38,6 +38,7 @@
 #include "lab2.h"
 #include "memory_check.h"
 #include "recording.h"
+#include "tiny_gpt.h"
 
 namespace dp::lab2 {
 namespace {
@@ -100,6 +101,22 @@ DrawnSetup draw_setup(Draws& draws, const std::string& optimizer, bool freeze, b
     }
   }
   setup.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
+  return setup;
+}
+
+/// Draws a set-up of a small GPT (`grading::draw_tiny_gpt`: 1 or 2 blocks, dim 16 to 32, 2
+/// heads, context 8 to 16, on the grader's text), 2 to 4 steps, 2 to 4 windows per rank and
+/// the optimizer's settings, after the draws of the check's MLP: the same arithmetic on a
+/// model of embeddings, attention, LayerNorms and a loss over every token.
+DrawnSetup draw_gpt_setup(Draws& draws, const std::string& optimizer) {
+  draws.section("then a GPT:");
+  DrawnSetup setup;
+  TrainOptions& o = setup.options;
+  setup.data = grading::draw_tiny_gpt(draws, o);
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 2, 4));
+  grading::draw_optimizer(draws, optimizer, o);
+  setup.rows_per_rank = draws.integer("windows per rank", 2, 4);
   return setup;
 }
 
@@ -428,12 +445,10 @@ std::string lesson_note(const LessonMeasure& measure, const TrainOptions& option
   return note;
 }
 
-/// Exact-arithmetic check of a synchronisation over the drawn world sizes; with `lesson`,
-/// the comparison with one process too.
-void check_sync(const char* name, Sync sync, const std::string& optimizer, bool exact,
-                bool lesson) {
-  Draws draws(name);
-  const DrawnSetup setup = draw_setup(draws, optimizer, /*freeze=*/false, /*accumulate=*/false);
+/// Exact-arithmetic check of a synchronisation on `setup` over the drawn world sizes; with
+/// `lesson`, the comparison with one process too.
+void check_sync_on(const DrawnSetup& setup, Draws& draws, Sync sync, const std::string& optimizer,
+                   bool exact, bool lesson) {
   for (int world : draws.world_sizes()) {
     const TrainOptions options = setup.for_world(world);
     const Trajectory emulated = grading::emulate_data_parallel(options, *setup.data, world);
@@ -453,13 +468,31 @@ void check_sync(const char* name, Sync sync, const std::string& optimizer, bool 
           if (!verdict.passed()) return;
           if (exact)
             verdict.note(
-                fmt::format("bitwise equal to the exact {}-rank arithmetic after each of {} "
+                fmt::format("{}: bitwise equal to the exact {}-rank arithmetic after each of {} "
                             "{} steps",
-                            world, options.steps, optimizer));
+                            options.model, world, options.steps, optimizer));
           if (lesson) verdict.note(lesson_note(measure, options));
         },
         draws);
   }
+}
+
+/// Which models a check of a synchronisation trains.
+enum class Models {
+  kMlp,        // the drawn MLP only
+  kMlpAndGpt,  // then a drawn GPT, compared bitwise only (the tolerances of the comparison
+               // with one process were measured on the MLPs)
+};
+
+/// `check_sync_on` the drawn MLP, then with `Models::kMlpAndGpt` bitwise on a drawn GPT.
+void check_sync(const char* name, Sync sync, const std::string& optimizer, bool exact, bool lesson,
+                Models models = Models::kMlpAndGpt) {
+  Draws draws(name);
+  const DrawnSetup setup = draw_setup(draws, optimizer, /*freeze=*/false, /*accumulate=*/false);
+  check_sync_on(setup, draws, sync, optimizer, exact, lesson);
+  if (models == Models::kMlpAndGpt && exact)
+    check_sync_on(draw_gpt_setup(draws, optimizer), draws, sync, optimizer, /*exact=*/true,
+                  /*lesson=*/false);
 }
 
 // --- per-parameter averaging --------------------------------------------------------------
@@ -471,7 +504,7 @@ TEST(Lab2PerParameter, SgdIsTheExactDataParallelArithmetic) {
 
 TEST(Lab2PerParameter, SgdMatchesOneProcessOnTheGlobalBatch) {
   check_sync("Lab2PerParameter.SgdMatchesOneProcessOnTheGlobalBatch", Sync::kPerParameter, "sgd",
-             /*exact=*/false, /*lesson=*/true);
+             /*exact=*/false, /*lesson=*/true, Models::kMlp);
 }
 
 TEST(Lab2PerParameter, AdamWIsExactAndMatchesOneProcess) {

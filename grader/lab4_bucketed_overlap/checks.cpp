@@ -48,6 +48,7 @@
 #include "heap_use.h"
 #include "lab4.h"
 #include "recording.h"
+#include "tiny_gpt.h"
 
 namespace dp::lab4 {
 namespace {
@@ -217,6 +218,35 @@ Training draw_training(Draws& draws, const std::string& optimizer) {
   return training;
 }
 
+/// A drawn training set-up of a small GPT (`grading::draw_tiny_gpt`: 1 or 2 blocks, dim 16
+/// to 32, 2 heads, context 8 to 16, on the grader's text): parameters of C elements (its
+/// LayerNorms and biases) beside matrices of up to 4 C^2, which the caps of `draw_training`
+/// group into buckets of many small gradients and split between the large ones; 2 to 4
+/// steps, 2 to 4 windows per rank, maybe a frozen parameter.
+Training draw_gpt_training(Draws& draws, const std::string& optimizer) {
+  draws.section(fmt::format("then a GPT with {}:", optimizer));
+  Training training;
+  TrainOptions& o = training.options;
+  training.data = grading::draw_tiny_gpt(draws, o);
+  o.seed = draws.seed("seed");
+  o.steps = static_cast<int>(draws.integer("steps", 2, 4));
+  grading::draw_optimizer(draws, optimizer, o);
+  training.rows_per_rank = draws.integer("windows per rank", 2, 4);
+  if (draws.coin("a frozen parameter")) {
+    const Model probe = grading::make_check_model(o);
+    const auto& parameters = probe.parameters();
+    training.frozen.push_back(
+        parameters[static_cast<std::size_t>(draws.integer(
+                       "frozen index", 0, static_cast<std::int64_t>(parameters.size()) - 1))]
+            ->name);
+  }
+  training.caps.first_bucket_cap_bytes =
+      static_cast<std::size_t>(draws.integer("first bucket cap bytes", 0, 4096));
+  training.caps.bucket_cap_bytes =
+      static_cast<std::size_t>(draws.integer("bucket cap bytes", 1024, 16384));
+  return training;
+}
+
 /// `training` with its drawn caps, then with a cap no parameter fits under (one bucket per
 /// parameter) and one every gradient fits under (a single bucket, lab 2's flat buffer in
 /// reverse order): the layouts at both ends, drawn every time, where code written for "a
@@ -272,14 +302,10 @@ TEST(Lab4Buckets, FollowTheRule) {
   Draws draws("Lab4Buckets.FollowTheRule");
   int models_checked = 0;
   int layouts_checked = 0;
-  for (int m = 0; m < 4; ++m) {
-    const std::string spec =
-        fmt::format("{}-{}-{}-{}", draws.integer("in", 4, 64), draws.integer("h1", 4, 96),
-                    draws.integer("h2", 4, 96), draws.integer("out", 2, 12));
-    Model model = Model::mlp(spec, {.activation = "relu",
-                                    .layer_norm = draws.coin("layer norm"),
-                                    .seed = 1,
-                                    .device = grading::check_device()});
+  // The rule on `model` (built from `spec`, whose forward takes `input_shape`, all zeros
+  // being a valid input, and whose backward takes `labels` zero labels).
+  const auto check_model = [&](const std::string& spec, Model& model,
+                               const std::vector<std::int64_t>& input_shape, std::size_t labels) {
     if (draws.coin("freeze")) {
       const auto count = static_cast<std::int64_t>(model.parameters().size());
       model.freeze(
@@ -320,7 +346,6 @@ TEST(Lab4Buckets, FollowTheRule) {
     // of the middle bucket or a later one (at a layer boundary, so that a design launching
     // from layer hooks has launched every bucket completed before it).
     const std::size_t stop_bucket = contract_buckets(model, cap).size() / 2;
-    const std::int64_t inputs = std::stoll(spec.substr(0, spec.find('-')));
     run_on_ranks(
         1,
         [&](Communicator& comm, Verdict& verdict) {
@@ -357,10 +382,10 @@ TEST(Lab4Buckets, FollowTheRule) {
                     bucket_of[parameter->index] < expected.size())
                   throw BackwardStopped{};
             });
-            const Tensor batch({2, inputs}, MemoryCategory::kOther, model.device());
+            const Tensor batch(input_shape, MemoryCategory::kOther, model.device());
             try {
-              const std::vector<int> labels = {0, 1};
-              model.backward(model.forward(batch), labels);
+              const std::vector<int> zero_labels(labels, 0);
+              model.backward(model.forward(batch), zero_labels);
             } catch (const BackwardStopped&) {
             }
             // The first bucket with a gradient that did not arrive.
@@ -394,12 +419,32 @@ TEST(Lab4Buckets, FollowTheRule) {
           model.clear_hooks();
         },
         draws);
+  };
+  for (int m = 0; m < 4; ++m) {
+    const std::string spec =
+        fmt::format("{}-{}-{}-{}", draws.integer("in", 4, 64), draws.integer("h1", 4, 96),
+                    draws.integer("h2", 4, 96), draws.integer("out", 2, 12));
+    const std::int64_t inputs = std::stoll(spec.substr(0, spec.find('-')));
+    Model model = Model::mlp(spec, {.activation = "relu",
+                                    .layer_norm = draws.coin("layer norm"),
+                                    .seed = 1,
+                                    .device = grading::check_device()});
+    check_model(spec, model, {2, inputs}, 2);
   }
+  // A GPT: LayerNorm weights and biases of C elements among matrices of up to 4 C^2, and
+  // transformer blocks of 12 parameters each, as layers whose gradients a bucket may split.
+  draws.section("then a GPT:");
+  TrainOptions gpt;
+  grading::draw_tiny_gpt(draws, gpt);  // sets the model and its vocabulary
+  Model model = grading::make_check_model(gpt);
+  const std::int64_t context = parse_gpt_spec(gpt.model).context;
+  check_model(gpt.model, model, {2, context}, static_cast<std::size_t>(2 * context));
   if (!HasFailure())
     grading::note_measured(fmt::format(
-        "{} layouts on {} drawn models (caps 0, drawn, below the largest parameter, the "
-        "defaults, the whole model) follow the rule; the contract's error is raised",
-        layouts_checked, models_checked));
+        "{} layouts on {} drawn models, the last {} (caps 0, drawn, below the largest "
+        "parameter, the defaults, the whole model) follow the rule; the contract's error is "
+        "raised",
+        layouts_checked, models_checked, gpt.model));
 }
 
 // --- training through BucketedDDP and PerParameterDDP ------------------------------------
@@ -458,8 +503,8 @@ void train_and_compare(const Training& training, Sync sync, int micro_batches, C
 
 TEST(Lab4Equivalence, BitwiseLab2FlatAfterEveryStep) {
   Draws draws("Lab4Equivalence.BitwiseLab2FlatAfterEveryStep");
-  for (const std::string optimizer : {"sgd", "adamw"}) {
-    const Training training = draw_training(draws, optimizer);
+  const auto check = [&](const Training& training) {
+    const std::string& optimizer = training.options.optimizer;
     for (int world : draws.world_sizes(6)) {
       const TrainOptions options = training.for_world(world);
       const Trajectory exact =
@@ -471,17 +516,22 @@ TEST(Lab4Equivalence, BitwiseLab2FlatAfterEveryStep) {
               if (verdict.passed())
                 train_and_compare(
                     layout, Sync::kBucketed, 1, comm, verdict, exact,
-                    fmt::format("BucketedDDP with {}, {}", optimizer, describe_caps(layout)));
+                    fmt::format("BucketedDDP on {} with {}, {}", training.options.model, optimizer,
+                                describe_caps(layout)));
             if (verdict.passed())
               verdict.note(fmt::format(
-                  "{}, caps {} / {} bytes, one bucket per parameter and one bucket{}: every "
-                  "rank bitwise lab 2's flat arithmetic after every step",
-                  optimizer, training.caps.first_bucket_cap_bytes, training.caps.bucket_cap_bytes,
+                  "{} with {}, caps {} / {} bytes, one bucket per parameter and one bucket{}: "
+                  "every rank bitwise lab 2's flat arithmetic after every step",
+                  training.options.model, optimizer, training.caps.first_bucket_cap_bytes,
+                  training.caps.bucket_cap_bytes,
                   training.frozen.empty() ? "" : ", " + training.frozen[0] + " frozen"));
           },
           draws);
     }
-  }
+  };
+  // The MLPs, then the GPTs (drawn after them: the MLPs' draws stay what they were).
+  for (const std::string optimizer : {"sgd", "adamw"}) check(draw_training(draws, optimizer));
+  for (const std::string optimizer : {"sgd", "adamw"}) check(draw_gpt_training(draws, optimizer));
 }
 
 /// Rank 0's simulated time of one backward of `training`'s model without the lab, and of
@@ -1286,8 +1336,14 @@ std::size_t top_half_bytes(const Model& model) {
   std::size_t total = 0;
   for (const Parameter* parameter : parameters)
     if (!parameter->frozen) total += parameter->grad.bytes();
-  const auto layer_of = [](const Parameter& parameter) {
-    return parameter.name.substr(0, parameter.name.find('.'));
+  // The layer of each parameter (a GPT's "h.0.ln_1.weight" is layer h.0's, its wte and wpe
+  // the embedding's): the layers own the parameters in definition order.
+  std::vector<std::size_t> layer_of_parameter;
+  const std::vector<std::size_t> counts = model.parameter_counts_per_layer();
+  for (std::size_t layer = 0; layer < counts.size(); ++layer)
+    layer_of_parameter.insert(layer_of_parameter.end(), counts[layer], layer);
+  const auto layer_of = [&](const Parameter& parameter) {
+    return layer_of_parameter.at(parameter.index);
   };
   const auto gap = [&](std::size_t bytes) {
     return bytes > total / 2 ? bytes - total / 2 : total / 2 - bytes;
@@ -1346,34 +1402,68 @@ TEST(Lab4Speed, BucketedStepWithinTheModel) {
         milliseconds(flat.total), bucketed.total / flat.total));
 }
 
-TEST(Lab4Speed, BucketedExposesAtMostTheModelsCommunication) {
-  Draws draws("Lab4Speed.BucketedExposesAtMostTheModelsCommunication");
-  const SpeedSetup setup = draw_speed(draws);
+/// A speed set-up of a small GPT (`grading::draw_tiny_gpt`) on 3 or 4 ranks of InfiniBand
+/// NDR (preset ib-ndr) with a CPU-class device, 2 to 4 windows per rank: dozens of
+/// gradients from C to 4 C^2 elements, whose all-reduces (latency-bound: 2 (N - 1) alpha
+/// each) take about as long as backward, which is when overlap matters most.
+SpeedSetup draw_gpt_speed(Draws& draws) {
+  draws.section("then a GPT:");
+  SpeedSetup setup;
+  setup.network = NetworkModel::preset("ib-ndr");
+  setup.world = static_cast<int>(draws.integer("ranks", 3, 4));
+  setup.data = grading::draw_tiny_gpt(draws, setup.options);
+  setup.options.global_batch = draws.integer("windows per rank", 2, 4) * setup.world;
+  setup.options.seed = draws.seed("seed");
+  setup.options.steps = 1;  // the simulated clock charges every step the same
+  setup.options.optimizer = "sgd";
+  setup.options.lr = 0.01f;
+  return setup;
+}
+
+/// Judges BucketedDDP's exposed communication on `setup` with three layouts (see the
+/// check below), the first with `caps` (described as `caps_text`); returns what was
+/// measured of each and adds a failure for each over budget.
+std::vector<std::string> judge_bucketed_exposure(const SpeedSetup& setup, const BucketOptions& caps,
+                                                 const std::string& caps_text, const Draws& draws) {
   const Model model = grading::make_check_model(setup.options);
   double forward_seconds = 0;
   const BackwardProfile profile = profile_backward(setup, &forward_seconds);
   const std::size_t model_bytes = model.num_parameters() * sizeof(float);
-  // 1 MiB caps; a single bucket: the only bucket is also the last, which no later hook
-  // follows, and its all-reduce is the whole transfer (a late launch shows in full); and a
-  // first bucket of the top half of the layers, then one bucket per parameter: the first
-  // all-reduce outlasts the backward of the next buckets, so a design that waits inside
-  // backward for an earlier bucket (to reuse its buffer, say) stops backward while the
+  // Caps that make several buckets (1 MiB for the MLP); a single bucket: the only bucket is also
+  // the last, which no later hook follows, and its all-reduce is the whole transfer (a late launch
+  // shows in full); and a first bucket of the top half of the layers, then one bucket per
+  // parameter: the first all-reduce outlasts the backward of the next buckets, so a design that
+  // waits inside backward for an earlier bucket (to reuse its buffer, say) stops backward while the
   // model lets both run, and exposes that stop on every draw.
   const std::array<std::pair<BucketOptions, std::string>, 3> layouts = {
-      std::pair{kSpeedCaps, std::string("BucketedDDP (1 MiB caps)")},
+      std::pair{caps, fmt::format("BucketedDDP ({})", caps_text)},
       std::pair{BucketOptions{model_bytes, model_bytes}, std::string("BucketedDDP (one bucket)")},
       std::pair{BucketOptions{top_half_bytes(model), 0},
                 std::string("BucketedDDP (the top half of the layers, then one bucket per "
                             "parameter)")}};
   std::vector<std::string> measured;
-  for (const auto& [caps, what] : layouts) {
+  for (const auto& [layout_caps, what] : layouts) {
     std::string sweep;
     const std::string finding =
-        judge_exposure(setup, profile, forward_seconds, {Strategy::kBucketed, caps},
-                       contract_buckets(model, caps), what, draws, sweep);
+        judge_exposure(setup, profile, forward_seconds, {Strategy::kBucketed, layout_caps},
+                       contract_buckets(model, layout_caps), what, draws, sweep);
     if (!finding.empty()) ADD_FAILURE() << finding;
     measured.push_back(sweep);
   }
+  return measured;
+}
+
+TEST(Lab4Speed, BucketedExposesAtMostTheModelsCommunication) {
+  Draws draws("Lab4Speed.BucketedExposesAtMostTheModelsCommunication");
+  std::vector<std::string> measured =
+      judge_bucketed_exposure(draw_speed(draws), kSpeedCaps, "1 MiB caps", draws);
+  // Then a GPT, drawn after the MLP (whose draws stay what they were), with a cap of 1 to 8
+  // KiB: buckets of a few small gradients or one matrix (the whole model is under 1 MiB).
+  const SpeedSetup gpt = draw_gpt_speed(draws);
+  const auto cap = static_cast<std::size_t>(draws.integer("GPT cap bytes", 1024, 8192));
+  for (const std::string& sweep :
+       judge_bucketed_exposure(gpt, {cap, cap}, fmt::format("caps {} bytes", cap), draws))
+    measured.push_back(fmt::format("{}: {}", gpt.options.model, sweep));
   if (!HasFailure()) grading::note_measured(fmt::format("{}", fmt::join(measured, "; ")));
 }
 
