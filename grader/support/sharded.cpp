@@ -33,32 +33,6 @@ std::string ShardedTraining::model_name() const {
   return fmt::format("{} (vocab {})", options.model, options.vocab);
 }
 
-std::string_view grader_text() {
-  // Plain ASCII prose of the labs' own subject; every window of it is a sample.
-  static constexpr std::string_view kText =
-      "Every rank keeps a copy of the model and reads its own slice of the batch. "
-      "After the backward pass the ranks add their gradients, divide by the number of "
-      "ranks and take the same step, so the copies never drift apart. The cost is "
-      "memory: each rank holds the parameters, the gradients and the optimizer state "
-      "of the whole model, and the state of Adam alone is twice the parameters. ZeRO "
-      "splits that state into shards, one per rank. In the first stage a rank updates "
-      "only its shard of the parameters and then gathers the others from its peers. In "
-      "the second stage it also keeps only its shard of the gradient: a reduce-scatter "
-      "hands each rank the sum of its own part, and the rest is freed as soon as it is "
-      "sent. In the third stage even the parameters live in shards; a layer is "
-      "gathered just before its forward and released right after, then gathered again "
-      "for the backward. None of this touches the activations, which grow with the "
-      "batch and the length of the sequence and stay on the rank that made them. A "
-      "transformer keeps the input of every block, the attention weights of every head "
-      "and the wide hidden layer of every feed-forward part, so a long context can "
-      "cost more than the model itself. Recomputing a block in the backward pass "
-      "trades that memory for a second forward. The lesson of these labs is that "
-      "sharding and recomputing answer different questions: one asks who must hold the "
-      "model, the other what must be remembered between the two passes. Measure both, "
-      "then choose.\n";
-  return kText;
-}
-
 ShardedTraining draw_sharded_gpt_training(Draws& draws, const std::string& optimizer) {
   ShardedTraining training;
   TrainOptions& o = training.options;

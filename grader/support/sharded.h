@@ -29,6 +29,7 @@
 #include "dp/trainer.h"
 #include "grading.h"
 #include "ground_truth.h"
+#include "tiny_gpt.h"
 
 namespace dp::grading {
 
@@ -75,10 +76,6 @@ PlainTwin plain_twin(const ShardedTraining& training, int world, const Communica
 /// [12, 40], then LayerNorm, samples, seed, steps, the optimizer's settings and the rows
 /// per rank, in that order.
 ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer);
-
-/// The text a GPT of the sharded labs trains on: the grader's own short English text
-/// (written for it, about 1.5 KB), so that no check depends on a corpus file being installed.
-std::string_view grader_text();
 
 /// Draws a tiny GPT `ShardedTraining` with `optimizer` ("sgd" or "adamw"): layers in [1, 2],
 /// dim 2 x [8, 16] with 2 heads, context in [8, 16], then the text's length (a prefix of

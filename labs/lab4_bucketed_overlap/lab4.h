@@ -169,9 +169,10 @@ class BucketedDDP {
   /// holds lab 2's average, bitwise, and frozen parameters are untouched. With
   /// synchronisation off (`NoSync`) it does nothing.
   ///
-  /// Throws `dp::Error`, naming the bucket, when not every gradient of a bucket became
-  /// ready since the last call: called without a backward, or after a backward that did
-  /// not reach every parameter.
+  /// Throws `dp::Error` when not every gradient of a bucket became ready since the last
+  /// call: called without a backward, or after a backward that did not reach every
+  /// parameter. The message names the first such bucket by its index in `buckets()` as
+  /// "bucket k" (0-based: "bucket 2"), and the call leaves every gradient as it was.
   void finish_gradient_sync();
 
   /// Turns synchronisation off (false) or on (true, the default). While it is off,
