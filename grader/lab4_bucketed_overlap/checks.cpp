@@ -190,6 +190,24 @@ struct Training {
   }
 };
 
+/// The last draws of every set-up of this lab, on `training`'s model (options.model set):
+/// maybe one frozen parameter (named in `frozen`), then the first-bucket cap (0 to 4 KiB)
+/// and the general cap (1 to 16 KiB).
+void draw_frozen_and_caps(Draws& draws, Training& training) {
+  if (draws.coin("a frozen parameter")) {
+    const Model probe = grading::make_check_model(training.options);
+    const auto& parameters = probe.parameters();
+    training.frozen.push_back(
+        parameters[static_cast<std::size_t>(draws.integer(
+                       "frozen index", 0, static_cast<std::int64_t>(parameters.size()) - 1))]
+            ->name);
+  }
+  training.caps.first_bucket_cap_bytes =
+      static_cast<std::size_t>(draws.integer("first bucket cap bytes", 0, 4096));
+  training.caps.bucket_cap_bytes =
+      static_cast<std::size_t>(draws.integer("bucket cap bytes", 1024, 16384));
+}
+
 Training draw_training(Draws& draws, const std::string& optimizer) {
   Training training;
   TrainOptions& o = training.options;
@@ -202,18 +220,7 @@ Training draw_training(Draws& draws, const std::string& optimizer) {
   o.steps = static_cast<int>(draws.integer("steps", 3, 5));
   grading::draw_optimizer(draws, optimizer, o);
   training.rows_per_rank = draws.integer("rows per rank", 2, 6);
-  if (draws.coin("a frozen parameter")) {
-    const Model probe = grading::make_check_model(o);
-    const auto& parameters = probe.parameters();
-    training.frozen.push_back(
-        parameters[static_cast<std::size_t>(draws.integer(
-                       "frozen index", 0, static_cast<std::int64_t>(parameters.size()) - 1))]
-            ->name);
-  }
-  training.caps.first_bucket_cap_bytes =
-      static_cast<std::size_t>(draws.integer("first bucket cap bytes", 0, 4096));
-  training.caps.bucket_cap_bytes =
-      static_cast<std::size_t>(draws.integer("bucket cap bytes", 1024, 16384));
+  draw_frozen_and_caps(draws, training);
   training.data = std::make_shared<const Dataset>(load_dataset(o.dataset, o.seed));
   return training;
 }
@@ -232,18 +239,7 @@ Training draw_gpt_training(Draws& draws, const std::string& optimizer) {
   o.steps = static_cast<int>(draws.integer("steps", 2, 4));
   grading::draw_optimizer(draws, optimizer, o);
   training.rows_per_rank = draws.integer("windows per rank", 2, 4);
-  if (draws.coin("a frozen parameter")) {
-    const Model probe = grading::make_check_model(o);
-    const auto& parameters = probe.parameters();
-    training.frozen.push_back(
-        parameters[static_cast<std::size_t>(draws.integer(
-                       "frozen index", 0, static_cast<std::int64_t>(parameters.size()) - 1))]
-            ->name);
-  }
-  training.caps.first_bucket_cap_bytes =
-      static_cast<std::size_t>(draws.integer("first bucket cap bytes", 0, 4096));
-  training.caps.bucket_cap_bytes =
-      static_cast<std::size_t>(draws.integer("bucket cap bytes", 1024, 16384));
+  draw_frozen_and_caps(draws, training);
   return training;
 }
 

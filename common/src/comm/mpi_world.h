@@ -94,8 +94,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/backends.h"
 #include "comm/argument_checks.h"
+#include "comm/backends.h"
 #include "comm/call_log.h"
 #include "comm/ring_counts.h"
 #include "dp/clock.h"
