@@ -938,8 +938,12 @@ TEST(Lab5Communication, CallsAndBytesWithinBudget) {
             // With overlap_allgather the all-gathers issued by step() may be waited on (or even
             // issued) in the next forward: a step's calls and bytes are then counted from
             // step() to the end of that forward, against the same budget.
-            for (const auto& [max_norm, overlap] : std::vector<std::pair<float, bool>>{
+            for (const auto& setting : std::vector<std::pair<float, bool>>{
                      {0.0f, false}, {1.0f, false}, {0.0f, true}, {1.0f, true}}) {
+              // Named copies, not a structured binding: the lambdas below capture them (which
+              // Clang before 16, the sanitize build's compiler, refuses for bindings).
+              const float max_norm = setting.first;
+              const bool overlap = setting.second;
               Model model = training.model();
               grading::RecordingCommunicator recorder(comm);
               // Read at issue, before any transport may: a trial's padding of ones (or an
