@@ -413,6 +413,29 @@ TEST(Lab4Buckets, FollowTheRule) {
                   "error before any gradient is touched");
           }
           model.clear_hooks();
+          // A whole step, then finish again with no backward between: no gradient became
+          // ready since the last call, so the contract's error once more. A design that
+          // rearms its buckets when the next backward starts, not in finish, returns here
+          // (and on N ranks would wait for and divide the last step's sums a second time).
+          if (!expected.empty() && verdict.passed()) {
+            BucketedDDP again(model, comm, cap);
+            const Tensor batch(input_shape, MemoryCategory::kOther, model.device());
+            const std::vector<int> zero_labels(labels, 0);
+            model.zero_grad();
+            model.backward(model.forward(batch), zero_labels);
+            again.finish_gradient_sync();
+            try {
+              again.finish_gradient_sync();
+              verdict.fail(
+                  "finish_gradient_sync() called a second time after one backward returned; "
+                  "expected dp::Error (no gradient became ready since the last call: the "
+                  "buckets wait for a backward again once finish_gradient_sync has run)");
+            } catch (const NotImplemented&) {
+              throw;
+            } catch (const Error&) {
+            }
+            model.clear_hooks();
+          }
         },
         draws);
   };
