@@ -11,7 +11,8 @@ README's build/default replaced by --build.
 
 A few steps are not run, because CI runs them itself or because running them here would run
 this test inside itself; for each, the script checks that .ci/run does what the step asks
-(RUN_BY_CI). A few run with a smaller workload than written, each with its reason (SMALLER).
+(RUN_BY_CI). A few run with a smaller workload than written, each with its reason (SMALLER:
+arguments added, or an option's value replaced).
 build/student is read as --build too: the full build has the student build's programs.
 Any other command must end as its kind says: `dplab grade` of your code (the skeletons in a
 fresh checkout) with status 0 or 1 and the score table, a check program run by hand
@@ -69,6 +70,18 @@ SMALLER = {
         ["cmake", "--build", "build/student", "--target", "lab4_experiments", "--", "-n"],
         "a dry run (ninja -n) on the build under test, which has the student build's targets: "
         "it checks that the target exists without rebuilding programs other tests are running"),
+    "build/default/bin/dplab train -n 2 --model gpt --batch 16 --steps 300 --optimizer adamw "
+    "--lr 0.001 --verify --checkpoint gpt.safetensors": (
+        {"--steps": "20"},
+        "20 steps instead of 300: the same training, verification and checkpoint for the "
+        "sample that follows (300 steps take 2 min of CPU with --verify)"),
+    "build/student/bin/dplab grade --backend mpi -n 4": (
+        ["--lab", "1"],
+        "lab 1 only: grading under mpi runs the same for every lab, and the selftests grade "
+        "every lab's skeleton under mpi"),
+    "build/student/bin/dplab grade --json results.json --junit grades.xml": (
+        ["--lab", "1"],
+        "lab 1 only: the files are written the same way for one lab as for eight"),
     "tools/run-benchmarks build/default": (
         ["--rounds", "1", "--", "--benchmark_filter=size:4KiB/|train_step/single/batch:64/"],
         "the full sweep takes many minutes; the script runs end to end, one round, on the "
@@ -138,6 +151,10 @@ def run_step(step, args, log):
         if not note:
             return False, "no rule for this command: add one to tests/readme_commands.py"
         argv, cwd = [a.replace("{work}", args.work) for a in extra], args.source
+    elif isinstance(extra, dict):
+        # {option: value}: the option's value replaced (a repeated option is an error).
+        for option, value in extra.items():
+            argv[argv.index(option) + 1] = value
     else:
         argv += extra
     build = os.path.abspath(args.build)
