@@ -22,6 +22,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -296,17 +297,27 @@ void expect_lab2_bits(Verdict& verdict, const Model& model, const Trajectory& ex
 
 TEST(Lab4Buckets, FollowTheRule) {
   Draws draws("Lab4Buckets.FollowTheRule");
+  // BucketedDDP's part runs on every drawn world size: on 1 rank the average of a gradient
+  // is that gradient, bit for bit, so a finish that unpacks some buckets before its error
+  // changes no gradient there; on N ranks, each with its own inputs and labels, it does.
+  const std::vector<int> worlds = draws.world_sizes(4);
   int models_checked = 0;
   int layouts_checked = 0;
-  // The rule on `model` (built from `spec`, whose forward takes `input_shape`, all zeros
-  // being a valid input, and whose backward takes `labels` zero labels).
-  const auto check_model = [&](const std::string& spec, Model& model,
-                               const std::vector<std::int64_t>& input_shape, std::size_t labels) {
+  // What one rank feeds its model: a batch on `device` (its inputs and its labels) that
+  // differs from every other rank's, so that lab 2's average differs from its gradients.
+  using RankBatch = std::function<std::pair<Tensor, std::vector<int>>(int rank, Device device)>;
+  // The rule on the model `make_model` builds (described by `spec`), and BucketedDDP's
+  // buckets and errors on each rank's own copy of it, which `batch_of` feeds.
+  const auto check_model = [&](const std::string& spec, const std::function<Model()>& make_model,
+                               const RankBatch& batch_of) {
+    Model model = make_model();
+    std::optional<std::string> frozen;
     if (draws.coin("freeze")) {
       const auto count = static_cast<std::int64_t>(model.parameters().size());
-      model.freeze(
+      frozen =
           model.parameters()[static_cast<std::size_t>(draws.integer("frozen index", 0, count - 1))]
-              ->name);
+              ->name;
+      model.freeze(*frozen);
     }
     std::size_t largest = 0;
     std::size_t total = 0;
@@ -338,132 +349,176 @@ TEST(Lab4Buckets, FollowTheRule) {
     ++models_checked;
     // BucketedDDP itself: the same buckets.
     const BucketOptions cap = caps[1];
+    const std::vector<Bucket> expected = contract_buckets(model, cap);
     // Where the partial backward below stops: before the first layer that holds a gradient
     // of the middle bucket or a later one (at a layer boundary, so that a design launching
     // from layer hooks has launched every bucket completed before it).
-    const std::size_t stop_bucket = contract_buckets(model, cap).size() / 2;
-    run_on_ranks(
-        1,
-        [&](Communicator& comm, Verdict& verdict) {
-          BucketedDDP ddp(model, comm, cap);
-          const std::vector<Bucket> expected = contract_buckets(model, cap);
-          verdict.expect_empty(compare_buckets(model, ddp.buckets(), expected),
-                               "BucketedDDP::buckets()");
-          // The contract's error: a finish with no bucket launched (no backward ran).
-          if (!expected.empty() && verdict.passed()) {
-            try {
-              ddp.finish_gradient_sync();
-              verdict.fail(
-                  "finish_gradient_sync() with no backward returned; expected dp::Error (no "
-                  "bucket was launched, so there is nothing to wait for)");
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
+    const std::size_t stop_bucket = expected.size() / 2;
+    std::vector<std::size_t> bucket_of(model.parameters().size(), expected.size());
+    for (std::size_t k = 0; k < expected.size(); ++k)
+      for (const std::size_t index : expected[k].parameters) bucket_of[index] = k;
+    for (const int world : worlds) {
+      // Every world size, whatever the last one found: under mpi each process sees only its
+      // own rank's verdict, and a process that stopped early would leave the others' calls
+      // unmatched.
+      run_on_ranks(
+          world,
+          [&](Communicator& comm, Verdict& verdict) {
+            // Each rank its own model (the same values), built on its own thread.
+            Model rank_model = make_model();
+            if (frozen) rank_model.freeze(*frozen);
+            BucketedDDP ddp(rank_model, comm, cap);
+            verdict.expect_empty(compare_buckets(rank_model, ddp.buckets(), expected),
+                                 "BucketedDDP::buckets()");
+            // The contract's error: a finish with no bucket launched (no backward ran).
+            if (!expected.empty() && verdict.passed()) {
+              try {
+                ddp.finish_gradient_sync();
+                verdict.fail(
+                    "finish_gradient_sync() with no backward returned; expected dp::Error (no "
+                    "bucket was launched, so there is nothing to wait for)");
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error&) {
+              }
             }
-          }
-          // And after a backward that stops part way: the buckets before the first
-          // incomplete one complete (launched), the later ones not. A check of the first
-          // bucket alone would go on to wait for calls never made.
-          if (stop_bucket != 0 && verdict.passed()) {
-            std::vector<std::size_t> bucket_of(model.parameters().size(), expected.size());
-            for (std::size_t k = 0; k < expected.size(); ++k)
-              for (const std::size_t index : expected[k].parameters) bucket_of[index] = k;
-            std::vector<bool> delivered(model.parameters().size(), false);
-            struct BackwardStopped {};
-            model.on_gradient_ready(
-                [&](Parameter& parameter) { delivered[parameter.index] = true; });
-            model.on_pre_backward([&](Layer& layer) {
-              for (const Parameter* parameter : layer.parameters())
-                if (bucket_of[parameter->index] >= stop_bucket &&
-                    bucket_of[parameter->index] < expected.size())
-                  throw BackwardStopped{};
-            });
-            const Tensor batch(input_shape, MemoryCategory::kOther, model.device());
-            try {
-              const std::vector<int> zero_labels(labels, 0);
-              model.backward(model.forward(batch), zero_labels);
-            } catch (const BackwardStopped&) {
-            }
-            // The first bucket with a gradient that did not arrive.
-            std::size_t incomplete = expected.size();
-            for (std::size_t index = 0; index < delivered.size(); ++index)
-              if (!delivered[index]) incomplete = std::min(incomplete, bucket_of[index]);
-            const std::vector<float> before = model.flat_gradients();
-            try {
-              ddp.finish_gradient_sync();
-              verdict.fail(fmt::format(
-                  "finish_gradient_sync() after a backward stopped part way (bucket {} of {} the "
-                  "first without all of its gradients) returned; expected dp::Error naming "
-                  "bucket {}",
-                  incomplete, expected.size(), incomplete));
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error& error) {
-              const std::string message = error.what();
-              if (message.find(fmt::format("bucket {}", incomplete)) == std::string::npos)
+            // Whether the calls went as the contract says: the same on every rank, unlike the
+            // gradients' values, so that every rank makes the collectives below or none does.
+            bool calls_as_contracted = verdict.passed();
+            // And after a backward that stops part way: the buckets before the first
+            // incomplete one complete (launched on every rank), the later ones not. A check
+            // of the first bucket alone would go on to wait for calls never made.
+            if (stop_bucket != 0 && verdict.passed()) {
+              std::vector<bool> delivered(rank_model.parameters().size(), false);
+              struct BackwardStopped {};
+              rank_model.on_gradient_ready(
+                  [&](Parameter& parameter) { delivered[parameter.index] = true; });
+              rank_model.on_pre_backward([&](Layer& layer) {
+                for (const Parameter* parameter : layer.parameters())
+                  if (bucket_of[parameter->index] >= stop_bucket &&
+                      bucket_of[parameter->index] < expected.size())
+                    throw BackwardStopped{};
+              });
+              auto [batch, labels] = batch_of(comm.rank(), rank_model.device());
+              try {
+                rank_model.backward(rank_model.forward(batch), labels);
+              } catch (const BackwardStopped&) {
+              }
+              // The first bucket with a gradient that did not arrive.
+              std::size_t incomplete = expected.size();
+              for (std::size_t index = 0; index < delivered.size(); ++index)
+                if (!delivered[index]) incomplete = std::min(incomplete, bucket_of[index]);
+              const std::vector<float> before = rank_model.flat_gradients();
+              try {
+                ddp.finish_gradient_sync();
                 verdict.fail(fmt::format(
-                    "finish_gradient_sync() after a backward stopped part way (bucket {} the "
-                    "first without all of its gradients) threw \"{}\"; expected the error to "
-                    "name the first incomplete bucket (\"bucket {}\")",
-                    incomplete, message, incomplete));
+                    "finish_gradient_sync() after a backward stopped part way (bucket {} of {} "
+                    "the first without all of its gradients) returned; expected dp::Error "
+                    "naming bucket {}",
+                    incomplete, expected.size(), incomplete));
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error& error) {
+                const std::string message = error.what();
+                if (message.find(fmt::format("bucket {}", incomplete)) == std::string::npos)
+                  verdict.fail(fmt::format(
+                      "finish_gradient_sync() after a backward stopped part way (bucket {} the "
+                      "first without all of its gradients) threw \"{}\"; expected the error to "
+                      "name the first incomplete bucket (\"bucket {}\")",
+                      incomplete, message, incomplete));
+              }
+              calls_as_contracted = verdict.passed();
+              const std::vector<float> after = rank_model.flat_gradients();
+              if (after != before) {
+                std::size_t changed = 0;
+                for (std::size_t i = 0; i < after.size(); ++i)
+                  changed += std::memcmp(&after[i], &before[i], sizeof(float)) != 0;
+                verdict.fail(fmt::format(
+                    "finish_gradient_sync() that threw (bucket {} the first without all of "
+                    "its gradients) changed {} of the {} gradient elements; expected the error "
+                    "before any gradient is touched (the contract: the call leaves every "
+                    "gradient as it was)",
+                    incomplete, changed, after.size()));
+              }
             }
-            if (model.flat_gradients() != before)
-              verdict.fail(
-                  "finish_gradient_sync() that threw changed the gradients; expected the "
-                  "error before any gradient is touched");
-          }
-          model.clear_hooks();
-          // A whole step, then finish again with no backward between: no gradient became
-          // ready since the last call, so the contract's error once more. A design that
-          // rearms its buckets when the next backward starts, not in finish, returns here
-          // (and on N ranks would wait for and divide the last step's sums a second time).
-          if (!expected.empty() && verdict.passed()) {
-            BucketedDDP again(model, comm, cap);
-            const Tensor batch(input_shape, MemoryCategory::kOther, model.device());
-            const std::vector<int> zero_labels(labels, 0);
-            model.zero_grad();
-            model.backward(model.forward(batch), zero_labels);
-            again.finish_gradient_sync();
-            try {
+            rank_model.clear_hooks();
+            // A whole step, then finish again with no backward between: no gradient became
+            // ready since the last call, so the contract's error once more. A design that
+            // rearms its buckets when the next backward starts, not in finish, returns here
+            // (and on N ranks would wait for and divide the last step's sums a second time).
+            if (!expected.empty() && calls_as_contracted) {
+              BucketedDDP again(rank_model, comm, cap);
+              auto [batch, labels] = batch_of(comm.rank(), rank_model.device());
+              rank_model.zero_grad();
+              rank_model.backward(rank_model.forward(batch), labels);
               again.finish_gradient_sync();
-              verdict.fail(
-                  "finish_gradient_sync() called a second time after one backward returned; "
-                  "expected dp::Error (no gradient became ready since the last call: the "
-                  "buckets wait for a backward again once finish_gradient_sync has run)");
-            } catch (const NotImplemented&) {
-              throw;
-            } catch (const Error&) {
+              try {
+                again.finish_gradient_sync();
+                verdict.fail(
+                    "finish_gradient_sync() called a second time after one backward returned; "
+                    "expected dp::Error (no gradient became ready since the last call: the "
+                    "buckets wait for a backward again once finish_gradient_sync has run)");
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error&) {
+              }
+              rank_model.clear_hooks();
             }
-            model.clear_hooks();
-          }
-        },
-        draws);
+          },
+          draws);
+    }
   };
   for (int m = 0; m < 4; ++m) {
     const std::string spec =
         fmt::format("{}-{}-{}-{}", draws.integer("in", 4, 64), draws.integer("h1", 4, 96),
                     draws.integer("h2", 4, 96), draws.integer("out", 2, 12));
     const std::int64_t inputs = std::stoll(spec.substr(0, spec.find('-')));
-    Model model = Model::mlp(spec, {.activation = "relu",
-                                    .layer_norm = draws.coin("layer norm"),
-                                    .seed = 1,
-                                    .device = grading::check_device()});
-    check_model(spec, model, {2, inputs}, 2);
+    const int classes = static_cast<int>(std::stoll(spec.substr(spec.rfind('-') + 1)));
+    const bool layer_norm = draws.coin("layer norm");
+    check_model(
+        spec,
+        [&] {
+          return Model::mlp(spec, {.activation = "relu",
+                                   .layer_norm = layer_norm,
+                                   .seed = 1,
+                                   .device = grading::check_device()});
+        },
+        // Inputs in [-0.5, 0.5) and labels that differ from rank to rank: every layer's
+        // gradients then do too (with all-zero inputs and the zero initial biases, only the
+        // last bias's would be non-zero).
+        [&](int rank, Device device) {
+          std::vector<float> values(static_cast<std::size_t>(2 * inputs));
+          for (std::size_t i = 0; i < values.size(); ++i)
+            values[i] =
+                static_cast<float>((7 * i + 5 * static_cast<std::size_t>(rank)) % 13) / 13.0f -
+                0.5f;
+          Tensor batch = Tensor::from(values, MemoryCategory::kOther, device);
+          batch.reshape({2, inputs});
+          return std::pair{std::move(batch),
+                           std::vector<int>{rank % classes, (rank + 1) % classes}};
+        });
   }
   // A GPT: LayerNorm weights and biases of C elements among matrices of up to 4 C^2, and
   // transformer blocks of 12 parameters each, as layers whose gradients a bucket may split.
   draws.section("then a GPT:");
   TrainOptions gpt;
   grading::draw_tiny_gpt(draws, gpt);  // sets the model and its vocabulary
-  Model model = grading::make_check_model(gpt);
   const std::int64_t context = parse_gpt_spec(gpt.model).context;
-  check_model(gpt.model, model, {2, context}, static_cast<std::size_t>(2 * context));
+  check_model(
+      gpt.model, [&] { return grading::make_check_model(gpt); },
+      // Token 0 throughout (every id is a valid input), labels that differ from rank to rank.
+      [&](int rank, Device device) {
+        std::vector<int> labels(static_cast<std::size_t>(2 * context));
+        for (std::size_t i = 0; i < labels.size(); ++i)
+          labels[i] = static_cast<int>((static_cast<std::int64_t>(i) + rank) % gpt.vocab);
+        return std::pair{Tensor({2, context}, MemoryCategory::kOther, device), std::move(labels)};
+      });
   if (!HasFailure())
     grading::note_measured(fmt::format(
         "{} layouts on {} drawn models, the last {} (caps 0, drawn, below the largest "
-        "parameter, the defaults, the whole model) follow the rule; the contract's error is "
-        "raised",
-        layouts_checked, models_checked, gpt.model));
+        "parameter, the defaults, the whole model) follow the rule; the contract's errors are "
+        "raised on {} rank(s), the gradients untouched",
+        layouts_checked, models_checked, gpt.model, fmt::join(worlds, ", ")));
 }
 
 // --- training through BucketedDDP and PerParameterDDP ------------------------------------

@@ -3,6 +3,7 @@
 
 #include <array>
 
+#include "comm/reduce_element.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
 
@@ -18,19 +19,6 @@ namespace {
 /// its signature includes it).
 int device_of_buffer(ConstBuffer buffer) {
   return cuda::device_of(buffer.data);
-}
-
-cuda::ReduceElement element_of(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return cuda::ReduceElement::kFloat32;
-    case DataType::kInt32: return cuda::ReduceElement::kInt32;
-    case DataType::kBFloat16: return cuda::ReduceElement::kBFloat16;
-    case DataType::kFloat16: return cuda::ReduceElement::kFloat16;
-    case DataType::kUInt8: break;
-  }
-  throw Error(fmt::format(
-      "a reduction of {} elements on a device: expected float32, int32, bfloat16 or float16",
-      to_string(type)));
 }
 
 cuda::ReduceCombine combine_of(ReduceOp op) {
@@ -84,7 +72,7 @@ void reduce_device_chunk(std::span<const MutableBuffer> destinations, std::size_
                             .destinations = outputs.data(),
                             .destination_count = destinations.size(),
                             .count = count,
-                            .type = element_of(sources[0].type),
+                            .type = device_reduce_element(sources[0].type, "a reduction"),
                             .op = combine_of(op)};
   cuda::comm_reduce(job, device_of_buffer(sources[0]));
 }

@@ -78,6 +78,7 @@
 #include "comm/argument_checks.h"
 #include "comm/backends.h"
 #include "comm/call_log.h"
+#include "comm/reduce_element.h"
 #include "comm/ring_counts.h"
 #include "cuda/comm_device.h"
 #include "cuda/device_ops.h"
@@ -118,19 +119,6 @@ ncclDataType_t nccl_type(DataType type) {
     case DataType::kFloat16: return ncclFloat16;
   }
   return ncclFloat32;
-}
-
-/// The element type of a division on the device (a reducible type: require_reducible ran).
-cuda::ReduceElement reduce_element(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return cuda::ReduceElement::kFloat32;
-    case DataType::kInt32: return cuda::ReduceElement::kInt32;
-    case DataType::kBFloat16: return cuda::ReduceElement::kBFloat16;
-    case DataType::kFloat16: return cuda::ReduceElement::kFloat16;
-    case DataType::kUInt8: break;
-  }
-  throw Error(
-      fmt::format("nccl: an average of {} elements: expected a reducible type", to_string(type)));
 }
 
 /// The NCCL operation of `op`; an average is a sum here, divided afterwards.
@@ -548,7 +536,8 @@ std::unique_ptr<Work> NcclCommunicator::irecv(MutableBuffer data, int peer, int 
 
 void NcclCommunicator::divide_if_average(MutableBuffer result, ReduceOp op) {
   if (op != ReduceOp::kAvg) return;
-  cuda::comm_divide_on(stream_, result.data, result.count, reduce_element(result.type), size_);
+  cuda::comm_divide_on(stream_, result.data, result.count,
+                       device_reduce_element(result.type, "nccl: an average"), size_);
 }
 
 std::unique_ptr<Work> NcclCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
