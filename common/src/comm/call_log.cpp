@@ -16,6 +16,7 @@ std::string CallRecord::describe() const {
     case CommOp::kRecv:
       text = fmt::format("recv(from={}, tag={}, count={} {})", peer, tag, count, to_string(type));
       break;
+    case CommOp::kSplit: text = fmt::format("split(color={}, key={})", color, key); break;
     default: text = signature(); break;
   }
   return fmt::format("call #{} {}", index, text);
@@ -36,6 +37,7 @@ std::string CallRecord::signature() const {
     case CommOp::kBroadcast:
       return fmt::format("broadcast(count={} {}, root={})", count, elements, peer);
     case CommOp::kBarrier: return "barrier()";
+    case CommOp::kSplit: return "split()";  // colors and keys differ between ranks
     case CommOp::kSend:
     case CommOp::kRecv: return fmt::format("{}(peer={}, tag={})", to_string(op), peer, tag);
   }

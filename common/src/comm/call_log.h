@@ -26,6 +26,8 @@ struct CallRecord {
   ReduceOp reduce = ReduceOp::kSum;  ///< for reductions
   int peer = -1;                     ///< peer of send/recv, root of broadcast
   int tag = 0;                       ///< tag of send/recv
+  int color = 0;                     ///< split: this rank's color (ranks may differ)
+  int key = 0;                       ///< split: this rank's key (ranks may differ)
   bool done = false;
   /// Local backend: the call's flag that says it finished, set by another rank's thread
   /// before the owner records the completion here (see CallLog::snapshot); the owner
