@@ -15,7 +15,8 @@
 // slowest hop by speed, the tree round by round on each round's fabric, the barrier its
 // longest chain of latencies);
 // communicators split by node and by index in the node talk over the links between their
-// ranks' places and their collectives are charged by where those are. Overlap hides
+// ranks' places, and a hierarchical all-reduce of their native collectives takes its
+// formula, 2 to 16 nodes of 8 ranks on nvlink + ib-ndr included. Overlap hides
 // communication; two runs give the same clocks even when wall-clock timing is perturbed; the
 // trace is valid Chrome Trace Event JSON.
 #include <fmt/format.h>
@@ -1027,6 +1028,13 @@ TEST(TwoLevels, NativeCollectivesTakeWhatTheirAlgorithmsTakeFromMessages) {
 
 // --- Two levels: communicators split from the launch's -----------------------------------------
 
+/// 2(k-1) (alpha_f + n/k / bw_f) + 2(N-1) (alpha_i + n/(kN) / bw_i): a hierarchical
+/// all-reduce of n bytes over N nodes of k ranks, a NIC per rank.
+double hierarchical_formula(int nodes, int k, double n, const NetworkModel& network) {
+  return 2 * (k - 1) * message(n / k, network.fabric) +
+         2 * (nodes - 1) * message(n / (k * nodes), network.inter_node);
+}
+
 /// The communicators of a hierarchical algorithm over nodes of `k` ranks, split from
 /// `comm`: the ranks of this rank's node, and the ranks with its index in every node.
 struct NodeAndAcross {
@@ -1039,6 +1047,18 @@ NodeAndAcross split_by_node(Communicator& comm, int k) {
   split.node = comm.split(comm.rank() / k, comm.rank());
   split.across = comm.split(comm.rank() % k, comm.rank());
   return split;
+}
+
+/// Hierarchical all-reduce from the native collectives of split communicators: a
+/// reduce-scatter inside the node (each rank keeps 1/k of its node's sum), an all-reduce of
+/// that part across the nodes (among the ranks with the same index), an all-gather inside
+/// the node. data.size() must be a multiple of the node's size.
+void hierarchical_allreduce_on_splits(Communicator& node, Communicator& across,
+                                      std::vector<float>& data) {
+  std::vector<float> part(data.size() / static_cast<std::size_t>(node.size()));
+  node.reduce_scatter(std::span<const float>(data), std::span(part), ReduceOp::kSum)->wait();
+  across.allreduce(std::span(part), ReduceOp::kSum)->wait();
+  node.allgather(std::span<const float>(part), std::span(data))->wait();
 }
 
 TEST(TwoLevels, SplitCommunicatorsTalkOverTheLinksBetweenTheirRanksPlaces) {
@@ -1112,6 +1132,79 @@ TEST(TwoLevels, CollectivesOfSplitCommunicatorsAreChargedByWhereTheirRanksAre) {
                     where + ": broadcast across nodes, barrier inside");
     });
   }
+}
+
+TEST(TwoLevels, AHierarchicalAllReduceOnSplitCommunicatorsTakesItsFormula) {
+  // As the hierarchical all-reduce of messages above, from the native collectives of the
+  // communicators split by node and by index in the node: the same formula.
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+  };
+  for (const Topology& topology :
+       {Topology{2, 2}, Topology{2, 4}, Topology{4, 2}, Topology{3, 2}}) {
+    const int k = topology.ranks_per_node;
+    const int nodes = topology.nodes;
+    const int p = nodes * k;
+    const NetworkModel network = two_levels(k);
+    for (std::size_t count : counts_for(p)) {
+      if (count > 100000 * static_cast<std::size_t>(p)) continue;
+      const double n = static_cast<double>(count * sizeof(float));
+      std::vector<double> took(static_cast<std::size_t>(p));
+      launch(simulated(p, network), [&](Communicator& comm) {
+        auto [node, across] = split_by_node(comm, k);
+        const double start = comm.clock().now();
+        std::vector<float> data = rank_values(comm.rank(), count);
+        hierarchical_allreduce_on_splits(*node, *across, data);
+        expect_sum(data, p);
+        took[static_cast<std::size_t>(comm.rank())] = comm.clock().now() - start;
+      });
+      expect_time(*std::max_element(took.begin(), took.end()),
+                  hierarchical_formula(nodes, k, n, network),
+                  fmt::format("hierarchical all-reduce on split communicators, {} nodes x {} "
+                              "ranks, n = {} B",
+                              nodes, k, n));
+    }
+  }
+}
+
+TEST(TwoLevels, HierarchicalAllReduceOf2To16NodesOf8RanksOnNvlinkAndIbNdr) {
+  // The hierarchical all-reduce on split communicators against its formula for 2, 4, 8 and
+  // 16 nodes of 8 ranks (NVLink inside the nodes, InfiniBand NDR between them, a NIC per
+  // GPU as on a DGX), 1 MiB per rank; beside it the flat ring's formula (its slowest hop is
+  // NDR's) and the ratio. Printed as a table.
+  const int k = 8;
+  const std::size_t count = std::size_t{1} << 18;  // 1 MiB of float32
+  const double n = static_cast<double>(count * sizeof(float));
+  NetworkModel network = NetworkModel::preset("ib-ndr");
+  network.fabric = NetworkModel::preset("nvlink").fabric;
+  network.ranks_per_node = k;
+  std::string table =
+      "| nodes x ranks | simulated (us) | formula (us) | flat ring formula (us) | flat / "
+      "hierarchical |\n|---|---|---|---|---|\n";
+  for (int nodes : {2, 4, 8, 16}) {
+    const int p = nodes * k;
+    std::vector<double> took(static_cast<std::size_t>(p));
+    LaunchOptions options = simulated(p, network);
+    options.simulation.record_trace = false;
+    launch(options, [&](Communicator& comm) {
+      auto [node, across] = split_by_node(comm, k);
+      const double start = comm.clock().now();
+      std::vector<float> data = rank_values(comm.rank(), count);
+      hierarchical_allreduce_on_splits(*node, *across, data);
+      took[static_cast<std::size_t>(comm.rank())] = comm.clock().now() - start;
+      EXPECT_EQ(data[count - 1], static_cast<float>(p * (p + 1) / 2 * ((count - 1) % 5 + 1)));
+    });
+    const double simulated_seconds = *std::max_element(took.begin(), took.end());
+    const double formula = hierarchical_formula(nodes, k, n, network);
+    expect_time(simulated_seconds, formula, fmt::format("{} nodes x {} ranks", nodes, k));
+    const double flat =
+        2 * (p - 1) * std::max(message(n / p, network.fabric), message(n / p, network.inter_node));
+    table +=
+        fmt::format("| {} x {} | {:.3f} | {:.3f} | {:.3f} | {:.2f} |\n", nodes, k,
+                    simulated_seconds * 1e6, formula * 1e6, flat * 1e6, flat / simulated_seconds);
+  }
+  std::printf("hierarchical all-reduce of 1 MiB per rank, nvlink + ib-ndr:\n%s", table.c_str());
 }
 
 TEST(TwoLevels, EachRankUsesNicRankModNicsOfItsNode) {
