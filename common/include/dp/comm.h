@@ -12,6 +12,11 @@
 // operations; a mismatch fails on every rank with an error naming the ranks and the
 // sizes, and a hang is reported with each rank's pending call (see `CommOptions`).
 //
+// `split(color, key)` makes communicators of subsets of the ranks, as MPI_Comm_split (the
+// ranks of a node, the ranks with one index in every node: a hierarchical all-reduce is a
+// reduce-scatter on the first, an all-reduce on the second, an all-gather on the first);
+// they run on the same backend and, on the simulated network, between their ranks' places.
+//
 // A buffer lives on a device (`Device::kHost` unless it says otherwise), and each backend
 // states which devices it accepts: local takes host and CUDA buffers, mpi host buffers
 // only, nccl CUDA buffers only. A buffer a backend does not accept throws `dp::Error` at
