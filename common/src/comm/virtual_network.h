@@ -26,8 +26,10 @@
 // message that waits for a busy receiver does not hold back its sender's other messages:
 // a later one that fits into the gap goes first, as on a real network. The send completes
 // at the arrival and the receive at max(arrival, receive issue time). A collective starts
-// when every rank issued it and every link is free after everything placed before it,
-// lasts its algorithm's time (see dp/clock.h) and occupies every link for all of it.
+// when every rank issued it and every port its algorithm's messages use is free after
+// everything placed before it (on one fabric: every port), lasts its algorithm's time on
+// where its ranks are (dp/clock.h, "Native collectives") and occupies those ports, both
+// directions, for all of it.
 //
 // Ports. On one flat fabric each rank has one port (a send and a receive direction). On
 // two levels (see "Two levels" in dp/clock.h) each rank has its own port on the intra-node
