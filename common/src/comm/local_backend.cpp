@@ -37,6 +37,7 @@ std::shared_ptr<Operation> LocalCommunicator::make_operation(CommOp op) const {
   operation->group = &group_;
   operation->member = rank_;
   operation->record.op = op;
+  operation->record.communicator = group_.id;
   return operation;
 }
 
