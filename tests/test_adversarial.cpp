@@ -84,6 +84,35 @@ TEST(AdversarialCompletion, AResultIsPoisonUntilItsOwnWait) {
   });
 }
 
+TEST(AdversarialCompletion, ACommunicatorSplitFromAnAdversarialOneIsAdversarialToo) {
+  launch(adversarial(world()), [](Communicator& comm) {
+    const int r = comm.rank();
+    std::unique_ptr<Communicator> half = comm.split(r % 2, r);
+    ASSERT_NE(half, nullptr);
+    // The first call of each: rank 0 is rank 0 of both, yet the poisons differ (the split
+    // communicator draws from a seed of its own).
+    std::vector<float> on_parent(4, 3.0f), on_half(4, 3.0f);
+    auto parent_work = comm.allreduce(std::span(on_parent), ReduceOp::kSum);
+    auto half_work = half->allreduce(std::span(on_half), ReduceOp::kSum);
+    EXPECT_TRUE(poison_shaped(on_half[0])) << on_half[0];
+    if (r == 0) {
+      EXPECT_NE(on_parent, on_half);
+    }
+    half_work->wait();
+    parent_work->wait();
+    // Results arrive at their own wait, in the order the caller waits.
+    std::vector<float> first(20, 3.0f);
+    std::vector<float> second(20, 5.0f);
+    auto first_work = half->allreduce(std::span(first), ReduceOp::kSum);
+    auto second_work = half->allreduce(std::span(second), ReduceOp::kSum);
+    second_work->wait();
+    EXPECT_EQ(second[0], 5.0f * static_cast<float>(half->size()));
+    EXPECT_TRUE(poison_shaped(first[0])) << "the first call was not waited on yet: " << first[0];
+    first_work->wait();
+    EXPECT_EQ(first[19], 3.0f * static_cast<float>(half->size()));
+  });
+}
+
 TEST(AdversarialCompletion, WaitingForTheLastCallOnlyLeavesTheOthersUnfinished) {
   // The bug this mode exists for: issue several calls, wait for the last, read them all.
   launch(adversarial(world()), [](Communicator& comm) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -109,6 +110,27 @@ TEST(CommErrors, ExtraCollectiveOnOneRankIsADeadlockAtTheDivergence) {
   EXPECT_NE(message.find("first differ at collective #1"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 0: allreduce(count=16 float32, op=sum)"), std::string::npos)
       << message;
+}
+
+TEST(CommErrors, ADeadlockOnSplitCommunicatorsNamesThemAndComparesTheLaunchsSequencesOnly) {
+  // Pairs {0, 1} and {2, 3} all-reduce different sizes on their own communicators (no
+  // mismatch: they are different communicators), then the ranks of the second pair each
+  // receive first from the other. The report names the communicator of the waiting calls and
+  // finds no divergence in the launch's own sequence (a split, then nothing).
+  const std::string message = comm_error_of(local(4), [](Communicator& comm) {
+    std::unique_ptr<Communicator> pair = comm.split(comm.rank() / 2, 0);
+    std::vector<float> data(comm.rank() < 2 ? 4 : 8, 1.0f);
+    pair->allreduce(std::span(data), ReduceOp::kSum)->wait();
+    if (comm.rank() < 2) return;
+    std::vector<float> in(4);
+    pair->irecv(std::span(in), 1 - pair->rank(), 0)->wait();
+  });
+  EXPECT_NE(message.find("deadlock"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 2: waits for call #2 recv(from=1, tag=0, count=4 float32) on "
+                         "communicator 2"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("the ranks' collective sequences agree"), std::string::npos) << message;
 }
 
 TEST(CommErrors, HangIsReportedAfterTheTimeout) {

@@ -5,7 +5,8 @@
 // message; 2-rank sums bitwise the local backend's and 3- and 4-rank sums in the ring order
 // the file states; a mismatch that hangs and is reported after the hang timeout, not at
 // once; messages held until the next wait and matched in posted order, sorted by tag
-// within a group; the ring counters; at most 8 ranks (the emulated machine's GPUs).
+// within a group; the ring counters; at most 8 ranks (the emulated machine's GPUs); split
+// communicators with ncclCommSplit's contract, whose failures stop every rank.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -366,6 +368,64 @@ TEST_F(EmulatedNccl, ARankThatFailsStopsTheOthersAtOnceAndIsTheErrorLaunchThrows
            });
   });
   EXPECT_TRUE(contains(message, "rank 2's own failure")) << message;
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
+}
+
+TEST_F(EmulatedNccl, SplitMakesNcclCommunicatorsOfEachColorOrderedByKey) {
+  // As ncclCommSplit: every rank calls it, ranks of a color form a communicator ranked by
+  // key (then rank), NCCL_SPLIT_NOCOLOR (kNoColor) gets none; the new communicator is nccl's
+  // (device buffers only) and can be split again.
+  launch({.world_size = 4, .backend = Backend::kNccl}, [](Communicator& comm) {
+    const int r = comm.rank();
+    std::unique_ptr<Communicator> half = comm.split(r % 2, -r);  // {2, 0} and {3, 1}
+    ASSERT_NE(half, nullptr);
+    EXPECT_EQ(half->backend(), "nccl");
+    EXPECT_EQ(half->size(), 2);
+    EXPECT_EQ(half->rank(), r < 2 ? 1 : 0);
+    Tensor data = Tensor::from(std::vector<float>(3, static_cast<float>(r + 1)),
+                               MemoryCategory::kCommunication, Device::kCuda);
+    half->allreduce(data.view(), ReduceOp::kSum)->wait();
+    EXPECT_EQ(host_copy(data), std::vector<float>(3, r % 2 == 0 ? 1.0f + 3.0f : 2.0f + 4.0f));
+    // A message to the other rank of the pair, by its rank in the pair.
+    Tensor mine = Tensor::from(std::vector<float>{static_cast<float>(r)},
+                               MemoryCategory::kCommunication, Device::kCuda);
+    Tensor theirs({1}, MemoryCategory::kCommunication, Device::kCuda);
+    auto send = half->isend(mine.view(), 1 - half->rank(), 0);
+    auto receive = half->irecv(theirs.view(), 1 - half->rank(), 0);
+    receive->wait();
+    send->wait();
+    EXPECT_EQ(host_copy(theirs), std::vector<float>{static_cast<float>((r + 2) % 4)});
+    std::vector<float> host(2);
+    EXPECT_TRUE(contains(
+        message_of<Error>([&] { half->allreduce(std::span<float>(host), ReduceOp::kSum); }),
+        "allreduce on the nccl backend: expected a buffer in cuda"));
+    std::unique_ptr<Communicator> alone =
+        half->split(half->rank() == 0 ? 0 : Communicator::kNoColor, 0);
+    EXPECT_EQ(alone == nullptr, half->rank() != 0);
+    if (alone) {
+      EXPECT_EQ(alone->size(), 1);
+      alone->barrier();
+    }
+    EXPECT_EQ(half->counters().of(CommOp::kSplit).calls, 1u);
+    EXPECT_EQ(comm.counters().of(CommOp::kSplit).calls, 1u);
+  });
+}
+
+TEST_F(EmulatedNccl, ARankThatFailsStopsTheRanksOfASplitCommunicatorToo) {
+  const auto started = std::chrono::steady_clock::now();
+  const std::string message = message_of<Error>([] {
+    launch({.world_size = 4,
+            .backend = Backend::kNccl,
+            .comm = {.hang_timeout = std::chrono::seconds(60)}},
+           [](Communicator& comm) {
+             std::unique_ptr<Communicator> pair = comm.split(comm.rank() / 2, 0);
+             Tensor data({4}, MemoryCategory::kCommunication, Device::kCuda);
+             if (comm.rank() == 3) throw Error("rank 3's own failure");
+             pair->allreduce(data.view(), ReduceOp::kSum)->wait();
+             comm.barrier();
+           });
+  });
+  EXPECT_TRUE(contains(message, "rank 3's own failure")) << message;
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
 }
 

@@ -11,15 +11,21 @@
 // message takes alpha + n / bandwidth of its pair's fabric, ranks sharing a NIC queue for
 // it (j messages through one NIC: j n / bandwidth + alpha), a ring from messages takes
 // 2(p-1) times its slowest hop, a hierarchical all-reduce from messages its two-level
-// formula, and native collectives their formula on the slowest fabric. Overlap hides communication;
-// two runs give the same clocks even when wall-clock timing is perturbed; the trace is valid Chrome
-// Trace Event JSON.
+// formula, and native collectives what the same algorithms of messages take (the ring at its
+// slowest hop by speed, the tree round by round on each round's fabric, the barrier its
+// longest chain of latencies);
+// communicators split by node and by index in the node talk over the links between their
+// ranks' places, and a hierarchical all-reduce of their native collectives takes its
+// formula, 2 to 16 nodes of 8 ranks on nvlink + ib-ndr included. Overlap hides
+// communication; two runs give the same clocks even when wall-clock timing is perturbed; the
+// trace is valid Chrome Trace Event JSON.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -341,15 +347,23 @@ TEST(AlgorithmFormulaHuge, RingBeatsTheParameterServerByThePredictedFactor) {
 
 // --- Native collectives --------------------------------------------------------------------
 
-/// Every native collective on `p` ranks of `network` takes its documented formula on
-/// `link`: ring all-reduce 2(p-1) (alpha + n/p beta), ring reduce-scatter and all-gather
-/// (p-1) (alpha + n/p beta), binomial-tree broadcast ceil(lg p) (alpha + n beta),
-/// dissemination barrier ceil(lg p) alpha.
-void expect_native_formulas(int p, const NetworkModel& network, const LinkModel& link,
-                            std::string_view where) {
+/// What the native collectives of `expect_native_times` must take for n bytes on p ranks:
+/// one step of the ring (n/p bytes a hop), the broadcast, the barrier.
+struct NativeTimes {
+  double ring_step;
+  double broadcast;
+  double barrier;
+};
+
+/// Every native collective on `p` ranks of `network` takes `expected(n)`'s times: ring
+/// all-reduce 2(p-1) steps, ring reduce-scatter and all-gather p-1 steps, the broadcast and
+/// the barrier as they are.
+void expect_native_times(int p, const NetworkModel& network,
+                         const std::function<NativeTimes(double)>& expected,
+                         std::string_view where) {
   const std::size_t count = 1000 * static_cast<std::size_t>(p);
   const double n = static_cast<double>(count * sizeof(float));
-  const double whole = static_cast<double>(p);
+  const NativeTimes times = expected(n);
   struct Case {
     const char* name;
     std::function<void(Communicator&)> call;
@@ -361,37 +375,44 @@ void expect_native_formulas(int p, const NetworkModel& network, const LinkModel&
          std::vector<float> x(count, 1.0f);
          comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
        },
-       2 * (p - 1) * message(n / whole, link)},
+       2 * (p - 1) * times.ring_step},
       {"reduce_scatter (ring)",
        [&](Communicator& comm) {
          std::vector<float> in(count, 1.0f);
          std::vector<float> out(count / static_cast<std::size_t>(p));
          comm.reduce_scatter(std::span(in), std::span(out), ReduceOp::kSum)->wait();
        },
-       (p - 1) * message(n / whole, link)},
+       (p - 1) * times.ring_step},
       {"allgather (ring)",
        [&](Communicator& comm) {
          std::vector<float> in(count / static_cast<std::size_t>(p), 1.0f);
          std::vector<float> out(count);
          comm.allgather(std::span(in), std::span(out))->wait();
        },
-       (p - 1) * message(n / whole, link)},
+       (p - 1) * times.ring_step},
       {"broadcast (binomial tree)",
        [&](Communicator& comm) {
          std::vector<float> x(count, 1.0f);
          comm.broadcast(std::span(x), 0)->wait();
        },
-       ceil_log2(p) * message(n, link)},
-      {"barrier (dissemination)", [&](Communicator& comm) { comm.barrier(); },
-       ceil_log2(p) * link.alpha_seconds},
+       times.broadcast},
+      {"barrier (dissemination)", [&](Communicator& comm) { comm.barrier(); }, times.barrier},
   };
   for (const Case& c : cases)
     expect_time(simulated_time(p, c.call, network), c.expected,
                 fmt::format("{} at p = {}, {}", c.name, p, where));
 }
 
+/// On one fabric (`link`): ring steps of alpha + n/p beta, binomial-tree broadcast
+/// ceil(lg p) (alpha + n beta), dissemination barrier ceil(lg p) alpha.
+NativeTimes flat_times(int p, const LinkModel& link, double n) {
+  return {message(n / p, link), ceil_log2(p) * message(n, link), ceil_log2(p) * link.alpha_seconds};
+}
+
 TEST(NativeCollectives, AreChargedByTheirDocumentedAlgorithm) {
-  for (int p : {1, 2, 3, 5, 8}) expect_native_formulas(p, kNet, kNet.fabric, "one fabric");
+  for (int p : {1, 2, 3, 5, 8})
+    expect_native_times(
+        p, kNet, [&](double n) { return flat_times(p, kNet.fabric, n); }, "one fabric");
 }
 
 TEST(NativeCollectives, QueueBehindEachOtherOnTheLinks) {
@@ -883,22 +904,317 @@ TEST(TwoLevels, AHierarchicalAllReduceOfMessagesTakesItsFormula) {
   }
 }
 
-TEST(TwoLevels, NativeCollectivesAreChargedTheFlatFormulaOnTheSlowestFabric) {
-  // Across nodes: the inter-node fabric, whatever the NIC count; inside one node: NVLink.
+TEST(TwoLevels, NativeCollectivesAreChargedByWhereTheirRanksAre) {
+  // NVLink inside a node, 100 GbE between (alpha 1 and 10 us): a ring spanning nodes steps
+  // at its slowest hop, 100 GbE's at these sizes (4 KB a hop); a broadcast spends its
+  // rounds across nodes on 100 GbE and the rest on NVLink (from rank 0 the first lg N
+  // rounds cross nodes, the last lg k stay inside them); a barrier spanning nodes takes
+  // ceil(lg p) alpha_i (a rank last in its node sends across nodes every round). Inside
+  // one node: NVLink's flat formulas. The NIC count changes none of them.
   struct Case {
     int p;
     int ranks_per_node;
     int nics;
+    int broadcast_rounds_across;  // the rest inside nodes
   };
-  for (const Case& c : {Case{4, 2, 0}, Case{4, 2, 1}, Case{8, 4, 1}, Case{8, 4, 2}, Case{6, 2, 0},
-                        Case{3, 4, 0}, Case{4, 4, 1}}) {
+  for (const Case& c : {Case{4, 2, 0, 1}, Case{4, 2, 1, 1}, Case{8, 4, 1, 1}, Case{8, 4, 2, 1},
+                        Case{8, 2, 0, 2}, Case{6, 2, 0, 2}, Case{3, 4, 0, 0}, Case{4, 4, 1, 0}}) {
     const NetworkModel network = two_levels(c.ranks_per_node, c.nics);
     const bool spans_nodes = c.p > c.ranks_per_node;
     EXPECT_EQ(&network.slowest_link(c.p), spans_nodes ? &network.inter_node : &network.fabric);
-    expect_native_formulas(c.p, network, spans_nodes ? network.inter_node : network.fabric,
-                           fmt::format("{} ranks per node, {} NICs per node", c.ranks_per_node,
-                                       c.nics == 0 ? c.ranks_per_node : c.nics));
+    const auto expected = [&](double n) {
+      if (!spans_nodes) return flat_times(c.p, network.fabric, n);
+      const int rounds = ceil_log2(c.p);
+      return NativeTimes{
+          std::max(message(n / c.p, network.fabric), message(n / c.p, network.inter_node)),
+          c.broadcast_rounds_across * message(n, network.inter_node) +
+              (rounds - c.broadcast_rounds_across) * message(n, network.fabric),
+          rounds * network.inter_node.alpha_seconds};
+    };
+    expect_native_times(c.p, network, expected,
+                        fmt::format("{} ranks, {} per node, {} NICs per node", c.p,
+                                    c.ranks_per_node, c.nics == 0 ? c.ranks_per_node : c.nics));
   }
+}
+
+/// The binomial-tree broadcast of PointToPoint.BinomialTreeBroadcastTakesLgPRoundsOfAlphaPlus-
+/// Transfer from `root`, from messages: each rank receives from its parent, then sends to its
+/// children largest subtree first, back to back.
+void tree_broadcast(Communicator& comm, std::span<float> data, int root) {
+  const int p = comm.size();
+  const int relative = (comm.rank() - root + p) % p;
+  int mask = 1;
+  while (mask < p && (relative & mask) == 0) mask <<= 1;
+  if (relative != 0) comm.irecv(data, (relative - mask + root) % p, 0)->wait();
+  std::vector<std::unique_ptr<Work>> sends;
+  for (mask >>= 1; mask > 0; mask >>= 1)
+    if (relative + mask < p)
+      sends.push_back(comm.isend(std::span<const float>(data), (relative + mask + root) % p, 0));
+  for (auto& send : sends) send->wait();
+}
+
+/// A dissemination barrier from empty messages: in round i each rank sends to the rank 2^i
+/// after it and receives from the one 2^i before it, and waits for both.
+void dissemination_barrier(Communicator& comm) {
+  const int p = comm.size();
+  const int r = comm.rank();
+  std::vector<float> none;
+  for (int distance = 1; distance < p; distance *= 2) {
+    auto send = comm.isend(std::span<const float>(none), (r + distance) % p, 1);
+    auto receive = comm.irecv(std::span(none), (r - distance + p) % p, 1);
+    receive->wait();
+    send->wait();
+  }
+}
+
+TEST(TwoLevels, NativeCollectivesTakeWhatTheirAlgorithmsTakeFromMessages) {
+  // The native collectives are charged what the same algorithms built from isend/irecv
+  // take: the ring at its slowest hop, also when a 20 us NVLink makes the intra-node hop the
+  // slowest for small chunks (a charge of the inter-node fabric alone, by layout, missed
+  // it); the tree over nodes of k ranks from a node's first rank; the dissemination barrier
+  // on any layout, also with that NVLink.
+  NetworkModel slow_nvlink = two_levels(2);
+  slow_nvlink.fabric.alpha_seconds = 20e-6;
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+    bool slow_nvlink;
+  };
+  for (const Topology& t : {Topology{2, 2, false}, Topology{2, 4, false}, Topology{4, 2, false},
+                            Topology{2, 2, true}, Topology{3, 2, true}}) {
+    NetworkModel network = two_levels(t.ranks_per_node);
+    if (t.slow_nvlink) network.fabric = slow_nvlink.fabric;
+    const int p = t.nodes * t.ranks_per_node;
+    const std::string where = fmt::format("{} nodes x {} ranks{}", t.nodes, t.ranks_per_node,
+                                          t.slow_nvlink ? ", 20 us NVLink" : "");
+    for (std::size_t count : {static_cast<std::size_t>(p), static_cast<std::size_t>(p) << 15}) {
+      const auto both = [&](const std::function<void(Communicator&)>& messages,
+                            const std::function<void(Communicator&)>& native,
+                            const std::string& what) {
+        expect_time(simulated_time(p, native, network), simulated_time(p, messages, network),
+                    fmt::format("{} of {} floats, {}", what, count, where));
+      };
+      both(
+          [&](Communicator& comm) {
+            std::vector<float> data = rank_values(comm.rank(), count);
+            ring_allreduce(comm, data);
+          },
+          [&](Communicator& comm) {
+            std::vector<float> data = rank_values(comm.rank(), count);
+            comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+          },
+          "ring all-reduce");
+      // A node's first rank as the root: rank 0 and the first rank of the last node.
+      for (int root : {0, p - t.ranks_per_node}) {
+        const bool powers_of_two = (t.nodes & (t.nodes - 1)) == 0;
+        if (!powers_of_two) continue;  // there the native rounds are an upper bound
+        both(
+            [&](Communicator& comm) {
+              std::vector<float> data(count);
+              tree_broadcast(comm, data, root);
+            },
+            [&](Communicator& comm) {
+              std::vector<float> data(count);
+              comm.broadcast(std::span(data), root)->wait();
+            },
+            fmt::format("broadcast from rank {}", root));
+      }
+    }
+    expect_time(simulated_time(
+                    p, [](Communicator& comm) { comm.barrier(); }, network),
+                simulated_time(p, dissemination_barrier, network), "barrier, " + where);
+  }
+}
+
+// --- Two levels: communicators split from the launch's -----------------------------------------
+
+/// 2(k-1) (alpha_f + n/k / bw_f) + 2(N-1) (alpha_i + n/(kN) / bw_i): a hierarchical
+/// all-reduce of n bytes over N nodes of k ranks, a NIC per rank.
+double hierarchical_formula(int nodes, int k, double n, const NetworkModel& network) {
+  return 2 * (k - 1) * message(n / k, network.fabric) +
+         2 * (nodes - 1) * message(n / (k * nodes), network.inter_node);
+}
+
+/// The communicators of a hierarchical algorithm over nodes of `k` ranks, split from
+/// `comm`: the ranks of this rank's node, and the ranks with its index in every node.
+struct NodeAndAcross {
+  std::unique_ptr<Communicator> node;
+  std::unique_ptr<Communicator> across;
+};
+
+NodeAndAcross split_by_node(Communicator& comm, int k) {
+  NodeAndAcross split;
+  split.node = comm.split(comm.rank() / k, comm.rank());
+  split.across = comm.split(comm.rank() % k, comm.rank());
+  return split;
+}
+
+/// Hierarchical all-reduce from the native collectives of split communicators: a
+/// reduce-scatter inside the node (each rank keeps 1/k of its node's sum), an all-reduce of
+/// that part across the nodes (among the ranks with the same index), an all-gather inside
+/// the node. data.size() must be a multiple of the node's size.
+void hierarchical_allreduce_on_splits(Communicator& node, Communicator& across,
+                                      std::vector<float>& data) {
+  std::vector<float> part(data.size() / static_cast<std::size_t>(node.size()));
+  node.reduce_scatter(std::span<const float>(data), std::span(part), ReduceOp::kSum)->wait();
+  across.allreduce(std::span(part), ReduceOp::kSum)->wait();
+  node.allgather(std::span<const float>(part), std::span(data))->wait();
+}
+
+TEST(TwoLevels, SplitCommunicatorsTalkOverTheLinksBetweenTheirRanksPlaces) {
+  // 2 nodes x 4 ranks. A split is charged as a barrier over the communicator split (every
+  // rank waits for all): two splits of the launch's 8 ranks, 2 x 3 alpha_i. Then, at once,
+  // rank 0 of each node sends to rank 1 of its node over NVLink (ranks 0 and 1 of the
+  // node's communicator are ranks 4j and 4j+1 of the launch), and each rank of node 0 sends
+  // to the rank of its index in node 1 over 100 GbE (ranks 0 and 1 of the communicator
+  // across nodes are ranks l and 4 + l of the launch, in two nodes).
+  const int k = 4;
+  const NetworkModel network = two_levels(k);
+  const double n = 1 << 16;
+  const double after_splits = 2 * 3 * network.inter_node.alpha_seconds;
+  launch(simulated(2 * k, network), [&](Communicator& comm) {
+    auto [node, across] = split_by_node(comm, k);
+    expect_time(comm.clock().now(), after_splits, "after the two splits");
+    std::vector<std::uint8_t> x(static_cast<std::size_t>(n));
+    const MutableBuffer buffer(x.data(), x.size(), DataType::kUInt8);
+    std::vector<std::uint8_t> y(static_cast<std::size_t>(n));
+    const MutableBuffer other(y.data(), y.size(), DataType::kUInt8);
+    // Both issued at once: a rank's two ports are independent.
+    std::unique_ptr<Work> inside;
+    if (node->rank() < 2)
+      inside = node->rank() == 0 ? node->isend(buffer, 1, 0) : node->irecv(buffer, 0, 0);
+    auto between = across->rank() == 0 ? across->isend(other, 1, 0) : across->irecv(other, 0, 0);
+    if (inside) {
+      inside->wait();
+      expect_time(comm.clock().now(), after_splits + message(n, network.fabric),
+                  fmt::format("rank {}: a message inside its node", comm.rank()));
+    }
+    between->wait();
+    expect_time(comm.clock().now(), after_splits + message(n, network.inter_node),
+                fmt::format("rank {}: a message across nodes", comm.rank()));
+  });
+}
+
+TEST(TwoLevels, CollectivesOfSplitCommunicatorsAreChargedByWhereTheirRanksAre) {
+  // 2 nodes x 4 ranks, 16 KiB. Both nodes all-reduce at once on NVLink, each in
+  // 2 (k-1) (alpha_f + n/k / bw_f); then the 4 communicators across nodes all-reduce at once
+  // in 2 (N-1) (alpha_i + n/N / bw_i) with a NIC per rank, while through one NIC per node
+  // they take it in turn (they hold the NICs): the one of index l ends (l+1) times later.
+  // Then a broadcast across the 2 nodes (one round on 100 GbE) and a barrier inside a node
+  // (2 rounds of NVLink's alpha).
+  const int k = 4;
+  const int nodes = 2;
+  const std::size_t count = 4096;
+  const double n = static_cast<double>(count * sizeof(float));
+  for (int nics : {0, 1}) {
+    const NetworkModel network = two_levels(k, nics);
+    launch(simulated(nodes * k, network), [&](Communicator& comm) {
+      auto [node, across] = split_by_node(comm, k);
+      const double start = comm.clock().now();
+      const std::string where =
+          fmt::format("rank {}, {} NICs per node", comm.rank(), nics == 0 ? k : nics);
+      std::vector<float> data = rank_values(comm.rank(), count);
+      node->allreduce(std::span(data), ReduceOp::kSum)->wait();
+      const double inside = 2 * (k - 1) * message(n / k, network.fabric);
+      expect_time(comm.clock().now() - start, inside, where + ": all-reduce inside the node");
+      across->allreduce(std::span(data), ReduceOp::kSum)->wait();
+      const double between = 2 * (nodes - 1) * message(n / nodes, network.inter_node);
+      const int turn = nics == 0 ? 1 : node->rank() + 1;
+      expect_time(comm.clock().now() - start, inside + turn * between,
+                  where + ": all-reduce across nodes");
+      expect_sum(data, nodes * k);
+      const double before_broadcast = comm.clock().now();
+      across->broadcast(std::span(data), 1)->wait();
+      node->barrier();
+      if (nics == 0)
+        expect_time(comm.clock().now() - before_broadcast,
+                    message(n, network.inter_node) + 2 * network.fabric.alpha_seconds,
+                    where + ": broadcast across nodes, barrier inside");
+    });
+  }
+}
+
+TEST(TwoLevels, AHierarchicalAllReduceOnSplitCommunicatorsTakesItsFormula) {
+  // As the hierarchical all-reduce of messages above, from the native collectives of the
+  // communicators split by node and by index in the node: the same formula with a NIC per
+  // rank. With m NICs per node the k all-reduces across nodes hold the NICs they use, so
+  // those of one NIC take turns: k/m of them one after another, (k/m) 2(N-1) (alpha_i +
+  // n/(kN) / bw_i) for the phase across nodes.
+  struct Topology {
+    int nodes;
+    int ranks_per_node;
+    int nics;
+  };
+  for (const Topology& topology :
+       {Topology{2, 2, 0}, Topology{2, 4, 0}, Topology{4, 2, 0}, Topology{3, 2, 0},
+        Topology{2, 2, 1}, Topology{2, 4, 1}, Topology{2, 4, 2}, Topology{3, 2, 1}}) {
+    const int k = topology.ranks_per_node;
+    const int nodes = topology.nodes;
+    const int p = nodes * k;
+    const int turns = topology.nics == 0 ? 1 : k / topology.nics;
+    const NetworkModel network = two_levels(k, topology.nics);
+    for (std::size_t count : counts_for(p)) {
+      if (count > 100000 * static_cast<std::size_t>(p)) continue;
+      const double n = static_cast<double>(count * sizeof(float));
+      std::vector<double> took(static_cast<std::size_t>(p));
+      launch(simulated(p, network), [&](Communicator& comm) {
+        auto [node, across] = split_by_node(comm, k);
+        const double start = comm.clock().now();
+        std::vector<float> data = rank_values(comm.rank(), count);
+        hierarchical_allreduce_on_splits(*node, *across, data);
+        expect_sum(data, p);
+        took[static_cast<std::size_t>(comm.rank())] = comm.clock().now() - start;
+      });
+      const double expected =
+          2 * (k - 1) * message(n / k, network.fabric) +
+          turns * 2 * (nodes - 1) * message(n / (k * nodes), network.inter_node);
+      if (topology.nics == 0)
+        expect_time(expected, hierarchical_formula(nodes, k, n, network), "the formula");
+      expect_time(*std::max_element(took.begin(), took.end()), expected,
+                  fmt::format("hierarchical all-reduce on split communicators, {} nodes x {} "
+                              "ranks, {} NICs per node, n = {} B",
+                              nodes, k, topology.nics == 0 ? k : topology.nics, n));
+    }
+  }
+}
+
+TEST(TwoLevels, HierarchicalAllReduceOf2To16NodesOf8RanksOnNvlinkAndIbNdr) {
+  // The hierarchical all-reduce on split communicators against its formula for 2, 4, 8 and
+  // 16 nodes of 8 ranks (NVLink inside the nodes, InfiniBand NDR between them, a NIC per
+  // GPU as on a DGX), 1 MiB per rank; beside it the flat ring's formula (its slowest hop is
+  // NDR's) and the ratio. Printed as a table.
+  const int k = 8;
+  const std::size_t count = std::size_t{1} << 18;  // 1 MiB of float32
+  const double n = static_cast<double>(count * sizeof(float));
+  NetworkModel network = NetworkModel::preset("ib-ndr");
+  network.fabric = NetworkModel::preset("nvlink").fabric;
+  network.ranks_per_node = k;
+  std::string table =
+      "| nodes x ranks | simulated (us) | formula (us) | flat ring formula (us) | flat / "
+      "hierarchical |\n|---|---|---|---|---|\n";
+  for (int nodes : {2, 4, 8, 16}) {
+    const int p = nodes * k;
+    std::vector<double> took(static_cast<std::size_t>(p));
+    LaunchOptions options = simulated(p, network);
+    options.simulation.record_trace = false;
+    launch(options, [&](Communicator& comm) {
+      auto [node, across] = split_by_node(comm, k);
+      const double start = comm.clock().now();
+      std::vector<float> data = rank_values(comm.rank(), count);
+      hierarchical_allreduce_on_splits(*node, *across, data);
+      took[static_cast<std::size_t>(comm.rank())] = comm.clock().now() - start;
+      EXPECT_EQ(data[count - 1], static_cast<float>(p * (p + 1) / 2 * ((count - 1) % 5 + 1)));
+    });
+    const double simulated_seconds = *std::max_element(took.begin(), took.end());
+    const double formula = hierarchical_formula(nodes, k, n, network);
+    expect_time(simulated_seconds, formula, fmt::format("{} nodes x {} ranks", nodes, k));
+    const double flat =
+        2 * (p - 1) * std::max(message(n / p, network.fabric), message(n / p, network.inter_node));
+    table +=
+        fmt::format("| {} x {} | {:.3f} | {:.3f} | {:.3f} | {:.2f} |\n", nodes, k,
+                    simulated_seconds * 1e6, formula * 1e6, flat * 1e6, flat / simulated_seconds);
+  }
+  std::printf("hierarchical all-reduce of 1 MiB per rank, nvlink + ib-ndr:\n%s", table.c_str());
 }
 
 TEST(TwoLevels, EachRankUsesNicRankModNicsOfItsNode) {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <utility>
 
 #include "dp/error.h"
 
@@ -135,6 +137,83 @@ const LinkModel& NetworkModel::link_between(int a, int b) const {
 
 const LinkModel& NetworkModel::slowest_link(int world_size) const {
   return ranks_per_node > 0 && world_size > ranks_per_node ? inter_node : fabric;
+}
+
+namespace {
+
+/// The messages of one step or round of a native collective, as (from, to) ranks of the
+/// network, timed as "Native collectives" in dp/clock.h says: the step lasts as long as its
+/// slowest message, where j messages that leave (or enter) through one port take
+/// j bytes / bandwidth + alpha.
+double busiest_port_seconds(const NetworkModel& network,
+                            std::span<const std::pair<int, int>> messages, double bytes) {
+  // A port: a rank's own (its rank) or, across nodes, a NIC (-1 - its number).
+  const auto port = [&](int rank, bool across) {
+    return across ? -1 - network.nic_of(rank) : rank;
+  };
+  std::map<int, int> leaving;
+  std::map<int, int> entering;
+  for (const auto& [from, to] : messages) {
+    const bool across = network.crosses_nodes(from, to);
+    ++leaving[port(from, across)];
+    ++entering[port(to, across)];
+  }
+  double seconds = 0;
+  for (const auto& [from, to] : messages) {
+    const bool across = network.crosses_nodes(from, to);
+    const LinkModel& link = network.link_between(from, to);
+    const int queued = std::max(leaving[port(from, across)], entering[port(to, across)]);
+    seconds = std::max(seconds, link.alpha_seconds + queued * bytes / link.bytes_per_second);
+  }
+  return seconds;
+}
+
+}  // namespace
+
+double NetworkModel::ring_step_seconds(std::span<const int> ring, double chunk_bytes) const {
+  const std::size_t p = ring.size();
+  if (p < 2) return 0.0;
+  std::vector<std::pair<int, int>> hops;
+  for (std::size_t i = 0; i < p; ++i) hops.emplace_back(ring[i], ring[(i + 1) % p]);
+  return busiest_port_seconds(*this, hops, chunk_bytes);
+}
+
+double NetworkModel::broadcast_seconds(std::span<const int> ranks, int root, double bytes) const {
+  const int p = static_cast<int>(ranks.size());
+  if (root < 0 || root >= p)
+    throw Error(fmt::format("broadcast_seconds: root {} is out of range: expected 0 <= root < {}",
+                            root, p));
+  int top = 1;  // the largest power of two below p (the first round's distance)
+  while (2 * top < p) top *= 2;
+  double seconds = 0;
+  for (int distance = top; p > 1 && distance >= 1; distance /= 2) {
+    // Relative ranks (from the root) that are multiples of 2 distance hold the data and
+    // send to the rank `distance` further on.
+    std::vector<std::pair<int, int>> round;
+    for (int from = 0; from + distance < p; from += 2 * distance)
+      round.emplace_back(ranks[static_cast<std::size_t>((root + from) % p)],
+                         ranks[static_cast<std::size_t>((root + from + distance) % p)]);
+    seconds += busiest_port_seconds(*this, round, bytes);
+  }
+  return seconds;
+}
+
+double NetworkModel::barrier_seconds(std::span<const int> ranks) const {
+  // ready[i]: when rank i (of `ranks`) enters the next round: its send to i + d and its
+  // receive from i - d both done.
+  const std::size_t p = ranks.size();
+  std::vector<double> ready(p, 0.0);
+  for (std::size_t distance = 1; distance < p; distance *= 2) {
+    std::vector<double> next(p);
+    for (std::size_t i = 0; i < p; ++i) {
+      const std::size_t to = (i + distance) % p;
+      const std::size_t from = (i + p - distance) % p;
+      next[i] = std::max(ready[i] + link_between(ranks[i], ranks[to]).alpha_seconds,
+                         ready[from] + link_between(ranks[from], ranks[i]).alpha_seconds);
+    }
+    ready.swap(next);
+  }
+  return p == 0 ? 0.0 : *std::max_element(ready.begin(), ready.end());
 }
 
 NetworkModel NetworkModel::preset(std::string_view name) {

@@ -37,9 +37,10 @@
 // leave a gap slightly too short for the next one: a skew of a few microseconds between
 // senders can then cost a transfer time that fair sharing would not.
 //
-// A native collective starts when every rank has issued it and every link is free, holds
-// every link for all of its time, and is charged by its algorithm: ring all-reduce
-// 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter and all-gather
+// A native collective starts when every rank has issued it and every link it uses is free
+// (on one fabric: every link), holds those links for all of its time, and is charged by
+// its algorithm (on two levels, by where its ranks are: "Native collectives" below): ring
+// all-reduce 2(p-1) (alpha + n/p / bandwidth), ring reduce-scatter and all-gather
 // (p-1) (alpha + n/p / bandwidth) with n the whole array, binomial-tree broadcast
 // ceil(lg p) (alpha + n / bandwidth), dissemination barrier ceil(lg p) alpha.
 // Reductions are not charged (gamma = 0).
@@ -68,18 +69,42 @@
 // of its ranks by issue time, then rank: the i-th of them arrives at i n / bandwidth +
 // alpha.
 //
-// Native collectives on two levels are charged the flat formulas above on
-// `NetworkModel::slowest_link(p)`: `inter_node` once the p ranks span more than one node,
-// `fabric` inside one node. For a ring this is exact while `inter_node` is the slower
-// fabric for the chunk size (every preset pair): a ring steps at the pace of its slowest
-// hop, and one built from messages takes 2(p-1) max over the two fabrics of
-// (alpha + n/p / bandwidth), as tests/test_simulation.cpp checks. For the tree and the
-// barrier it is an upper bound: every round is charged at `inter_node`, also the rounds
-// that stay inside a node. None depends on the NIC count: a ring over node-contiguous
-// ranks sends one message per node and direction across nodes in each step, so its hops
-// never share a NIC. Hierarchical algorithms are built from messages (or, once there are
-// sub-communicators, from collectives on them).
+// Native collectives are charged by the layout of their ranks: which fabric each of their
+// algorithm's messages crosses is the layout's (`link_between`), which of those is slowest
+// is the fabrics' speed (for the message size). On one fabric this is the flat formula
+// above; on two levels, for a communicator whose ranks r_0 .. r_{p-1} lie anywhere on the
+// network (the launch's ranks, or a communicator split from them, `Communicator::split`):
 //
+//   ring (all-reduce 2(p-1) steps, reduce-scatter and all-gather p-1 steps of n/p bytes)
+//                   each step lasts as long as its slowest hop r_i -> r_{i+1} (r_{p-1} ->
+//                   r_0): alpha + n/p / bandwidth of the fabric that hop crosses, or, where
+//                   j hops of a step leave or enter through one port (ranks of a node that
+//                   share a NIC), j n/p / bandwidth + alpha (`ring_step_seconds`). Exact
+//                   against a ring built from messages: its steps wait for each other and
+//                   the rank before the slowest hop takes that hop's time every step.
+//   broadcast       the binomial tree: ceil(lg p) rounds, the root's distance halving from
+//                   the largest power of two below p; each round lasts as long as its
+//                   busiest port, as a ring step (`broadcast_seconds`). On N nodes of k ranks
+//                   (powers of two) from a node's first rank: lg N (alpha_i + n / bw_i) +
+//                   lg k (alpha_f + n / bw_f), exact against the tree of messages (each rank
+//                   forwards to its children largest subtree first; a node's inter-node
+//                   messages leave through its first rank only). Elsewhere the rounds are
+//                   charged as if they waited for each other: an upper bound.
+//   barrier         dissemination: in round i each rank sends an empty message to the rank
+//                   2^i after it and waits for that send and for its own round-i message;
+//                   it ends with the longest chain of latencies (`barrier_seconds`), exact
+//                   against the barrier of messages. Over nodes with the inter-node alpha the
+//                   larger: ceil(lg p) alpha_i once it spans nodes (a rank last in its node
+//                   sends across nodes in every round).
+//
+// A native collective holds, for all of its time, both directions of every port its
+// messages use (a rank's intra-node port for a hop inside a node, its NIC for a hop across
+// nodes) and starts once they are free: on one fabric that is every rank's port, so
+// collectives of one communicator run one after another and messages wait for them, while
+// a collective inside one node leaves the NICs to the collectives between nodes (the
+// phases of a hierarchical all-reduce of different ranks overlap). Two collectives that
+// share a NIC run one after the other.
+
 // The simulation only accounts time: results are bitwise those of an unsimulated run, and
 // the virtual times never depend on thread timing, so two runs give the same clocks on
 // any machine.
@@ -101,6 +126,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -160,8 +186,23 @@ struct NetworkModel {
   void validate() const;
   /// The fabric a message from `a` to `b` crosses.
   const LinkModel& link_between(int a, int b) const;
-  /// The slowest fabric a ring over `world_size` ranks crosses (a flat ring is paced by it).
+  /// The fabric a ring over `world_size` node-contiguous ranks crosses at its slowest by
+  /// layout: `inter_node` once they span more than one node, `fabric` otherwise (which of the
+  /// two paces a ring also depends on the chunk size: `ring_step_seconds`).
   const LinkModel& slowest_link(int world_size) const;
+  /// One step of a ring over `ring` (ranks of this network in ring order, each sending
+  /// `chunk_bytes` to the next, the last to the first, all at once): as long as its slowest
+  /// hop, alpha + chunk / bandwidth of the fabric the hop crosses, or j chunk / bandwidth +
+  /// alpha where j of the step's hops leave or enter through one port (a NIC that ranks of a
+  /// node share). 0 for fewer than two ranks. See "Native collectives" at the top.
+  double ring_step_seconds(std::span<const int> ring, double chunk_bytes) const;
+  /// A binomial-tree broadcast of `bytes` from `ranks[root]` over `ranks`: ceil(lg p) rounds,
+  /// each as long as its busiest port (as `ring_step_seconds`). Throws `dp::Error` for a
+  /// root outside [0, p).
+  double broadcast_seconds(std::span<const int> ranks, int root, double bytes) const;
+  /// A dissemination barrier over `ranks`: the longest chain of latencies through its rounds
+  /// (see "Native collectives" at the top); 0 for one rank.
+  double barrier_seconds(std::span<const int> ranks) const;
   /// A preset by name: "nvlink", "ib-ndr", "100gbe" or "10gbe"; throws `dp::Error` listing
   /// them otherwise.
   static NetworkModel preset(std::string_view name);

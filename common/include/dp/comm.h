@@ -12,6 +12,11 @@
 // operations; a mismatch fails on every rank with an error naming the ranks and the
 // sizes, and a hang is reported with each rank's pending call (see `CommOptions`).
 //
+// `split(color, key)` makes communicators of subsets of the ranks, as MPI_Comm_split (the
+// ranks of a node, the ranks with one index in every node: a hierarchical all-reduce is a
+// reduce-scatter on the first, an all-reduce on the second, an all-gather on the first);
+// they run on the same backend and, on the simulated network, between their ranks' places.
+//
 // A buffer lives on a device (`Device::kHost` unless it says otherwise), and each backend
 // states which devices it accepts: local takes host and CUDA buffers, mpi host buffers
 // only, nccl CUDA buffers only. A buffer a backend does not accept throws `dp::Error` at
@@ -180,10 +185,11 @@ enum class CommOp {
   kAllGather,
   kBroadcast,
   kBarrier,
+  kSplit,  ///< `Communicator::split`: counted as a call; it moves no payload
 };
 
 /// Number of `CommOp` values.
-inline constexpr std::size_t kNumCommOps = 7;
+inline constexpr std::size_t kNumCommOps = 8;
 
 /// A short name, e.g. "allreduce".
 std::string_view to_string(CommOp op);
@@ -322,6 +328,28 @@ class Communicator {
   virtual std::unique_ptr<Work> broadcast(MutableBuffer data, int root) = 0;
   /// Returns when every rank has called it.
   virtual void barrier() = 0;
+
+  /// The color of a rank that joins no new communicator in `split` (it gets nullptr back),
+  /// as MPI_UNDEFINED in MPI_Comm_split and NCCL_SPLIT_NOCOLOR in ncclCommSplit.
+  static constexpr int kNoColor = -1;
+
+  /// Splits this communicator, as MPI_Comm_split does: a collective every rank calls (in
+  /// the same order as its other collectives), after which the ranks that passed the same
+  /// `color` form a new communicator of their own, ranked by `key` and ties by their rank
+  /// here; a rank that passed `kNoColor` gets nullptr. The new communicator has its own
+  /// messages and collectives (they never match this one's), its own counters (peers by its
+  /// own ranks; this communicator's counters do not include them) and this rank's clock:
+  /// on the simulated network its messages and collectives run over the links between the
+  /// ranks' places in the launch (two ranks of one node talk over the node's fabric, even
+  /// when they are ranks 0 and 1 of a communicator that spans nodes). It must not outlive
+  /// the launch, and its `Work` handles must not outlive it. Collectives of communicators
+  /// that share ranks run on each rank in the order that rank issued them: ranks must issue
+  /// them in one relative order (NCCL's rule too), or they may wait for each other forever.
+  /// Throws `dp::Error` for a color below 0 other than `kNoColor`; ranks that call
+  /// something else at this point fail as with any mismatched collective (on nccl, which
+  /// does not check, they hang). A communicator that cannot be split (a wrapper that does
+  /// not pass the call on) throws `dp::Error` saying so.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
 
   /// A snapshot of this rank's counters (they only grow; subtract two snapshots with
   /// `CommCounters::since` to count what happened in between).

@@ -626,12 +626,7 @@ class ReadingClock final : public Clock {
 class Decorator final : public AdversarialCommunicator {
  public:
   Decorator(Communicator& inner, std::uint64_t seed, bool in_groups)
-      : inner_(inner),
-        reading_clock_(inner.clock()),
-        seed_(seed),
-        coin_(std::make_shared<Coin>(seed, inner.rank())),
-        deferred_(std::make_shared<DeferredReport>()),
-        stream_(in_groups ? std::make_shared<Stream>() : nullptr) {}
+      : Decorator(nullptr, inner, seed, in_groups) {}
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -707,6 +702,19 @@ class Decorator final : public AdversarialCommunicator {
     hand_over_held_calls();
     inner_.barrier();
   }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    throw_report_of_destroyed_work();
+    hand_over_held_calls();
+    std::unique_ptr<Communicator> inner = inner_.split(color, key);
+    if (!inner) return nullptr;
+    // A seed of its own for the new communicator (its ranks and call numbers start again),
+    // so that its poisons and coins are not this communicator's again.
+    CounterRng draw(seed_, 0x5B17'0000'0000ULL + ++splits_);
+    const std::uint64_t seed = (std::uint64_t{draw.next_u32()} << 32) | draw.next_u32();
+    Communicator& backend = *inner;
+    return std::unique_ptr<Communicator>(
+        new Decorator(std::move(inner), backend, seed, stream_ != nullptr));
+  }
   CommCounters counters() const override { return inner_.counters(); }
   Clock& clock() override { return reading_clock_; }
   Clock& charging_clock() override { return inner_.clock(); }
@@ -717,6 +725,18 @@ class Decorator final : public AdversarialCommunicator {
   }
 
  private:
+  /// Decorates `inner`, which `owned` owns when it is not null (a communicator split from
+  /// a decorated one).
+  Decorator(std::unique_ptr<Communicator> owned, Communicator& inner, std::uint64_t seed,
+            bool in_groups)
+      : owned_(std::move(owned)),
+        inner_(inner),
+        reading_clock_(inner.clock()),
+        seed_(seed),
+        coin_(std::make_shared<Coin>(seed, inner.rank())),
+        deferred_(std::make_shared<DeferredReport>()),
+        stream_(in_groups ? std::make_shared<Stream>() : nullptr) {}
+
   /// "128 float32", for messages.
   static std::string sizes(ConstBuffer buffer) {
     return fmt::format("{} {}", buffer.count, to_string(buffer.type));
@@ -789,6 +809,7 @@ class Decorator final : public AdversarialCommunicator {
                                              stream_);
   }
 
+  std::unique_ptr<Communicator> owned_;  // a split's communicator, or null
   Communicator& inner_;
   ReadingClock reading_clock_;
   std::uint64_t seed_;
@@ -796,6 +817,7 @@ class Decorator final : public AdversarialCommunicator {
   std::shared_ptr<DeferredReport> deferred_;
   std::shared_ptr<Stream> stream_;  // grouped launching, or null
   std::uint64_t calls_ = 0;
+  std::uint64_t splits_ = 0;
 };
 
 }  // namespace

@@ -12,7 +12,9 @@
 // backend.
 #pragma once
 
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "dp/comm.h"
 
@@ -44,5 +46,14 @@ void require_reduce_scatter_sizes(ConstBuffer in, MutableBuffer out, int world_s
 /// Throws `dp::Error` unless an all-gather's output holds `world_size` times its input's
 /// elements, of the input's type.
 void require_allgather_sizes(ConstBuffer in, MutableBuffer out, int world_size);
+
+/// Throws `dp::Error` unless `color` is >= 0 or `Communicator::kNoColor`: "split: expected a
+/// color >= 0 or Communicator::kNoColor (-1), got <color>".
+void require_split_color(int color);
+
+/// The communicators a split makes, from every rank's color and key (by rank of the
+/// communicator split): for each color other than `Communicator::kNoColor`, in increasing
+/// order, its ranks ordered by key and ties by rank.
+std::vector<std::vector<int>> split_groups(std::span<const int> colors, std::span<const int> keys);
 
 }  // namespace dp::detail

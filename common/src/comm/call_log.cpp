@@ -16,8 +16,11 @@ std::string CallRecord::describe() const {
     case CommOp::kRecv:
       text = fmt::format("recv(from={}, tag={}, count={} {})", peer, tag, count, to_string(type));
       break;
+    case CommOp::kSplit: text = fmt::format("split(color={}, key={})", color, key); break;
     default: text = signature(); break;
   }
+  if (communicator != 0)
+    return fmt::format("call #{} {} on communicator {}", index, text, communicator);
   return fmt::format("call #{} {}", index, text);
 }
 
@@ -36,6 +39,7 @@ std::string CallRecord::signature() const {
     case CommOp::kBroadcast:
       return fmt::format("broadcast(count={} {}, root={})", count, elements, peer);
     case CommOp::kBarrier: return "barrier()";
+    case CommOp::kSplit: return "split()";  // colors and keys differ between ranks
     case CommOp::kSend:
     case CommOp::kRecv: return fmt::format("{}(peer={}, tag={})", to_string(op), peer, tag);
   }
@@ -52,7 +56,7 @@ std::uint64_t CallLog::record(CallRecord call) {
   call.index = next_index_++;
   call.done = false;
   if (is_collective(call.op)) {
-    call.collective_index = next_collective_++;
+    call.collective_index = next_collective_[call.communicator]++;
     collectives_.push_back(call);
     collectives_.back().finished = nullptr;  // kept after the call and its flag are gone
     if (collectives_.size() > kKeptCollectives) collectives_.pop_front();
@@ -100,7 +104,11 @@ RankCallState CallLog::snapshot(int rank, std::optional<std::uint64_t> blocked_o
   return state;
 }
 
-std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& ranks) {
+std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& states) {
+  // Only the launch's own communicator: every rank belongs to it.
+  std::vector<RankCallState> ranks = states;
+  for (RankCallState& state : ranks)
+    std::erase_if(state.collectives, [](const CallRecord& call) { return call.communicator != 0; });
   // Collective index -> (rank -> signature), over the window every rank still keeps.
   std::uint64_t first_common = 0;
   std::uint64_t longest = 0;

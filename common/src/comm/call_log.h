@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -18,7 +19,11 @@ namespace dp::detail {
 /// One communicator call as the hang report shows it.
 struct CallRecord {
   std::uint64_t index = 0;             ///< position in this rank's sequence of calls
-  std::uint64_t collective_index = 0;  ///< position among this rank's collectives
+  std::uint64_t collective_index = 0;  ///< position among this rank's collectives on its
+                                       ///< communicator
+  /// Local backend: which communicator of the launch it was issued on (0: the launch's own;
+  /// others were split from it), when one rank's log holds the calls of several.
+  std::uint64_t communicator = 0;
   CommOp op = CommOp::kBarrier;
   std::size_t count = 0;  ///< elements (the input's, for reduce_scatter)
   DataType type = DataType::kFloat32;
@@ -26,6 +31,8 @@ struct CallRecord {
   ReduceOp reduce = ReduceOp::kSum;  ///< for reductions
   int peer = -1;                     ///< peer of send/recv, root of broadcast
   int tag = 0;                       ///< tag of send/recv
+  int color = 0;                     ///< split: this rank's color (ranks may differ)
+  int key = 0;                       ///< split: this rank's key (ranks may differ)
   bool done = false;
   /// Local backend: the call's flag that says it finished, set by another rank's thread
   /// before the owner records the completion here (see CallLog::snapshot); the owner
@@ -72,9 +79,9 @@ class CallLog {
  private:
   mutable std::mutex mutex_;
   std::uint64_t next_index_ = 0;
-  std::uint64_t next_collective_ = 0;
-  std::deque<CallRecord> pending_;      // in issue order
-  std::deque<CallRecord> collectives_;  // last kKeptCollectives, oldest first
+  std::map<std::uint64_t, std::uint64_t> next_collective_;  // by communicator
+  std::deque<CallRecord> pending_;                          // in issue order
+  std::deque<CallRecord> collectives_;                      // last kKeptCollectives, oldest first
 };
 
 /// The report printed on a deadlock or a timeout: a headline, every rank's blocking and
@@ -82,11 +89,13 @@ class CallLog {
 std::string format_hang_report(const std::string& headline,
                                const std::vector<RankCallState>& ranks);
 
-/// The first collective index at which the ranks' sequences are known to differ (two calls
+/// Of the launch's own communicator (`CallRecord::communicator` 0; the ranks of a split one
+/// are a subset, whose sequences need not agree with the others'): the first collective
+/// index at which the ranks' sequences are known to differ (two calls
 /// there differ, or a rank that has returned has none), with a sentence that says how. When
 /// none is known but a rank still running has not issued a collective that others have, the
 /// first such index, said to be no known mismatch (a slow rank under a short hang timeout
 /// gives it too). nullopt when the kept sequences agree.
-std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& ranks);
+std::optional<std::string> describe_first_divergence(const std::vector<RankCallState>& states);
 
 }  // namespace dp::detail

@@ -1,5 +1,8 @@
 #include "dp/comm.h"
 
+#include <algorithm>
+#include <map>
+
 #include "comm/argument_checks.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
@@ -47,6 +50,7 @@ std::string_view to_string(CommOp op) {
     case CommOp::kAllGather: return "allgather";
     case CommOp::kBroadcast: return "broadcast";
     case CommOp::kBarrier: return "barrier";
+    case CommOp::kSplit: return "split";
   }
   return "unknown";
 }
@@ -104,7 +108,37 @@ CommCounters CommCounters::since(const CommCounters& earlier) const {
   return difference;
 }
 
+std::unique_ptr<Communicator> Communicator::split(int /*color*/, int /*key*/) {
+  throw Error(fmt::format(
+      "split: this communicator (backend {}) cannot be split: it wraps another communicator "
+      "and does not pass split on; call split on the communicator that dp::launch handed the "
+      "rank",
+      backend()));
+}
+
 namespace detail {
+
+void require_split_color(int color) {
+  if (color >= 0 || color == Communicator::kNoColor) return;
+  throw Error(fmt::format(
+      "split: expected a color >= 0 or Communicator::kNoColor ({}) for a rank that joins no "
+      "communicator, got {}",
+      Communicator::kNoColor, color));
+}
+
+std::vector<std::vector<int>> split_groups(std::span<const int> colors, std::span<const int> keys) {
+  std::map<int, std::vector<int>> by_color;  // ordered: groups come in increasing color
+  for (std::size_t r = 0; r < colors.size(); ++r)
+    if (colors[r] != Communicator::kNoColor) by_color[colors[r]].push_back(static_cast<int>(r));
+  std::vector<std::vector<int>> groups;
+  for (auto& [color, ranks] : by_color) {
+    std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
+      return keys[static_cast<std::size_t>(a)] < keys[static_cast<std::size_t>(b)];
+    });
+    groups.push_back(std::move(ranks));
+  }
+  return groups;
+}
 
 void require_device(Device seen, Device accepted, std::string_view backend, std::string_view call) {
   if (seen == accepted) return;

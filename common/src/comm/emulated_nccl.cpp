@@ -129,12 +129,18 @@ struct PostedMessage {
   int owner = 0;  // the rank that posted it
 };
 
+class EmulatedNcclWorld;
+
 /// One entry of a rank's communication stream: one collective, or one group of messages.
 struct StreamItem {
   // A collective: its call and buffers (kept apart from the record, which ranks compare).
   std::shared_ptr<EmulatedCall> collective;
   ConstBuffer input;
   MutableBuffer output;
+  // A split: the communicator this rank joins (null for Communicator::kNoColor) and its
+  // rank there, set when the split runs.
+  EmulatedNcclWorld* split_into = nullptr;
+  int split_rank = -1;
   // A group: its messages in posted order, and how many have not moved yet.
   std::vector<HeldMessage> messages;
   std::size_t messages_left = 0;
@@ -223,28 +229,51 @@ void ring_reduce_scatter(std::span<const ConstBuffer> inputs,
   }
 }
 
-/// The ranks of one launch on the emulated nccl: their streams, the collectives that meet,
-/// the message channels, each rank's log and counters. One lock for all of it.
+/// What the communicators of one launch share: one lock, one condition, the first failure
+/// (any communicator's ends every rank's calls) and the communicators split from the
+/// launch's, kept until the launch ends.
+struct EmulatedLaunch {
+  std::mutex mutex;
+  std::condition_variable changed;  // a call finished, or the ranks were aborted
+  bool failed = false;
+  int failed_rank = -1;  // a rank of the launch
+  std::string failure;
+  std::vector<std::unique_ptr<EmulatedNcclWorld>> split_worlds;
+};
+
+/// The ranks of one communicator on the emulated nccl (the launch's, or one split from it):
+/// their streams, the collectives that meet, the message channels, each rank's log and
+/// counters. One lock for the whole launch (`EmulatedLaunch`).
 class EmulatedNcclWorld {
  public:
-  EmulatedNcclWorld(int size, CommOptions options)
-      : size_(size),
+  /// The communicator of `members` (ranks of the launch, by rank in it).
+  EmulatedNcclWorld(std::vector<int> members, CommOptions options, EmulatedLaunch& launch)
+      : size_(static_cast<int>(members.size())),
+        members_(std::move(members)),
         options_(options),
-        ranks_(static_cast<std::size_t>(size)),
-        channels_(static_cast<std::size_t>(size) * static_cast<std::size_t>(size)),
-        meeting_(static_cast<std::size_t>(size), nullptr),
-        ready_to_advance_(static_cast<std::size_t>(size), false) {
+        mutex_(launch.mutex),
+        changed_(launch.changed),
+        failed_(launch.failed),
+        failed_rank_(launch.failed_rank),
+        failure_(launch.failure),
+        launch_(launch),
+        ranks_(static_cast<std::size_t>(size_)),
+        channels_(static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_)),
+        meeting_(static_cast<std::size_t>(size_), nullptr),
+        ready_to_advance_(static_cast<std::size_t>(size_), false) {
     for (Rank& rank : ranks_) {
-      rank.counters.bytes_sent_to.assign(static_cast<std::size_t>(size), 0);
-      rank.counters.bytes_received_from.assign(static_cast<std::size_t>(size), 0);
+      rank.counters.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);
+      rank.counters.bytes_received_from.assign(static_cast<std::size_t>(size_), 0);
     }
     // Every rank's stream front finishes at most once per start: `size` entries at most.
-    finished_.reserve(static_cast<std::size_t>(size));
-    inputs_.reserve(static_cast<std::size_t>(size));
-    outputs_.reserve(static_cast<std::size_t>(size));
+    finished_.reserve(static_cast<std::size_t>(size_));
+    inputs_.reserve(static_cast<std::size_t>(size_));
+    outputs_.reserve(static_cast<std::size_t>(size_));
   }
 
   int size() const { return size_; }
+  /// Rank `rank`'s rank in the launch (its GPU).
+  int launch_rank(int rank) const { return members_[static_cast<std::size_t>(rank)]; }
 
   /// Throws dp::CommError once any rank failed or a hang was reported.
   void throw_if_failed(int rank) const {
@@ -359,7 +388,7 @@ class EmulatedNcclWorld {
 
   void throw_if_failed_locked(int rank) const {
     if (!failed_) return;
-    if (rank == failed_rank_) throw CommError(failure_);
+    if (launch_rank(rank) == failed_rank_) throw CommError(failure_);
     throw CommError(
         fmt::format("dplab: aborted because rank {} failed: {}", failed_rank_, failure_));
   }
@@ -367,7 +396,7 @@ class EmulatedNcclWorld {
   void fail_locked(int rank, const std::string& reason) {
     if (failed_) return;
     failed_ = true;
-    failed_rank_ = rank;
+    failed_rank_ = launch_rank(rank);
     failure_ = reason;
   }
 
@@ -388,7 +417,8 @@ class EmulatedNcclWorld {
         "hang: rank {} (nccl, GPU {}) has waited {} s (hang timeout {} ms) for {}: a peer "
         "has not issued the matching call, or issued calls in another order or with "
         "other sizes (nccl does not validate them)",
-        rank, rank, waited.count(), options_.hang_timeout.count(), oldest.record.describe());
+        rank, launch_rank(rank), waited.count(), options_.hang_timeout.count(),
+        oldest.record.describe());
     std::vector<RankCallState> states;
     for (int r = 0; r < size_; ++r) {
       const Rank& other = ranks_[static_cast<std::size_t>(r)];
@@ -514,7 +544,31 @@ class EmulatedNcclWorld {
             std::memcpy(outputs[to].data, root.data, root.bytes());
         break;
       }
+      case CommOp::kSplit: make_split(); break;
       default: break;  // a barrier moves nothing
+    }
+  }
+
+  /// Makes the communicators of the split whose members are all in `meeting_` and hands
+  /// each member's entry its own (as ncclCommSplit, which every rank of the parent calls).
+  void make_split() {
+    const UncountedHeapAllocations bookkeeping;  // the backend's, not the lab's
+    std::vector<int> colors;
+    std::vector<int> keys;
+    for (const StreamItem* member : meeting_) {
+      colors.push_back(member->collective->record.color);
+      keys.push_back(member->collective->record.key);
+    }
+    for (const std::vector<int>& ranks : split_groups(colors, keys)) {
+      std::vector<int> launch_ranks;
+      for (int r : ranks) launch_ranks.push_back(launch_rank(r));
+      launch_.split_worlds.push_back(
+          std::make_unique<EmulatedNcclWorld>(std::move(launch_ranks), options_, launch_));
+      for (std::size_t i = 0; i < ranks.size(); ++i) {
+        StreamItem& item = *meeting_[static_cast<std::size_t>(ranks[i])];
+        item.split_into = launch_.split_worlds.back().get();
+        item.split_rank = static_cast<int>(i);
+      }
     }
   }
 
@@ -550,9 +604,15 @@ class EmulatedNcclWorld {
   }
 
   const int size_;
+  const std::vector<int> members_;  // ranks of the launch, by rank here
   const CommOptions options_;
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;  // a call finished, or the ranks were aborted
+  // The launch's (see EmulatedLaunch).
+  std::mutex& mutex_;
+  std::condition_variable& changed_;
+  bool& failed_;
+  int& failed_rank_;
+  std::string& failure_;
+  EmulatedLaunch& launch_;
   std::vector<Rank> ranks_;
   std::vector<Channel> channels_;  // by (from, to)
   // The open collective: each rank's entry once it has started it (see start_collective).
@@ -563,9 +623,6 @@ class EmulatedNcclWorld {
   std::vector<int> finished_;
   std::vector<ConstBuffer> inputs_;
   std::vector<MutableBuffer> outputs_;
-  bool failed_ = false;
-  int failed_rank_ = -1;
-  std::string failure_;
 };
 
 class EmulatedNcclCommunicator;
@@ -592,11 +649,12 @@ class EmulatedNcclWork final : public Work {
 /// contract through the world (see the top).
 class EmulatedNcclCommunicator final : public Communicator {
  public:
-  EmulatedNcclCommunicator(EmulatedNcclWorld& world, Communicator& local)
-      : world_(world), local_(local) {}
+  /// Rank `rank` of `world`, on `local`'s thread and clock (the rank of the launch).
+  EmulatedNcclCommunicator(EmulatedNcclWorld& world, Communicator& local, int rank)
+      : world_(world), local_(local), rank_(rank) {}
 
-  int rank() const override { return local_.rank(); }
-  int size() const override { return local_.size(); }
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
   std::string_view backend() const override { return "nccl"; }
 
   std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override {
@@ -655,6 +713,20 @@ class EmulatedNcclCommunicator final : public Communicator {
   void barrier() override {
     // As nccl_backend.cpp: an all-reduce of one int on the stream, waited for on the host.
     collective({.op = CommOp::kBarrier, .device = Device::kCuda}, {}, {})->wait();
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    // As ncclCommSplit: every rank of this communicator calls it, and it blocks the host.
+    require_split_color(color);
+    flush();
+    auto item = std::make_shared<StreamItem>();
+    item->collective = world_.begin(
+        rank(), {.op = CommOp::kSplit, .device = Device::kCuda, .color = color, .key = key});
+    std::shared_ptr<EmulatedCall> call = item->collective;
+    world_.launch_on_stream(rank(), item);
+    EmulatedNcclWork(*this, std::move(call)).wait();
+    if (item->split_into == nullptr) return nullptr;
+    return std::make_unique<EmulatedNcclCommunicator>(*item->split_into, local_, item->split_rank);
   }
 
   CommCounters counters() const override { return world_.counters(rank()); }
@@ -723,6 +795,7 @@ class EmulatedNcclCommunicator final : public Communicator {
 
   EmulatedNcclWorld& world_;
   Communicator& local_;
+  int rank_;
   std::vector<HeldMessage> held_;  // only this rank's thread touches it
 };
 
@@ -771,9 +844,12 @@ void run_emulated_nccl(const LaunchOptions& options,
     throw Error(
         "the nccl backend runs on the wall clock: the simulated network is the local "
         "backend's");
-  EmulatedNcclWorld world(options.world_size, options.comm);
+  EmulatedLaunch launch;
+  std::vector<int> everyone(static_cast<std::size_t>(options.world_size));
+  for (int r = 0; r < options.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
+  EmulatedNcclWorld world(std::move(everyone), options.comm, launch);
   run_local(options, [&](Communicator& local) {
-    EmulatedNcclCommunicator communicator(world, local);
+    EmulatedNcclCommunicator communicator(world, local, local.rank());
     try {
       rank_main(communicator);
     } catch (const std::exception& error) {

@@ -181,8 +181,7 @@ class GuardedWork final : public Work {
 
 class Guard final : public InFlightBufferGuard {
  public:
-  explicit Guard(Communicator& inner)
-      : inner_(inner), deferred_(std::make_shared<ReportOfDestroyedWork>()) {}
+  explicit Guard(Communicator& inner) : Guard(nullptr, inner) {}
 
   Communicator& inner() override { return inner_; }
   int rank() const override { return inner_.rank(); }
@@ -221,6 +220,13 @@ class Guard final : public InFlightBufferGuard {
     throw_report_of_freed_buffer();
     inner_.barrier();
   }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    throw_report_of_freed_buffer();
+    std::unique_ptr<Communicator> inner = inner_.split(color, key);
+    if (!inner) return nullptr;
+    Communicator& backend = *inner;
+    return std::unique_ptr<Communicator>(new Guard(std::move(inner), backend));
+  }
   CommCounters counters() const override { return inner_.counters(); }
   Clock& clock() override { return inner_.clock(); }
 
@@ -230,6 +236,13 @@ class Guard final : public InFlightBufferGuard {
   }
 
  private:
+  /// Guards `inner`, which `owned` owns when it is not null (a communicator split from a
+  /// guarded one).
+  Guard(std::unique_ptr<Communicator> owned, Communicator& inner)
+      : owned_(std::move(owned)),
+        inner_(inner),
+        deferred_(std::make_shared<ReportOfDestroyedWork>()) {}
+
   /// The record of a call about to be issued (after the report of an earlier one, if any).
   std::unique_ptr<InFlightCall> begin(CommOp op, ConstBuffer in, ConstBuffer out) {
     throw_report_of_freed_buffer();
@@ -252,6 +265,7 @@ class Guard final : public InFlightBufferGuard {
     return std::make_unique<GuardedWork>(std::move(inner), std::move(call), deferred_);
   }
 
+  std::unique_ptr<Communicator> owned_;  // a split's communicator, or null
   Communicator& inner_;
   std::shared_ptr<ReportOfDestroyedWork> deferred_;
   std::uint64_t calls_ = 0;

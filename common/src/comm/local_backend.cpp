@@ -30,22 +30,21 @@ bool LocalWork::test() {
   return world_.test(*operation_);
 }
 
-int LocalCommunicator::size() const {
-  return world_.size();
-}
-
-std::shared_ptr<Operation> make_operation(CommOp op, int rank) {
+std::shared_ptr<Operation> LocalCommunicator::make_operation(CommOp op) const {
   auto operation = std::make_shared<Operation>();
   operation->op = op;
-  operation->rank = rank;
+  operation->rank = launch_rank();
+  operation->group = &group_;
+  operation->member = rank_;
   operation->record.op = op;
+  operation->record.communicator = group_.id;
   return operation;
 }
 
 std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int tag) {
   require_peer_in_range(peer, size(), "isend");
   require_device_memory(data, "isend");
-  auto operation = make_operation(CommOp::kSend, rank_);
+  auto operation = make_operation(CommOp::kSend);
   operation->input = data;
   operation->gate = DeviceGate::at_issue(data, {});
   operation->record.count = data.count;
@@ -59,7 +58,7 @@ std::unique_ptr<Work> LocalCommunicator::isend(ConstBuffer data, int peer, int t
 std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int tag) {
   require_peer_in_range(peer, size(), "irecv");
   require_device_memory(data, "irecv");
-  auto operation = make_operation(CommOp::kRecv, rank_);
+  auto operation = make_operation(CommOp::kRecv);
   operation->output = data;
   operation->gate = DeviceGate::at_issue({}, data);
   operation->record.count = data.count;
@@ -73,7 +72,7 @@ std::unique_ptr<Work> LocalCommunicator::irecv(MutableBuffer data, int peer, int
 std::unique_ptr<Work> LocalCommunicator::allreduce(MutableBuffer data, ReduceOp op) {
   require_reducible(data, "allreduce");
   require_device_memory(data, "allreduce");
-  auto operation = make_operation(CommOp::kAllReduce, rank_);
+  auto operation = make_operation(CommOp::kAllReduce);
   operation->input = data;
   operation->output = data;
   operation->gate = DeviceGate::at_issue(data, data);
@@ -92,7 +91,7 @@ std::unique_ptr<Work> LocalCommunicator::reduce_scatter(ConstBuffer in, MutableB
   require_reduce_scatter_sizes(in, out, size());
   require_device_memory(in, "reduce_scatter");
   require_device_memory(out, "reduce_scatter");
-  auto operation = make_operation(CommOp::kReduceScatter, rank_);
+  auto operation = make_operation(CommOp::kReduceScatter);
   operation->input = in;
   operation->output = out;
   operation->gate = DeviceGate::at_issue(in, out);
@@ -109,7 +108,7 @@ std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer
   require_allgather_sizes(in, out, size());
   require_device_memory(in, "allgather");
   require_device_memory(out, "allgather");
-  auto operation = make_operation(CommOp::kAllGather, rank_);
+  auto operation = make_operation(CommOp::kAllGather);
   operation->input = in;
   operation->output = out;
   operation->gate = DeviceGate::at_issue(in, out);
@@ -122,7 +121,7 @@ std::unique_ptr<Work> LocalCommunicator::allgather(ConstBuffer in, MutableBuffer
 std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root) {
   require_peer_in_range(root, size(), "broadcast root");
   require_device_memory(data, "broadcast");
-  auto operation = make_operation(CommOp::kBroadcast, rank_);
+  auto operation = make_operation(CommOp::kBroadcast);
   operation->input = data;
   operation->output = data;
   operation->gate = DeviceGate::at_issue(data, data);
@@ -135,16 +134,30 @@ std::unique_ptr<Work> LocalCommunicator::broadcast(MutableBuffer data, int root)
 }
 
 void LocalCommunicator::barrier() {
-  LocalWork work(world_, world_.post_collective(make_operation(CommOp::kBarrier, rank_)));
+  LocalWork work(world_, world_.post_collective(make_operation(CommOp::kBarrier)));
   work.wait();
 }
 
+std::unique_ptr<Communicator> LocalCommunicator::split(int color, int key) {
+  require_split_color(color);
+  auto operation = make_operation(CommOp::kSplit);
+  operation->record.color = color;
+  operation->record.key = key;
+  {
+    LocalWork work(world_, world_.post_collective(operation));
+    work.wait();
+  }
+  if (!operation->split_into) return nullptr;
+  const dp::detail::UncountedHeapAllocations runtime_state;  // the backend's, not the lab's
+  return std::make_unique<LocalCommunicator>(world_, *operation->split_into, operation->split_rank);
+}
+
 CommCounters LocalCommunicator::counters() const {
-  return world_.counters(rank_);
+  return world_.counters(group_, rank_);
 }
 
 Clock& LocalCommunicator::clock() {
-  return world_.clock(rank_);
+  return world_.clock(launch_rank());
 }
 
 }  // namespace local

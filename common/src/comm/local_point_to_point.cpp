@@ -15,26 +15,30 @@ std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Opera
   operation->call_index = self.log.record(operation->record);
   operation->record.index = operation->call_index;
   const std::uint64_t bytes = is_send ? operation->input.bytes() : operation->output.bytes();
-  OpCounters& counted = self.counters.of(operation->op);
+  CommGroup& group = *operation->group;
+  CommCounters& counters = group.counters[static_cast<std::size_t>(operation->member)];
+  OpCounters& counted = counters.of(operation->op);
   ++counted.calls;
   if (is_send) {
     counted.bytes_sent += bytes;
     ++counted.messages_sent;
-    self.counters.bytes_sent_to[peer] += bytes;
+    counters.bytes_sent_to[static_cast<std::size_t>(peer)] += bytes;
   } else {
     counted.bytes_received += bytes;
     ++counted.messages_received;
-    self.counters.bytes_received_from[peer] += bytes;
+    counters.bytes_received_from[static_cast<std::size_t>(peer)] += bytes;
   }
+  // From here on the peer is a rank of the launch: the message runs between their places.
+  const int peer_in_launch = group.members[static_cast<std::size_t>(peer)];
 
   if (network_) {
-    operation->timing.peer = peer;
+    operation->timing.peer = peer_in_launch;
     issue_virtual(*operation, bytes);
   }
 
-  const int source = is_send ? operation->rank : peer;
-  const int destination = is_send ? peer : operation->rank;
-  Mailbox& mailbox = mailboxes_[{source, destination, tag}];
+  const int source = is_send ? operation->rank : peer_in_launch;
+  const int destination = is_send ? peer_in_launch : operation->rank;
+  Mailbox& mailbox = mailboxes_[{group.id, source, destination, tag}];
   auto& waiting_matches = is_send ? mailbox.receives : mailbox.sends;
   if (waiting_matches.empty()) {
     (is_send ? mailbox.sends : mailbox.receives).push_back(operation);
@@ -84,11 +88,13 @@ void LocalWorld::transfer(const std::shared_ptr<Operation>& send,
   // Caller holds `lock`. A matched pair is one memcpy, done by whichever rank completed
   // the match: a rendezvous, so nothing is buffered.
   if (send->input.count != receive->output.count || send->input.type != receive->output.type) {
+    const std::string& group = send->group->name;
     auto error = std::make_exception_ptr(CommError(fmt::format(
         "message size mismatch: rank {} sent {} {} with tag {} to rank {}, which posted a "
-        "receive of {} {}",
-        send->rank, send->input.count, to_string(send->input.type), send->record.tag, receive->rank,
-        receive->output.count, to_string(receive->output.type))));
+        "receive of {} {}{}",
+        send->member, send->input.count, to_string(send->input.type), send->record.tag,
+        receive->member, receive->output.count, to_string(receive->output.type),
+        group.empty() ? "" : " (on " + group + ")")));
     if (!send->done) complete(*send, error);  // an eager send has completed already
     complete(*receive, error);
     return;

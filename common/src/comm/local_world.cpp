@@ -9,31 +9,74 @@ LocalWorld::LocalWorld(int size, CommOptions options, const SimulationOptions& s
     : size_(size),
       options_(options),
       ranks_(static_cast<std::size_t>(size)),
-      next_sequence_(static_cast<std::size_t>(size), 0),
       spin_policy_(size <= usable_cores() ? kSpinOnOwnCores : kSpinOnSharedCores) {
   if (simulation.enabled) {
     network_ = std::make_unique<VirtualNetwork>(size, simulation, mutex_);
   } else {
     for (int r = 0; r < size_; ++r) wall_clocks_.push_back(std::make_unique<WallClock>(r, false));
-    fast_slots_ = std::make_unique<FastSlot[]>(kFastSlots);
-    // Each slot's members start a cache line of their own (8 pointers), so that
-    // consecutive collectives do not share one.
-    const std::size_t stride = (static_cast<std::size_t>(size) + 7) / 8 * 8;
-    fast_slot_members_ = std::make_unique<std::atomic<Operation*>[]>(kFastSlots * stride);
-    for (std::uint64_t i = 0; i < kFastSlots; ++i) {
-      fast_slots_[i].sequence.store(i, std::memory_order_relaxed);
-      fast_slots_[i].members = &fast_slot_members_[i * stride];
-      for (int r = 0; r < size; ++r)
-        fast_slots_[i].members[r].store(nullptr, std::memory_order_relaxed);
-    }
   }
-  for (int r = 0; r < size_; ++r) {
-    ranks_[r].communicator = std::make_unique<LocalCommunicator>(*this, r);
-    ranks_[r].counters.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);
-    ranks_[r].counters.bytes_received_from.assign(static_cast<std::size_t>(size_), 0);
-  }
+  std::vector<int> everyone(static_cast<std::size_t>(size));
+  for (int r = 0; r < size_; ++r) everyone[static_cast<std::size_t>(r)] = r;
+  CommGroup& launch = *make_group(std::move(everyone), "");
+  for (int r = 0; r < size_; ++r)
+    ranks_[r].communicator = std::make_unique<LocalCommunicator>(*this, launch, r);
   for (int r = 0; r < size_; ++r)
     ranks_[r].comm_thread = std::thread([this, r] { run_comm_thread(r); });
+}
+
+std::shared_ptr<CommGroup> LocalWorld::make_group(std::vector<int> members, std::string name) {
+  auto group = std::make_shared<CommGroup>();
+  group->id = groups_.size();
+  group->name = std::move(name);
+  group->members = std::move(members);
+  const auto p = group->members.size();
+  group->counters.resize(p);
+  for (CommCounters& counters : group->counters) {
+    counters.bytes_sent_to.assign(p, 0);
+    counters.bytes_received_from.assign(p, 0);
+  }
+  group->next_sequence.assign(p, 0);
+  if (!network_) {
+    group->fast_slots = std::make_unique<FastSlot[]>(kFastSlots);
+    // Each slot's members start a cache line of their own (8 pointers), so that
+    // consecutive collectives do not share one.
+    const std::size_t stride = (p + 7) / 8 * 8;
+    group->fast_slot_members = std::make_unique<std::atomic<Operation*>[]>(kFastSlots * stride);
+    for (std::uint64_t i = 0; i < kFastSlots; ++i) {
+      FastSlot& slot = group->fast_slots[i];
+      slot.sequence.store(i, std::memory_order_relaxed);
+      slot.members = &group->fast_slot_members[i * stride];
+      for (std::size_t r = 0; r < p; ++r) slot.members[r].store(nullptr, std::memory_order_relaxed);
+    }
+  }
+  groups_.push_back(group);
+  return group;
+}
+
+void LocalWorld::make_split(std::span<Operation* const> members) {
+  // Caller holds mutex_. Every member's call is here and they match.
+  const CommGroup& parent = *members.front()->group;
+  std::vector<int> colors;
+  std::vector<int> keys;
+  for (const Operation* member : members) {
+    colors.push_back(member->record.color);
+    keys.push_back(member->record.key);
+  }
+  const dp::detail::UncountedHeapAllocations runtime_state;  // the backend's, not the lab's
+  for (const std::vector<int>& ranks : split_groups(colors, keys)) {
+    std::vector<int> launch_ranks;
+    for (int r : ranks) launch_ranks.push_back(parent.members[static_cast<std::size_t>(r)]);
+    const std::string name =
+        fmt::format("communicator {} (ranks {} of the launch, split from {})", groups_.size(),
+                    fmt::join(launch_ranks, ", "),
+                    parent.name.empty() ? std::string("the launch's") : parent.name);
+    const std::shared_ptr<CommGroup> made = make_group(std::move(launch_ranks), name);
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      Operation& call = *members[static_cast<std::size_t>(ranks[i])];
+      call.split_into = made;
+      call.split_rank = static_cast<int>(i);
+    }
+  }
 }
 
 LocalWorld::~LocalWorld() {
@@ -81,13 +124,15 @@ void LocalWorld::abort_locked(const std::string& reason,
   // Collectives some rank never issued will never complete either. A slot whose ranks
   // all arrived is running (its last rank finishes it); the others are closed, and the
   // calls in them end here, each taken out so that no one else ends it too.
-  if (fast_slots_) {
+  for (const std::shared_ptr<CommGroup>& group : groups_) {
+    if (!group->fast_slots) continue;
+    const int p = group->size();
     for (std::uint64_t i = 0; i < kFastSlots; ++i) {
-      FastSlot& slot = fast_slots_[i];
+      FastSlot& slot = group->fast_slots[i];
       const std::uint32_t arrived =
           slot.arrivals.fetch_or(FastSlot::kClosed, std::memory_order_acq_rel);
-      if ((arrived & ~FastSlot::kClosed) == static_cast<std::uint32_t>(size_)) continue;
-      for (int r = 0; r < size_; ++r)
+      if ((arrived & ~FastSlot::kClosed) == static_cast<std::uint32_t>(p)) continue;
+      for (int r = 0; r < p; ++r)
         if (Operation* member = slot.members[r].exchange(nullptr, std::memory_order_acq_rel))
           complete(*member, error);
     }
@@ -150,6 +195,10 @@ void LocalWorld::issue_virtual(Operation& operation, std::uint64_t link_bytes) {
   timing.op = operation.op;
   timing.link_bytes = link_bytes;
   timing.wall_issue = WallTime::now();
+  timing.communicator = operation.group->id;
+  timing.member = operation.member;
+  if (operation.group->id != 0) timing.members = operation.group->members;
+  timing.root = std::max(operation.root, 0);
   network_->clock(operation.rank).call_issued();
   switch (operation.op) {
     case CommOp::kSend:
@@ -214,9 +263,9 @@ void LocalWorld::mark_ready_if_complete(Operation& operation) {
   changed_.notify_all();
 }
 
-CommCounters LocalWorld::counters(int rank) const {
+CommCounters LocalWorld::counters(const CommGroup& group, int member) const {
   std::lock_guard lock(mutex_);
-  return ranks_[rank].counters;
+  return group.counters[static_cast<std::size_t>(member)];
 }
 
 void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
@@ -231,21 +280,23 @@ void LocalWorld::complete(Operation& operation, std::exception_ptr error) {
 }
 
 std::optional<std::string> LocalWorld::find_mismatch(
-    std::uint64_t sequence, std::span<const Operation* const> members) const {
+    const CommGroup& group, std::uint64_t sequence,
+    std::span<const Operation* const> members) const {
   // The usual case, checked on every collective: all match, and no text is made.
   const CallRecord& first = members[0]->record;
   if (std::all_of(members.begin(), members.end(),
                   [&](const Operation* member) { return same_signature(member->record, first); }))
     return std::nullopt;
   std::map<std::string, std::vector<int>> ranks_by_signature;
-  for (int r = 0; r < size_; ++r) ranks_by_signature[members[r]->record.signature()].push_back(r);
+  for (std::size_t r = 0; r < members.size(); ++r)
+    ranks_by_signature[members[r]->record.signature()].push_back(static_cast<int>(r));
   if (ranks_by_signature.size() == 1) return std::nullopt;
   std::vector<std::string> parts;
   for (const auto& [signature, ranks] : ranks_by_signature)
     parts.push_back(fmt::format("rank{} {} called {}", ranks.size() > 1 ? "s" : "",
                                 fmt::join(ranks, ", "), signature));
-  return fmt::format("collective #{} does not match across ranks: {}", sequence,
-                     fmt::join(parts, "; "));
+  return fmt::format("collective #{}{} does not match across ranks: {}", sequence,
+                     group.name.empty() ? "" : " of " + group.name, fmt::join(parts, "; "));
 }
 
 void LocalWorld::check_for_deadlock() {

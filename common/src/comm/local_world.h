@@ -55,6 +55,18 @@
 // receiver posts would hold back the virtual clock of a receiver that posts only after
 // waiting for the clock (a bounded-staleness parameter server does exactly this).
 //
+// Communicators split from the launch's (`Communicator::split`) live in the same world: a
+// `CommGroup` lists its ranks (as ranks of the launch) and keeps what is per communicator:
+// each member's counters and collective sequence, the slots where its collectives meet
+// (the FastSlot ring, or the simulation's open slots) and, through its id in the mailbox
+// key, its own messages. Everything per rank of the launch stays per rank: its thread, its
+// communication thread (which runs the collectives of all its communicators in the order
+// the rank issued them), its call log, what it waits for, its clock. So the deadlock
+// detector and the hang report see every communicator at once, and on the simulated
+// network a communicator's messages and collectives run between the ranks' places in the
+// launch. A split is a collective of the communicator split: the last rank to arrive makes
+// the new communicators, under the mutex, and each call takes its own back.
+//
 // The files of the local backend:
 //   local_world.h          this overview, and the state the files below share
 //   local_reduce.cpp       the arithmetic: every element summed in rank order
@@ -82,6 +94,7 @@
 #include <new>
 #include <optional>
 #include <span>
+#include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -204,12 +217,12 @@ inline void lock_spinning(std::unique_lock<std::mutex>& lock) {
 
 struct Operation;
 
-/// One collective as all ranks see it: the n-th collective of every rank.
+/// One collective as all ranks see it: the n-th collective of every member of a communicator.
 struct CollectiveSlot {
-  // By rank, as they issue it. A call refers to its slot until its Work handle goes, which
-  // breaks the cycle: the last handle of a collective frees the slot and its calls.
+  // By rank in the communicator, as they issue it. A call refers to its slot until its Work handle
+  // goes, which breaks the cycle: the last handle of a collective frees the slot and its calls.
   std::vector<std::shared_ptr<Operation>> members;
-  int arrived = 0;                      // ranks that issued it (simulated: see open_slots_)
+  int arrived = 0;                      // ranks that issued it (simulated: see CommGroup)
   std::optional<std::string> mismatch;  // set once every rank issued it
   // The communication threads' path with the simulation.
   int threads_arrived = 0;
@@ -241,19 +254,47 @@ struct alignas(64) FastSlot {
   /// By rank: the call, while it waits here. Whoever takes a call out (exchange) ends it:
   /// the last rank to arrive, an abort that closes the slot, or the rank itself when it
   /// arrives at a closed slot, exactly one of them.
-  std::atomic<Operation*>* members = nullptr;  // size() of them, in fast_slot_members_
+  std::atomic<Operation*>* members = nullptr;  // one per member, in CommGroup::fast_slot_members
+};
+
+/// One communicator of a launch: the launch's own (id 0, every rank in order) or one split
+/// from another. Calls and communicators refer to it; the world keeps it until it ends.
+struct CommGroup {
+  std::uint64_t id = 0;
+  std::vector<int> members;  // ranks of the launch, by rank in this communicator
+  std::string name;          // for messages: "" for the launch's, else "communicator 3 (...)"
+  // By rank in this communicator. A member's counters and sequence: only its own thread
+  // writes them (and reads its counters, through counters()).
+  std::vector<CommCounters> counters;
+  std::vector<std::uint64_t> next_sequence;
+  // Simulated: collectives some but not all members have issued, oldest first: the one with
+  // sequence number first_open_sequence + i at index i. Every member issues collective n
+  // before n + 1, so slots open in sequence order and the oldest is the first to fill.
+  std::deque<std::shared_ptr<CollectiveSlot>> open_slots;
+  std::uint64_t first_open_sequence = 0;
+  // Without the simulation: the ring where collective n meets, in slot n % kFastSlots.
+  std::unique_ptr<FastSlot[]> fast_slots;
+  std::unique_ptr<std::atomic<Operation*>[]> fast_slot_members;  // the slots' members
+
+  int size() const { return static_cast<int>(members.size()); }
 };
 
 /// The shared state of one call, referred to by its `Work` handle.
 struct Operation : std::enable_shared_from_this<Operation> {
   CommOp op = CommOp::kBarrier;
-  int rank = 0;                  // the rank that issued it
+  int rank = 0;                  // the rank of the launch that issued it
+  CommGroup* group = nullptr;    // the communicator it was issued on
+  int member = 0;                // the issuing rank's rank in `group`
   std::uint64_t call_index = 0;  // in that rank's CallLog
   CallRecord record;
   ConstBuffer input;     // what peers read: send data, collective input
   MutableBuffer output;  // where results go: recv data, collective output
   ReduceOp reduce = ReduceOp::kSum;
-  int root = -1;
+  int root = -1;  // broadcast: rank in `group`
+  // Split: the new communicator this rank joins (null for Communicator::kNoColor) and its
+  // rank there, set by whoever makes them before the call finishes.
+  std::shared_ptr<CommGroup> split_into;
+  int split_rank = -1;
   DeviceGate gate;  // device buffers: the caller's event, waited for before any data moves
   bool done = false;
   // Whether wait() spins before it sleeps: not for a collective above kSpinBytes (it
@@ -304,12 +345,14 @@ void execute_piece(const CollectiveSlot& slot, std::size_t piece);
 
 class LocalWorld;
 
-/// The `Communicator` of one rank of a `LocalWorld`.
+/// The `Communicator` of one rank of a `LocalWorld`, on one of its communicators.
 class LocalCommunicator final : public Communicator {
  public:
-  LocalCommunicator(LocalWorld& world, int rank) : world_(world), rank_(rank) {}
+  /// Rank `rank` of `group`.
+  LocalCommunicator(LocalWorld& world, CommGroup& group, int rank)
+      : world_(world), group_(group), rank_(rank) {}
   int rank() const override { return rank_; }
-  int size() const override;
+  int size() const override { return group_.size(); }
   std::string_view backend() const override { return "local"; }
   std::unique_ptr<Work> isend(ConstBuffer data, int peer, int tag) override;
   std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override;
@@ -318,11 +361,18 @@ class LocalCommunicator final : public Communicator {
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override;
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
   void barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
   CommCounters counters() const override;
   Clock& clock() override;
 
  private:
+  /// A call of this rank on this communicator, not yet issued.
+  std::shared_ptr<Operation> make_operation(CommOp op) const;
+  /// This rank's rank in the launch.
+  int launch_rank() const { return group_.members[static_cast<std::size_t>(rank_)]; }
+
   LocalWorld& world_;
+  CommGroup& group_;
   int rank_;
 };
 
@@ -348,12 +398,15 @@ class LocalWorld {
 
   int size() const { return size_; }
   Communicator& communicator(int rank) { return *ranks_[rank].communicator; }
+  /// The launch's own communicator (id 0).
+  CommGroup& launch_group() { return *groups_.front(); }
   /// The rank's clock: simulated when the simulation is on, else a wall clock.
   Clock& clock(int rank);
   /// The rank's simulated clock, or nullptr without simulation.
   Clock* simulated_clock(int rank);
 
-  /// Issues a point-to-point call; matches it with the peer's if that one is waiting.
+  /// Issues a point-to-point call to or from `peer` (a rank of the call's communicator);
+  /// matches it with the peer's if that one is waiting.
   std::shared_ptr<Operation> post_point_to_point(std::shared_ptr<Operation> operation, int peer,
                                                  int tag);
   /// Issues a collective: queued for the rank's communication thread.
@@ -370,7 +423,8 @@ class LocalWorld {
   /// Waits for `operation` without throwing (for destructors).
   void wait_quietly(Operation& operation);
 
-  CommCounters counters(int rank) const;
+  /// The counters of rank `member` of `group` (that rank's own thread only).
+  CommCounters counters(const CommGroup& group, int member) const;
 
   /// Ends every rank's pending and future calls with `reason`.
   void abort(const std::string& reason);
@@ -384,9 +438,8 @@ class LocalWorld {
 
  private:
   struct Rank {
-    std::unique_ptr<LocalCommunicator> communicator;
+    std::unique_ptr<LocalCommunicator> communicator;  // on the launch's communicator
     CallLog log;
-    CommCounters counters;
     std::deque<std::shared_ptr<Operation>> collective_queue;  // for the comm thread
     // Without the simulation: large collectives whose pieces the comm thread works on.
     PreallocatedQueue<std::shared_ptr<CollectiveSlot>> piece_queue;
@@ -396,12 +449,19 @@ class LocalWorld {
     bool finished = false;
   };
 
-  /// Point-to-point calls waiting for their match, per (source, destination, tag).
+  /// Point-to-point calls waiting for their match, per (communicator, source, destination,
+  /// tag), the ranks those of the launch.
   struct Mailbox {
     std::deque<std::shared_ptr<Operation>> sends;
     std::deque<std::shared_ptr<Operation>> receives;
   };
 
+  /// A communicator of `members` (ranks of the launch, in order), registered in groups_
+  /// (caller holds mutex_, or the constructor runs).
+  std::shared_ptr<CommGroup> make_group(std::vector<int> members, std::string name);
+  /// Makes the communicators of a split whose calls (by rank in the communicator split)
+  /// all arrived and match, and hands each call its own (caller holds mutex_).
+  void make_split(std::span<Operation* const> members);
   void run_comm_thread(int rank);
   void execute_collective(int rank, CollectiveSlot& slot, std::unique_lock<std::mutex>& lock);
   void phase_barrier(CollectiveSlot& slot, int phase, std::unique_lock<std::mutex>& lock);
@@ -413,7 +473,7 @@ class LocalWorld {
   // The lock-free rendezvous without the simulation (see FastSlot).
   std::shared_ptr<Operation> post_fast_collective(std::shared_ptr<Operation> operation);
   void wait_for_fast_slot(FastSlot& slot, std::uint64_t sequence, const Operation& operation);
-  void run_full_slot(FastSlot& slot, std::uint64_t sequence);
+  void run_full_slot(CommGroup& group, FastSlot& slot, std::uint64_t sequence);
   void finish_lock_free(std::span<Operation* const> members);
   // A large collective's pieces: claims and runs them until none is left.
   void run_pieces(CollectiveSlot& slot);
@@ -424,7 +484,7 @@ class LocalWorld {
   void issue_virtual(Operation& operation, std::uint64_t link_bytes);
   void settle();
   void mark_ready_if_complete(Operation& operation);
-  std::optional<std::string> find_mismatch(std::uint64_t sequence,
+  std::optional<std::string> find_mismatch(const CommGroup& group, std::uint64_t sequence,
                                            std::span<const Operation* const> members) const;
   void check_for_deadlock();
   std::string hang_report(const std::string& headline) const;
@@ -445,14 +505,9 @@ class LocalWorld {
   std::condition_variable comm_changed_;                 // work for the communication threads
   std::condition_variable finished_changed_;  // a rank returned, or the ranks were aborted
   std::vector<Rank> ranks_;
-  // Simulated: collectives some but not all ranks have issued, oldest first: the one with
-  // sequence number first_open_sequence_ + i at index i. Every rank issues collective n
-  // before n + 1, so slots open in sequence order and the oldest is the first to fill.
-  std::deque<std::shared_ptr<CollectiveSlot>> open_slots_;
-  std::uint64_t first_open_sequence_ = 0;
-  // Without the simulation: the ring where collective n meets, in slot n % kFastSlots.
-  std::unique_ptr<FastSlot[]> fast_slots_;
-  std::unique_ptr<std::atomic<Operation*>[]> fast_slot_members_;  // the slots' members
+  // Every communicator of the launch, the launch's own first; new ones are added under
+  // mutex_ (a split), and none goes before the world does.
+  std::vector<std::shared_ptr<CommGroup>> groups_;
   // Ranks inside the sleeping part of wait() (under mutex_). Whoever finishes a call
   // lock-free reads it after marking the call finished, and takes the mutex to wake the
   // ranks only when it is not zero: both sides use seq_cst (a store, then a load of the
@@ -460,9 +515,8 @@ class LocalWorld {
   // the finisher sees the waiter and wakes it. No wake-up is lost and a rank that spins
   // costs its peers no system call.
   std::atomic<int> sleepers_{0};
-  std::vector<std::uint64_t> next_sequence_;  // per rank; only the rank's own thread
-  const SpinPolicy spin_policy_;              // by whether every rank has a core
-  std::map<std::tuple<int, int, int>, Mailbox> mailboxes_;
+  const SpinPolicy spin_policy_;  // by whether every rank has a core
+  std::map<std::tuple<std::uint64_t, int, int, int>, Mailbox> mailboxes_;
   int transfers_in_flight_ = 0;  // copies and collective phases running outside the lock
   bool shutting_down_ = false;
   std::optional<std::string> abort_reason_;

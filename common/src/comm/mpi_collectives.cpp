@@ -80,6 +80,18 @@ void MpiCommunicator::barrier() {
   work.wait();
 }
 
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  require_split_color(color);
+  std::shared_ptr<Collective> call =
+      post(CallRecord{.op = CommOp::kSplit, .color = color, .key = key}, {}, {});
+  {
+    CollectiveWork work(*this, call);
+    work.wait();
+  }
+  if (call->split_result == MPI_COMM_NULL) return nullptr;
+  return std::make_unique<MpiCommunicator>(call->split_result, options_);
+}
+
 std::shared_ptr<Collective> MpiCommunicator::post(CallRecord record, ConstBuffer input,
                                                   MutableBuffer output) {
   auto call = std::make_shared<Collective>();
@@ -215,6 +227,12 @@ void MpiCommunicator::execute(Collective& call) {
                 "broadcast");
       return;
     case CommOp::kBarrier: check_mpi(MPI_Barrier(collectives_), "barrier"); return;
+    case CommOp::kSplit:
+      check_mpi(
+          MPI_Comm_split(collectives_, record.color == kNoColor ? MPI_UNDEFINED : record.color,
+                         record.key, &call.split_result),
+          "split (MPI_Comm_split)");
+      return;
     default: DP_CHECK(false, "{} is not a collective", to_string(record.op));
   }
 }

@@ -21,6 +21,8 @@ nlohmann::json to_json(const CallRecord& call) {
           {"reduce", static_cast<int>(call.reduce)},
           {"peer", call.peer},
           {"tag", call.tag},
+          {"color", call.color},
+          {"key", call.key},
           {"done", call.done}};
 }
 
@@ -34,6 +36,8 @@ CallRecord call_from_json(const nlohmann::json& json) {
   call.reduce = static_cast<ReduceOp>(json.at("reduce").get<int>());
   call.peer = json.at("peer").get<int>();
   call.tag = json.at("tag").get<int>();
+  call.color = json.at("color").get<int>();
+  call.key = json.at("key").get<int>();
   call.done = json.at("done").get<bool>();
   return call;
 }

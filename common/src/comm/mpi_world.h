@@ -18,6 +18,13 @@
 // whether it is one is known only at run time and its collectives on device memory are slow
 // staging copies; GPUs talk through the nccl backend instead (out of scope here).
 //
+// Communicators split from a launch's (`Communicator::split`) are MpiCommunicators of
+// their own: MPI_Comm_split runs on the parent's progress thread (MPI forbids two threads
+// in collectives of one communicator at once), and the new communicator gets its own
+// duplicates, progress thread and watchdog. A hang on it is reported among its ranks.
+// Tearing one down frees its communicators once its calls have completed (its Work handles
+// must be gone); it must not outlive the launch.
+//
 // Each launch makes its own communicators, so different kinds of traffic never match
 // each other's messages:
 //
@@ -211,10 +218,11 @@ class MpiProcess {
 
 /// One collective, shared by its `Work` handle and the progress thread.
 struct Collective {
-  CallRecord record;     // record.index and collective_index are set when posted
-  ConstBuffer input;     // collective input (the data itself for in-place calls)
-  MutableBuffer output;  // where the result goes
-  bool done = false;     // guarded by MpiCommunicator::mutex_
+  CallRecord record;                      // record.index and collective_index are set when posted
+  ConstBuffer input;                      // collective input (the data itself for in-place calls)
+  MutableBuffer output;                   // where the result goes
+  MPI_Comm split_result = MPI_COMM_NULL;  // a split's new communicator (progress thread)
+  bool done = false;                      // guarded by MpiCommunicator::mutex_
   std::exception_ptr error;
 };
 
@@ -275,6 +283,9 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override;
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
   void barrier() override;
+  /// MPI_Comm_split on the progress thread, in issue order with the other collectives; the
+  /// new communicator is one of this backend's, with threads and duplicates of its own.
+  std::unique_ptr<Communicator> split(int color, int key) override;
   CommCounters counters() const override;
   /// A wall clock: on real processes the time is the time.
   Clock& clock() override { return *clock_; }

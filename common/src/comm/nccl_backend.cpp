@@ -52,6 +52,11 @@
 // a peer: a call still in progress returns at once and is polled with the lock released, so
 // an abort never frees the communicator under a call and can still end one that waits.
 //
+// Split. `split` is ncclCommSplit on the rank's thread (every rank of the communicator calls
+// it; NCCL blocks until they have, polled here as the communicators are non-blocking). The
+// new communicator inherits the parent's configuration and has a stream, a watchdog and a
+// group of its own; a failure of either group ends both.
+//
 // Hangs. A watchdog thread per rank polls the pending calls' events and
 // ncclCommGetAsyncError. A call pending longer than the hang timeout, or an asynchronous
 // NCCL error, aborts the communicator (ncclCommAbort, which ends its kernels), prints a
@@ -126,6 +131,13 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return op == ReduceOp::kMax ? ncclMax : ncclSum;
 }
 
+/// This rank's rank in `comm`.
+int user_rank(ncclComm_t comm) {
+  int rank = 0;
+  check_nccl(ncclCommUserRank(comm, &rank), "ncclCommUserRank");
+  return rank;
+}
+
 /// What the ranks of one launch share: the abort of any of them stops the others.
 class NcclGroup;
 
@@ -158,7 +170,10 @@ class NcclCommunicator;
 
 class NcclGroup {
  public:
-  explicit NcclGroup(int local_ranks) : members_(static_cast<std::size_t>(local_ranks), nullptr) {}
+  /// The group of `local_ranks` threads of this process; `parent`, when not null, is the
+  /// group of the communicator this one's was split from: a failure in either ends both.
+  explicit NcclGroup(int local_ranks, NcclGroup* parent = nullptr)
+      : members_(static_cast<std::size_t>(local_ranks), nullptr), parent_(parent) {}
   void join(int slot, NcclCommunicator* member) {
     const std::lock_guard lock(mutex_);
     members_[static_cast<std::size_t>(slot)] = member;
@@ -169,15 +184,21 @@ class NcclGroup {
   }
   /// Records the first failure; every member's watchdog aborts its communicator on it.
   void fail(const std::string& reason) {
+    if (parent_ != nullptr) parent_->fail(reason);
     const std::lock_guard lock(mutex_);
     if (!reason_.empty()) return;
     reason_ = reason;
     failed_.store(true, std::memory_order_release);
   }
-  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  bool failed() const {
+    return failed_.load(std::memory_order_acquire) || (parent_ != nullptr && parent_->failed());
+  }
   std::string reason() const {
-    const std::lock_guard lock(mutex_);
-    return reason_;
+    {
+      const std::lock_guard lock(mutex_);
+      if (!reason_.empty()) return reason_;
+    }
+    return parent_ != nullptr ? parent_->reason() : std::string();
   }
   /// Every member's call state, for a hang report.
   std::vector<RankCallState> states() const;
@@ -185,6 +206,7 @@ class NcclGroup {
  private:
   mutable std::mutex mutex_;
   std::vector<NcclCommunicator*> members_;  // threads of this process, by slot
+  NcclGroup* parent_;                       // the group split from, or null
   std::string reason_;
   std::atomic<bool> failed_{false};
 };
@@ -193,6 +215,10 @@ class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const ncclUniqueId& id, int rank, int size, int device, int slot,
                    NcclGroup& group, CommOptions options);
+  /// A communicator split from another (`comm`, set up by ncclCommSplit): it owns `group`,
+  /// a group of its own for this thread whose failures reach its parent's.
+  NcclCommunicator(ncclComm_t comm, int device, std::unique_ptr<NcclGroup> group,
+                   CommOptions options);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -207,6 +233,9 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> allgather(ConstBuffer in, MutableBuffer out) override;
   std::unique_ptr<Work> broadcast(MutableBuffer data, int root) override;
   void barrier() override;
+  /// ncclCommSplit on this communicator (blocking the host, as NCCL's own split does); the
+  /// new communicator inherits this one's configuration and gets a stream of its own.
+  std::unique_ptr<Communicator> split(int color, int key) override;
   CommCounters counters() const override {
     const std::lock_guard lock(mutex_);
     return counters_;
@@ -233,6 +262,9 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> hold_message(CommOp op, MutableBuffer data, int peer, int tag);
   /// Records `record` in the log and the counters and returns its call.
   std::shared_ptr<NcclCall> begin(CallRecord record);
+  /// What both constructors do once comm_ is set up: the counters, the stream, the scratch,
+  /// the group and the watchdog.
+  void start();
   /// Gates the communication stream on the compute stream, runs `enqueue` (NCCL calls on
   /// stream_), records the call's end event and hands the call to the watchdog.
   template <typename Enqueue>
@@ -254,6 +286,7 @@ class NcclCommunicator final : public Communicator {
   int size_;
   int device_;
   int slot_;
+  std::unique_ptr<NcclGroup> owned_group_;  // a split communicator's group, or null
   NcclGroup& group_;
   CommOptions options_;
   ncclComm_t comm_ = nullptr;
@@ -319,12 +352,7 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, i
       group_(group),
       options_(options),
       clock_(rank, false) {
-  counters_.bytes_sent_to.assign(static_cast<std::size_t>(size), 0);
-  counters_.bytes_received_from.assign(static_cast<std::size_t>(size), 0);
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
-             "cudaStreamCreateWithFlags (nccl stream)");
-  check_cuda(cudaMalloc(&barrier_scratch_, sizeof(int)), "cudaMalloc (barrier scratch)");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclResult_t status = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
@@ -340,8 +368,67 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, i
     (void)ncclCommGetAsyncError(comm_, &status);
   }
   check_nccl(status, "ncclCommInitRankConfig");
+  start();
+}
+
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, std::unique_ptr<NcclGroup> group,
+                                   CommOptions options)
+    : device_(device),
+      slot_(0),
+      owned_group_(std::move(group)),
+      group_(*owned_group_),
+      options_(options),
+      comm_(comm),
+      clock_(user_rank(comm), false) {
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  rank_ = user_rank(comm_);
+  check_nccl(ncclCommCount(comm_, &size_), "ncclCommCount");
+  start();
+}
+
+void NcclCommunicator::start() {
+  counters_.bytes_sent_to.assign(static_cast<std::size_t>(size_), 0);
+  counters_.bytes_received_from.assign(static_cast<std::size_t>(size_), 0);
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+             "cudaStreamCreateWithFlags (nccl stream)");
+  check_cuda(cudaMalloc(&barrier_scratch_, sizeof(int)), "cudaMalloc (barrier scratch)");
   group_.join(slot_, this);
   watchdog_ = std::thread([this] { run_watchdog(); });
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
+  require_split_color(color);
+  flush();  // messages issued before go first, as before a collective
+  // Counted and logged as a collective; ncclCommSplit itself blocks this thread (polled:
+  // the communicators are non-blocking) until every rank of this communicator called it.
+  std::shared_ptr<NcclCall> call =
+      begin({.op = CommOp::kSplit, .device = Device::kCuda, .color = color, .key = key});
+  check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  ncclComm_t child = nullptr;
+  with_comm("ncclCommSplit", [&] {
+    return ncclCommSplit(comm_, color == kNoColor ? NCCL_SPLIT_NOCOLOR : color, key, &child,
+                         nullptr);  // null: the parent's configuration (non-blocking)
+  });
+  // A non-blocking split returns before the new communicator is ready: poll it.
+  ncclResult_t status = ncclInProgress;
+  const WallTime::time_point started = WallTime::now();
+  while (child != nullptr && status == ncclInProgress) {
+    if (const ncclResult_t query = ncclCommGetAsyncError(child, &status); query != ncclSuccess)
+      status = query;
+    if (status != ncclInProgress) break;
+    if (WallTime::now() - started > options_.hang_timeout)
+      throw CommError(fmt::format(
+          "rank {} (nccl, GPU {}): ncclCommSplit did not finish within the hang timeout ({} ms): "
+          "a rank of the communicator did not call split",
+          rank_, device_, options_.hang_timeout.count()));
+    std::this_thread::sleep_for(kProgressPoll);
+  }
+  if (child != nullptr) check_nccl(status, "ncclCommSplit (the new communicator)");
+  // The split ends on the host: mark its call complete at once (an event recorded now).
+  end(call);
+  if (child == nullptr) return nullptr;
+  return std::make_unique<NcclCommunicator>(child, device_, std::make_unique<NcclGroup>(1, &group_),
+                                            options_);
 }
 
 NcclCommunicator::~NcclCommunicator() {

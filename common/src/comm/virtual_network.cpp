@@ -19,12 +19,6 @@ std::int64_t thread_cpu_ns() {
   return static_cast<std::int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
 }
 
-int ceil_log2(int p) {
-  int rounds = 0;
-  while ((1 << rounds) < p) ++rounds;
-  return rounds;
-}
-
 }  // namespace
 
 // --- SimClock ------------------------------------------------------------------------------
@@ -147,11 +141,12 @@ VirtualNetwork::VirtualNetwork(int size, SimulationOptions options, std::mutex& 
       options_(std::move(options)),
       floor_(static_cast<std::size_t>(size), 0.0),
       counter_(static_cast<std::size_t>(size), 0),
-      collective_index_(static_cast<std::size_t>(size), 0),
+      all_ranks_(static_cast<std::size_t>(size)),
       blocked_(static_cast<std::size_t>(size), nullptr),
       finished_(static_cast<std::size_t>(size), false),
       network_(options_.network) {
   network_.validate();
+  for (int r = 0; r < size_; ++r) all_ranks_[static_cast<std::size_t>(r)] = r;
   // Ports [0, size): each rank's port on the fabric; then the NICs, node by node.
   const int nodes = network_.ranks_per_node > 0
                         ? (size_ + network_.ranks_per_node - 1) / network_.ranks_per_node
@@ -186,7 +181,7 @@ void VirtualNetwork::issue_send(VirtualCall& send) {
   const Key key = next_key(send.rank, send.issue);
   send.counter = std::get<2>(key);
   send.pending = true;
-  queue_[key] = Item{&send, 0};
+  queue_[key] = Item{&send, {0, 0}};
 }
 
 void VirtualNetwork::issue_receive(VirtualCall& receive) {
@@ -205,12 +200,14 @@ void VirtualNetwork::issue_collective(VirtualCall& call) {
   call.issue = clock(call.rank).now();
   const Key key = next_key(call.rank, call.issue);
   call.counter = std::get<2>(key);
-  call.group = collective_index_[static_cast<std::size_t>(call.rank)]++;
-  Group& group = groups_[call.group];
-  if (group.members.empty()) group.members.assign(static_cast<std::size_t>(size_), nullptr);
-  group.members[static_cast<std::size_t>(call.rank)] = &call;
+  call.group = collective_index_[{call.communicator, call.rank}]++;
+  const GroupKey group_key{call.communicator, call.group};
+  Group& group = groups_[group_key];
+  const std::size_t p = members_of(call).size();
+  if (group.members.empty()) group.members.assign(p, nullptr);
+  group.members[static_cast<std::size_t>(call.member)] = &call;
   group.latest = std::max(group.latest, key);
-  if (++group.issued == size_) queue_[group.latest] = Item{nullptr, call.group};
+  if (++group.issued == static_cast<int>(p)) queue_[group.latest] = Item{nullptr, group_key};
 }
 
 void VirtualNetwork::block(int rank, VirtualCall* call) {
@@ -236,10 +233,10 @@ void VirtualNetwork::forget(VirtualCall& call) {
     call.match = nullptr;
   }
   if (is_collective(call.op)) {
-    auto group = groups_.find(call.group);
+    auto group = groups_.find({call.communicator, call.group});
     if (group != groups_.end() &&
-        group->second.members[static_cast<std::size_t>(call.rank)] == &call)
-      group->second.members[static_cast<std::size_t>(call.rank)] = nullptr;
+        group->second.members[static_cast<std::size_t>(call.member)] == &call)
+      group->second.members[static_cast<std::size_t>(call.member)] = nullptr;
   }
   VirtualCall*& blocked = blocked_[static_cast<std::size_t>(call.rank)];
   if (blocked == &call) blocked = nullptr;
@@ -365,26 +362,61 @@ void VirtualNetwork::determine_receive(VirtualCall& receive, VirtualCall& send) 
   send.match = nullptr;
 }
 
-double VirtualNetwork::collective_seconds(CommOp op, std::uint64_t bytes) const {
-  const int p = size_;
+std::span<const int> VirtualNetwork::members_of(const VirtualCall& call) const {
+  return call.members.empty() ? std::span<const int>(all_ranks_) : call.members;
+}
+
+double VirtualNetwork::collective_seconds(const VirtualCall& call) const {
+  const std::span<const int> members = members_of(call);
+  const int p = static_cast<int>(members.size());
   if (p == 1) return 0.0;
-  const LinkModel& link = network_.slowest_link(p);
-  const double n = static_cast<double>(bytes);
+  const double n = static_cast<double>(call.bytes);
   const double steps = p - 1;
-  switch (op) {
-    case CommOp::kAllReduce: return 2 * steps * link.time_of(n / p);  // ring
-    case CommOp::kReduceScatter:                                      // ring
-    case CommOp::kAllGather: return steps * link.time_of(n / p);      // ring
-    case CommOp::kBroadcast: return ceil_log2(p) * link.time_of(n);   // binomial tree
-    case CommOp::kBarrier: return ceil_log2(p) * link.alpha_seconds;  // dissemination
+  switch (call.op) {
+    case CommOp::kAllReduce: return 2 * steps * network_.ring_step_seconds(members, n / p);
+    case CommOp::kReduceScatter:
+    case CommOp::kAllGather: return steps * network_.ring_step_seconds(members, n / p);
+    case CommOp::kBroadcast: return network_.broadcast_seconds(members, call.root, n);
+    case CommOp::kBarrier:
+    case CommOp::kSplit: return network_.barrier_seconds(members);  // a split meets as one
     default: break;
   }
-  DP_CHECK(false, "{} is not a collective", to_string(op));
+  DP_CHECK(false, "{} is not a collective", to_string(call.op));
   return 0.0;
 }
 
-void VirtualNetwork::commit_collective(std::uint64_t index) {
-  auto found = groups_.find(index);
+std::vector<std::size_t> VirtualNetwork::ports_of_collective(const VirtualCall& call) const {
+  const std::span<const int> members = members_of(call);
+  const std::size_t p = members.size();
+  std::vector<std::size_t> ports;
+  const auto add_message = [&](int from, int to) {
+    const bool across = network_.crosses_nodes(from, to);
+    ports.push_back(port_of(from, across));
+    ports.push_back(port_of(to, across));
+  };
+  if (p == 1) {
+    ports.push_back(port_of(members[0], false));
+    if (network_.ranks_per_node > 0) ports.push_back(port_of(members[0], true));
+  } else if (call.op == CommOp::kBroadcast) {
+    // The tree's messages: relative rank r (from the root) receives from r - lowbit(r).
+    for (std::size_t relative = 1; relative < p; ++relative) {
+      const std::size_t parent = relative - (relative & (~relative + 1));
+      add_message(members[(static_cast<std::size_t>(call.root) + parent) % p],
+                  members[(static_cast<std::size_t>(call.root) + relative) % p]);
+    }
+  } else if (call.op == CommOp::kBarrier || call.op == CommOp::kSplit) {
+    for (std::size_t distance = 1; distance < p; distance *= 2)
+      for (std::size_t i = 0; i < p; ++i) add_message(members[i], members[(i + distance) % p]);
+  } else {
+    for (std::size_t i = 0; i < p; ++i) add_message(members[i], members[(i + 1) % p]);  // ring
+  }
+  std::sort(ports.begin(), ports.end());
+  ports.erase(std::unique(ports.begin(), ports.end()), ports.end());
+  return ports;
+}
+
+void VirtualNetwork::commit_collective(const GroupKey& key) {
+  auto found = groups_.find(key);
   if (found == groups_.end()) return;
   Group group = std::move(found->second);
   groups_.erase(found);
@@ -396,11 +428,14 @@ void VirtualNetwork::commit_collective(std::uint64_t index) {
     if (first == nullptr) first = member;
   }
   if (first == nullptr) return;  // every member failed
-  for (auto* timelines : {&send_timeline_, &receive_timeline_})
-    for (const Timeline& timeline : *timelines) start = std::max(start, timeline.free_after);
-  const double end = start + collective_seconds(first->op, first->bytes);
-  for (auto* timelines : {&send_timeline_, &receive_timeline_})
-    for (Timeline& timeline : *timelines) reserve(timeline, start, end);
+  const std::vector<std::size_t> ports = ports_of_collective(*first);
+  for (std::size_t port : ports)
+    start = std::max({start, send_timeline_[port].free_after, receive_timeline_[port].free_after});
+  const double end = start + collective_seconds(*first);
+  for (std::size_t port : ports) {
+    reserve(send_timeline_[port], start, end);
+    reserve(receive_timeline_[port], start, end);
+  }
   for (VirtualCall* member : group.members) {
     if (member == nullptr) continue;
     member->start = start;

@@ -26,8 +26,10 @@
 // message that waits for a busy receiver does not hold back its sender's other messages:
 // a later one that fits into the gap goes first, as on a real network. The send completes
 // at the arrival and the receive at max(arrival, receive issue time). A collective starts
-// when every rank issued it and every link is free after everything placed before it,
-// lasts its algorithm's time (see dp/clock.h) and occupies every link for all of it.
+// when every rank issued it and every port its algorithm's messages use is free after
+// everything placed before it (on one fabric: every port), lasts its algorithm's time on
+// where its ranks are (dp/clock.h, "Native collectives") and occupies those ports, both
+// directions, for all of it.
 //
 // Ports. On one flat fabric each rank has one port (a send and a receive direction). On
 // two levels (see "Two levels" in dp/clock.h) each rank has its own port on the intra-node
@@ -37,6 +39,11 @@
 // sender's NIC's send direction and the receiver's NIC's receive direction. Ranks that
 // share a NIC queue for it exactly as messages of one rank queue for its port; the two
 // ports of a rank are independent (it can send inside and across nodes at once).
+//
+// Communicators. A collective of a communicator split from the launch's (`members`, the
+// ranks of the network it spans) meets the same collective of its other members only, is
+// charged by where those ranks are (dp/clock.h, "Native collectives") and holds only the
+// ports its algorithm's messages use.
 //
 // Not thread-safe: the local backend calls it with its mutex held (the same mutex the
 // clocks take to read what was recorded on them).
@@ -48,6 +55,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -69,13 +77,18 @@ struct VirtualCall {
   std::uint64_t link_bytes = 0;  // sent plus received on this rank's link (for the trace)
   double issue = 0;              // the rank's compute time when it issued the call
   Steady::time_point wall_issue;
-  std::uint64_t counter = 0;     // key: (issue, rank, counter)
-  std::uint64_t group = 0;       // collectives: the rank's collective index
-  bool pending = false;          // a send waiting in the queue of items
-  bool committed = false;        // a send placed on the links
-  VirtualCall* match = nullptr;  // send <-> receive
-  bool determined = false;       // the times below are final
-  double start = 0;              // the link is busy [start, end): the transfer
+  std::uint64_t counter = 0;       // key: (issue, rank, counter)
+  std::uint64_t group = 0;         // collectives: the rank's collective index on its communicator
+  std::uint64_t communicator = 0;  // collectives: which one (0: the launch's ranks)
+  std::span<const int> members;    // collectives: its ranks on the network, by rank in it
+                                   // (empty: the launch's ranks, in order)
+  int member = 0;                  // collectives: this rank's rank in its communicator
+  int root = 0;                    // broadcast: the root's rank in its communicator
+  bool pending = false;            // a send waiting in the queue of items
+  bool committed = false;          // a send placed on the links
+  VirtualCall* match = nullptr;    // send <-> receive
+  bool determined = false;         // the times below are final
+  double start = 0;                // the link is busy [start, end): the transfer
   double end = 0;
   double arrival = 0;     // point-to-point: the last byte at the receiver, end + alpha
   double completion = 0;  // when wait() returns, on the compute timeline
@@ -164,30 +177,39 @@ class VirtualNetwork {
 
  private:
   using Key = std::tuple<double, int, std::uint64_t>;
-  struct Group {  // one collective: the n-th collective of every rank
-    std::vector<VirtualCall*> members;
+  /// A collective: (communicator, its index among that communicator's collectives).
+  using GroupKey = std::pair<std::uint64_t, std::uint64_t>;
+  struct Group {  // one collective: the n-th collective of every member of a communicator
+    std::vector<VirtualCall*> members;  // by rank in the communicator
     int issued = 0;
     Key latest{0.0, -1, 0};
   };
   struct Item {
     VirtualCall* send = nullptr;  // a message, or
-    std::uint64_t group = 0;      // a collective
+    GroupKey group{0, 0};         // a collective
   };
 
   Key next_key(int rank, double issue);
   bool committable(const Key& key) const;
   void commit_send(VirtualCall& send);
-  void commit_collective(std::uint64_t index);
+  void commit_collective(const GroupKey& key);
   void determine(VirtualCall& call);
   void determine_receive(VirtualCall& receive, VirtualCall& send);
-  double collective_seconds(CommOp op, std::uint64_t bytes) const;
+  /// The ranks of the network a collective spans, by rank in its communicator.
+  std::span<const int> members_of(const VirtualCall& call) const;
+  /// The time of a collective on its members (dp/clock.h, "Native collectives").
+  double collective_seconds(const VirtualCall& call) const;
+  /// The ports a collective holds: those of its algorithm's messages (both directions),
+  /// or its rank's own on a communicator of one rank.
+  std::vector<std::size_t> ports_of_collective(const VirtualCall& call) const;
 
   const int size_;
   const SimulationOptions options_;
   std::vector<std::unique_ptr<SimClock>> clocks_;
   std::vector<double> floor_;
   std::vector<std::uint64_t> counter_;
-  std::vector<std::uint64_t> collective_index_;
+  std::vector<int> all_ranks_;  // 0, 1, ..., size - 1: the launch's communicator
+  std::map<std::pair<std::uint64_t, int>, std::uint64_t> collective_index_;  // (comm, rank)
   std::vector<VirtualCall*> blocked_;
   std::vector<bool> finished_;
   /// One direction of one port of one rank: the intervals in which it carries a transfer.
@@ -211,7 +233,7 @@ class VirtualNetwork {
   std::vector<Timeline> send_timeline_;
   std::vector<Timeline> receive_timeline_;
   std::map<Key, Item> queue_;
-  std::map<std::uint64_t, Group> groups_;
+  std::map<GroupKey, Group> groups_;
   std::vector<VirtualCall*> determined_;
   bool cleared_ = false;
 };
