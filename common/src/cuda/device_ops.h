@@ -53,6 +53,9 @@ void copy_bytes(void* destination, const void* source, std::size_t bytes);
 
 /// x[i] = value.
 void fill(float* x, std::size_t n, float value);
+/// x[i] = bits for n 16-bit elements: a bfloat16 or float16 tensor filled with one value,
+/// rounded once by the caller.
+void fill_bits16(std::uint16_t* x, std::size_t n, std::uint16_t bits);
 /// x[i] = factor * x[i].
 void scale(float* x, std::size_t n, float factor);
 /// x[i] = x[i] / divisor.

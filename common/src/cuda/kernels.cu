@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 
 #include "cuda/kernel_support.cuh"
@@ -37,6 +38,11 @@ constexpr int kReduceBlocks = 512;  // reductions: at most this many partial sum
 __global__ void fill_kernel(float* x, std::size_t n, float value) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] = value;
+}
+
+__global__ void fill_bits16_kernel(std::uint16_t* x, std::size_t n, std::uint16_t bits) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] = bits;
 }
 
 __global__ void scale_kernel(float* x, std::size_t n, float factor) {
@@ -205,6 +211,12 @@ double reduce_products(const float* x, const float* y, std::size_t n) {
 void fill(float* x, std::size_t n, float value) {
   if (n == 0) return;
   fill_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, value);
+  check_launch("fill");
+}
+
+void fill_bits16(std::uint16_t* x, std::size_t n, std::uint16_t bits) {
+  if (n == 0) return;
+  fill_bits16_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, bits);
   check_launch("fill");
 }
 

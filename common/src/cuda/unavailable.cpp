@@ -1,5 +1,6 @@
 // The device functions of cuda/device_ops.h in a build without CUDA: each one says so.
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
 
 #include "cuda/device_ops.h"
@@ -45,6 +46,9 @@ void copy_bytes(void* /*destination*/, const void* /*source*/, std::size_t /*byt
 }
 
 void fill(float* /*x*/, std::size_t /*n*/, float /*value*/) {
+  no_cuda("fill");
+}
+void fill_bits16(std::uint16_t* /*x*/, std::size_t /*n*/, std::uint16_t /*bits*/) {
   no_cuda("fill");
 }
 void scale(float* /*x*/, std::size_t /*n*/, float /*factor*/) {
