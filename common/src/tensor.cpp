@@ -15,6 +15,7 @@
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
+#include "dp/tensor_ops.h"
 
 namespace dp {
 
@@ -129,22 +130,23 @@ void detail::copy_memory(void* destination, Device destination_device, const voi
 }
 
 void detail::throw_wrong_type(std::string_view accessor, DataType expected, DataType seen) {
-  throw Error(fmt::format(
-      "{} of {} elements: expected {} elements; {} (dp/tensor.h), or convert them with "
-      "Tensor::to(DataType::{}) or dp::convert",
-      accessor, to_string(seen), to_string(expected),
-      seen == DataType::kFloat32 ? "read them with the untyped accessor (or <float>)"
-      : seen == DataType::kBFloat16 ? "read them with the typed accessor <dp::BFloat16>"
-                                    : "read them with the typed accessor <dp::Float16>",
-      expected == DataType::kFloat32    ? "kFloat32"
-      : expected == DataType::kBFloat16 ? "kBFloat16"
-                                        : "kFloat16"));
+  throw Error(
+      fmt::format("{} of {} elements: expected {} elements; {} (dp/tensor.h), or convert them with "
+                  "Tensor::to(DataType::{}) or dp::convert",
+                  accessor, to_string(seen), to_string(expected),
+                  seen == DataType::kFloat32    ? "read them with the untyped accessor (or <float>)"
+                  : seen == DataType::kBFloat16 ? "read them with the typed accessor <dp::BFloat16>"
+                                                : "read them with the typed accessor <dp::Float16>",
+                  expected == DataType::kFloat32    ? "kFloat32"
+                  : expected == DataType::kBFloat16 ? "kBFloat16"
+                                                    : "kFloat16"));
 }
 
 void detail::throw_not_a_tensor_type(std::string_view where, DataType type) {
-  throw Error(fmt::format("{} of {} elements: expected float32, bfloat16 or float16, the types "
-                          "a tensor holds",
-                          where, to_string(type)));
+  throw Error(
+      fmt::format("{} of {} elements: expected float32, bfloat16 or float16, the types "
+                  "a tensor holds",
+                  where, to_string(type)));
 }
 
 void detail::throw_not_host(std::string_view accessor, Device device) {
@@ -159,8 +161,7 @@ namespace {
 
 /// Throws `dp::Error` unless a view's elements, on `device` and of type `seen`, can be read
 /// as a host span of `expected`.
-void check_host_span(std::string_view accessor, Device device, DataType expected,
-                     DataType seen) {
+void check_host_span(std::string_view accessor, Device device, DataType expected, DataType seen) {
   if (device != Device::kHost)
     throw Error(
         fmt::format("host_span() of a view of {} memory: expected a host view; use the "
@@ -242,8 +243,8 @@ namespace {
 /// A 1-D tensor of `values`' type on `device` holding a copy of them.
 template <typename T>
 Tensor tensor_from(std::span<const T> values, MemoryCategory category, Device device) {
-  Tensor tensor = Tensor::uninitialized({static_cast<std::int64_t>(values.size())},
-                                        data_type_of<T>, category, device);
+  Tensor tensor = Tensor::uninitialized({static_cast<std::int64_t>(values.size())}, data_type_of<T>,
+                                        category, device);
   detail::copy_memory(tensor.view().raw_data(), device, values.data(), Device::kHost,
                       tensor.bytes());
   return tensor;
@@ -335,8 +336,8 @@ void Tensor::release() {
             data_, bytes(),
             [this] {
               return fmt::format("a tensor of {}, shape {} on {} ({} bytes{}{})",
-                                 to_string(category_), shape_string(), to_string(device_),
-                                 bytes(), type_ == DataType::kFloat32 ? "" : ", ",
+                                 to_string(category_), shape_string(), to_string(device_), bytes(),
+                                 type_ == DataType::kFloat32 ? "" : ", ",
                                  type_ == DataType::kFloat32 ? "" : to_string(type_));
             },
             [this]() -> std::function<void()> {
@@ -398,6 +399,14 @@ Tensor Tensor::to(Device device) const {
   Tensor copy = uninitialized(shape_, type_, category_, device);
   detail::copy_memory(copy.data_, device, data_, device_, bytes());
   return copy;
+}
+
+Tensor Tensor::to(DataType type) const {
+  detail::check_tensor_type("Tensor::to", type);
+  if (type == type_) return clone();
+  Tensor converted = uninitialized(shape_, type, category_, device_);
+  convert(view(), converted.view());
+  return converted;
 }
 
 std::int64_t Tensor::dim(std::size_t d) const {

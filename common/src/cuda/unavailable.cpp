@@ -72,6 +72,19 @@ double sum_of_squares(const float* /*x*/, std::size_t /*n*/) {
 bool all_finite(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("all_finite");
 }
+bool all_finite_bits16(const std::uint16_t* /*x*/, Element /*type*/, std::size_t /*n*/) {
+  no_cuda("all_finite");
+}
+void convert(const void* /*x*/, Element /*from*/, void* /*y*/, Element /*to*/, std::size_t /*n*/) {
+  no_cuda("convert");
+}
+void add_widened(const void* /*x*/, Element /*type*/, float* /*y*/, std::size_t /*n*/) {
+  no_cuda("add");
+}
+void axpy_widened(float /*alpha*/, const void* /*x*/, Element /*type*/, float* /*y*/,
+                  std::size_t /*n*/) {
+  no_cuda("axpy");
+}
 
 float max_abs(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("max_abs");
