@@ -168,7 +168,8 @@ class TensorView {
   /// unless the view holds `T`. On a device, a device address, as `data()`.
   template <typename T>
   T* data() const {
-    if (type_ != data_type_of<T>) detail::throw_wrong_type("TensorView::data()", data_type_of<T>, type_);
+    if (type_ != data_type_of<T>)
+      detail::throw_wrong_type("TensorView::data()", data_type_of<T>, type_);
     return static_cast<T*>(data_);
   }
   /// The first element, untyped (for code that moves bytes: read `dtype()` first).
@@ -206,6 +207,7 @@ class TensorView {
   }
 
  private:
+  /// Throws `dp::Error` unless the elements are host memory of type `expected`.
   void check_host_span(DataType expected) const;
 
   void* data_ = nullptr;
@@ -246,10 +248,7 @@ class ConstTensorView {
       : ConstTensorView(host.data(), host.size()) {}
   /// The same elements, read-only (and of the same type).
   ConstTensorView(const TensorView& view)  // NOLINT(google-explicit-constructor)
-      : data_(view.raw_data()),
-        size_(view.size()),
-        device_(view.device()),
-        type_(view.dtype()) {}
+      : data_(view.raw_data()), size_(view.size()), device_(view.device()), type_(view.dtype()) {}
 
   /// The first element of a float32 view (throws `dp::Error` for another type): on a device,
   /// a device address, never to dereference on the host.
@@ -293,6 +292,7 @@ class ConstTensorView {
   }
 
  private:
+  /// Throws `dp::Error` unless the elements are host memory of type `expected`.
   void check_host_span(DataType expected) const;
 
   const void* data_ = nullptr;
@@ -316,7 +316,8 @@ class Tensor {
   /// A zero-filled tensor of `shape` whose elements are of `type` (float32, bfloat16 or
   /// float16; another throws `dp::Error`), charged `element_size(type)` bytes per element.
   explicit Tensor(std::vector<std::int64_t> shape, DataType type,
-                  MemoryCategory category = MemoryCategory::kActivations, Device device = Device::kHost);
+                  MemoryCategory category = MemoryCategory::kActivations,
+                  Device device = Device::kHost);
   /// A float32 tensor whose elements are left as the allocator hands them over (for outputs
   /// that are overwritten at once).
   static Tensor uninitialized(std::vector<std::int64_t> shape,
