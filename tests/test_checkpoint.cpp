@@ -17,6 +17,8 @@
 
 #include "dp/checkpoint.h"
 #include "dp/error.h"
+#include "dp/float16.h"
+#include "dp/tensor.h"
 #include "test_support.h"
 
 namespace {
@@ -292,10 +294,72 @@ TEST(Safetensors, RejectsOffsetsPastTheData) {
 }
 
 TEST(Safetensors, RejectsAnotherDtype) {
+  // 16-bit tensors only where the caller asks for them: the default reads floats.
   const fs::path path =
       write_raw(test_directory() / "half.safetensors",
                 R"({"h":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}})", std::string(4, '\0'));
-  expect_error([&] { dp::load_safetensors(path); }, {"half.safetensors", "'h'", "\"F16\""});
+  expect_error([&] { dp::load_safetensors(path); },
+               {"half.safetensors", "'h'", "\"F16\"", "expected \"F32\" (float32)"});
+  const fs::path doubles =
+      write_raw(test_directory() / "double.safetensors",
+                R"({"d":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", std::string(8, '\0'));
+  expect_error(
+      [&] { dp::load_safetensors(doubles, dp::MemoryCategory::kOther, dp::LoadTypes::kAll); },
+      {"'d'", "\"F64\"", "dplab reads \"F32\", \"BF16\" and \"F16\""});
+}
+
+TEST(Safetensors, RoundTripsBfloat16AndFloat16TensorsWithTheirDtypes) {
+  const dp::Tensor f32 = counting_tensor({2, 3});
+  const dp::Tensor bf16 = f32.to(dp::DataType::kBFloat16);
+  dp::Tensor f16 = counting_tensor({5}).to(dp::DataType::kFloat16);
+  f16.span<dp::Float16>()[4] = dp::Float16{0x7e01};  // a NaN's payload travels unchanged
+  const std::vector<dp::NamedTensor> tensors = {{"b", &bf16}, {"h", &f16}, {"f", &f32}};
+  const fs::path path = test_directory() / "mixed.safetensors";
+  dp::save_safetensors(path, tensors, {{"step", "3"}}, dp::Checksums::kWrite);
+
+  // On disk: the dtype strings, 2 bytes per 16-bit element, the data as it lies in memory.
+  const std::string bytes = read_bytes(path);
+  std::uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), 8);
+  const std::string header = bytes.substr(8, header_length);
+  EXPECT_NE(header.find(R"("b":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]})"),
+            std::string::npos)
+      << header;
+  EXPECT_NE(header.find(R"("h":{"dtype":"F16","shape":[5],"data_offsets":[12,22]})"),
+            std::string::npos)
+      << header;
+  EXPECT_NE(header.find(R"("f":{"dtype":"F32","shape":[2,3],"data_offsets":[22,46]})"),
+            std::string::npos)
+      << header;
+  EXPECT_EQ(bytes.size(), 8 + header_length + 46);
+  EXPECT_EQ(std::memcmp(bytes.data() + 8 + header_length, bf16.span<dp::BFloat16>().data(), 12), 0);
+
+  const dp::Checkpoint loaded =
+      dp::load_safetensors(path, dp::MemoryCategory::kParameters, dp::LoadTypes::kAll);
+  EXPECT_TRUE(loaded.checksummed);
+  const dp::Tensor& b = loaded.tensors.at("b");
+  const dp::Tensor& h = loaded.tensors.at("h");
+  EXPECT_EQ(b.dtype(), dp::DataType::kBFloat16);
+  EXPECT_EQ(b.shape(), bf16.shape());
+  EXPECT_EQ(b.category(), dp::MemoryCategory::kParameters);
+  EXPECT_EQ(h.dtype(), dp::DataType::kFloat16);
+  EXPECT_EQ(loaded.tensors.at("f").dtype(), dp::DataType::kFloat32);
+  for (std::size_t i = 0; i < b.size(); ++i)
+    EXPECT_EQ(b.span<dp::BFloat16>()[i], bf16.span<dp::BFloat16>()[i]) << i;
+  for (std::size_t i = 0; i < h.size(); ++i)
+    EXPECT_EQ(h.span<dp::Float16>()[i], f16.span<dp::Float16>()[i]) << i;
+  for (std::size_t i = 0; i < f32.size(); ++i) EXPECT_EQ(loaded.tensors.at("f")[i], f32[i]);
+
+  // A loader of floats refuses the file, naming the 16-bit tensor's dtype.
+  expect_error([&] { dp::load_safetensors(path); }, {"mixed.safetensors", "\"BF16\""});
+}
+
+TEST(Safetensors, ChecksTheOffsetsOfA16BitTensorAgainstTwoBytesPerElement) {
+  const fs::path path =
+      write_raw(test_directory() / "short.safetensors",
+                R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  expect_error([&] { dp::load_safetensors(path, dp::MemoryCategory::kOther, dp::LoadTypes::kAll); },
+               {"'w'", "3 BF16 elements", "span 4 bytes", "expected 2 per element"});
 }
 
 TEST(Safetensors, RejectsAShapeThatDisagreesWithTheOffsets) {

@@ -39,9 +39,19 @@ constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr std::size_t kLengthBytes = 8;  // the header length field
 constexpr std::size_t kHeaderAlignment = 8;
 
+/// The safetensors dtype of a tensor's element type.
+std::string_view dtype_name(DataType type) {
+  switch (type) {
+    case DataType::kBFloat16: return "BF16";
+    case DataType::kFloat16: return "F16";
+    default: return "F32";
+  }
+}
+
 // One tensor entry of a header, checked against the data section.
 struct Entry {
   std::string name;
+  DataType type = DataType::kFloat32;
   std::vector<std::int64_t> shape;
   std::uint64_t begin = 0;  // data_offsets, relative to the data section
   std::uint64_t end = 0;
@@ -50,7 +60,7 @@ struct Entry {
 // Parses and checks the header entry `name`; `data_start` and `data_size` locate the data
 // section in the file so that errors can name file byte offsets.
 Entry parse_entry(const std::string& file, const std::string& name, const nlohmann::json& value,
-                  std::uint64_t data_start, std::uint64_t data_size) {
+                  std::uint64_t data_start, std::uint64_t data_size, LoadTypes types) {
   const std::uint64_t header_end = data_start;
   const auto fail = [&](std::string_view problem) {
     return Error(
@@ -69,11 +79,18 @@ Entry parse_entry(const std::string& file, const std::string& name, const nlohma
   const nlohmann::json& dtype = field("dtype");
   if (!dtype.is_string())
     throw fail(fmt::format("has \"dtype\": {}, expected a string", dtype.dump()));
-  if (dtype.get<std::string>() != "F32")
-    throw fail(fmt::format("has dtype {}: dplab reads only \"F32\" (float32)", dtype.dump()));
-
   Entry entry;
   entry.name = name;
+  const std::string dtype_text = dtype.get<std::string>();
+  if (dtype_text == "BF16" && types == LoadTypes::kAll)
+    entry.type = DataType::kBFloat16;
+  else if (dtype_text == "F16" && types == LoadTypes::kAll)
+    entry.type = DataType::kFloat16;
+  else if (dtype_text != "F32")
+    throw fail(fmt::format("has dtype {}: {}", dtype.dump(),
+                           types == LoadTypes::kAll
+                               ? "dplab reads \"F32\", \"BF16\" and \"F16\""
+                               : "expected \"F32\" (float32), the only dtype read here"));
   const nlohmann::json& shape = field("shape");
   if (!shape.is_array())
     throw fail(fmt::format("has \"shape\": {}, expected an array of extents", shape.dump()));
@@ -110,13 +127,14 @@ Entry parse_entry(const std::string& file, const std::string& name, const nlohma
                     data_size, data_start + data_size));
   // Compare elements, not bytes: elements * 4 could wrap around for a corrupt shape.
   const std::uint64_t span_bytes = entry.end - entry.begin;
-  if (elements_overflow || span_bytes % sizeof(float) != 0 ||
-      elements != span_bytes / sizeof(float))
-    throw fail(
-        fmt::format("has shape {} ({} F32 elements) but \"data_offsets\" [{}, {}] "
-                    "span {} bytes (from byte offset {}), expected 4 per element",
-                    shape.dump(), elements_overflow ? "more than 2^64" : std::to_string(elements),
-                    entry.begin, entry.end, span_bytes, data_start + entry.begin));
+  const std::size_t element_bytes = element_size(entry.type);
+  if (elements_overflow || span_bytes % element_bytes != 0 ||
+      elements != span_bytes / element_bytes)
+    throw fail(fmt::format(
+        "has shape {} ({} {} elements) but \"data_offsets\" [{}, {}] "
+        "span {} bytes (from byte offset {}), expected {} per element",
+        shape.dump(), elements_overflow ? "more than 2^64" : std::to_string(elements), dtype_text,
+        entry.begin, entry.end, span_bytes, data_start + entry.begin, element_bytes));
   return entry;
 }
 
@@ -221,7 +239,7 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
       throw Error(fmt::format("save_safetensors '{}': tensor '{}' is empty (it has no shape)", file,
                               named.name));
     const std::uint64_t bytes = named.tensor->bytes();
-    header[named.name] = {{"dtype", "F32"},
+    header[named.name] = {{"dtype", dtype_name(named.tensor->dtype())},
                           {"shape", named.tensor->shape()},
                           {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
@@ -238,10 +256,10 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
         if (named.tensor->empty()) {
           sum = crc32(nullptr, 0);
         } else if (named.tensor->device() == Device::kHost) {
-          sum = crc32(named.tensor->data(), named.tensor->bytes());
+          sum = crc32(named.tensor->view().raw_data(), named.tensor->bytes());
         } else {
           const Tensor host_copy = named.tensor->to(Device::kHost);
-          sum = crc32(host_copy.data(), host_copy.bytes());
+          sum = crc32(host_copy.view().raw_data(), host_copy.bytes());
         }
         data_sums[named.name] = hex32(sum);
       }
@@ -270,24 +288,25 @@ void save_safetensors(const std::filesystem::path& path, std::span<const NamedTe
   for (const NamedTensor& named : tensors) {
     if (named.tensor->empty()) continue;
     if (named.tensor->device() == Device::kHost) {
-      out.write(named.tensor->data(), named.tensor->bytes());
+      out.write(named.tensor->view().raw_data(), named.tensor->bytes());
     } else {
       const Tensor host_copy = named.tensor->to(Device::kHost);  // device memory: via the host
-      out.write(host_copy.data(), host_copy.bytes());
+      out.write(host_copy.view().raw_data(), host_copy.bytes());
     }
   }
   out.commit();
 }
 
-Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory category) {
+Checkpoint load_safetensors(const std::filesystem::path& path, MemoryCategory category,
+                            LoadTypes types) {
   return detail::parse_safetensors(detail::read_whole_file(path, "safetensors file"), path.string(),
-                                   category);
+                                   category, types);
 }
 
 namespace detail {
 
 Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
-                             MemoryCategory category) {
+                             MemoryCategory category, LoadTypes types) {
   if (bytes.size() < kLengthBytes)
     throw Error(
         fmt::format("safetensors file '{}' is {} bytes long: expected at least the "
@@ -371,7 +390,7 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
       }
       continue;
     }
-    entries.push_back(parse_entry(file, key, value, data_start, data_size));
+    entries.push_back(parse_entry(file, key, value, data_start, data_size, types));
   }
 
   // The byte ranges, in file order, must cover the data section exactly once: anything
@@ -404,9 +423,10 @@ Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
   checkpoint.checksummed = verify_checksums(file, header, data);
 
   for (const Entry& entry : entries) {
-    Tensor tensor = Tensor::uninitialized(entry.shape, category);
+    Tensor tensor = Tensor::uninitialized(entry.shape, entry.type, category);
     if (!tensor.empty())  // memcpy needs valid pointers even for 0 bytes
-      std::memcpy(tensor.data(), bytes.data() + data_start + entry.begin, tensor.bytes());
+      std::memcpy(tensor.view().raw_data(), bytes.data() + data_start + entry.begin,
+                  tensor.bytes());
     checkpoint.tensors.emplace(entry.name, std::move(tensor));
   }
   return checkpoint;

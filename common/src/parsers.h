@@ -22,7 +22,7 @@ namespace dp::detail {
 
 /// The safetensors file `bytes` (see `load_safetensors`).
 Checkpoint parse_safetensors(std::string_view bytes, const std::string& file,
-                             MemoryCategory category);
+                             MemoryCategory category, LoadTypes types = LoadTypes::kFloat32);
 
 /// The CSV text of `in` (see `load_csv`), read twice in blocks, never whole: the first pass
 /// validates and counts, the second fills the features, so memory peaks at the data set

@@ -15,6 +15,7 @@
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
+#include "dp/tensor_ops.h"
 
 namespace dp {
 
@@ -128,6 +129,26 @@ void detail::copy_memory(void* destination, Device destination_device, const voi
     std::memcpy(destination, source, bytes);
 }
 
+void detail::throw_wrong_type(std::string_view accessor, DataType expected, DataType seen) {
+  throw Error(
+      fmt::format("{} of {} elements: expected {} elements; {} (dp/tensor.h), or convert them with "
+                  "Tensor::to(DataType::{}) or dp::convert",
+                  accessor, to_string(seen), to_string(expected),
+                  seen == DataType::kFloat32    ? "read them with the untyped accessor (or <float>)"
+                  : seen == DataType::kBFloat16 ? "read them with the typed accessor <dp::BFloat16>"
+                                                : "read them with the typed accessor <dp::Float16>",
+                  expected == DataType::kFloat32    ? "kFloat32"
+                  : expected == DataType::kBFloat16 ? "kBFloat16"
+                                                    : "kFloat16"));
+}
+
+void detail::throw_not_a_tensor_type(std::string_view where, DataType type) {
+  throw Error(
+      fmt::format("{} of {} elements: expected float32, bfloat16 or float16, the types "
+                  "a tensor holds",
+                  where, to_string(type)));
+}
+
 void detail::throw_not_host(std::string_view accessor, Device device) {
   throw Error(fmt::format(
       "{} of a tensor in {} memory: expected host memory; the host cannot read device "
@@ -138,34 +159,36 @@ void detail::throw_not_host(std::string_view accessor, Device device) {
 
 namespace {
 
-void check_host(Device device) {
+/// Throws `dp::Error` unless a view's elements, on `device` and of type `seen`, can be read
+/// as a host span of `expected`.
+void check_host_span(std::string_view accessor, Device device, DataType expected, DataType seen) {
   if (device != Device::kHost)
     throw Error(
         fmt::format("host_span() of a view of {} memory: expected a host view; use the "
                     "operations of dp/tensor_ops.h, which work on every device",
                     to_string(device)));
+  if (seen != expected) detail::throw_wrong_type(accessor, expected, seen);
 }
 
 }  // namespace
 
 TensorView TensorView::slice(std::size_t offset, std::size_t count) const {
   detail::check_range("TensorView::slice", offset, count, size_);
-  return {data_ + offset, count, device_};
+  return {static_cast<std::byte*>(data_) + offset * element_size(type_), count, type_, device_};
 }
 
-std::span<float> TensorView::host_span() const {
-  check_host(device_);
-  return {data_, size_};
+void TensorView::check_host_span(DataType expected) const {
+  dp::check_host_span("TensorView::host_span()", device_, expected, type_);
 }
 
 ConstTensorView ConstTensorView::slice(std::size_t offset, std::size_t count) const {
   detail::check_range("ConstTensorView::slice", offset, count, size_);
-  return {data_ + offset, count, device_};
+  return {static_cast<const std::byte*>(data_) + offset * element_size(type_), count, type_,
+          device_};
 }
 
-std::span<const float> ConstTensorView::host_span() const {
-  check_host(device_);
-  return {data_, size_};
+void ConstTensorView::check_host_span(DataType expected) const {
+  dp::check_host_span("ConstTensorView::host_span()", device_, expected, type_);
 }
 
 std::size_t element_count(const std::vector<std::int64_t>& shape) {
@@ -194,29 +217,61 @@ std::string shape_to_string(const std::vector<std::int64_t>& shape) {
   return fmt::format("({})", fmt::join(shape, ", "));
 }
 
-Tensor::Tensor(std::vector<std::int64_t> shape, MemoryCategory category, Device device) {
-  allocate(std::move(shape), category, device);
+Tensor::Tensor(std::vector<std::int64_t> shape, MemoryCategory category, Device device)
+    : Tensor(std::move(shape), DataType::kFloat32, category, device) {}
+
+Tensor::Tensor(std::vector<std::int64_t> shape, DataType type, MemoryCategory category,
+               Device device) {
+  allocate(std::move(shape), type, category, device);
   fill(0.0f);
 }
 
 Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, MemoryCategory category,
                              Device device) {
+  return uninitialized(std::move(shape), DataType::kFloat32, category, device);
+}
+
+Tensor Tensor::uninitialized(std::vector<std::int64_t> shape, DataType type,
+                             MemoryCategory category, Device device) {
   Tensor tensor;
-  tensor.allocate(std::move(shape), category, device);
+  tensor.allocate(std::move(shape), type, category, device);
   return tensor;
 }
+
+namespace {
+
+/// A 1-D tensor of `values`' type on `device` holding a copy of them.
+template <typename T>
+Tensor tensor_from(std::span<const T> values, MemoryCategory category, Device device) {
+  Tensor tensor = Tensor::uninitialized({static_cast<std::int64_t>(values.size())}, data_type_of<T>,
+                                        category, device);
+  detail::copy_memory(tensor.view().raw_data(), device, values.data(), Device::kHost,
+                      tensor.bytes());
+  return tensor;
+}
+
+}  // namespace
 
 Tensor Tensor::from(std::span<const float> values, MemoryCategory category, Device device) {
-  Tensor tensor = uninitialized({static_cast<std::int64_t>(values.size())}, category, device);
-  detail::copy_memory(tensor.data_, device, values.data(), Device::kHost, tensor.bytes());
-  return tensor;
+  return tensor_from(values, category, device);
 }
 
-void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, Device device) {
+Tensor Tensor::from(std::span<const BFloat16> values, MemoryCategory category, Device device) {
+  return tensor_from(values, category, device);
+}
+
+Tensor Tensor::from(std::span<const Float16> values, MemoryCategory category, Device device) {
+  return tensor_from(values, category, device);
+}
+
+void Tensor::allocate(std::vector<std::int64_t> shape, DataType type, MemoryCategory category,
+                      Device device) {
+  detail::check_tensor_type("Tensor", type);
   size_ = element_count(shape);
   shape_ = std::move(shape);
   category_ = category;
   device_ = device;
+  type_ = type;
   owner_ = this_rank_memory_shared();
   // Charged first: past the rank's memory budget this throws before anything is allocated.
   // Device bytes go to the same accounts as host bytes: a rank's training state is counted
@@ -226,22 +281,24 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
     // Device memory comes from CUDA's stream-ordered pool (cuda/runtime.cpp says why),
     // host memory (and the emulated device's) from the rank's caching allocator.
     if (detail::on_gpu(device_))
-      data_ = static_cast<float*>(cuda::allocate(bytes()));
+      data_ = cuda::allocate(bytes());
     else
-      data_ = static_cast<float*>(owner_->allocator().allocate(bytes()));
+      data_ = owner_->allocator().allocate(bytes());
     if (in_emulated_device(device_)) detail::note_emulated_device_memory(data_, bytes());
     if (device_ != Device::kHost) ++device_tensors_alive;
   } catch (const std::bad_alloc&) {
     // The machine refused the bytes (a huge model, data set or checkpoint): say what and how
     // much, instead of an unexplained std::bad_alloc.
     const std::size_t refused = bytes();
+    const std::size_t elements = size_;
     owner_->tracker().on_release(category_, refused);
     owner_.reset();
     size_ = 0;
     shape_.clear();
     device_ = Device::kHost;
     throw machine_out_of_memory(
-        fmt::format("{} (a tensor of {} elements)", to_string(category), refused / sizeof(float)),
+        fmt::format("{} (a tensor of {} {}elements)", to_string(category), elements,
+                    type_ == DataType::kFloat32 ? "" : fmt::format("{} ", to_string(type_))),
         refused);
   } catch (...) {
     owner_->tracker().on_release(category_, bytes());
@@ -256,7 +313,7 @@ void Tensor::allocate(std::vector<std::int64_t> shape, MemoryCategory category, 
 namespace {
 
 /// Returns a tensor's block to where it came from.
-void free_tensor_block(RankMemory& owner, float* data, std::size_t bytes, Device device) {
+void free_tensor_block(RankMemory& owner, void* data, std::size_t bytes, Device device) {
   if (in_emulated_device(device)) detail::forget_emulated_device_memory(data);
   if (detail::on_gpu(device))
     cuda::deallocate(data);
@@ -278,8 +335,10 @@ void Tensor::release() {
         detail::hold_block_under_call_in_flight(
             data_, bytes(),
             [this] {
-              return fmt::format("a tensor of {}, shape {} on {} ({} bytes)", to_string(category_),
-                                 shape_string(), to_string(device_), bytes());
+              return fmt::format("a tensor of {}, shape {} on {} ({} bytes{}{})",
+                                 to_string(category_), shape_string(), to_string(device_), bytes(),
+                                 type_ == DataType::kFloat32 ? "" : ", ",
+                                 type_ == DataType::kFloat32 ? "" : to_string(type_));
             },
             [this]() -> std::function<void()> {
               return [owner = owner_, data = data_, bytes = bytes(), device = device_] {
@@ -293,6 +352,7 @@ void Tensor::release() {
   size_ = 0;
   shape_.clear();
   device_ = Device::kHost;
+  type_ = DataType::kFloat32;
 }
 
 Tensor::Tensor(Tensor&& other) noexcept
@@ -301,6 +361,7 @@ Tensor::Tensor(Tensor&& other) noexcept
       data_(std::exchange(other.data_, nullptr)),
       category_(other.category_),
       device_(std::exchange(other.device_, Device::kHost)),
+      type_(std::exchange(other.type_, DataType::kFloat32)),
       owner_(std::move(other.owner_)) {
   other.shape_.clear();
 }
@@ -314,6 +375,7 @@ Tensor& Tensor::operator=(Tensor&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     category_ = other.category_;
     device_ = std::exchange(other.device_, Device::kHost);
+    type_ = std::exchange(other.type_, DataType::kFloat32);
     owner_ = std::move(other.owner_);
   }
   return *this;
@@ -328,15 +390,23 @@ Tensor Tensor::clone() const {
 }
 
 Tensor Tensor::clone(MemoryCategory category) const {
-  Tensor copy = uninitialized(shape_, category, device_);
+  Tensor copy = uninitialized(shape_, type_, category, device_);
   detail::copy_memory(copy.data_, device_, data_, device_, bytes());
   return copy;
 }
 
 Tensor Tensor::to(Device device) const {
-  Tensor copy = uninitialized(shape_, category_, device);
+  Tensor copy = uninitialized(shape_, type_, category_, device);
   detail::copy_memory(copy.data_, device, data_, device_, bytes());
   return copy;
+}
+
+Tensor Tensor::to(DataType type) const {
+  detail::check_tensor_type("Tensor::to", type);
+  if (type == type_) return clone();
+  Tensor converted = uninitialized(shape_, type, category_, device_);
+  convert(view(), converted.view());
+  return converted;
 }
 
 std::int64_t Tensor::dim(std::size_t d) const {
@@ -346,10 +416,22 @@ std::int64_t Tensor::dim(std::size_t d) const {
 }
 
 void Tensor::fill(float value) {
+  if (type_ == DataType::kFloat32) {
+    float* first = static_cast<float*>(data_);
+    if (detail::on_gpu(device_))
+      cuda::fill(first, size_, value);
+    else
+      std::fill(first, first + size_, value);
+    return;
+  }
+  // A 16-bit type: the value is rounded once, and its bits are what every element holds.
+  const std::uint16_t bits =
+      type_ == DataType::kBFloat16 ? to_bfloat16(value).bits : to_float16(value).bits;
+  auto* first = static_cast<std::uint16_t*>(data_);
   if (detail::on_gpu(device_))
-    cuda::fill(data_, size_, value);
+    cuda::fill_bits16(first, size_, bits);
   else
-    std::fill(data_, data_ + size_, value);
+    std::fill(first, first + size_, bits);
 }
 
 void Tensor::reshape(std::vector<std::int64_t> shape) {

@@ -32,7 +32,8 @@ inline std::vector<float> random_values(std::size_t n, unsigned seed, float low 
 /// True when the two tensors (one on the host, one on the device) hold the same bits.
 inline bool bitwise_equal(const Tensor& host, const Tensor& device) {
   const Tensor copied = device.to(Device::kHost);
-  return host.size() == copied.size() && std::memcmp(host.data(), copied.data(), host.bytes()) == 0;
+  return host.dtype() == copied.dtype() && host.size() == copied.size() &&
+         std::memcmp(host.view().raw_data(), copied.view().raw_data(), host.bytes()) == 0;
 }
 
 /// The main() of a GPU test program: runs its tests, or exits with 77 (ctest's

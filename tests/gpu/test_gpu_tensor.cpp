@@ -3,13 +3,16 @@
 // which ctest reports as skipped (SKIP_RETURN_CODE in tests/CMakeLists.txt).
 //
 // Tolerances (derived in common/src/cuda/kernels.cu):
-//   - fill, copy, scale, divide, add, axpy, all_finite, the SGD and AdamW updates: bitwise
-//     equal to the host;
+//   - fill, copy, scale, divide, add, axpy, all_finite, the SGD and AdamW updates, and on
+//     bfloat16 and float16 elements convert, fill, add, axpy and all_finite: bitwise equal
+//     to the host;
 //   - dot, norm: |device - host| <= 2 (n - 1) 2^-53 sum|x[i] y[i]| (for norm, of the
 //     squares: the norm is compared through its square).
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "dp/error.h"
+#include "dp/float16.h"
 #include "dp/memory.h"
 #include "dp/optimizer.h"
 #include "dp/tensor.h"
@@ -116,6 +120,67 @@ TEST(GpuTensorOps, ElementWiseOperationsEqualTheHostBitwise) {
   y_host.fill(-1.0f);
   y_device.fill(-1.0f);
   EXPECT_TRUE(bitwise_equal(y_host, y_device)) << "Tensor::fill";
+}
+
+TEST(GpuTensorOps, SixteenBitConversionsAndAccumulationEqualTheHostBitwise) {
+  // Every bfloat16 and every float16 bit pattern, and float32 patterns over every exponent
+  // (every 4096th, the low bits varied): NaNs, infinities, subnormals and ties among them.
+  std::vector<BFloat16> bf16(0x10000);
+  std::vector<Float16> f16(0x10000);
+  for (std::uint32_t bits = 0; bits <= 0xffffu; ++bits) {
+    bf16[bits] = BFloat16{static_cast<std::uint16_t>(bits)};
+    f16[bits] = Float16{static_cast<std::uint16_t>(bits)};
+  }
+  std::vector<float> sweep(std::size_t{1} << 20);
+  for (std::uint32_t i = 0; i < sweep.size(); ++i)
+    sweep[i] = std::bit_cast<float>(i * 4096u + (i % 4093u));
+  const Tensor host_bf16 = Tensor::from(bf16);
+  const Tensor host_f16 = Tensor::from(f16);
+  const Tensor host_sweep = Tensor::from(sweep);
+  const Tensor device_bf16 = Tensor::from(bf16, MemoryCategory::kOther, Device::kCuda);
+  const Tensor device_f16 = Tensor::from(f16, MemoryCategory::kOther, Device::kCuda);
+  const Tensor device_sweep = Tensor::from(sweep, MemoryCategory::kOther, Device::kCuda);
+  for (DataType to : {DataType::kFloat32, DataType::kBFloat16, DataType::kFloat16}) {
+    EXPECT_TRUE(bitwise_equal(host_bf16.to(to), device_bf16.to(to)))
+        << "bfloat16 to " << to_string(to);
+    EXPECT_TRUE(bitwise_equal(host_f16.to(to), device_f16.to(to)))
+        << "float16 to " << to_string(to);
+    EXPECT_TRUE(bitwise_equal(host_sweep.to(to), device_sweep.to(to)))
+        << "float32 to " << to_string(to);
+  }
+
+  const std::vector<float> xs = random_values(kN, 4);
+  const std::vector<float> ys = random_values(kN, 5);
+  for (DataType type : {DataType::kBFloat16, DataType::kFloat16}) {
+    const Tensor x_host = Tensor::from(xs).to(type);
+    const Tensor x_device = Tensor::from(xs, MemoryCategory::kActivations, Device::kCuda).to(type);
+    EXPECT_TRUE(bitwise_equal(x_host, x_device)) << to_string(type);
+    Tensor y_host = Tensor::from(ys);
+    Tensor y_device = Tensor::from(ys, MemoryCategory::kActivations, Device::kCuda);
+    add(x_host.view(), y_host.view());
+    add(x_device.view(), y_device.view());
+    EXPECT_TRUE(bitwise_equal(y_host, y_device)) << "add of " << to_string(type);
+    axpy(-0.1f, x_host.view(), y_host.view());
+    axpy(-0.1f, x_device.view(), y_device.view());
+    EXPECT_TRUE(bitwise_equal(y_host, y_device)) << "axpy of " << to_string(type);
+    Tensor filled_host({static_cast<std::int64_t>(kN)}, type);
+    Tensor filled_device({static_cast<std::int64_t>(kN)}, type, MemoryCategory::kOther,
+                         Device::kCuda);
+    EXPECT_TRUE(bitwise_equal(filled_host, filled_device)) << "zero-filled " << to_string(type);
+    fill(filled_host.view(12, 1000), 1e5f);  // float16: infinity
+    fill(filled_device.view(12, 1000), 1e5f);
+    EXPECT_TRUE(bitwise_equal(filled_host, filled_device)) << "fill of " << to_string(type);
+    filled_host.fill(-3.14159f);
+    filled_device.fill(-3.14159f);
+    EXPECT_TRUE(bitwise_equal(filled_host, filled_device)) << "Tensor::fill of " << to_string(type);
+  }
+  // all_finite: +0 up to the largest finite value, then the positive infinity.
+  EXPECT_TRUE(all_finite(device_bf16.view(0, 0x7f80)));
+  EXPECT_FALSE(all_finite(device_bf16.view(0, 0x7f81)));
+  EXPECT_TRUE(all_finite(device_f16.view(0, 0x7c00)));
+  EXPECT_FALSE(all_finite(device_f16.view(0, 0x7c01)));
+  EXPECT_FALSE(all_finite(device_f16.view(0x7e00, 1)));      // a NaN alone
+  EXPECT_TRUE(all_finite(device_f16.view(0x8000, 0x7c00)));  // -0 down to the most negative
 }
 
 TEST(GpuTensorOps, DotAndNormAgreeWithTheHostWithinTheStatedBound) {

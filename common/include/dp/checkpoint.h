@@ -4,7 +4,10 @@
 // the Hugging Face ecosystem: an 8-byte little-endian header length, a JSON header that
 // maps each tensor name to its dtype, shape and byte range, then the raw data. It holds
 // no code, so loading a checkpoint cannot run anything, and other tools (Python's
-// `safetensors`, `numpy`) read dplab's checkpoints directly. dplab writes and reads F32.
+// `safetensors`, `numpy`) read dplab's checkpoints directly. dplab writes each tensor with the
+// dtype of its element type (dp/tensor.h): "F32", "BF16" or "F16". It reads F32, and BF16 and
+// F16 too where the caller asks for them (`LoadTypes::kAll`): the loaders of training state
+// read their tensors as floats, and a 16-bit file is refused there with its dtype named.
 //
 // Integrity: with `Checksums::kWrite`, the file also records CRC-32 checksums in the
 // metadata entry "dplab.crc32" (see `kChecksumKey`): one of the header and one of each
@@ -20,6 +23,12 @@
 //   dp::Checkpoint loaded = dp::load_safetensors("step100.safetensors");
 //   const dp::Tensor& w = loaded.tensors.at("fc1.weight");  // same shape and bytes as w1
 //   loaded.metadata.at("step");                             // "100"
+//
+//   const dp::Tensor h = w1.to(dp::DataType::kBFloat16);
+//   std::vector<dp::NamedTensor> halves = {{"fc1.weight", &h}};
+//   dp::save_safetensors("bf16.safetensors", halves);        // dtype "BF16", 2 bytes each
+//   dp::load_safetensors("bf16.safetensors", dp::MemoryCategory::kOther, dp::LoadTypes::kAll)
+//       .tensors.at("fc1.weight").dtype();                   // DataType::kBFloat16
 #pragma once
 
 #include <cstddef>
@@ -61,8 +70,9 @@ std::uint32_t crc32(const void* bytes, std::size_t count, std::uint32_t crc = 0)
 /// Writes `tensors` and `metadata` to a safetensors file at `path`: an 8-byte
 /// little-endian header length, a JSON header {name: {"dtype": "F32", "shape": [...],
 /// "data_offsets": [begin, end]}, "__metadata__": {key: value}} padded with spaces to a
-/// multiple of 8 bytes, then each tensor's float32 data in the order given. The metadata
-/// entry is left out when `metadata` is empty and no checksums are asked for. With
+/// multiple of 8 bytes, then each tensor's data in the order given, as it lies in memory (the
+/// dtype "F32", "BF16" or "F16" after the tensor's element type, 4 or 2 bytes per element). The
+/// metadata entry is left out when `metadata` is empty and no checksums are asked for. With
 /// `Checksums::kWrite` the metadata also holds the checksums (`kChecksumKey`). The file is written
 /// as dp/output_file.h describes: `path` must be a regular file or absent, and a unique temporary
 /// file is flushed and renamed onto it, so a crash never leaves a half-written checkpoint at
@@ -83,17 +93,25 @@ struct Checkpoint {
   bool checksummed = false;
 };
 
-/// Reads a safetensors file written by any tool. Only F32 tensors are supported; another
-/// dtype throws `dp::Error` naming the tensor and the dtype. Validates the header length
-/// against the file size, the JSON (a syntax error names its byte offset), each entry's
-/// fields, that each tensor's byte range lies in the data section and holds shape x 4
-/// bytes, and that the ranges tile the data section without gaps or overlaps. Every error
+/// Which dtypes `load_safetensors` reads.
+enum class LoadTypes {
+  kFloat32,  ///< "F32" only (the default): for callers that read the tensors as floats
+  kAll,      ///< "F32", "BF16" and "F16", each loaded as a tensor of its type (dp/tensor.h)
+};
+
+/// Reads a safetensors file written by any tool. F32 tensors are read, and BF16 and F16
+/// ones with `LoadTypes::kAll`; another dtype throws `dp::Error` naming the tensor and the
+/// dtype. Validates the header length against the file size, the JSON (a syntax error names
+/// its byte offset), each entry's fields, that each tensor's byte range lies in the data
+/// section and holds shape x its element size (4 or 2) bytes, and that the ranges tile the
+/// data section without gaps or overlaps. Every error
 /// names the file and a byte offset. When the file records checksums (`kChecksumKey`), the
 /// header's and every tensor's are verified: a mismatch throws `dp::Error` naming the header
 /// or the tensor whose bytes changed since the file was written. Loaded tensors are charged under
 /// `category`.
 Checkpoint load_safetensors(const std::filesystem::path& path,
-                            MemoryCategory category = MemoryCategory::kOther);
+                            MemoryCategory category = MemoryCategory::kOther,
+                            LoadTypes types = LoadTypes::kFloat32);
 
 /// Throws `dp::Error` unless `values`, elements [first_element, first_element + size) of the
 /// loaded tensor `name` of checkpoint `file`, can be a training run's state: finite, and not

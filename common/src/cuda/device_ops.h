@@ -51,8 +51,15 @@ void deallocate(void* block) noexcept;
 /// memory; returns when the destination holds the bytes (a host destination can be read).
 void copy_bytes(void* destination, const void* source, std::size_t bytes);
 
+/// The element types of tensors (dp::DataType's float32, bfloat16 and float16), as the
+/// kernels name them; 16-bit elements are passed as their bit patterns.
+enum class Element { kFloat32, kBFloat16, kFloat16 };
+
 /// x[i] = value.
 void fill(float* x, std::size_t n, float value);
+/// x[i] = bits for n 16-bit elements: a bfloat16 or float16 tensor filled with one value,
+/// rounded once by the caller.
+void fill_bits16(std::uint16_t* x, std::size_t n, std::uint16_t bits);
 /// x[i] = factor * x[i].
 void scale(float* x, std::size_t n, float factor);
 /// x[i] = x[i] / divisor.
@@ -68,6 +75,17 @@ double dot(const float* x, const float* y, std::size_t n);
 double sum_of_squares(const float* x, std::size_t n);
 /// True when every x[i] is finite.
 bool all_finite(const float* x, std::size_t n);
+/// True when every x[i], a bfloat16 or float16 bit pattern (`type`), is finite.
+bool all_finite_bits16(const std::uint16_t* x, Element type, std::size_t n);
+
+/// y[i] = x[i] converted from `from` to `to` (different types), through float32 with the bit
+/// arithmetic of dp/float16_bits.h: bitwise the host's dp::convert, NaN payloads included.
+void convert(const void* x, Element from, void* y, Element to, std::size_t n);
+/// y[i] = y[i] + x[i] with x of the 16-bit `type`, widened exactly (bitwise the host's).
+void add_widened(const void* x, Element type, float* y, std::size_t n);
+/// y[i] = y[i] + (alpha * x[i]) with x of the 16-bit `type`, widened exactly, the product
+/// rounded on its own (bitwise the host's).
+void axpy_widened(float alpha, const void* x, Element type, float* y, std::size_t n);
 /// The largest |x[i]| (0 for n = 0); a NaN among them makes the result NaN. The maximum
 /// does not depend on the order of the comparisons: it equals the host's bit for bit.
 float max_abs(const float* x, std::size_t n);

@@ -19,13 +19,20 @@
 // at most (n - 1) u + u for the square root, 1.1e-8 for 10^8 elements, below the spacing
 // of floats (6e-8). The number of blocks depends only on n, so the device result is
 // reproducible bit for bit from run to run and from GPU to GPU.
+//
+// bfloat16 and float16 elements (dp/tensor.h's element types) are read and written as their
+// bit patterns and converted with the functions of dp/float16_bits.h, the very arithmetic the
+// host runs (and tests exhaustively): a conversion on the device is the host's bit for bit,
+// NaN payloads included, which CUDA's __float2bfloat16_rn and __float2half_rn do not promise.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 
 #include "cuda/kernel_support.cuh"
+#include "dp/float16_bits.h"
 
 namespace dp::cuda {
 namespace {
@@ -37,6 +44,11 @@ constexpr int kReduceBlocks = 512;  // reductions: at most this many partial sum
 __global__ void fill_kernel(float* x, std::size_t n, float value) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] = value;
+}
+
+__global__ void fill_bits16_kernel(std::uint16_t* x, std::size_t n, std::uint16_t bits) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] = bits;
 }
 
 __global__ void scale_kernel(float* x, std::size_t n, float factor) {
@@ -68,6 +80,97 @@ __global__ void non_finite_kernel(const float* x, std::size_t n, int* found) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     if (!isfinite(x[i])) *found = 1;
+}
+
+/// Sets *found to 1 when some 16-bit element is not finite: its exponent bits, `exponent`
+/// (0x7f80 for bfloat16, 0x7c00 for float16), all set (an infinity or a NaN).
+__global__ void non_finite_bits16_kernel(const std::uint16_t* x, std::size_t n,
+                                         std::uint16_t exponent, int* found) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    if ((x[i] & exponent) == exponent) *found = 1;
+}
+
+// --- Element types: storage, exact widening to float32, rounding from it ------------------
+
+struct Float32Element {
+  using Storage = float;
+  __device__ static float widen(float x) { return x; }
+  __device__ static float narrow(float x) { return x; }
+};
+
+struct BFloat16Element {
+  using Storage = std::uint16_t;
+  __device__ static float widen(std::uint16_t bits) {
+    return __uint_as_float(dp::detail::float_bits_from_bfloat16_bits(bits));
+  }
+  __device__ static std::uint16_t narrow(float x) {
+    return dp::detail::bfloat16_bits_from_float_bits(__float_as_uint(x));
+  }
+};
+
+struct Float16Element {
+  using Storage = std::uint16_t;
+  __device__ static float widen(std::uint16_t bits) {
+    return __uint_as_float(dp::detail::float_bits_from_float16_bits(bits));
+  }
+  __device__ static std::uint16_t narrow(float x) {
+    return dp::detail::float16_bits_from_float_bits(__float_as_uint(x));
+  }
+};
+
+/// y[i] = x[i] rounded to To through float32 (From's widening is exact).
+template <typename From, typename To>
+__global__ void convert_kernel(const typename From::Storage* x, typename To::Storage* y,
+                               std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = To::narrow(From::widen(x[i]));
+}
+
+template <typename From>
+__global__ void add_widened_kernel(const typename From::Storage* x, float* y, std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = __fadd_rn(y[i], From::widen(x[i]));
+}
+
+template <typename From>
+__global__ void axpy_widened_kernel(float alpha, const typename From::Storage* x, float* y,
+                                    std::size_t n) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    y[i] = __fadd_rn(y[i], __fmul_rn(alpha, From::widen(x[i])));
+}
+
+/// Calls `body` with a value of the element struct of `type` (Float32Element,
+/// BFloat16Element or Float16Element), for host code written once for the three.
+template <typename Body>
+void with_element(Element type, Body body) {
+  switch (type) {
+    case Element::kFloat32: return body(Float32Element{});
+    case Element::kBFloat16: return body(BFloat16Element{});
+    case Element::kFloat16: return body(Float16Element{});
+  }
+}
+
+/// True unless `launch(found)`, which queues kernels that set the device int *found to 1 on
+/// a non-finite element, raised the flag; `what` names the operation in errors.
+template <typename Launch>
+bool no_flag_raised(const char* what, Launch launch) {
+  int* found = nullptr;
+  check(cudaMallocAsync(reinterpret_cast<void**>(&found), sizeof(int), compute()),
+        "cudaMallocAsync (all_finite flag)");
+  int host_found = 0;
+  cudaError_t status = cudaMemsetAsync(found, 0, sizeof(int), compute());
+  if (status == cudaSuccess) {
+    launch(found);
+    status = cudaGetLastError();
+  }
+  if (status == cudaSuccess) status = read_back(&host_found, found, sizeof(int));
+  (void)cudaFreeAsync(found, compute());
+  check(status, what);
+  return host_found == 0;
 }
 
 /// *largest = the bits of max |x[i]|. Non-negative floats order as their bit patterns read
@@ -208,6 +311,12 @@ void fill(float* x, std::size_t n, float value) {
   check_launch("fill");
 }
 
+void fill_bits16(std::uint16_t* x, std::size_t n, std::uint16_t bits) {
+  if (n == 0) return;
+  fill_bits16_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, bits);
+  check_launch("fill");
+}
+
 void scale(float* x, std::size_t n, float factor) {
   if (n == 0) return;
   scale_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, factor);
@@ -257,19 +366,51 @@ void adamw_update(float* params, const float* grads, float* m, float* v, std::si
 
 bool all_finite(const float* x, std::size_t n) {
   if (n == 0) return true;
-  int* found = nullptr;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&found), sizeof(int), compute()),
-        "cudaMallocAsync (all_finite flag)");
-  int host_found = 0;
-  cudaError_t status = cudaMemsetAsync(found, 0, sizeof(int), compute());
-  if (status == cudaSuccess) {
+  return no_flag_raised("all_finite", [&](int* found) {
     non_finite_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, found);
-    status = cudaGetLastError();
-  }
-  if (status == cudaSuccess) status = read_back(&host_found, found, sizeof(int));
-  (void)cudaFreeAsync(found, compute());
-  check(status, "all_finite");
-  return host_found == 0;
+  });
+}
+
+bool all_finite_bits16(const std::uint16_t* x, Element type, std::size_t n) {
+  if (n == 0) return true;
+  const std::uint16_t exponent = type == Element::kBFloat16 ? 0x7f80u : 0x7c00u;
+  return no_flag_raised("all_finite", [&](int* found) {
+    non_finite_bits16_kernel<<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(x, n, exponent,
+                                                                                    found);
+  });
+}
+
+void convert(const void* x, Element from, void* y, Element to, std::size_t n) {
+  if (n == 0) return;
+  with_element(from, [&](auto source) {
+    using From = decltype(source);
+    with_element(to, [&](auto destination) {
+      using To = decltype(destination);
+      convert_kernel<From, To><<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(
+          static_cast<const typename From::Storage*>(x), static_cast<typename To::Storage*>(y), n);
+    });
+  });
+  check_launch("convert");
+}
+
+void add_widened(const void* x, Element type, float* y, std::size_t n) {
+  if (n == 0) return;
+  with_element(type, [&](auto element) {
+    using From = decltype(element);
+    add_widened_kernel<From><<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(
+        static_cast<const typename From::Storage*>(x), y, n);
+  });
+  check_launch("add");
+}
+
+void axpy_widened(float alpha, const void* x, Element type, float* y, std::size_t n) {
+  if (n == 0) return;
+  with_element(type, [&](auto element) {
+    using From = decltype(element);
+    axpy_widened_kernel<From><<<blocks_for(n, kMaxBlocks), kThreads, 0, compute()>>>(
+        alpha, static_cast<const typename From::Storage*>(x), y, n);
+  });
+  check_launch("axpy");
 }
 
 void fold_max_abs_bits(const float* const* arrays, const std::size_t* sizes, std::size_t count,

@@ -1,5 +1,6 @@
 // The device functions of cuda/device_ops.h in a build without CUDA: each one says so.
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
 
 #include "cuda/device_ops.h"
@@ -47,6 +48,9 @@ void copy_bytes(void* /*destination*/, const void* /*source*/, std::size_t /*byt
 void fill(float* /*x*/, std::size_t /*n*/, float /*value*/) {
   no_cuda("fill");
 }
+void fill_bits16(std::uint16_t* /*x*/, std::size_t /*n*/, std::uint16_t /*bits*/) {
+  no_cuda("fill");
+}
 void scale(float* /*x*/, std::size_t /*n*/, float /*factor*/) {
   no_cuda("scale");
 }
@@ -67,6 +71,19 @@ double sum_of_squares(const float* /*x*/, std::size_t /*n*/) {
 }
 bool all_finite(const float* /*x*/, std::size_t /*n*/) {
   no_cuda("all_finite");
+}
+bool all_finite_bits16(const std::uint16_t* /*x*/, Element /*type*/, std::size_t /*n*/) {
+  no_cuda("all_finite");
+}
+void convert(const void* /*x*/, Element /*from*/, void* /*y*/, Element /*to*/, std::size_t /*n*/) {
+  no_cuda("convert");
+}
+void add_widened(const void* /*x*/, Element /*type*/, float* /*y*/, std::size_t /*n*/) {
+  no_cuda("add");
+}
+void axpy_widened(float /*alpha*/, const void* /*x*/, Element /*type*/, float* /*y*/,
+                  std::size_t /*n*/) {
+  no_cuda("axpy");
 }
 
 float max_abs(const float* /*x*/, std::size_t /*n*/) {
