@@ -65,7 +65,9 @@ class DynamicLossScaler {
 
   /// Multiplies every element of `gradients` by 1 / S (the reciprocal of S rounded to
   /// float, as PyTorch's unscale computes it) and returns whether any of them was not
-  /// finite before: this rank's view only. The views may live on the host or a device.
+  /// finite before: this rank's view only. The views may live on the host or a device and
+  /// must hold float32 (the gradients the optimizer reads: in mixed precision, their float32
+  /// copies); `dp::scale` refuses 16-bit views.
   bool unscale(std::span<const TensorView> gradients) const;
   /// `unscale`, then one all-reduce (max) of the answer over `comm`, so that every rank
   /// returns the same: true when any rank found an overflow. The flag travels in a
