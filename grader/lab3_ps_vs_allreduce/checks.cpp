@@ -443,9 +443,10 @@ class TrackedWork final : public Work {
 /// The communicator every check hands lab 3's code: `isend` and `irecv` go through to the
 /// check's communicator (its counters and clock are that one's), each shown to the check;
 /// the native collectives throw `dp::Error`, since lab 3 builds them from messages
-/// (lab3.h). Lab code sees a `Communicator&` like any other. It knows which of its
-/// messages are still in flight (`first_in_flight`): a call's handle neither waited for,
-/// nor found complete by `test()`, nor destroyed yet.
+/// (lab3.h). Lab code sees a `Communicator&` like any other. Asked to
+/// (`track_completion`), it knows which of its messages are still in flight
+/// (`first_in_flight`): a call's handle neither waited for, nor found complete by `test()`,
+/// nor destroyed yet.
 class PointToPointOnly final : public Communicator {
  public:
   /// Passes messages on to `inner`, showing sends to `on_send` at issue and receives to
@@ -459,13 +460,18 @@ class PointToPointOnly final : public Communicator {
   /// Every message issued so far, sends and receives, in issue order.
   const std::vector<Message>& messages() const { return messages_; }
 
-  /// The index in `messages()` of the first message still in flight, or nullopt.
+  /// Tracks the handle of every message issued from now on until its call is over (the
+  /// server checks: finish() must leave none in flight). Off by default: the all-reduces'
+  /// checks issue many messages and look at what their calls return.
+  void track_completion() { tracking_ = true; }
+
+  /// The index in `messages()` of the first tracked message still in flight, or nullopt.
   std::optional<std::size_t> first_in_flight() const {
     for (std::size_t i = 0; i < pending_.size(); ++i)
       if (pending_[i] != 0) return i;
     return std::nullopt;
   }
-  /// How many messages are still in flight.
+  /// How many tracked messages are still in flight.
   std::size_t in_flight() const {
     return static_cast<std::size_t>(std::count(pending_.begin(), pending_.end(), 1));
   }
@@ -509,6 +515,7 @@ class PointToPointOnly final : public Communicator {
  private:
   /// `work`, the handle of the last message issued, tracked until its call is over.
   std::unique_ptr<Work> tracked(std::unique_ptr<Work> work) {
+    if (!tracking_) return work;
     pending_.resize(messages_.size(), 0);  // in step with messages_ (a call may have thrown)
     pending_.back() = 1;
     return std::make_unique<TrackedWork>(std::move(work), pending_, pending_.size() - 1);
@@ -526,7 +533,8 @@ class PointToPointOnly final : public Communicator {
   MessageObserver on_send_;
   MessageObserver on_arrival_;
   std::vector<Message> messages_;
-  std::vector<char> pending_;  // per message: 1 while its call is in flight
+  bool tracking_ = false;
+  std::vector<char> pending_;  // per message: 1 while its tracked call is in flight
 };
 
 /// "rank 3's message 2 (to rank 4, tag 7, 120 float32)", for findings.
@@ -2235,6 +2243,7 @@ ServerRun run_server(const Training& training, const Layout& layout, const Traje
   PointToPointOnly lab_comm(comm, [&](const Message& message, std::span<const float> payload) {
     watch.sent(message, payload);
   });
+  lab_comm.track_completion();
   ServerRun run;
   std::string in_flight;
   {
@@ -2981,6 +2990,7 @@ std::string timed_server_rank(Communicator& comm, const std::function<void()>& s
   PointToPointOnly lab_comm(comm, [&](const Message& message, std::span<const float> payload) {
     watch.sent(message, payload);
   });
+  lab_comm.track_completion();
   std::string finding;
   std::string in_flight;
   std::string held;  // the first call after which the rank held what it must not
