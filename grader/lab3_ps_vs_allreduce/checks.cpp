@@ -411,10 +411,42 @@ class ObservedReceive final : public Work {
   bool observed_ = false;
 };
 
+/// A handle that tells its communicator when its call is over: once `wait()` returns, once
+/// `test()` answers true, or once it is destroyed (the runtime's handle then waits for the
+/// call itself). `pending[index]` is true until then; the communicator outlives its handles.
+class TrackedWork final : public Work {
+ public:
+  TrackedWork(std::unique_ptr<Work> inner, std::vector<char>& pending, std::size_t index)
+      : inner_(std::move(inner)), pending_(pending), index_(index) {}
+  TrackedWork(const TrackedWork&) = delete;
+  TrackedWork& operator=(const TrackedWork&) = delete;
+  ~TrackedWork() override {
+    inner_.reset();
+    pending_[index_] = 0;
+  }
+  void wait() override {
+    inner_->wait();
+    pending_[index_] = 0;
+  }
+  bool test() override {
+    const bool done = inner_->test();
+    if (done) pending_[index_] = 0;
+    return done;
+  }
+
+ private:
+  std::unique_ptr<Work> inner_;
+  std::vector<char>& pending_;
+  std::size_t index_;
+};
+
 /// The communicator every check hands lab 3's code: `isend` and `irecv` go through to the
 /// check's communicator (its counters and clock are that one's), each shown to the check;
 /// the native collectives throw `dp::Error`, since lab 3 builds them from messages
-/// (lab3.h). Lab code sees a `Communicator&` like any other.
+/// (lab3.h). Lab code sees a `Communicator&` like any other. Asked to
+/// (`track_completion`), it knows which of its messages are still in flight
+/// (`first_in_flight`): a call's handle neither waited for, nor found complete by `test()`,
+/// nor destroyed yet.
 class PointToPointOnly final : public Communicator {
  public:
   /// Passes messages on to `inner`, showing sends to `on_send` at issue and receives to
@@ -422,9 +454,27 @@ class PointToPointOnly final : public Communicator {
   explicit PointToPointOnly(Communicator& inner, MessageObserver on_send = {},
                             MessageObserver on_arrival = {})
       : inner_(inner), on_send_(std::move(on_send)), on_arrival_(std::move(on_arrival)) {}
+  PointToPointOnly(const PointToPointOnly&) = delete;
+  PointToPointOnly& operator=(const PointToPointOnly&) = delete;
 
   /// Every message issued so far, sends and receives, in issue order.
   const std::vector<Message>& messages() const { return messages_; }
+
+  /// Tracks the handle of every message issued from now on until its call is over (the
+  /// server checks: finish() must leave none in flight). Off by default: the all-reduces'
+  /// checks issue many messages and look at what their calls return.
+  void track_completion() { tracking_ = true; }
+
+  /// The index in `messages()` of the first tracked message still in flight, or nullopt.
+  std::optional<std::size_t> first_in_flight() const {
+    for (std::size_t i = 0; i < pending_.size(); ++i)
+      if (pending_[i] != 0) return i;
+    return std::nullopt;
+  }
+  /// How many tracked messages are still in flight.
+  std::size_t in_flight() const {
+    return static_cast<std::size_t>(std::count(pending_.begin(), pending_.end(), 1));
+  }
 
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -436,14 +486,15 @@ class PointToPointOnly final : public Communicator {
     // checks that it stays so until the send completes).
     if (on_send_)
       on_send_(message, HostFloats(data.data, data.count, data.type, data.device).values());
-    return inner_.isend(data, peer, tag);
+    return tracked(inner_.isend(data, peer, tag));
   }
   std::unique_ptr<Work> irecv(MutableBuffer data, int peer, int tag) override {
     const Message message{false, peer, tag, data.count, data.type};
     messages_.push_back(message);
     std::unique_ptr<Work> work = inner_.irecv(data, peer, tag);
-    if (!on_arrival_) return work;
-    return std::make_unique<ObservedReceive>(std::move(work), message, data, on_arrival_);
+    if (on_arrival_)
+      work = std::make_unique<ObservedReceive>(std::move(work), message, data, on_arrival_);
+    return tracked(std::move(work));
   }
   std::unique_ptr<Work> allreduce(MutableBuffer data, ReduceOp) override {
     refuse("allreduce", data.count);
@@ -462,6 +513,14 @@ class PointToPointOnly final : public Communicator {
   Clock& clock() override { return inner_.clock(); }
 
  private:
+  /// `work`, the handle of the last message issued, tracked until its call is over.
+  std::unique_ptr<Work> tracked(std::unique_ptr<Work> work) {
+    if (!tracking_) return work;
+    pending_.resize(messages_.size(), 0);  // in step with messages_ (a call may have thrown)
+    pending_.back() = 1;
+    return std::make_unique<TrackedWork>(std::move(work), pending_, pending_.size() - 1);
+  }
+
   [[noreturn]] static void refuse(std::string_view call, std::size_t elements) {
     throw Error(fmt::format(
         "comm.{}({} elements): lab 3 is point-to-point only; its collectives are yours, built "
@@ -474,12 +533,32 @@ class PointToPointOnly final : public Communicator {
   MessageObserver on_send_;
   MessageObserver on_arrival_;
   std::vector<Message> messages_;
+  bool tracking_ = false;
+  std::vector<char> pending_;  // per message: 1 while its tracked call is in flight
 };
 
 /// "rank 3's message 2 (to rank 4, tag 7, 120 float32)", for findings.
 std::string describe_send(int rank, int number, const Message& message) {
   return fmt::format("rank {}'s message {} (to rank {}, tag {}, {} {})", rank, number, message.peer,
                      message.tag, message.count, to_string(message.type));
+}
+
+/// "" when none of the messages lab code issued through `lab_comm` on rank `rank` is still in
+/// flight after `call` returned, else the first of them. lab3.h: finish() completes every
+/// message in flight, so that nothing is left to a destructor (on nccl, a send never waited
+/// for may never leave; the lab 3 student re-trial's server left its last version's sends
+/// to its destructor and scored full marks).
+std::string in_flight_finding(const PointToPointOnly& lab_comm, int rank, std::string_view call) {
+  const std::optional<std::size_t> first = lab_comm.first_in_flight();
+  if (!first) return "";
+  const Message& message = lab_comm.messages()[*first];
+  return fmt::format(
+      "rank {}: {} returned with {} message(s) still in flight, the first its {} rank {} (tag "
+      "{}, {} elements), neither waited for nor found complete by test(); expected none: "
+      "finish() completes every message of the server, sends and receives (lab3.h), and "
+      "leaves none to a destructor (on nccl a send never waited for may never leave)",
+      rank, call, lab_comm.in_flight(), message.sent ? "send to" : "receive from", message.peer,
+      message.tag, message.count);
 }
 
 /// "" when `payload` is bitwise `expected`, else "element i is X where Y belongs".
@@ -1152,6 +1231,33 @@ class TimedValues {
   std::vector<std::vector<float>> streams_;
 };
 
+/// "" when every rank's `results` of a timed all-reduce of `all` are right, else the first
+/// rank's finding: the ring's bitwise the ring-order sum (`sums`), the latency-optimal
+/// one's on rank 0 within the tolerance of the rank-order sum and the same bits elsewhere.
+std::string timed_results_finding(Algorithm algorithm,
+                                  const std::vector<std::vector<float>>& results, const Values& all,
+                                  const RingSums* sums) {
+  const char* name = algorithm == Algorithm::kRing ? "ring_allreduce" : "latency_optimal_allreduce";
+  for (std::size_t r = 0; r < results.size(); ++r) {
+    const std::vector<float>& seen = results[r];
+    std::string finding;
+    if (algorithm == Algorithm::kRing) {
+      finding = first_difference(seen, sums->result());
+      if (!finding.empty()) finding += " (the ring-order sum)";
+    } else if (r > 0) {  // rank 0's within the tolerance, the others its bits
+      if (!bitwise_equal(seen, results[0]))
+        finding = fmt::format("{} against rank 0's: the ranks do not hold the same bits",
+                              first_difference(seen, results[0]));
+    } else {
+      double worst = 0;
+      finding = reordered_sum_finding(seen, all, worst);
+    }
+    if (!finding.empty())
+      return fmt::format("{}'s result on rank {}, with random values: {}", name, r, finding);
+  }
+  return "";
+}
+
 /// Times the student's `algorithm` on `ranks` simulated ranks for a buffer of `count`
 /// floats, the first `count` of `values`' streams, checked as the other checks check it:
 /// every message as it is issued, then the result, the ring's bitwise the ring-order sum,
@@ -1174,27 +1280,7 @@ Timed time_allreduce(Algorithm algorithm, int ranks, std::size_t count, const Ne
         return finding;
       });
   if (!timed.finding.empty()) return timed;
-  const char* name = algorithm == Algorithm::kRing ? "ring_allreduce" : "latency_optimal_allreduce";
-  for (std::size_t r = 0; r < results.size(); ++r) {
-    const std::vector<float>& seen = results[r];
-    std::string finding;
-    if (algorithm == Algorithm::kRing) {
-      finding = first_difference(seen, sums->result());
-      if (!finding.empty()) finding += " (the ring-order sum)";
-    } else if (r > 0) {  // rank 0's within the tolerance, the others its bits
-      if (!bitwise_equal(seen, results[0]))
-        finding = fmt::format("{} against rank 0's: the ranks do not hold the same bits",
-                              first_difference(seen, results[0]));
-    } else {
-      double worst = 0;
-      finding = reordered_sum_finding(seen, all, worst);
-    }
-    if (!finding.empty()) {
-      timed.finding =
-          fmt::format("{}'s result on rank {}, with random values: {}", name, r, finding);
-      break;
-    }
-  }
+  timed.finding = timed_results_finding(algorithm, results, all, sums ? &*sums : nullptr);
   return timed;
 }
 
@@ -1397,66 +1483,82 @@ std::size_t draw_timed_count(Draws& draws, std::string_view name, std::int64_t l
   return count;
 }
 
-/// The compute a ring all-reduce may add on a simulated device, against its floor: the N - 1
-/// additions of the reduce-scatter, one per chunk a rank receives. The reference adds exactly
-/// those (1.00x); 1.5x leaves room for none of them twice, nor for a copy of every chunk
-/// (an all-gather received into the scratch and copied out adds 1.7x to 2x, as the device's
-/// launch cost or its bandwidth dominates).
+/// The compute an all-reduce may add on a simulated device, against its floor: for the
+/// ring, the N - 1 additions of the reduce-scatter, one per chunk a rank receives; for the
+/// latency-optimal all-reduce, one addition of the whole buffer per message a rank receives
+/// (recursive doubling adds each exchange's and the fold's, a binomial tree each child's; the
+/// unfold and the broadcast are received where they belong). The reference adds exactly
+/// those (1.00x); 1.5x leaves room for none of them twice, nor for a copy of every message
+/// (an all-gather received into the scratch and copied out adds 1.7x to 2x to the ring, as
+/// the device's launch cost or its bandwidth dominates, and a sum made in the scratch and
+/// copied back 1.9x to 2x to recursive doubling).
 constexpr double kAddedComputeFactor = 1.5;
 
-/// What one rank's ring all-reduce computed on a simulated device, and its floor.
-struct RingCompute {
+/// What one rank's all-reduce computed on a simulated device, and its floor.
+struct AddedCompute {
   int rank = 0;
   double seconds = 0;   ///< the compute ops the rank ran during its call
-  double floor = 0;     ///< its N - 1 additions, timed by the grader on the same device
+  double floor = 0;     ///< its additions, timed by the grader on the same device
   std::string finding;  ///< about its messages or its result; "" when all were right
 };
 
-/// Runs the student's ring all-reduce of `count` floats on the ranks of `values` on the
+/// Runs the student's `algorithm` on `count` floats on the ranks of `values` on the
 /// simulated network `network` with compute priced by `device`, every message and the result
 /// checked as everywhere; returns the rank whose compute was the largest against its floor
-/// (or the first with a finding).
-RingCompute time_ring_compute(std::size_t count, const NetworkModel& network,
-                              const DeviceModel& device, const Draws& draws, TimedValues& values) {
+/// (or the first finding).
+AddedCompute time_compute(Algorithm algorithm, std::size_t count, const NetworkModel& network,
+                          const DeviceModel& device, const Draws& draws, TimedValues& values) {
   const Values all = values.first(count);
-  const RingSums sums(all);
+  std::optional<RingSums> sums;
+  if (algorithm == Algorithm::kRing) sums.emplace(all);
   const auto ranks = static_cast<int>(all.size());
   LaunchOptions options = simulated(ranks, network, draws);
   options.simulation.device = device;
   options.simulation.record_trace = true;  // the compute between the marks, summed
-  std::vector<RingCompute> measured(static_cast<std::size_t>(ranks));
+  std::vector<AddedCompute> measured(static_cast<std::size_t>(ranks));
+  std::vector<std::vector<float>> results(static_cast<std::size_t>(ranks));
   launch(options, [&](Communicator& comm) {
     const int rank = comm.rank();
-    RingCompute& mine = measured[static_cast<std::size_t>(rank)];
+    AddedCompute& mine = measured[static_cast<std::size_t>(rank)];
     mine.rank = rank;
     Tensor data = tensor_of(all[static_cast<std::size_t>(rank)]);
     Clock& clock = detail::charging_clock(comm);
+    const CommCounters before = comm.counters();
     clock.mark_step();
-    mine.finding =
-        watched_allreduce(Algorithm::kRing, data.view(), comm, all, values.seed() + 2, &sums);
+    mine.finding = watched_allreduce(algorithm, data.view(), comm, all, values.seed() + 2,
+                                     sums ? &*sums : nullptr);
     clock.mark_step();
     mine.seconds = summarize_steps(comm.clock().trace()).back().compute;
-    if (mine.finding.empty()) {
-      mine.finding = first_difference(host_copy(data), sums.result());
-      if (!mine.finding.empty()) mine.finding += " (the ring-order sum)";
+    results[static_cast<std::size_t>(rank)] = host_copy(data);
+    // The floor, on the same device: the additions the algorithm needs on this rank.
+    std::vector<std::size_t> additions;  // the elements of each
+    if (algorithm == Algorithm::kRing) {
+      for (int chunk = 0; chunk < ranks; ++chunk) {  // every chunk but its own
+        const std::size_t size = contract_chunk(count, ranks, chunk).count;
+        if (chunk != rank && size > 0) additions.push_back(size);
+      }
+    } else {
+      const CommCounters used = comm.counters().since(before);
+      std::uint64_t received = 0;
+      for (const OpCounters& op : used.per_op) received += op.messages_received;
+      additions.assign(static_cast<std::size_t>(received), count);
     }
-    // The floor: the reduce-scatter adds this rank's values to every chunk but its own.
-    const std::vector<std::int64_t> shape{
-        static_cast<std::int64_t>(contract_chunk(count, ranks, 0).count)};
+    const std::size_t largest =
+        additions.empty() ? 0 : *std::max_element(additions.begin(), additions.end());
+    const std::vector<std::int64_t> shape{static_cast<std::int64_t>(largest)};
     const Tensor partial(shape, MemoryCategory::kOther, grading::check_device());
     Tensor target(shape, MemoryCategory::kOther, grading::check_device());
     const double start = comm.clock().now();
-    for (int chunk = 0; chunk < ranks; ++chunk) {
-      const std::size_t size = contract_chunk(count, ranks, chunk).count;
-      if (chunk != rank && size > 0) add(partial.view(0, size), target.view(0, size));
-    }
+    for (const std::size_t size : additions) add(partial.view(0, size), target.view(0, size));
     mine.floor = comm.clock().now() - start;
   });
-  RingCompute worst = measured.front();
-  for (const RingCompute& each : measured) {
+  for (const AddedCompute& each : measured)
     if (!each.finding.empty()) return each;
+  AddedCompute worst = measured.front();
+  worst.finding = timed_results_finding(algorithm, results, all, sums ? &*sums : nullptr);
+  if (!worst.finding.empty()) return worst;
+  for (const AddedCompute& each : measured)
     if (each.seconds * worst.floor > worst.seconds * each.floor) worst = each;
-  }
   return worst;
 }
 
@@ -1499,9 +1601,9 @@ TEST(Lab3Ring, WithinTwoPercentOfItsFormula) {
   // The same all-reduce with compute priced: the ring adds its reduce-scatter's sums and
   // nothing more (the time above, with free compute, cannot see an extra pass).
   const DeviceModel device = DeviceModel::preset(draws.pick("device", DeviceModel::preset_names()));
-  RingCompute compute;
+  AddedCompute compute;
   try {
-    compute = time_ring_compute(count, network, device, draws, values);
+    compute = time_compute(Algorithm::kRing, count, network, device, draws, values);
   } catch (const Error& error) {
     FAIL() << fmt::format("{}, compute priced as {}: {}\n({})", what, device.name, error.what(),
                           draws.describe());
@@ -1571,11 +1673,17 @@ TEST(Lab3LatencyOptimal, BeatsTheRingAt4KiB) {
   Draws draws("Lab3LatencyOptimal.BeatsTheRingAt4KiB");
   const NetworkModel network = NetworkModel::preset("ib-ndr");
   const LinkModel& link = network.fabric;
+  std::size_t count_on_8 = 0;  // the 8 ranks' size and values, timed again below
+  std::uint64_t values_on_8 = 0;
   for (int ranks : {8, static_cast<int>(draws.integer("ranks", 5, 7))}) {
     // 1 to 4 KiB: below the crossover wherever 4 KiB is.
     const std::size_t count = draw_timed_count(draws, "elements", 256, 1024);
     const double bytes = static_cast<double>(count * sizeof(float));
     TimedValues values(draws.seed("values"), ranks);
+    if (ranks == 8) {
+      count_on_8 = count;
+      values_on_8 = values.seed();
+    }
     const std::string what = fmt::format("{} floats ({} bytes) on {} ranks of {}", count,
                                          count * sizeof(float), ranks, network.describe());
     Timed timed;
@@ -1609,6 +1717,36 @@ TEST(Lab3LatencyOptimal, BeatsTheRingAt4KiB) {
         count * sizeof(float), ranks, timed.seconds * 1e6, ring * 1e6,
         timed.seconds / link.alpha_seconds, 2 * (ranks - 1)));
   }
+
+  // The 8 ranks' all-reduce once more with compute priced (the times above, with free
+  // compute, cannot see an extra pass): each received buffer added once, where it belongs
+  // (the lab 3 student re-trial's sum made in the scratch and copied back scored full marks).
+  const DeviceModel device = DeviceModel::preset(draws.pick("device", DeviceModel::preset_names()));
+  const std::string what =
+      fmt::format("{} floats ({} bytes) on 8 ranks of {}, compute priced as the {} device",
+                  count_on_8, count_on_8 * sizeof(float), network.describe(), device.name);
+  TimedValues values(values_on_8, 8);
+  AddedCompute compute;
+  try {
+    compute = time_compute(Algorithm::kLatencyOptimal, count_on_8, network, device, draws, values);
+  } catch (const Error& error) {
+    FAIL() << fmt::format("{}: {}\n({})", what, error.what(), draws.describe());
+  }
+  if (!compute.finding.empty())
+    FAIL() << fmt::format("{}: {}\n({})", what, compute.finding, draws.describe());
+  if (compute.seconds > kAddedComputeFactor * compute.floor)
+    FAIL() << fmt::format(
+        "{}: rank {} computed {:.2f} us during its call, {:.2f}x the {:.2f} us of one addition of "
+        "the buffer per message it received (timed on the same device); expected at most {}x: "
+        "each received sum is added once into the buffer, with no further pass over the data "
+        "(a sum made in the scratch buffer and copied back, a sum made twice)\n({})",
+        what, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+        compute.floor * 1e6, kAddedComputeFactor, draws.describe());
+  grading::note_measured(fmt::format(
+      "with compute priced as the {} device: rank {} computed {:.2f} us, {:.2f}x one addition "
+      "per message it received (at most {}x)",
+      device.name, compute.rank, compute.seconds * 1e6, compute.seconds / compute.floor,
+      kAddedComputeFactor));
 }
 
 TEST(Lab3LatencyOptimal, MovesAtMostCeilLgNBuffersPerRank) {
@@ -1837,6 +1975,45 @@ struct ServerStep {
   CommCounters during;            // counted around the call
 };
 
+/// The optimizer lab code gets from the check's factory: every call goes on to the one the
+/// factory made, and every update's parameters are shown to `on_update` first (where they
+/// lie, and how many), so that the check knows what the server updates: `model`'s own
+/// parameters, or a master copy of its shard.
+class TargetRecordingOptimizer final : public Optimizer {
+ public:
+  /// Where an update's parameters lie: their first element and their number.
+  using UpdateObserver = std::function<void(const float* params, std::size_t count)>;
+
+  TargetRecordingOptimizer(std::unique_ptr<Optimizer> inner, UpdateObserver on_update)
+      : Optimizer(inner->state_size(), inner->device()),
+        inner_(std::move(inner)),
+        on_update_(std::move(on_update)) {}
+
+  std::string_view name() const override { return inner_->name(); }
+  void begin_step() override {
+    Optimizer::begin_step();
+    inner_->begin_step();
+  }
+  using Optimizer::update;
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override {
+    on_update_(params.data(), params.size());
+    inner_->update(offset, params, grads);
+  }
+  OpCost update_cost(std::size_t elements) const override { return inner_->update_cost(elements); }
+  std::vector<OptimizerState> state() override { return inner_->state(); }
+
+ protected:
+  void update_on_device(std::size_t offset, float* params, const float* grads,
+                        std::size_t n) override {
+    on_update_(params, n);
+    inner_->update(offset, TensorView(params, n, device()), ConstTensorView(grads, n, device()));
+  }
+
+ private:
+  std::unique_ptr<Optimizer> inner_;
+  UpdateObserver on_update_;
+};
+
 /// Checks one rank of a parameter server while lab code runs it (lab3.h): every message it
 /// sends is a push (a worker's gradient of one step, its shard j, to server j, bitwise as
 /// the worker holds it when the step begins) or a pull (server j's shard of the next
@@ -1857,13 +2034,28 @@ class ServerWatch {
         pushed_(static_cast<std::size_t>(layout.ranks), 0),
         pulled_(static_cast<std::size_t>(layout.ranks), 0) {}
 
-  /// The optimizer factory to hand lab code: `make`, its calls counted.
+  /// The optimizer factory to hand lab code: `make`, its calls counted, each optimizer it
+  /// makes watched for where its updates land (`updates_outside_the_model`).
   OptimizerFactory factory(OptimizerFactory make) {
-    return [this, make = std::move(make)](std::size_t elements) {
+    return [this, make = std::move(make)](std::size_t elements) -> std::unique_ptr<Optimizer> {
       calls_.push_back(elements);
-      return make(elements);
+      return std::make_unique<TargetRecordingOptimizer>(
+          make(elements), [this](const float* params, std::size_t count) {
+            if (count > 0 && !inside_the_model(params, count)) updates_outside_the_model_ = true;
+          });
     };
   }
+
+  /// The model lab code trains on this rank: an update of its own parameters keeps no master.
+  void set_model(const Model& model) {
+    model_parameters_.clear();
+    for (const Parameter* parameter : model.parameters())
+      model_parameters_.emplace_back(parameter->value.view().data(), parameter->value.size());
+  }
+
+  /// True once an optimizer of this rank updated anything but the model's parameters (given
+  /// by `set_model`): a server that keeps a master copy of its shard.
+  bool updates_outside_the_model() const { return updates_outside_the_model_; }
 
   /// On a worker, before each step: the gradient it holds, which the step pushes.
   void will_push(std::vector<float> gradient) { gradients_.push_back(std::move(gradient)); }
@@ -1974,6 +2166,16 @@ class ServerWatch {
   }
 
  private:
+  /// True when [params, params + count) lies within one of the model's parameters.
+  bool inside_the_model(const float* params, std::size_t count) const {
+    const auto first = reinterpret_cast<std::uintptr_t>(params);
+    for (const auto& [data, size] : model_parameters_) {
+      const auto begin = reinterpret_cast<std::uintptr_t>(data);
+      if (first >= begin && (first - begin) / sizeof(float) + count <= size) return true;
+    }
+    return false;
+  }
+
   std::span<const float> shard_of(const std::vector<float>& flat, int server) const {
     const Range shard = contract_chunk(parameters_, layout_.options.servers, server);
     return std::span<const float>(flat).subspan(shard.offset, shard.count);
@@ -2007,13 +2209,17 @@ class ServerWatch {
   std::size_t constructor_calls_ = 0;
   int sends_ = 0;
   std::string finding_;
+  std::vector<std::pair<const float*, std::size_t>> model_parameters_;  // where and how many
+  bool updates_outside_the_model_ = false;
 };
 
-/// What one rank's run of the student's server gave: its staleness log, and the first finding
-/// about its messages and its optimizers ("" when there is none).
+/// What one rank's run of the student's server gave: its staleness log, the first finding
+/// about its messages, its optimizers and what finish() left in flight ("" when there is
+/// none), and whether its optimizer updated anything but the model's parameters (a master).
 struct ServerRun {
   std::vector<StalenessRecord> log;
   std::string finding;
+  bool updates_outside_the_model = false;
 };
 
 /// Trains with the student's ParameterServer on this rank (the loop of the handout, run by
@@ -2032,11 +2238,14 @@ ServerRun run_server(const Training& training, const Layout& layout, const Traje
   versions.insert(versions.end(), exact.parameters_after_step.begin(),
                   exact.parameters_after_step.end());
   ServerWatch watch(layout, comm.rank(), versions);
+  watch.set_model(model);
   // Declared before the server, which may hold messages in flight until it is destroyed.
   PointToPointOnly lab_comm(comm, [&](const Message& message, std::span<const float> payload) {
     watch.sent(message, payload);
   });
+  lab_comm.track_completion();
   ServerRun run;
+  std::string in_flight;
   {
     if (before) before(-1);
     ParameterServer server(model, layout.options, watch.factory([&](std::size_t elements) {
@@ -2061,11 +2270,14 @@ ServerRun run_server(const Training& training, const Layout& layout, const Traje
     if (before) before(options.steps);
     const CommCounters counted = comm.counters();
     server.finish(model, lab_comm);
+    in_flight = in_flight_finding(lab_comm, comm.rank(), "finish()");
     after({options.steps, model.flat_parameters(), comm.counters().since(counted)});
     const std::span<const StalenessRecord> log = server.staleness_log();
     run.log.assign(log.begin(), log.end());
   }
   if (run.finding.empty()) run.finding = watch.finding();
+  if (run.finding.empty()) run.finding = in_flight;
+  run.updates_outside_the_model = watch.updates_outside_the_model();
   return run;
 }
 
@@ -2433,6 +2645,30 @@ std::string server_budget_finding(const grading::CategoryBytes& peak,
       layout.describe(), parameters, fmt::join(over, "; "), fmt::join(rules, ", and "));
 }
 
+/// "" unless server `rank` of `layout` keeps a master copy of its shard (its optimizer
+/// updated something other than `model`'s parameters) and holds less than its |shard| floats
+/// of parameters at its `peak`: then the master was charged to another category. lab3.h: a
+/// master copy holds parameters wherever it lives and whatever else it serves for (the
+/// versions may be sent from it), co-located or dedicated; a server whose optimizer updates
+/// the model's own parameters in place keeps none. The lab 3 student re-trial charged a
+/// co-located server's master to communication, which the budget's W + 2 shards of
+/// communication hid.
+std::string master_finding(const Layout& layout, std::size_t parameters, int rank,
+                           bool updates_outside_the_model, const grading::CategoryBytes& peak) {
+  if (!layout.serves(rank) || !updates_outside_the_model) return "";
+  const std::size_t shard = contract_chunk(parameters, layout.options.servers, rank).count;
+  const auto master_bytes = static_cast<std::int64_t>(shard * sizeof(float));
+  const std::int64_t held = peak[MemoryCategory::kParameters];
+  if (held >= master_bytes) return "";
+  return fmt::format(
+      "{}: server {}'s optimizer updates a copy of its shard of its own (not the model's "
+      "parameters), its master copy, yet the rank held {} bytes of parameters at its peak; "
+      "expected the master's |shard| = {} floats, {} bytes: a master copy holds parameters, "
+      "charge it to MemoryCategory::kParameters, on a co-located server as on a dedicated one, "
+      "even where the new versions are sent from it (lab3.h, \"The memory\")",
+      layout.describe(), rank, held, shard, master_bytes);
+}
+
 TEST(Lab3Server, StaysWithinItsMemoryBudget) {
   Draws draws("Lab3Server.StaysWithinItsMemoryBudget");
   draws.launch_point_to_point_in_groups();  // as nccl launches them: see lab3.h
@@ -2477,6 +2713,12 @@ TEST(Lab3Server, StaysWithinItsMemoryBudget) {
               server_budget_finding(watch.peak(), budget, layout, parameters, rank);
           if (!over.empty()) {
             verdict.fail(over);
+            return;
+          }
+          const std::string master =
+              master_finding(layout, parameters, rank, run.updates_outside_the_model, watch.peak());
+          if (!master.empty()) {
+            verdict.fail(master);
             return;
           }
           if (!watch.allocation_finding().empty()) {
@@ -2671,53 +2913,121 @@ void set_gradients(Model& model, std::span<const float> flat) {
          parameter->grad.view());
 }
 
+/// "" when what rank `rank` of `layout` holds after call `step` of a timed run (`steps`:
+/// after finish()) is what lab3.h puts there, else the first difference: a worker's whole
+/// model, version max(0, t + 1 - s) after step t (the parameters its next gradient is
+/// computed on) and version T after finish(); a dedicated server's shard, the newest version.
+std::string timed_call_finding(const Layout& layout, int rank, std::span<const float> parameters,
+                               const std::vector<std::vector<float>>& versions, int step,
+                               int steps) {
+  const std::string when =
+      step >= steps ? "after finish()" : fmt::format("after step {}", step + 1);
+  if (layout.works(rank)) {
+    const int version = version_after(layout, step, steps);
+    const std::string difference =
+        first_difference(parameters, versions[static_cast<std::size_t>(version)]);
+    if (difference.empty()) return "";
+    return fmt::format(
+        "worker rank {}'s parameters {}: {}, version {} of the server's arithmetic on the "
+        "check's gradients (staleness {}: the version its next gradient is computed on)",
+        rank, when, difference, version, layout.options.staleness);
+  }
+  const int version = std::min(step + 1, steps);
+  const Range shard = contract_chunk(parameters.size(), layout.options.servers, rank);
+  const std::string difference =
+      first_difference(parameters.subspan(shard.offset, shard.count),
+                       std::span<const float>(versions[static_cast<std::size_t>(version)])
+                           .subspan(shard.offset, shard.count));
+  if (difference.empty()) return "";
+  return fmt::format("dedicated server {}'s shard {}: {}, version {} (the newest)", rank, when,
+                     difference, version);
+}
+
+/// "" when a worker's staleness `log` after `steps` steps is lab3.h's, {t, max(0, t - s)}
+/// for each step t, and a dedicated server's is empty; else the first difference.
+std::string timed_log_finding(const Layout& layout, int rank, std::span<const StalenessRecord> log,
+                              int steps) {
+  const int records = layout.works(rank) ? steps : 0;
+  if (log.size() != static_cast<std::size_t>(records))
+    return fmt::format("rank {}'s staleness log holds {} records after {} steps; expected {}", rank,
+                       log.size(), steps, records);
+  for (int t = 0; t < records; ++t) {
+    const StalenessRecord expected{t, std::max(0, t - layout.options.staleness)};
+    const StalenessRecord& seen = log[static_cast<std::size_t>(t)];
+    if (seen != expected)
+      return fmt::format(
+          "rank {}'s staleness log: record {} is {{step {}, version {}}}; expected {{{}, {}}}",
+          rank, t, seen.step, seen.version, expected.step, expected.version);
+  }
+  return "";
+}
+
 /// One rank of a timed run of the student's server on `layout` for the model `spec`
 /// (`Model::mlp`), checked as every check checks it: through a point-to-point-only
 /// communicator whose every send a `ServerWatch` checks against `versions`, with an SGD
 /// factory (learning rate `lr`) whose calls it counts. Runs one step per entry of
 /// `gradients`: `compute(step)` (if given), then on a worker its gradient of the step, then
-/// `step`; then finish(), then `stop()`. Returns the watch's finding, or the first element
-/// in which a worker's parameters after finish() differ from the last version.
+/// `step`; then finish(), then `stop()`. Returns the watch's finding, or the first
+/// difference from the server's arithmetic on the check's gradients in what the rank held
+/// after any call (`timed_call_finding`), or in its staleness log.
+///
+/// After every call, not only after finish(): the check's gradients do not depend on the
+/// parameters, so a worker whose model lagged behind its version during the steps and
+/// caught up in finish() would otherwise pass (the lab 3 student re-trial's attack class:
+/// code that behaves otherwise where only the clock is read; planted as
+/// `lags_the_model_where_only_timed`). The parameters are copied to the host and compared
+/// after each call, which costs nothing on the simulated clock: the copy is free on the
+/// free-compute device of the timed runs, and the comparison is the check's host code.
 std::string timed_server_rank(Communicator& comm, const std::function<void()>& stop,
                               const Layout& layout, const std::string& spec, float lr,
                               const std::vector<std::vector<float>>& versions,
                               const Gradients& gradients,
                               const std::function<void(int step)>& compute = {}) {
   const int rank = comm.rank();
+  const auto steps = static_cast<int>(gradients.size());
   Model model = Model::mlp(spec, {.device = grading::check_device()});
   ServerWatch watch(layout, rank, versions);
   PointToPointOnly lab_comm(comm, [&](const Message& message, std::span<const float> payload) {
     watch.sent(message, payload);
   });
+  lab_comm.track_completion();
   std::string finding;
+  std::string in_flight;
+  std::string held;  // the first call after which the rank held what it must not
+  std::vector<StalenessRecord> log;
+  const auto check_call = [&](int call) {
+    if (held.empty())
+      held = timed_call_finding(layout, rank, model.flat_parameters(), versions, call, steps);
+  };
   {
     ParameterServer server(model, layout.options, watch.factory([lr](std::size_t elements) {
       return make_optimizer("sgd", elements, lr, 0, 0, grading::check_device());
     }),
                            lab_comm);
     finding = watch.constructor_finding();
-    for (std::size_t step = 0; step < gradients.size(); ++step) {
-      if (compute) compute(static_cast<int>(step));
+    for (int step = 0; step < steps; ++step) {
+      if (compute) compute(step);
       if (layout.works(rank)) {
         const std::vector<float>& gradient =
-            gradients[step][static_cast<std::size_t>(rank - layout.first_worker())];
+            gradients[static_cast<std::size_t>(step)]
+                     [static_cast<std::size_t>(rank - layout.first_worker())];
         set_gradients(model, gradient);
         watch.will_push(gradient);
       }
       server.step(model, lab_comm);
+      check_call(step);
     }
     server.finish(model, lab_comm);
+    in_flight = in_flight_finding(lab_comm, rank, "finish()");
+    check_call(steps);
+    const std::span<const StalenessRecord> seen_log = server.staleness_log();
+    log.assign(seen_log.begin(), seen_log.end());
   }
   stop();
   if (finding.empty()) finding = watch.finding();
-  if (finding.empty() && layout.works(rank)) {
-    const std::string difference = first_difference(model.flat_parameters(), versions.back());
-    if (!difference.empty())
-      finding = fmt::format(
-          "worker rank {}'s parameters after finish(): {}, version {} of the server's arithmetic "
-          "on the check's gradients",
-          rank, difference, gradients.size());
-  }
+  if (finding.empty()) finding = in_flight;
+  if (finding.empty()) finding = held;
+  if (finding.empty()) finding = timed_log_finding(layout, rank, log, steps);
   return finding;
 }
 

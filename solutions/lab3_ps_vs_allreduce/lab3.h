@@ -19,17 +19,22 @@
 //     simulated clock sees its cost.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a message reaches your buffer only when its own
-//     `Work` is waited on, and a send's buffer must stay unchanged until then. Nor may
-//     your code assume that a send moves while it waits for something else: on nccl the
-//     messages a rank issues between two waits go out as one group at the second, and
-//     complete only together, once every peer has posted the matching calls, so post an
-//     exchange's receives before its first wait (README.md, "Deadlocks"), with one
-//     exception: a receive into memory that a send of yours still reads (recursive
-//     doubling's folded rank gets the sum back into the buffer it sent) is posted only
-//     after that send's wait. Its peer must then not wait for anything of yours that comes
-//     after that send before it has received it. The server checks run by these rules on
-//     the local backend too (`CommOptions::point_to_point_in_groups`): such a hang is a
-//     deadlock there, reported at once with the call each rank waits on.
+//     `Work` is waited on, and a send's buffer must stay unchanged until then. Nor may your
+//     code assume that a send moves while it waits for something else: on nccl the messages
+//     a rank issues between two waits go out as one group at the second, and complete only
+//     together, once every peer has posted the matching calls, so post an exchange's
+//     receives before its first wait (README.md, "Deadlocks"). An exchange is what the
+//     ranks issue without waiting for one another first (a ring step, a doubling round, the
+//     pushes and the server's receives of them); a receive whose sender sends only after
+//     waiting for messages of its own is a reply and belongs to the next exchange (a
+//     server's new version: a co-located server posts its receives after the wait on its
+//     push receives, never in one group with them). One more exception: a receive into
+//     memory that a send of yours still reads (recursive doubling's folded rank gets the
+//     sum back into the buffer it sent) is posted only after that send's wait. Its peer
+//     must then not wait for anything of yours that comes after that send before it has
+//     received it. The server checks run by these rules on the local backend too
+//     (`CommOptions::point_to_point_in_groups`): such a hang is a deadlock there, reported
+//     at once with the call each rank waits on.
 //   * Every size. N = 1 rank, buffers of 0 and 1 element, fewer elements than ranks and
 //     sizes N does not divide are drawn as often as the easy cases.
 //   * Exact arithmetic where this header fixes the order of additions (the ring, the
@@ -126,7 +131,11 @@ void ring_allreduce(TensorView data, Communicator& comm);
 /// `MemoryCategory::kCommunication`, and no other category grows during the call (checked
 /// on every call, as for the ring). On the simulated network, ib-ndr preset, 1 to 4 KiB on
 /// 8 ranks and on a drawn N of 5 to 7: faster than a ring all-reduce, 2(N-1) (alpha + n/N /
-/// bandwidth).
+/// bandwidth). The compute: the same call on 8 ranks with compute priced by a simulated
+/// device (a drawn preset) runs at most 1.5x one `add` of the n-float buffer per message the
+/// rank receives (timed by the grader on the same device): each received sum added once into
+/// the buffer, no further pass over the data, such as a sum made in the scratch buffer and
+/// copied back.
 void latency_optimal_allreduce(TensorView data, Communicator& comm);
 
 /// Where a parameter server's servers run, how many there are, and how far its workers may
@@ -198,14 +207,22 @@ struct StalenessRecord {
 ///     `kCommunication` (its packed gradient and s + 1 pulled versions); server j
 ///     (W + 2) |shard j| floats of `kCommunication` (a receive buffer per worker at most,
 ///     the average, one more shard, e.g. a version on its way) and |shard j| floats of
-///     `kParameters` (the master copy of its shard, where it keeps one), besides its
-///     optimizer's `kOptimizerState`; a co-located server the sum of both. Nothing is
-///     charged to any other category. Buffers are made once: from step s + 1 (0-based) on,
-///     no `step` and no `finish` allocates a tensor (the first s + 1 steps may make what the
-///     first pulled versions need). Checked on every rank, both placements, staleness 0 to
-///     2, from the rank's MemoryTracker (each call's peaks, `allocations_total`); one
-///     receive buffer or one per worker, a master or none, are all within it, while buffers
-///     of the whole model on a server or a master of the whole model are not.
+///     `kParameters`, besides its optimizer's `kOptimizerState`; a co-located server the
+///     sum of both. The `kParameters` are the server's master copy of its shard: the
+///     newest version, the memory its optimizer updates. A master copy holds parameters
+///     whatever else it serves for (the new versions may be sent from it), so it is charged
+///     to `kParameters` on a co-located server as on a dedicated one; only a server whose
+///     optimizer updates `model`'s own parameters in place keeps none (a dedicated server
+///     may: its model holds the newest version of its shard). Nothing is charged to any
+///     other category. Buffers are made once: from step s + 1 (0-based) on, no `step` and
+///     no `finish` allocates a tensor (the first s + 1 steps may make what the first pulled
+///     versions need). Checked on every rank, both placements, staleness 0 to 2, from the
+///     rank's MemoryTracker (each call's peaks, `allocations_total`), and a server whose
+///     optimizer updates anything but `model`'s parameters must hold its master's |shard j|
+///     floats of `kParameters`; one receive buffer or one per worker, a master or none (an
+///     update in place in the model), are all within it, while buffers of the whole model on
+///     a server, a master of the whole model, or a master charged to another category are
+///     not.
 class ParameterServer {
  public:
   /// Sets up this rank's part; no communication. Throws `dp::Error` unless 1 <= S <= N
@@ -222,12 +239,17 @@ class ParameterServer {
   /// `model` holding the parameters of version max(0, t + 1 - s), the ones step t + 1 is
   /// computed on. On a server: applies the update of step t to its shard. On a dedicated
   /// server, `model`'s gradients are not read and its shard of `model`'s parameters holds
-  /// the shard's newest version, t + 1, on return.
+  /// the shard's newest version, t + 1, on return. Checked after every step of every run,
+  /// the timed runs of the speed checks too (whose gradients are the grader's, not computed
+  /// on the parameters: a model brought up to date only in `finish` fails there as well).
   void step(Model& model, Communicator& comm);
 
-  /// After the last step: completes every message in flight. Then every worker's `model`
-  /// holds the final parameters (version T after T steps), and a dedicated server's holds
-  /// its shard of them.
+  /// After the last step: completes every message in flight, the server's sends and the
+  /// worker's receives alike: when it returns, every `Work` this rank's server got from the
+  /// communicator has been waited for (or found complete by `test()`), and none is left to
+  /// a destructor (on nccl a send never waited for may never leave). Then every worker's
+  /// `model` holds the final parameters (version T after T steps), and a dedicated server's
+  /// holds its shard of them. Checked after every server run of every check.
   void finish(Model& model, Communicator& comm);
 
   /// On a worker, one record per step so far, in order: {t, max(0, t - s)}, the version its
@@ -247,14 +269,16 @@ class ParameterServer {
 /// Derive it from the cost model of the simulated network (dp/clock.h) for the algorithms
 /// you wrote, message by message: a message's latency does not hold a link, but two
 /// messages that reach one rank at once share its receiving link, one transfer after the
-/// other. The grader draws networks on 3 ranks, on 4, on 5 to 8, on 10, 12 or 14, on 17
-/// to 32 and on 33 to 64: powers of two, odd world sizes and even ones that are not powers
-/// of two on every run (the small world sizes are where N steps and N - 1, or 2 buffers and
-/// 2(N-1)/N, part; the large ones where lg N rounds against 2(N - 1) steps), finds the
-/// crossover by timing both of your all-reduces on the simulated clock (to 1/500 of the
-/// size), and expects your prediction within 3% of it: the clock is exact, and a formula
-/// that models your algorithms misses only by rounding (the ring's chunks of ceil(n/N)
-/// elements, whole elements), by at most 1.4% on the networks drawn.
+/// other (two issued at the same simulated time in the order of their senders' ranks, the
+/// lowest first: README.md, "The simulated network"). The grader draws networks on 3 ranks,
+/// on 4, on 5 to 8, on 10, 12 or 14, on 17 to 32 and on 33 to 64: powers of two, odd world
+/// sizes and even ones that are not powers of two on every run (the small world sizes are
+/// where N steps and N - 1, or 2 buffers and 2(N-1)/N, part; the large ones where lg N
+/// rounds against 2(N - 1) steps), finds the crossover by timing both of your all-reduces
+/// on the simulated clock (to 1/500 of the size), and expects your prediction within 3% of
+/// it: the clock is exact, and a formula that models your algorithms misses only by
+/// rounding (the ring's chunks of ceil(n/N) elements, whole elements), by at most 1.4% on
+/// the networks drawn.
 double predicted_crossover_bytes(int world_size, const LinkModel& link);
 
 }  // namespace dp::lab3
