@@ -50,6 +50,7 @@
 #include "dp/launch.h"
 #include "dp/memory.h"
 #include "dp/model.h"
+#include "dp/ops.h"
 #include "dp/optimizer.h"
 #include "dp/sharded_checkpoint.h"
 #include "dp/tensor_ops.h"
@@ -1302,8 +1303,9 @@ constexpr double kHiddenFraction = 0.5;
 
 /// Runs one step of `depth` hidden layers of `hidden` on `world` simulated ranks (10 GbE, a
 /// CPU-class device), `rows` rows per rank, and fails unless the student's optimizer hides
-/// kHiddenFraction of its reduce-scatters behind the model's own backward. `prefix` names
-/// the shape's own draws.
+/// kHiddenFraction of its reduce-scatters behind the model's own backward, and leaves lab
+/// 2's parameters bitwise on every rank (emulated in one process, compared once the step's
+/// timing is read). `prefix` names the shape's own draws.
 void judge_hidden_reduce_scatters(Draws& draws, int world, std::int64_t hidden, std::int64_t depth,
                                   std::int64_t rows, const std::string& prefix) {
   const TrainOptions options =
@@ -1311,6 +1313,7 @@ void judge_hidden_reduce_scatters(Draws& draws, int world, std::int64_t hidden, 
   const std::size_t cap_bytes = 4 * static_cast<std::size_t>(hidden * hidden + hidden);
   const Dataset data = load_dataset(options.dataset, 1);
   const LaunchOptions launch_options = grading::simulated_launch(draws, world, "10gbe", "cpu");
+  grading::TimedRunNumbers numbers(grading::speed_workload_parameters(options, data, world, 1));
   std::size_t scatters = 0;
   double on_link = 0;
   double exposed = 0;
@@ -1328,16 +1331,19 @@ void judge_hidden_reduce_scatters(Draws& draws, int world, std::int64_t hidden, 
       model.backward(grading::forward(model, batch), batch.labels);
       (void)zero.step();
       detail::charging_clock(comm).mark_step();
-      if (comm.rank() != 0) return;
-      const RankTrace trace = comm.clock().trace();
-      for (const TraceEvent& event : trace.events)
-        if (event.lane != TraceLane::kCompute && event.name == "reduce_scatter")
-          on_link += event.duration;
-      scatters = timer.scatters;
-      exposed = timer.scatters_exposed;
-      behind_model = behind_model_backward(trace);
-      step_seconds = summarize_steps(trace).back().total;
-      buckets = zero.buckets().size();
+      if (comm.rank() == 0) {
+        const RankTrace trace = comm.clock().trace();
+        for (const TraceEvent& event : trace.events)
+          if (event.lane != TraceLane::kCompute && event.name == "reduce_scatter")
+            on_link += event.duration;
+        scatters = timer.scatters;
+        exposed = timer.scatters_exposed;
+        behind_model = behind_model_backward(trace);
+        step_seconds = summarize_steps(trace).back().total;
+        buckets = zero.buckets().size();
+      }
+      numbers.compare_parameters(fmt::format("ZeroTwoOptimizer, a cap of {} bytes", cap_bytes),
+                                 comm.rank(), model, 1);
     });
   } catch (const NotImplemented&) {
     throw;
@@ -1345,6 +1351,10 @@ void judge_hidden_reduce_scatters(Draws& draws, int world, std::int64_t hidden, 
     FAIL() << fmt::format("on {} simulated ranks a rank failed with {}: {}\n  drawn: {}", world,
                           grading::type_name(error), error.what(), draws.describe());
   }
+  if (!numbers.report(
+          fmt::format("on {} ranks (10gbe, cpu), {}, {} rows per rank", world, options.model, rows),
+          draws))
+    return;
   ASSERT_GT(on_link, 0.0) << "no reduce-scatter reached the simulated clock";
   // A wait can block longer than its call's time on the link: it also waits for the other
   // ranks to issue theirs. Then nothing was hidden.
@@ -2326,12 +2336,15 @@ std::string judge_launch_points(const std::vector<std::vector<std::size_t>>& lau
 /// Runs one step of `micro` micro-batches with `strategy` of the speed workload `options`
 /// (a cap of `cap_bytes`) on `launch_options`' simulated ranks through a recording
 /// communicator over a WaitTimer; returns rank 0's timing and, in `findings`, each rank's
-/// first launch that broke the rule. Then times the grader's floor on the same clock.
+/// first launch that broke the rule. Then times the grader's floor on the same clock, and
+/// once that is read compares every rank's parameters in `numbers` (the contract's after
+/// the step, `emulate_accumulation`'s).
 AccumulationTiming simulate_accumulation_step(const LaunchOptions& launch_options,
                                               const TrainOptions& options, const Dataset& data,
                                               std::size_t cap_bytes, int micro,
                                               Accumulation strategy,
-                                              std::vector<std::string>& findings) {
+                                              std::vector<std::string>& findings,
+                                              grading::TimedRunNumbers& numbers) {
   const int world = launch_options.world_size;
   AccumulationTiming timing;
   findings.assign(static_cast<std::size_t>(world), "");
@@ -2397,7 +2410,10 @@ AccumulationTiming simulate_accumulation_step(const LaunchOptions& launch_option
     inner->update(0, from.view(0, shard), std::as_const(to).view(0, shard));
     for (const std::size_t size : sizes) copy(std::as_const(from).view(0, size), to.view(0, size));
     const double floor_seconds = comm.clock().now() - start;
-    if (comm.rank() != 0) return;
+    if (comm.rank() != 0) {
+      numbers.compare_parameters(strategy_name(strategy), comm.rank(), model, 1);
+      return;
+    }
     const RankTrace trace = comm.clock().trace();
     const StepSummary summary = summarize_steps(trace).back();
     const double end = summary.start + summary.total;
@@ -2418,6 +2434,7 @@ AccumulationTiming simulate_accumulation_step(const LaunchOptions& launch_option
     timing.gathers_exposed = timer.gathers_exposed;
     timing.step_seconds = summary.total;
     timing.floor_seconds = floor_seconds;
+    numbers.compare_parameters(strategy_name(strategy), comm.rank(), model, 1);
   });
   return timing;
 }
@@ -2443,9 +2460,14 @@ TEST(Lab6Accumulation, LaunchesAndHidesEachStrategy) {
                     strategy_name(strategy), micro, world, options.model, cap_bytes);
     std::vector<std::string> findings;
     AccumulationTiming m;
+    // What the timed step must leave: lab6.h's arithmetic, emulated in one process (one
+    // BLAS thread, as the ranks have: the products' bits depend on it).
+    set_blas_threads(1);
+    grading::TimedRunNumbers numbers(
+        emulate_accumulation(options, data, world, micro, strategy).parameters_after_step);
     try {
       m = simulate_accumulation_step(launch_options, options, data, cap_bytes, micro, strategy,
-                                     findings);
+                                     findings, numbers);
     } catch (const NotImplemented&) {
       throw;
     } catch (const std::exception& error) {
@@ -2453,6 +2475,7 @@ TEST(Lab6Accumulation, LaunchesAndHidesEachStrategy) {
                                    grading::type_name(error), error.what(), draws.describe());
       continue;
     }
+    if (!numbers.report(what, draws)) continue;
     const auto broken =
         std::ranges::find_if(findings, [](const std::string& f) { return !f.empty(); });
     if (broken != findings.end()) {

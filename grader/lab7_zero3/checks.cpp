@@ -1532,10 +1532,12 @@ struct SimulatedStep {
 /// simulated ranks with `reshard_after_forward`, and measures rank 0's calls in each step,
 /// their time on the link, the waits on them, the step's time and the model's compute; then
 /// the grader's own copies of a step (`SimulatedStep::floor_seconds`) on the same clock.
-/// Throws what a rank threw.
+/// Once that is read, every rank's shard goes to `numbers` (lab 2's parameters after the
+/// last step, `speed_workload_parameters`), under the name `run`. Throws what a rank threw.
 std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
                                           const TrainOptions& options, const Dataset& data,
-                                          bool reshard_after_forward, int steps) {
+                                          bool reshard_after_forward, int steps,
+                                          grading::TimedRunNumbers& numbers, std::string_view run) {
   std::vector<SimulatedStep> measured(static_cast<std::size_t>(steps));
   const int world = launch_options.world_size;
   launch(launch_options, [&](Communicator& comm) {
@@ -1543,6 +1545,9 @@ std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
     std::vector<std::size_t> parameter_sizes;
     for (const Parameter* parameter : model.parameters())
       parameter_sizes.push_back(parameter->value.size());
+    // Before the constructor releases the values, which the indices are read from.
+    const std::vector<std::size_t> indices =
+        shard_indices(model, contract_units(model, world), comm.rank());
     grading::WaitTimer timer(comm);
     ZeroThreeOptimizer zero(model, timer, factory_for(options), 0.0f, reshard_after_forward);
     const std::size_t shard = zero.shard_parameters().size();
@@ -1581,7 +1586,27 @@ std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
       inner->update(0, from.view(0, shard), std::as_const(to).view(0, shard));
       floor_seconds = comm.clock().now() - start;
     }
-    if (comm.rank() != 0) return;
+    // After the timing is read: this rank's shard against lab 2's parameters (a model is
+    // made to name the parameters only when they differ).
+    const auto compare_shard = [&] {
+      const std::vector<float>& expected = numbers.after_step(steps);
+      const std::vector<float> values = grading::host_values(zero.shard_parameters());
+      bool same = values.size() == indices.size();
+      for (std::size_t i = 0; same && i < indices.size(); ++i) {
+        const float want = indices[i] == kPadding ? 0.0f : expected[indices[i]];
+        same = std::memcmp(&values[i], &want, sizeof(float)) == 0;
+      }
+      if (same) return;
+      const Model layout = make_model(options);
+      numbers.record(
+          run, comm.rank(),
+          fmt::format("after step {}: {}", steps,
+                      check_shard(layout, indices, zero.shard_parameters(), expected, {}, world)));
+    };
+    if (comm.rank() != 0) {
+      compare_shard();
+      return;
+    }
     const RankTrace trace = comm.clock().trace();
     const std::vector<StepSummary> summaries = summarize_steps(trace);
     for (std::size_t step = 0; step < measured.size() && step < summaries.size(); ++step) {
@@ -1605,6 +1630,7 @@ std::vector<SimulatedStep> simulate_steps(const LaunchOptions& launch_options,
       m.step_seconds = summaries[step].total;
       m.floor_seconds = floor_seconds;
     }
+    compare_shard();
   });
   return measured;
 }
@@ -1685,16 +1711,22 @@ TEST(Lab7Speed, HidesHalfTheCommunication) {
     const std::string prefix = world == 8 ? "" : fmt::format("{} ranks: ", world);
     const TrainOptions options = speed_model(draws, world, prefix);
     const Dataset data = load_dataset(options.dataset, 1);
+    grading::TimedRunNumbers numbers(
+        grading::speed_workload_parameters(options, data, world, kSteps));
     std::vector<SimulatedStep> steps;
     try {
       steps = simulate_steps(grading::simulated_launch(draws, world, "ib-ndr", "cpu"), options,
-                             data, true, kSteps);
+                             data, true, kSteps, numbers, "ZeroThreeOptimizer");
     } catch (const NotImplemented&) {
       throw;
     } catch (const std::exception& error) {
       FAIL() << fmt::format("on {} simulated ranks a rank failed with {}: {}\n  drawn: {}", world,
                             grading::type_name(error), error.what(), draws.describe());
     }
+    if (!numbers.report(
+            fmt::format("on {} ranks (ib-ndr, cpu), {}, {} steps", world, options.model, kSteps),
+            draws))
+      continue;
     bool passed = true;
     for (std::size_t step = 0; step < steps.size(); ++step) {
       const SimulatedStep& m = steps[step];
@@ -1872,6 +1904,9 @@ TEST(Lab7Reshard, KeepsUnitsGatheredWhenAsked) {
   const int simulated_world = 8;
   const TrainOptions simulated = speed_model(draws, simulated_world, "simulated: ");
   const Dataset data = load_dataset(simulated.dataset, 1);
+  // Every timed run (either mode, either device) must leave lab 2's shards after its steps.
+  grading::TimedRunNumbers numbers(
+      grading::speed_workload_parameters(simulated, data, simulated_world, kSteps));
   std::vector<std::string> measured;
   for (const char* device : {"cpu", "h100"}) {
     const LaunchOptions launch_options =
@@ -1879,8 +1914,10 @@ TEST(Lab7Reshard, KeepsUnitsGatheredWhenAsked) {
     std::vector<SimulatedStep> resharding;
     std::vector<SimulatedStep> keeping;
     try {
-      resharding = simulate_steps(launch_options, simulated, data, true, kSteps);
-      keeping = simulate_steps(launch_options, simulated, data, false, kSteps);
+      resharding = simulate_steps(launch_options, simulated, data, true, kSteps, numbers,
+                                  fmt::format("reshard_after_forward = true, {} device", device));
+      keeping = simulate_steps(launch_options, simulated, data, false, kSteps, numbers,
+                               fmt::format("reshard_after_forward = false, {} device", device));
     } catch (const NotImplemented&) {
       throw;
     } catch (const std::exception& error) {
@@ -1889,6 +1926,10 @@ TEST(Lab7Reshard, KeepsUnitsGatheredWhenAsked) {
           grading::type_name(error), error.what(), draws.describe());
       return;
     }
+    if (!numbers.report(
+            fmt::format("on 8 ranks (ib-ndr, {}), {}, {} steps", device, simulated.model, kSteps),
+            draws))
+      return;
     if (std::string_view(device) == "cpu")
       for (std::size_t step = 0; step < keeping.size(); ++step)
         for (const std::string& finding : speed_findings(
