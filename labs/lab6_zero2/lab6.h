@@ -17,10 +17,12 @@
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
-//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
-//     then a division by N (not a multiplication by 1/N). The optimizer's update is
-//     element-wise, so the grader compares every rank's parameters bitwise with an
-//     emulation of lab 2 after every step. With gradient accumulation over M
+//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order
+//     on the local and mpi backends; NCCL at 3 or more ranks adds in an order that
+//     depends on the chunk, see "Which backends promise an order" in docs/reference.md,
+//     so grading on nccl takes at most 2 ranks), then a division by N (not a multiplication by
+//     1/N). The optimizer's update is element-wise, so the grader compares every rank's parameters
+//     bitwise with an emulation of lab 2 after every step. With gradient accumulation over M
 //     micro-batches, `ZeroTwoOptimizer` states the order of the sums for each strategy,
 //     then one division by N M, and the grader emulates each.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode

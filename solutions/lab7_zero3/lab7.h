@@ -18,11 +18,13 @@
 //
 // What every check holds you to:
 //   * Exact arithmetic. Every element's averaged gradient is lab 2's:
-//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order),
-//     then a division by N (not a multiplication by 1/N). All-gathers copy bits, so every
-//     forward computes with exactly lab 2's parameters: the grader compares the loss of
-//     every forward and every rank's shard of the parameters bitwise with an emulation of
-//     lab 2 after every step.
+//     (g_0 + g_1 + ... + g_{N-1}) / N, the sum as `ReduceOp::kSum` adds it (rank order
+//     on the local and mpi backends; NCCL at 3 or more ranks adds in an order that
+//     depends on the chunk, see "Which backends promise an order" in docs/reference.md,
+//     so grading on nccl takes at most 2 ranks), then a division by N (not a multiplication by
+//     1/N). All-gathers copy bits, so every forward computes with exactly lab 2's parameters: the
+//     grader compares the loss of every forward and every rank's shard of the parameters bitwise
+//     with an emulation of lab 2 after every step.
 //   * Asynchrony done right. Every check runs in the adversarial completion mode
 //     (`dp::Completion::kAdversarial`): a call's result reaches its buffer only when that
 //     call's own `Work` is waited on.
