@@ -403,10 +403,49 @@ TEST(Lab7Units, FollowTheRule) {
         },
         draws);
   }
+  // Then a tiny GPT, where a layer is no weight-and-bias pair: a transformer block holds 12
+  // tensors and the head ends in lm_head.weight alone (every MLP above, LayerNorms
+  // included, has two tensors a layer, so a rule built on pairs passes on them all).
+  draws.section("then a GPT:");
+  const Training gpt = grading::draw_sharded_gpt_training(draws, "sgd");
+  {
+    Model model = gpt.model();
+    const int world = static_cast<int>(draws.integer("gpt: N", 1, 16));
+    const std::vector<Unit> expected = contract_units(model, world);
+    try {
+      const std::vector<Unit> seen = plan_units(model, world);
+      if (seen != expected)
+        ADD_FAILURE() << fmt::format(
+            "plan_units({}, N {}) = {}; expected {} (one unit per layer with parameters, "
+            "whatever tensors it holds)\n  drawn: {}",
+            gpt.model_name(), world, describe(seen), describe(expected), draws.describe());
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& error) {
+      ADD_FAILURE() << fmt::format("plan_units({}, N {}) threw {}: {}\n  drawn: {}",
+                                   gpt.model_name(), world, grading::type_name(error), error.what(),
+                                   draws.describe());
+    }
+  }
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = gpt.model();
+          const std::vector<Unit> expected = contract_units(model, world);
+          ZeroThreeOptimizer zero(model, comm, factory_for(gpt.for_world(world)));
+          if (zero.units() != expected)
+            verdict.fail(fmt::format("{}: ZeroThreeOptimizer::units() = {}; expected {}",
+                                     gpt.model_name(), describe(zero.units()), describe(expected)));
+          verdict.expect_empty(check_released(model),
+                               fmt::format("{}, after the constructor", gpt.model_name()));
+        },
+        draws);
+  }
   if (!HasFailure())
     grading::note_measured(fmt::format(
-        "drawn models and N up to 16 follow the rule; the optimizer's units, initial shard and "
-        "released values and gradients on world sizes {}",
+        "drawn models and N up to 16 follow the rule, a GPT's too; the optimizer's units, "
+        "initial shard and released values and gradients on world sizes {}",
         fmt::join(worlds, ", ")));
 }
 
