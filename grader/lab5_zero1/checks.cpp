@@ -1250,15 +1250,14 @@ void train_overlapped_and_compare(const Training& training, Communicator& comm, 
 TEST(Lab5Overlap, BitwiseLab2AfterTheNextForward) {
   Draws draws("Lab5Overlap.BitwiseLab2AfterTheNextForward");
   const std::vector<int> worlds = draws.world_sizes(6);
-  for (const std::string optimizer : {"sgd", "adamw"}) {
-    const Training training = draw_training(draws, optimizer, worlds);
+  const auto run = [&](const Training& training) {
+    const std::string& optimizer = training.options.optimizer;
     for (std::size_t w = 0; w < worlds.size(); ++w) {
       const int world = worlds[w];
       const TrainOptions options = training.for_world(world);
       // Clipping on every other world size: its all-reduce comes before the update, so the
       // all-gathers still leave step() in flight.
       const bool clipping = w % 2 == 1;
-      std::vector<float> norms;
       Trajectory exact;
       float max_norm = 0.0f;
       if (clipping) {
@@ -1275,18 +1274,25 @@ TEST(Lab5Overlap, BitwiseLab2AfterTheNextForward) {
           [&](Communicator& comm, Verdict& verdict) {
             train_overlapped_and_compare(
                 training, comm, verdict, exact, max_norm,
-                fmt::format("ZeroOneOptimizer with {}{} and overlap_allgather", optimizer,
-                            clipping ? ", clipping" : ""));
+                fmt::format("ZeroOneOptimizer with {}{} and overlap_allgather on {}", optimizer,
+                            clipping ? ", clipping" : "", training.model_name()));
             if (verdict.passed())
               verdict.note(fmt::format(
-                  "SGD and AdamW (clipping on every other N) with overlap_allgather: every "
-                  "forward ran with lab 2's parameters bitwise, every shard bitwise after "
-                  "every step (here {} on N = {}, {} steps)",
-                  optimizer, world, options.steps));
+                  "SGD and AdamW on MLPs and a GPT (clipping on every other N) with "
+                  "overlap_allgather: every forward ran with lab 2's parameters bitwise, every "
+                  "shard bitwise after every step (here {} on {}, N = {}, {} steps)",
+                  optimizer, training.model_name(), world, options.steps));
           },
           draws);
     }
-  }
+  };
+  for (const std::string optimizer : {"sgd", "adamw"}) run(draw_training(draws, optimizer, worlds));
+  // Then a tiny GPT (its optimizer drawn), where a layer is no weight-and-bias pair: a
+  // transformer block holds 12 tensors and the head ends in lm_head.weight alone. Each
+  // layer's values must be written before its forward whatever tensors it holds (every MLP
+  // above has two a layer, LayerNorms included).
+  draws.section("then a GPT:");
+  run(grading::draw_sharded_gpt_training(draws, draws.coin("gpt: adamw") ? "adamw" : "sgd"));
 }
 
 /// With `overlap_allgather`, the calls that find all-gathers still in flight (lab5.h:

@@ -605,19 +605,27 @@ struct ClippingCase {
   std::vector<std::vector<std::size_t>> real_by_rank = {};
 };
 
+/// Each rank's real elements of `training`'s model on `world` ranks, as flat indices in
+/// shard order (its padding adds nothing to the norm).
+std::vector<std::vector<std::size_t>> real_elements_by_rank(const Training& training, int world) {
+  const Model layout = training.model();
+  const std::vector<Bucket> buckets = contract_buckets(layout, world, training.cap_bytes);
+  std::vector<std::vector<std::size_t>> real_by_rank;
+  for (int r = 0; r < world; ++r) {
+    real_by_rank.emplace_back();
+    for (const std::size_t i : shard_indices(layout, buckets, r))
+      if (i != kPadding) real_by_rank.back().push_back(i);
+  }
+  return real_by_rank;
+}
+
 ClippingCase clipping_case(const Training& training, int world, float fraction) {
   ClippingCase clipping{.options = training.for_world(world)};
   const Trajectory plain = grading::emulate_data_parallel(clipping.options, *training.data, world);
   double first = 0;
   for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
   clipping.max_norm = static_cast<float>(std::sqrt(first)) * fraction;
-  const Model layout = training.model();
-  const std::vector<Bucket> buckets = contract_buckets(layout, world, training.cap_bytes);
-  for (int r = 0; r < world; ++r) {
-    clipping.real_by_rank.emplace_back();
-    for (const std::size_t i : shard_indices(layout, buckets, r))
-      if (i != kPadding) clipping.real_by_rank.back().push_back(i);
-  }
+  clipping.real_by_rank = real_elements_by_rank(training, world);
   return clipping;
 }
 
@@ -718,12 +726,43 @@ TEST(Lab6Clipping, GlobalNormOverTheShards) {
 
 // --- Lab6Memory ----------------------------------------------------------------------------
 
+/// The steps a memory check runs (two: the peaks of a step and what the next keeps).
+constexpr int kMeasuredSteps = 2;
+
+/// The contract's parameters after the memory check's two steps of `training` on `world`
+/// ranks, clipping at `max_norm` when it is positive (lab 2's arithmetic, emulated once in
+/// one process). The memory checks compare every rank's parameters with them bitwise: they
+/// read the tracker, and a design could otherwise give up the arithmetic on the models that
+/// only they build (the speed checks' cheat, where only the memory is measured).
+Trajectory measured_steps(const Training& training, int world, float max_norm) {
+  TrainOptions options = training.for_world(world);
+  options.steps = kMeasuredSteps;
+  if (max_norm <= 0) return grading::emulate_data_parallel(options, *training.data, world);
+  return grading::emulate_clipped(options, *training.data, world,
+                                  real_elements_by_rank(training, world), max_norm)
+      .exact;
+}
+
+/// "" when `model`'s parameters after step `step` of a memory check are `exact`'s bitwise,
+/// else the finding, which names `arithmetic`, what `exact` emulates.
+std::string compare_measured_step(const Model& model, const Trajectory& exact, int step,
+                                  std::string_view arithmetic) {
+  const std::string finding = grading::compare_parameters(
+      model, exact.parameters_after_step[static_cast<std::size_t>(step - 1)], 0.0f);
+  if (finding.empty()) return "";
+  return fmt::format(
+      "after step {} of the memory check: {} (expected {} bitwise, emulated in one process: a "
+      "design must be right on every model it runs, measured or not)",
+      step, finding, arithmetic);
+}
+
 /// The memory budgets of one rank training `training` on `world` ranks with `max_norm`:
 /// what the constructor changes (every category but communication exactly), the gradient
 /// and communication peaks over two steps within their budgets, and every category as after
-/// the constructor between steps.
-void check_gradient_memory(const Training& training, int world, float max_norm, Communicator& comm,
-                           Verdict& verdict) {
+/// the constructor between steps; and the parameters after each step bitwise `exact`'s
+/// (measured_steps).
+void check_gradient_memory(const Training& training, int world, float max_norm,
+                           const Trajectory& exact, Communicator& comm, Verdict& verdict) {
   const TrainOptions options = training.for_world(world);
   MemoryTracker& tracker = this_rank_memory().tracker();
   // A twin without ZeRO-2: the activation bytes of a plain forward and backward.
@@ -779,7 +818,8 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
   const grading::CategoryBytes constructed = grading::current_bytes(tracker);
   tracker.reset_peaks();
   std::size_t backward_peak = 0;
-  for (int step = 1; step <= 2 && verdict.passed(); ++step) {
+  std::string numbers;  // the first step whose parameters differ from the contract's
+  for (int step = 1; step <= kMeasuredSteps && verdict.passed(); ++step) {
     const Batch batch = grading::on_check_device(
         grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
     model.zero_grad();
@@ -787,6 +827,12 @@ void check_gradient_memory(const Training& training, int world, float max_norm, 
     backward_peak = std::max(backward_peak, tracker.peak(MemoryCategory::kGradients) - grad_base);
     verdict.expect_empty(check_released(model), fmt::format("step {}, right after backward", step));
     (void)zero.step();
+    // Read from the host copy of the values (no tensor, no tracker account): the peaks stay.
+    if (numbers.empty()) numbers = compare_measured_step(model, exact, step, "lab 2's arithmetic");
+  }
+  if (verdict.passed() && !numbers.empty()) {
+    verdict.fail(numbers);
+    return;
   }
   // Between steps every category but the activations (what the model's loss keeps)
   // holds what it held after the constructor: the contract's "at all times".
@@ -856,10 +902,11 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
     const int world = worlds[w];
     // Every other world size with clipping: its one float is a kCommunication tensor too.
     const float max_norm = w % 2 == 0 ? 1.0f : 0.0f;
+    const Trajectory exact = measured_steps(training, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_gradient_memory(training, world, max_norm, comm, verdict);
+          check_gradient_memory(training, world, max_norm, exact, comm, verdict);
         },
         draws);
   }
@@ -893,10 +940,11 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
         blocks.options.model, world, blocks.cap_bytes, every_bucket,
         buffer_budget_bytes(buckets, world));
     const float max_norm = world == 4 ? 1.0f : 0.0f;
+    const Trajectory exact = measured_steps(blocks, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_gradient_memory(blocks, world, max_norm, comm, verdict);
+          check_gradient_memory(blocks, world, max_norm, exact, comm, verdict);
         },
         draws, std::chrono::seconds(30), Backend::kLocal);
   }
@@ -907,10 +955,11 @@ TEST(Lab6Memory, GradientsAreOneShardPlusOneLayer) {
   for (std::size_t w = 0; w < worlds.size(); ++w) {
     const int world = worlds[w];
     const float max_norm = w % 2 == 1 ? 1.0f : 0.0f;  // the other world sizes clip here
+    const Trajectory exact = measured_steps(gpt, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_gradient_memory(gpt, world, max_norm, comm, verdict);
+          check_gradient_memory(gpt, world, max_norm, exact, comm, verdict);
         },
         draws);
   }
@@ -1791,9 +1840,12 @@ std::pair<std::size_t, std::size_t> accumulation_budgets(Model& model,
 /// The memory budgets of one rank training `micro` micro-batches per step with `strategy`
 /// for two steps: the peaks of kGradients and kCommunication, the tensors a step allocates,
 /// step() allocating nothing, and every category but the activations as after the
-/// constructor between steps. Returns the peaks (gradients + communication) for the note.
+/// constructor between steps; and the parameters after each step bitwise `exact`'s (the
+/// strategy's arithmetic, emulate_accumulation). Returns the peaks (gradients +
+/// communication) for the note.
 std::size_t check_accumulation_memory(const Training& training, int micro, Accumulation strategy,
-                                      Communicator& comm, Verdict& verdict) {
+                                      const Trajectory& exact, Communicator& comm,
+                                      Verdict& verdict) {
   const int world = comm.size();
   const TrainOptions options = accumulation_options(training, world, micro);
   MemoryTracker& tracker = this_rank_memory().tracker();
@@ -1815,8 +1867,9 @@ std::size_t check_accumulation_memory(const Training& training, int micro, Accum
                                              : static_cast<std::size_t>(micro) * parameters;
   // The first allocation found wrong, reported after the peaks (the lesson comes first).
   std::string allocations;
+  std::string numbers;  // the first step whose parameters differ from the contract's
   // Every rank runs both steps whatever it found, so that none waits for a peer that stopped.
-  for (int step = 1; step <= 2; ++step) {
+  for (int step = 1; step <= kMeasuredSteps; ++step) {
     std::array<std::size_t, kNumMemoryCategories> before{};
     for (std::size_t c = 0; c < kNumMemoryCategories; ++c)
       before[c] = tracker.allocations(static_cast<MemoryCategory>(c));
@@ -1826,6 +1879,10 @@ std::size_t check_accumulation_memory(const Training& training, int micro, Accum
     (void)zero.step();
     const grading::HeapUse used = grading::heap_use_of_this_thread().since(heap);
     const std::size_t in_step = tracker.allocations_total() - tensors;
+    // Read from the host copy of the values (no tensor, no tracker account), after the
+    // heap of step() was read.
+    if (numbers.empty())
+      numbers = compare_measured_step(model, exact, step, "the strategy's arithmetic");
     const auto made = [&](MemoryCategory c) {
       return tracker.allocations(c) - before[static_cast<std::size_t>(c)];
     };
@@ -1885,6 +1942,8 @@ std::size_t check_accumulation_memory(const Training& training, int micro, Accum
         comm_peak >= 4 * psi ? ": as much as the whole gradient" : ""));
   else if (!allocations.empty())
     verdict.fail(allocations);
+  else if (!numbers.empty())
+    verdict.fail(fmt::format("{}: {}", what, numbers));
   return grad_peak + comm_peak;
 }
 
@@ -1916,9 +1975,13 @@ TEST(Lab6Accumulation, MemoryWithinBudgetEachStrategy) {
   for (const Case& run : cases) {
     std::array<std::size_t, 2> peaks{};
     for (std::size_t s = 0; s < kStrategies.size(); ++s) {
+      TrainOptions options = accumulation_options(*run.training, run.world, micro);
+      options.steps = kMeasuredSteps;
+      const Trajectory exact =
+          emulate_accumulation(options, *run.training->data, run.world, micro, kStrategies[s]);
       const auto check = [&](Communicator& comm, Verdict& verdict) {
         const std::size_t peak =
-            check_accumulation_memory(*run.training, micro, kStrategies[s], comm, verdict);
+            check_accumulation_memory(*run.training, micro, kStrategies[s], exact, comm, verdict);
         if (comm.rank() == 0) peaks[s] = peak;
       };
       if (run.local)

@@ -403,10 +403,49 @@ TEST(Lab7Units, FollowTheRule) {
         },
         draws);
   }
+  // Then a tiny GPT, where a layer is no weight-and-bias pair: a transformer block holds 12
+  // tensors and the head ends in lm_head.weight alone (every MLP above, LayerNorms
+  // included, has two tensors a layer, so a rule built on pairs passes on them all).
+  draws.section("then a GPT:");
+  const Training gpt = grading::draw_sharded_gpt_training(draws, "sgd");
+  {
+    Model model = gpt.model();
+    const int world = static_cast<int>(draws.integer("gpt: N", 1, 16));
+    const std::vector<Unit> expected = contract_units(model, world);
+    try {
+      const std::vector<Unit> seen = plan_units(model, world);
+      if (seen != expected)
+        ADD_FAILURE() << fmt::format(
+            "plan_units({}, N {}) = {}; expected {} (one unit per layer with parameters, "
+            "whatever tensors it holds)\n  drawn: {}",
+            gpt.model_name(), world, describe(seen), describe(expected), draws.describe());
+    } catch (const NotImplemented&) {
+      throw;
+    } catch (const std::exception& error) {
+      ADD_FAILURE() << fmt::format("plan_units({}, N {}) threw {}: {}\n  drawn: {}",
+                                   gpt.model_name(), world, grading::type_name(error), error.what(),
+                                   draws.describe());
+    }
+  }
+  for (int world : worlds) {
+    run_on_ranks(
+        world,
+        [&](Communicator& comm, Verdict& verdict) {
+          Model model = gpt.model();
+          const std::vector<Unit> expected = contract_units(model, world);
+          ZeroThreeOptimizer zero(model, comm, factory_for(gpt.for_world(world)));
+          if (zero.units() != expected)
+            verdict.fail(fmt::format("{}: ZeroThreeOptimizer::units() = {}; expected {}",
+                                     gpt.model_name(), describe(zero.units()), describe(expected)));
+          verdict.expect_empty(check_released(model),
+                               fmt::format("{}, after the constructor", gpt.model_name()));
+        },
+        draws);
+  }
   if (!HasFailure())
     grading::note_measured(fmt::format(
-        "drawn models and N up to 16 follow the rule; the optimizer's units, initial shard and "
-        "released values and gradients on world sizes {}",
+        "drawn models and N up to 16 follow the rule, a GPT's too; the optimizer's units, "
+        "initial shard and released values and gradients on world sizes {}",
         fmt::join(worlds, ", ")));
 }
 
@@ -616,6 +655,20 @@ TEST(Lab7Equivalence, BitwiseLab2AfterEveryStep) {
 
 // --- Lab7Clipping --------------------------------------------------------------------------
 
+/// Each rank's real elements of `training`'s model on `world` ranks, as flat indices in
+/// shard order (its padding adds nothing to the norm).
+std::vector<std::vector<std::size_t>> real_elements_by_rank(const Training& training, int world) {
+  Model layout = training.model();
+  const std::vector<Unit> units = contract_units(layout, world);
+  std::vector<std::vector<std::size_t>> real_by_rank;
+  for (int r = 0; r < world; ++r) {
+    real_by_rank.emplace_back();
+    for (const std::size_t i : shard_indices(layout, units, r))
+      if (i != kPadding) real_by_rank.back().push_back(i);
+  }
+  return real_by_rank;
+}
+
 TEST(Lab7Clipping, GlobalNormOverTheShards) {
   Draws draws("Lab7Clipping.GlobalNormOverTheShards");
   const std::vector<int> worlds = draws.world_sizes(6);
@@ -635,16 +688,8 @@ TEST(Lab7Clipping, GlobalNormOverTheShards) {
       double first = 0;
       for (const float g : plain.gradients_of_step[0]) first += static_cast<double>(g) * g;
       const auto max_norm = static_cast<float>(std::sqrt(first)) * fraction;
-      Model layout = training.model();
-      const std::vector<Unit> units = contract_units(layout, world);
-      std::vector<std::vector<std::size_t>> real_by_rank;
-      for (int r = 0; r < world; ++r) {
-        real_by_rank.emplace_back();
-        for (const std::size_t i : shard_indices(layout, units, r))
-          if (i != kPadding) real_by_rank.back().push_back(i);
-      }
-      const grading::ClippedTrajectory clipping =
-          grading::emulate_clipped(options, *training.data, world, real_by_rank, max_norm);
+      const grading::ClippedTrajectory clipping = grading::emulate_clipped(
+          options, *training.data, world, real_elements_by_rank(training, world), max_norm);
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
@@ -672,17 +717,39 @@ std::size_t replicated_parameter_bytes(std::size_t psi) {
   return 4 * psi;
 }
 
+/// The steps the memory check runs (two: the peaks of a step and what the next keeps).
+constexpr int kMeasuredSteps = 2;
+
+/// Lab 2's parameters after the memory check's two steps of `training` on `world` ranks,
+/// clipping at `max_norm` when it is positive, emulated once in one process. The memory
+/// check compares every rank's shard with them bitwise: it reads the tracker, and a design
+/// could otherwise give up the arithmetic on the models that only it builds (the speed
+/// checks' cheat, where only the memory is measured).
+Trajectory measured_steps(const Training& training, int world, float max_norm) {
+  TrainOptions options = training.for_world(world);
+  options.steps = kMeasuredSteps;
+  if (max_norm <= 0) return grading::emulate_data_parallel(options, *training.data, world);
+  return grading::emulate_clipped(options, *training.data, world,
+                                  real_elements_by_rank(training, world), max_norm)
+      .exact;
+}
+
 /// One rank of Lab7Memory.ShardPlusTwoUnitsAndTheirBuffers: `training` on `world` ranks,
-/// two steps, clipping when `max_norm > 0`. With `below_replicated`, peak(parameters) +
-/// peak(communication) must also stay below lab 6's replicated 4 Psi (the workload of
-/// many equal blocks, where the budget itself is below it).
+/// two steps, clipping when `max_norm > 0`, the shard after each step bitwise `exact`'s
+/// (measured_steps). With `below_replicated`, peak(parameters) + peak(communication) must
+/// also stay below lab 6's replicated 4 Psi (the workload of many equal blocks, where the
+/// budget itself is below it).
 void check_parameter_memory(const Training& training, int world, float max_norm,
-                            bool below_replicated, Communicator& comm, Verdict& verdict) {
+                            bool below_replicated, const Trajectory& exact, Communicator& comm,
+                            Verdict& verdict) {
   const TrainOptions options = training.for_world(world);
   MemoryTracker& tracker = this_rank_memory().tracker();
   // A twin without ZeRO-3: the activation bytes of a plain forward and backward.
   const grading::PlainTwin twin = grading::plain_twin(training, world, comm);
   const std::size_t plain_activations = twin.activation_bytes;
+  // The parameters' names for the messages of the comparison after each step, built before
+  // the bases are read (its values count in them, not in the peaks).
+  const Model layout = training.model();
   const std::size_t model_activation_base = tracker.current(MemoryCategory::kActivations);
   const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
   const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
@@ -691,6 +758,9 @@ void check_parameter_memory(const Training& training, int world, float max_norm,
   Model model = training.model();
   const std::size_t psi = model.num_parameters();
   const std::vector<Unit> units = contract_units(model, world);
+  // This rank's shard as flat indices, read while the model still holds its values.
+  const std::vector<std::size_t> indices = shard_indices(model, units, comm.rank());
+  std::vector<float> before = model.flat_parameters();
   const std::size_t shard = 4 * contract_shard(units);
   const std::size_t two_units = 4 * two_largest_units(units);
   const std::size_t buffer = 4 * largest_padded_unit(units, world);
@@ -760,15 +830,31 @@ void check_parameter_memory(const Training& training, int world, float max_norm,
   const grading::CategoryBytes constructed = grading::current_bytes(tracker);
   tracker.reset_peaks();
   watching = true;
-  for (int step = 1; step <= 2 && verdict.passed(); ++step) {
+  std::string numbers;  // the first step whose shard differs from lab 2's
+  for (int step = 1; step <= kMeasuredSteps && verdict.passed(); ++step) {
     const Batch batch = grading::on_check_device(
         grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
     model.backward(grading::forward(model, batch), batch.labels);
     (void)zero.step();
     verdict.expect_empty(check_released(model), fmt::format("step {}, after step()", step));
+    // Read through a host copy of the shard (no tensor, no tracker account): the peaks stay.
+    const std::vector<float>& flat =
+        exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
+    if (numbers.empty()) {
+      const std::string finding =
+          check_shard(layout, indices, zero.shard_parameters(), flat, before, world);
+      if (!finding.empty())
+        numbers = fmt::format(
+            "after step {} of the memory check: {} (expected lab 2's arithmetic bitwise, "
+            "emulated in one process: a design must be right on every model it runs, measured "
+            "or not)",
+            step, finding);
+    }
+    before = flat;
   }
   watching = false;
   if (!hook_finding.empty()) verdict.fail(hook_finding);
+  if (verdict.passed() && !numbers.empty()) verdict.fail(numbers);
   // Between steps every category but the activations (what the model's loss keeps)
   // holds what it held after the constructor: the contract's "at all times".
   grading::CategoryBytes kept = grading::current_bytes(tracker) - constructed;
@@ -854,10 +940,11 @@ TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
   for (std::size_t w = 0; w < worlds.size(); ++w) {
     const int world = worlds[w];
     const float max_norm = w % 2 == 0 ? 1.0f : 0.0f;
+    const Trajectory exact = measured_steps(training, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_parameter_memory(training, world, max_norm, false, comm, verdict);
+          check_parameter_memory(training, world, max_norm, false, exact, comm, verdict);
         },
         draws);
   }
@@ -890,10 +977,11 @@ TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
         "+ 4 = {} bytes is not below lab 6's 4 Psi = {}",
         blocks.options.model, world, budget, replicated);
     const float max_norm = world == 4 ? 1.0f : 0.0f;
+    const Trajectory exact = measured_steps(blocks, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_parameter_memory(blocks, world, max_norm, true, comm, verdict);
+          check_parameter_memory(blocks, world, max_norm, true, exact, comm, verdict);
         },
         draws, std::chrono::seconds(30), Backend::kLocal);
   }
@@ -907,10 +995,11 @@ TEST(Lab7Memory, ShardPlusTwoUnitsAndTheirBuffers) {
   for (std::size_t w = 0; w < worlds.size(); ++w) {
     const int world = worlds[w];
     const float max_norm = w % 2 == 1 ? 1.0f : 0.0f;  // the other world sizes clip here
+    const Trajectory exact = measured_steps(gpt, world, max_norm);
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          check_parameter_memory(gpt, world, max_norm, false, comm, verdict);
+          check_parameter_memory(gpt, world, max_norm, false, exact, comm, verdict);
         },
         draws);
   }
