@@ -267,8 +267,9 @@ class PointToPointWork final : public Work {
 /// One rank of one launch.
 class MpiCommunicator final : public Communicator {
  public:
-  /// Takes ownership of `comm`, the communicator of the launch's ranks.
-  MpiCommunicator(MPI_Comm comm, CommOptions options);
+  /// Takes ownership of `comm`, a communicator of the launch's ranks (all of them, or those
+  /// of a split); `layout` says where they are (its launch ranks by rank in `comm`).
+  MpiCommunicator(MPI_Comm comm, CommOptions options, NodeLayout layout);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -323,6 +324,7 @@ class MpiCommunicator final : public Communicator {
   void check_tag(int tag, std::string_view call) const;
 
   const CommOptions options_;
+  const NodeLayout layout_;  // the ranks' nodes, for the counters' link classes
   int rank_ = 0;
   int size_ = 1;
   MPI_Comm collectives_ = MPI_COMM_NULL;
