@@ -46,7 +46,10 @@
 //   broadcast       the root sends n to every other rank (p-1 messages); others receive n
 //   barrier         calls only
 //
-// Point-to-point calls count their message sizes exactly.
+// Point-to-point calls count their message sizes exactly. Link classes (dp/comm.h) come from
+// the launch's ranks_per_node: the launch's rank r is process r, and a split communicator
+// learns its ranks' places by MPI_Group_translate_ranks into its parent's group (local: no
+// messages).
 //
 // Order of additions. comm.h promises that a sum adds the ranks' values in rank order,
 // ((x0 + x1) + x2) + ..., so that local and mpi give the same bits and graders can emulate

@@ -55,7 +55,9 @@
 // Split. `split` is ncclCommSplit on the rank's thread (every rank of the communicator calls
 // it; NCCL blocks until they have, polled here as the communicators are non-blocking). The
 // new communicator inherits the parent's configuration and has a stream, a watchdog and a
-// group of its own; a failure of either group ends both.
+// group of its own; a failure of either group ends both. NCCL does not tell a rank which
+// ranks joined it, so for the counters' link classes (dp/comm.h) the new communicator
+// all-gathers its ranks' ranks in the parent once, on a stream of its own (not counted).
 //
 // Hangs. A watchdog thread per rank polls the pending calls' events and
 // ncclCommGetAsyncError. A call pending longer than the hang timeout, or an asynchronous
