@@ -174,6 +174,60 @@ TEST(Split, EachCommunicatorCountsItsOwnCallsByItsOwnRanks) {
   });
 }
 
+TEST(Split, LinkClassesFollowTheLaunchsNodesOnEveryCommunicator) {
+  // 2 nodes of 2 (launch ranks 0, 1 | 2, 3) by the layout alone: mpi has no simulation, and
+  // the local backend classifies the same without it (dp/comm.h, "Link classes").
+  LaunchOptions options = test_launch(4);
+  options.simulation.network.ranks_per_node = 2;
+  launch(options, [](Communicator& comm) {
+    const int r = comm.rank();
+    constexpr std::uint64_t kFloat = sizeof(float);
+    // The flat ring 0 -> 1 -> 2 -> 3 -> 0 of 8 floats: 2 (p-1)/p 8 = 12 floats from each
+    // rank, across nodes from ranks 1 and 3, into ranks 2 and 0.
+    std::vector<float> x(8, 1.0f);
+    comm.allreduce(std::span(x), ReduceOp::kSum)->wait();
+    const OpCounters flat = comm.counters().of(CommOp::kAllReduce);
+    EXPECT_EQ(flat.inter_node_bytes_sent, r % 2 == 1 ? 12 * kFloat : 0);
+    EXPECT_EQ(flat.intra_node_bytes_sent, r % 2 == 1 ? 0 : 12 * kFloat);
+    EXPECT_EQ(flat.inter_node_bytes_received, r % 2 == 0 ? 12 * kFloat : 0);
+
+    // Hierarchical: reduce-scatter in the node, all-reduce of the shard across, all-gather.
+    const CommCounters before = comm.counters();
+    std::unique_ptr<Communicator> node = comm.split(r / 2, r);
+    std::unique_ptr<Communicator> across = comm.split(r % 2, r);
+    ASSERT_NE(node, nullptr);
+    ASSERT_NE(across, nullptr);
+    std::vector<float> shard(4);
+    node->reduce_scatter(std::span<const float>(x), std::span(shard), ReduceOp::kSum)->wait();
+    across->allreduce(std::span(shard), ReduceOp::kSum)->wait();
+    node->allgather(std::span<const float>(shard), std::span(x))->wait();
+    EXPECT_EQ(x, std::vector<float>(8, 16.0f));
+    // Inside: 4 floats out in each of the two node collectives; across: 2 (1/2) 4 = 4.
+    const CommCounters all =
+        sum_counters({comm.counters().since(before), node->counters(), across->counters()});
+    EXPECT_EQ(all.intra_node_bytes_sent(), 8 * kFloat);
+    EXPECT_EQ(all.inter_node_bytes_sent(), 4 * kFloat);
+    EXPECT_EQ(all.intra_node_bytes_received(), 8 * kFloat);
+    EXPECT_EQ(all.inter_node_bytes_received(), 4 * kFloat);
+    // The parent counted the two splits only.
+    EXPECT_EQ(comm.counters().since(before).total_bytes_sent(), 0u);
+
+    // Messages: on the communicator across nodes, its ranks 0 and 1 are launch ranks r % 2
+    // and r % 2 + 2; on the node's, both of one node.
+    std::vector<float> message(5, 0.0f);
+    auto to = across->isend(std::span<const float>(message), across->rank() ^ 1, 0);
+    across->irecv(std::span(message), across->rank() ^ 1, 0)->wait();
+    to->wait();
+    auto inside = node->isend(std::span<const float>(message), node->rank() ^ 1, 0);
+    node->irecv(std::span(message), node->rank() ^ 1, 0)->wait();
+    inside->wait();
+    EXPECT_EQ(across->counters().of(CommOp::kSend).inter_node_bytes_sent, 5 * kFloat);
+    EXPECT_EQ(across->counters().of(CommOp::kRecv).inter_node_bytes_received, 5 * kFloat);
+    EXPECT_EQ(node->counters().of(CommOp::kSend).intra_node_bytes_sent, 5 * kFloat);
+    EXPECT_EQ(node->counters().of(CommOp::kSend).inter_node_bytes_sent, 0u);
+  });
+}
+
 TEST(Split, ANegativeColorOtherThanNoColorIsRefusedOnTheRankThatPassedIt) {
   launch(test_launch(2), [](Communicator& comm) {
     EXPECT_EQ(message_of<Error>([&] { comm.split(-5, 0); }),

@@ -76,6 +76,10 @@ void launch(const LaunchOptions& options, const std::function<void(Communicator&
   if (options.comm.hang_timeout.count() <= 0 || options.comm.hang_timeout > kMaxHangTimeout)
     throw Error(fmt::format("hang timeout must be positive and at most {} ms (a week), got {} ms",
                             kMaxHangTimeout.count(), options.comm.hang_timeout.count()));
+  // The node layout the counters classify bytes by (dp/comm.h), simulated or not.
+  if (options.simulation.network.ranks_per_node < 0)
+    throw Error(fmt::format("ranks per node must be >= 0 (0: one node), got {}",
+                            options.simulation.network.ranks_per_node));
   if (options.memory_budget_bytes == std::size_t{0})
     throw Error("a memory budget must be a positive number of bytes, got 0");
   configure_process_allocator();

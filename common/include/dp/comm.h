@@ -5,8 +5,9 @@
 // `allgather`, `broadcast`, `barrier`). Every call is asynchronous and returns a
 // `Work` handle; the operation progresses on the backend's own thread while the
 // caller computes, and `wait()` blocks until it is complete. Every call is counted
-// (bytes and messages, per operation and per peer), so the graders can check that an
-// algorithm moves the bytes its formula says.
+// (bytes and messages, per operation, per peer and per link class: inside a node or
+// across nodes), so the graders can check that an algorithm moves the bytes its formula
+// says where its formula says (`CommCounters`).
 //
 // Collectives must be called by every rank in the same order with matching sizes and
 // operations; a mismatch fails on every rank with an error naming the ranks and the
@@ -42,6 +43,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -65,7 +67,8 @@ enum class Device {
 /// A short name, e.g. "host".
 std::string_view to_string(Device device);
 
-/// The element type of a communication buffer.
+/// The element type of a communication buffer, and of a tensor (dp/tensor.h): one type for
+/// both, so a tensor's view hands the communicator its elements as they are.
 enum class DataType {
   kFloat32,   ///< IEEE binary32 (4 bytes)
   kInt32,     ///< two's complement (4 bytes)
@@ -197,12 +200,19 @@ std::string_view to_string(CommOp op);
 bool is_collective(CommOp op);
 
 /// Counts for one kind of call on one rank.
+///
+/// The bytes are also split by link class (see "Link classes" at `CommCounters`):
+/// `intra_node_bytes_sent + inter_node_bytes_sent == bytes_sent`, and the same for received.
 struct OpCounters {
-  std::uint64_t calls = 0;              ///< calls issued
-  std::uint64_t bytes_sent = 0;         ///< bytes this rank sent to peers
-  std::uint64_t bytes_received = 0;     ///< bytes this rank received from peers
-  std::uint64_t messages_sent = 0;      ///< transfers to peers
-  std::uint64_t messages_received = 0;  ///< transfers from peers
+  std::uint64_t calls = 0;                      ///< calls issued
+  std::uint64_t bytes_sent = 0;                 ///< bytes this rank sent to peers
+  std::uint64_t bytes_received = 0;             ///< bytes this rank received from peers
+  std::uint64_t messages_sent = 0;              ///< transfers to peers
+  std::uint64_t messages_received = 0;          ///< transfers from peers
+  std::uint64_t intra_node_bytes_sent = 0;      ///< of `bytes_sent`: to ranks of this node
+  std::uint64_t inter_node_bytes_sent = 0;      ///< of `bytes_sent`: to ranks of other nodes
+  std::uint64_t intra_node_bytes_received = 0;  ///< of `bytes_received`: from this node
+  std::uint64_t inter_node_bytes_received = 0;  ///< of `bytes_received`: from other nodes
 };
 
 /// Everything one rank's communicator has counted since it was constructed.
@@ -213,6 +223,37 @@ struct OpCounters {
 /// native collectives they are what the backend's algorithm moves between ranks; each
 /// backend documents its formula (the local backend's equal those of ring algorithms:
 /// all-reduce sends and receives 2 (p-1)/p n, reduce-scatter and all-gather (p-1)/p n).
+///
+/// Link classes. Every byte is also counted as intra-node (between two ranks of one node) or
+/// inter-node, by the node layout of the launch: `LaunchOptions::simulation.network`'s
+/// `ranks_per_node` = k puts ranks [k i, k (i+1)) of the launch on node i, on every backend
+/// and whether or not the simulation is on (on mpi and nccl it is bookkeeping: where the
+/// processes really run is not looked at). With k = 0, one flat network, every byte is
+/// intra-node (`NetworkModel::crosses_nodes` is false for every pair). A communicator split
+/// from the launch's classifies by where its ranks are in the launch. Which link a byte
+/// takes is the algorithm's the simulated network charges (dp/clock.h, "Native
+/// collectives"), the same on every backend:
+///
+///   isend / irecv            the message's two ranks
+///   allreduce, reduce_scatter, allgather
+///                            the ring in this communicator's rank order: rank i sends all of
+///                            its bytes to rank i+1 and receives all from rank i-1 (mod p), so
+///                            only the ranks next to a node boundary on the ring use inter-node
+///                            links (on N nodes of k ranks, a flat all-reduce of n bytes sends
+///                            2 (p-1)/p n across from each of N ranks and nothing from the
+///                            others, however `bytes_sent_to` spreads it over peers)
+///   broadcast                the root to each other rank, as `bytes_sent_to` counts it
+///
+/// So a hierarchical all-reduce (reduce-scatter on a node's communicator, all-reduce across
+/// on the communicator of one rank per node, all-gather on the node's) sends (k-1)/k n twice
+/// inside the node and 2 (N-1)/N n/k across from every rank.
+///
+/// Communicators count their own calls only: a split communicator's calls appear in its own
+/// counters, never in those of the communicator it was split from (the split itself counts
+/// there, as one `CommOp::kSplit` call that moves no payload). To grade what a rank moved
+/// over several communicators, add them up with `sum_counters` (per link class, per kind of
+/// call); whoever hands out the communicators (a grader wrapping `split`) keeps the children
+/// to read them.
 struct CommCounters {
   std::array<OpCounters, kNumCommOps> per_op{};    ///< indexed by `CommOp`
   std::vector<std::uint64_t> bytes_sent_to;        ///< indexed by peer rank
@@ -226,6 +267,14 @@ struct CommCounters {
   std::uint64_t total_bytes_sent() const;
   /// Bytes received by all kinds of call together.
   std::uint64_t total_bytes_received() const;
+  /// Bytes sent to ranks of this rank's node by all kinds of call together.
+  std::uint64_t intra_node_bytes_sent() const;
+  /// Bytes sent to ranks of other nodes by all kinds of call together.
+  std::uint64_t inter_node_bytes_sent() const;
+  /// Bytes received from ranks of this rank's node by all kinds of call together.
+  std::uint64_t intra_node_bytes_received() const;
+  /// Bytes received from ranks of other nodes by all kinds of call together.
+  std::uint64_t inter_node_bytes_received() const;
   /// Collective calls of every kind together.
   std::uint64_t collective_calls() const;
   /// Calls of every kind together, point-to-point included.
@@ -234,6 +283,17 @@ struct CommCounters {
   /// this one: every count minus its value in `earlier`.
   CommCounters since(const CommCounters& earlier) const;
 };
+
+/// What one rank counted on several communicators together (the launch's and those split
+/// from it, or snapshots `since` earlier ones): every `per_op` count added up. The per-peer
+/// vectors come back empty, as each communicator numbers its peers by its own ranks.
+///
+///   const dp::CommCounters all = dp::sum_counters({comm.counters(), node->counters(),
+///                                                  across->counters()});
+///   std::uint64_t across_nodes = all.inter_node_bytes_sent();
+CommCounters sum_counters(std::span<const CommCounters> parts);
+/// `sum_counters` of a braced list.
+CommCounters sum_counters(std::initializer_list<CommCounters> parts);
 
 /// One asynchronous communicator call.
 ///

@@ -71,6 +71,30 @@ std::uint64_t CommCounters::total_bytes_received() const {
   return total;
 }
 
+std::uint64_t CommCounters::intra_node_bytes_sent() const {
+  std::uint64_t total = 0;
+  for (const auto& op : per_op) total += op.intra_node_bytes_sent;
+  return total;
+}
+
+std::uint64_t CommCounters::inter_node_bytes_sent() const {
+  std::uint64_t total = 0;
+  for (const auto& op : per_op) total += op.inter_node_bytes_sent;
+  return total;
+}
+
+std::uint64_t CommCounters::intra_node_bytes_received() const {
+  std::uint64_t total = 0;
+  for (const auto& op : per_op) total += op.intra_node_bytes_received;
+  return total;
+}
+
+std::uint64_t CommCounters::inter_node_bytes_received() const {
+  std::uint64_t total = 0;
+  for (const auto& op : per_op) total += op.inter_node_bytes_received;
+  return total;
+}
+
 std::uint64_t CommCounters::collective_calls() const {
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < kNumCommOps; ++i)
@@ -100,12 +124,40 @@ CommCounters CommCounters::since(const CommCounters& earlier) const {
     d.bytes_received -= e.bytes_received;
     d.messages_sent -= e.messages_sent;
     d.messages_received -= e.messages_received;
+    d.intra_node_bytes_sent -= e.intra_node_bytes_sent;
+    d.inter_node_bytes_sent -= e.inter_node_bytes_sent;
+    d.intra_node_bytes_received -= e.intra_node_bytes_received;
+    d.inter_node_bytes_received -= e.inter_node_bytes_received;
   }
   for (std::size_t peer = 0; peer < bytes_sent_to.size(); ++peer) {
     difference.bytes_sent_to[peer] -= earlier.bytes_sent_to[peer];
     difference.bytes_received_from[peer] -= earlier.bytes_received_from[peer];
   }
   return difference;
+}
+
+CommCounters sum_counters(std::span<const CommCounters> parts) {
+  CommCounters sum;  // the per-peer vectors stay empty: peers are numbered per communicator
+  for (const CommCounters& part : parts) {
+    for (std::size_t op = 0; op < kNumCommOps; ++op) {
+      OpCounters& s = sum.per_op[op];
+      const OpCounters& p = part.per_op[op];
+      s.calls += p.calls;
+      s.bytes_sent += p.bytes_sent;
+      s.bytes_received += p.bytes_received;
+      s.messages_sent += p.messages_sent;
+      s.messages_received += p.messages_received;
+      s.intra_node_bytes_sent += p.intra_node_bytes_sent;
+      s.inter_node_bytes_sent += p.inter_node_bytes_sent;
+      s.intra_node_bytes_received += p.intra_node_bytes_received;
+      s.inter_node_bytes_received += p.inter_node_bytes_received;
+    }
+  }
+  return sum;
+}
+
+CommCounters sum_counters(std::initializer_list<CommCounters> parts) {
+  return sum_counters(std::span<const CommCounters>(parts.begin(), parts.size()));
 }
 
 std::unique_ptr<Communicator> Communicator::split(int /*color*/, int /*key*/) {

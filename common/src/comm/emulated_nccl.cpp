@@ -239,6 +239,7 @@ struct EmulatedLaunch {
   int failed_rank = -1;  // a rank of the launch
   std::string failure;
   std::vector<std::unique_ptr<EmulatedNcclWorld>> split_worlds;
+  int ranks_per_node = 0;  // the launch's node layout (dp/comm.h, "Link classes")
 };
 
 /// The ranks of one communicator on the emulated nccl (the launch's, or one split from it):
@@ -250,6 +251,7 @@ class EmulatedNcclWorld {
   EmulatedNcclWorld(std::vector<int> members, CommOptions options, EmulatedLaunch& launch)
       : size_(static_cast<int>(members.size())),
         members_(std::move(members)),
+        layout_{members_, launch.ranks_per_node},
         options_(options),
         mutex_(launch.mutex),
         changed_(launch.changed),
@@ -290,21 +292,10 @@ class EmulatedNcclWorld {
     record.index = state.log.record(record);
     call->record = record;
     if (is_collective(record.op)) {
-      count_ring_collective(state.counters, record, rank, size_);
+      count_ring_collective(state.counters, record, rank, layout_);
     } else {
-      const std::uint64_t bytes = record.count * element_size(record.type);
-      OpCounters& counted = state.counters.of(record.op);
-      ++counted.calls;
-      const auto peer = static_cast<std::size_t>(record.peer);
-      if (record.op == CommOp::kSend) {
-        counted.bytes_sent += bytes;
-        ++counted.messages_sent;
-        state.counters.bytes_sent_to[peer] += bytes;
-      } else {
-        counted.bytes_received += bytes;
-        ++counted.messages_received;
-        state.counters.bytes_received_from[peer] += bytes;
-      }
+      count_point_to_point(state.counters, record.op, rank, record.peer,
+                           record.count * element_size(record.type), layout_);
     }
     return call;
   }
@@ -605,6 +596,7 @@ class EmulatedNcclWorld {
 
   const int size_;
   const std::vector<int> members_;  // ranks of the launch, by rank here
+  const NodeLayout layout_;         // their nodes, for the counters' link classes
   const CommOptions options_;
   // The launch's (see EmulatedLaunch).
   std::mutex& mutex_;
@@ -845,6 +837,7 @@ void run_emulated_nccl(const LaunchOptions& options,
         "the nccl backend runs on the wall clock: the simulated network is the local "
         "backend's");
   EmulatedLaunch launch;
+  launch.ranks_per_node = options.simulation.network.ranks_per_node;
   std::vector<int> everyone(static_cast<std::size_t>(options.world_size));
   for (int r = 0; r < options.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
   EmulatedNcclWorld world(std::move(everyone), options.comm, launch);

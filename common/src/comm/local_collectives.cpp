@@ -60,15 +60,19 @@ std::uint64_t LocalWorld::count_collective(Operation& operation) {
   ++counted.calls;
   counted.messages_sent += messages_sent;
   counted.messages_received += messages_received;
+  std::uint64_t sent = 0;
+  std::uint64_t received = 0;
   for (int peer = 0; peer < p; ++peer) {
-    counted.bytes_sent += to_peer[peer] * element;
-    counted.bytes_received += from_peer[peer] * element;
+    sent += to_peer[peer] * element;
+    received += from_peer[peer] * element;
     counters.bytes_sent_to[peer] += to_peer[peer] * element;
     counters.bytes_received_from[peer] += from_peer[peer] * element;
   }
-  std::uint64_t link_bytes = 0;
-  for (int peer = 0; peer < p; ++peer) link_bytes += (to_peer[peer] + from_peer[peer]) * element;
-  return link_bytes;
+  counted.bytes_sent += sent;
+  counted.bytes_received += received;
+  // Which links those bytes take: the ring's, as on every backend (comm/ring_counts.h).
+  count_collective_links(counted, group.layout, operation.op, me, operation.root, sent, received);
+  return sent + received;
 }
 
 std::shared_ptr<Operation> LocalWorld::post_collective(std::shared_ptr<Operation> operation) {

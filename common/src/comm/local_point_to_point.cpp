@@ -16,18 +16,8 @@ std::shared_ptr<Operation> LocalWorld::post_point_to_point(std::shared_ptr<Opera
   operation->record.index = operation->call_index;
   const std::uint64_t bytes = is_send ? operation->input.bytes() : operation->output.bytes();
   CommGroup& group = *operation->group;
-  CommCounters& counters = group.counters[static_cast<std::size_t>(operation->member)];
-  OpCounters& counted = counters.of(operation->op);
-  ++counted.calls;
-  if (is_send) {
-    counted.bytes_sent += bytes;
-    ++counted.messages_sent;
-    counters.bytes_sent_to[static_cast<std::size_t>(peer)] += bytes;
-  } else {
-    counted.bytes_received += bytes;
-    ++counted.messages_received;
-    counters.bytes_received_from[static_cast<std::size_t>(peer)] += bytes;
-  }
+  count_point_to_point(group.counters[static_cast<std::size_t>(operation->member)], operation->op,
+                       operation->member, peer, bytes, group.layout);
   // From here on the peer is a rank of the launch: the message runs between their places.
   const int peer_in_launch = group.members[static_cast<std::size_t>(peer)];
 

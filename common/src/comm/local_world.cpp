@@ -8,6 +8,7 @@ namespace dp::detail::local {
 LocalWorld::LocalWorld(int size, CommOptions options, const SimulationOptions& simulation)
     : size_(size),
       options_(options),
+      ranks_per_node_(simulation.network.ranks_per_node),
       ranks_(static_cast<std::size_t>(size)),
       spin_policy_(size <= usable_cores() ? kSpinOnOwnCores : kSpinOnSharedCores) {
   if (simulation.enabled) {
@@ -29,6 +30,8 @@ std::shared_ptr<CommGroup> LocalWorld::make_group(std::vector<int> members, std:
   group->id = groups_.size();
   group->name = std::move(name);
   group->members = std::move(members);
+  group->layout.launch_ranks = group->members;
+  group->layout.ranks_per_node = ranks_per_node_;
   const auto p = group->members.size();
   group->counters.resize(p);
   for (CommCounters& counters : group->counters) {

@@ -102,6 +102,7 @@
 #include "comm/argument_checks.h"
 #include "comm/call_log.h"
 #include "comm/local_device.h"
+#include "comm/ring_counts.h"
 #include "comm/virtual_network.h"
 #include "dp/clock.h"
 #include "dp/error.h"
@@ -262,6 +263,7 @@ struct alignas(64) FastSlot {
 struct CommGroup {
   std::uint64_t id = 0;
   std::vector<int> members;  // ranks of the launch, by rank in this communicator
+  NodeLayout layout;         // the members' nodes, for the counters' link classes
   std::string name;          // for messages: "" for the launch's, else "communicator 3 (...)"
   // By rank in this communicator. A member's counters and sequence: only its own thread
   // writes them (and reads its counters, through counters()).
@@ -498,6 +500,7 @@ class LocalWorld {
 
   const int size_;
   const CommOptions options_;
+  const int ranks_per_node_;  // the launch's node layout (dp/comm.h, "Link classes")
   mutable std::mutex mutex_;
   std::unique_ptr<VirtualNetwork> network_;              // null without simulation
   std::vector<std::unique_ptr<WallClock>> wall_clocks_;  // without simulation

@@ -8,11 +8,13 @@
 namespace dp::detail {
 namespace mpi {
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, CommOptions options)
-    : options_(options), collectives_(comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, CommOptions options, NodeLayout layout)
+    : options_(options), layout_(std::move(layout)), collectives_(comm) {
   MPI_Comm_set_errhandler(collectives_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(collectives_, &rank_);
   MPI_Comm_size(collectives_, &size_);
+  DP_CHECK(layout_.size() == size_, "a layout of {} ranks for a communicator of {}", layout_.size(),
+           size_);
   clock_ = std::make_unique<WallClock>(rank_, false);
   for (MPI_Comm* dup : {&validation_, &p2p_, &watchdog_, &finish_})
     check_mpi(MPI_Comm_dup(collectives_, dup), "MPI_Comm_dup");
@@ -93,7 +95,10 @@ void run_mpi(const LaunchOptions& options, const std::function<void(Communicator
       "MPI_Comm_split");
   if (!participates) return;
 
-  mpi::MpiCommunicator communicator(comm, options.comm);
+  // The launch's rank r is process r (the split above keeps the processes' order).
+  mpi::MpiCommunicator communicator(
+      comm, options.comm,
+      NodeLayout::of_launch(options.world_size, options.simulation.network.ranks_per_node));
   std::exception_ptr error;
   try {
     rank_main(communicator);

@@ -89,7 +89,23 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
     work.wait();
   }
   if (call->split_result == MPI_COMM_NULL) return nullptr;
-  return std::make_unique<MpiCommunicator>(call->split_result, options_);
+  // Its ranks by their ranks here (MPI_Group_translate_ranks is local: no messages), and
+  // through this communicator's layout where they are in the launch.
+  MPI_Group mine = MPI_GROUP_NULL;
+  MPI_Group theirs = MPI_GROUP_NULL;
+  check_mpi(MPI_Comm_group(collectives_, &mine), "MPI_Comm_group");
+  check_mpi(MPI_Comm_group(call->split_result, &theirs), "MPI_Comm_group");
+  int size = 0;
+  check_mpi(MPI_Group_size(theirs, &size), "MPI_Group_size");
+  std::vector<int> ranks(static_cast<std::size_t>(size));
+  std::vector<int> members(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[static_cast<std::size_t>(r)] = r;
+  check_mpi(MPI_Group_translate_ranks(theirs, size, ranks.data(), mine, members.data()),
+            "MPI_Group_translate_ranks");
+  MPI_Group_free(&theirs);
+  MPI_Group_free(&mine);
+  return std::make_unique<MpiCommunicator>(call->split_result, options_,
+                                           layout_.of_members(members));
 }
 
 std::shared_ptr<Collective> MpiCommunicator::post(CallRecord record, ConstBuffer input,
@@ -112,7 +128,7 @@ std::shared_ptr<Collective> MpiCommunicator::post(CallRecord record, ConstBuffer
 
 void MpiCommunicator::count_collective(const Collective& call) {
   // Caller holds mutex_. The formulas are those at the top of mpi_world.h.
-  count_ring_collective(counters_, call.record, rank_, size_);
+  count_ring_collective(counters_, call.record, rank_, layout_);
 }
 
 void MpiCommunicator::wait(Collective& call) {

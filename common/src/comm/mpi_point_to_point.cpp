@@ -45,17 +45,7 @@ std::unique_ptr<Work> MpiCommunicator::post(CallRecord record, const void* data,
     std::lock_guard lock(mutex_);
     record.index = log_.record(record);
     call->record = record;
-    OpCounters& counted = counters_.of(record.op);
-    ++counted.calls;
-    if (send) {
-      counted.bytes_sent += bytes;
-      ++counted.messages_sent;
-      counters_.bytes_sent_to[record.peer] += bytes;
-    } else {
-      counted.bytes_received += bytes;
-      ++counted.messages_received;
-      counters_.bytes_received_from[record.peer] += bytes;
-    }
+    count_point_to_point(counters_, record.op, rank_, record.peer, bytes, layout_);
     ++outstanding_p2p_;
   }
   changed_.notify_all();  // the progress thread now drives MPI while the caller computes

@@ -46,7 +46,10 @@
 //   broadcast       the root sends n to every other rank (p-1 messages); others receive n
 //   barrier         calls only
 //
-// Point-to-point calls count their message sizes exactly.
+// Point-to-point calls count their message sizes exactly. Link classes (dp/comm.h) come from
+// the launch's ranks_per_node: the launch's rank r is process r, and a split communicator
+// learns its ranks' places by MPI_Group_translate_ranks into its parent's group (local: no
+// messages).
 //
 // Order of additions. comm.h promises that a sum adds the ranks' values in rank order,
 // ((x0 + x1) + x2) + ..., so that local and mpi give the same bits and graders can emulate
@@ -267,8 +270,9 @@ class PointToPointWork final : public Work {
 /// One rank of one launch.
 class MpiCommunicator final : public Communicator {
  public:
-  /// Takes ownership of `comm`, the communicator of the launch's ranks.
-  MpiCommunicator(MPI_Comm comm, CommOptions options);
+  /// Takes ownership of `comm`, a communicator of the launch's ranks (all of them, or those
+  /// of a split); `layout` says where they are (its launch ranks by rank in `comm`).
+  MpiCommunicator(MPI_Comm comm, CommOptions options, NodeLayout layout);
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -323,6 +327,7 @@ class MpiCommunicator final : public Communicator {
   void check_tag(int tag, std::string_view call) const;
 
   const CommOptions options_;
+  const NodeLayout layout_;  // the ranks' nodes, for the counters' link classes
   int rank_ = 0;
   int size_ = 1;
   MPI_Comm collectives_ = MPI_COMM_NULL;

@@ -55,7 +55,9 @@
 // Split. `split` is ncclCommSplit on the rank's thread (every rank of the communicator calls
 // it; NCCL blocks until they have, polled here as the communicators are non-blocking). The
 // new communicator inherits the parent's configuration and has a stream, a watchdog and a
-// group of its own; a failure of either group ends both.
+// group of its own; a failure of either group ends both. NCCL does not tell a rank which
+// ranks joined it, so for the counters' link classes (dp/comm.h) the new communicator
+// all-gathers its ranks' ranks in the parent once, on a stream of its own (not counted).
 //
 // Hangs. A watchdog thread per rank polls the pending calls' events and
 // ncclCommGetAsyncError. A call pending longer than the hang timeout, or an asynchronous
@@ -138,6 +140,44 @@ int user_rank(ncclComm_t comm) {
   return rank;
 }
 
+/// Every rank's `value` on `comm`, a communicator just made by ncclCommSplit on `device`, in
+/// its rank order: an in-place all-gather of one int on a stream of its own, waited for on
+/// the host (at most `timeout` for the non-blocking communicator to take it).
+std::vector<int> all_gather_ints(ncclComm_t comm, int device, int value,
+                                 std::chrono::milliseconds timeout) {
+  const int rank = user_rank(comm);
+  int size = 0;
+  check_nccl(ncclCommCount(comm, &size), "ncclCommCount");
+  check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+             "cudaStreamCreateWithFlags (split layout)");
+  int* values = nullptr;
+  check_cuda(cudaMalloc(&values, sizeof(int) * static_cast<std::size_t>(size)),
+             "cudaMalloc (split layout)");
+  check_cuda(cudaMemcpy(values + rank, &value, sizeof(int), cudaMemcpyHostToDevice),
+             "cudaMemcpy (split layout)");
+  ncclResult_t status = ncclAllGather(values + rank, values, 1, ncclInt32, comm, stream);
+  const WallTime::time_point started = WallTime::now();
+  while (status == ncclInProgress) {
+    if (WallTime::now() - started > timeout)
+      throw CommError(fmt::format(
+          "rank {} (nccl, GPU {}): the new communicator's layout was not gathered within the "
+          "hang timeout ({} ms)",
+          rank, device, timeout.count()));
+    std::this_thread::sleep_for(kProgressPoll);
+    (void)ncclCommGetAsyncError(comm, &status);
+  }
+  check_nccl(status, "ncclAllGather (split layout)");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (split layout)");
+  std::vector<int> all(static_cast<std::size_t>(size));
+  check_cuda(cudaMemcpy(all.data(), values, sizeof(int) * all.size(), cudaMemcpyDeviceToHost),
+             "cudaMemcpy (split layout)");
+  (void)cudaFree(values);
+  (void)cudaStreamDestroy(stream);
+  return all;
+}
+
 /// What the ranks of one launch share: the abort of any of them stops the others.
 class NcclGroup;
 
@@ -214,11 +254,12 @@ class NcclGroup {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(const ncclUniqueId& id, int rank, int size, int device, int slot,
-                   NcclGroup& group, CommOptions options);
+                   NcclGroup& group, CommOptions options, NodeLayout layout);
   /// A communicator split from another (`comm`, set up by ncclCommSplit): it owns `group`,
-  /// a group of its own for this thread whose failures reach its parent's.
+  /// a group of its own for this thread whose failures reach its parent's; `layout` says
+  /// where its ranks are.
   NcclCommunicator(ncclComm_t comm, int device, std::unique_ptr<NcclGroup> group,
-                   CommOptions options);
+                   CommOptions options, NodeLayout layout);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -289,6 +330,7 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<NcclGroup> owned_group_;  // a split communicator's group, or null
   NcclGroup& group_;
   CommOptions options_;
+  NodeLayout layout_;  // the ranks' nodes, for the counters' link classes
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   int* barrier_scratch_ = nullptr;  // one int on the device for barrier()
@@ -344,13 +386,14 @@ std::vector<RankCallState> NcclGroup::states() const {
 }
 
 NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, int device, int slot,
-                                   NcclGroup& group, CommOptions options)
+                                   NcclGroup& group, CommOptions options, NodeLayout layout)
     : rank_(rank),
       size_(size),
       device_(device),
       slot_(slot),
       group_(group),
       options_(options),
+      layout_(std::move(layout)),
       clock_(rank, false) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -372,12 +415,13 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int rank, int size, i
 }
 
 NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device, std::unique_ptr<NcclGroup> group,
-                                   CommOptions options)
+                                   CommOptions options, NodeLayout layout)
     : device_(device),
       slot_(0),
       owned_group_(std::move(group)),
       group_(*owned_group_),
       options_(options),
+      layout_(std::move(layout)),
       comm_(comm),
       clock_(user_rank(comm), false) {
   check_cuda(cudaSetDevice(device), "cudaSetDevice");
@@ -427,8 +471,11 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   // The split ends on the host: mark its call complete at once (an event recorded now).
   end(call);
   if (child == nullptr) return nullptr;
+  // NCCL does not say which ranks joined: each tells the others its rank here, and this
+  // communicator's layout says where that is in the launch.
+  const std::vector<int> members = all_gather_ints(child, device_, rank_, options_.hang_timeout);
   return std::make_unique<NcclCommunicator>(child, device_, std::make_unique<NcclGroup>(1, &group_),
-                                            options_);
+                                            options_, layout_.of_members(members));
 }
 
 NcclCommunicator::~NcclCommunicator() {
@@ -479,20 +526,10 @@ std::shared_ptr<NcclCall> NcclCommunicator::begin(CallRecord record) {
   call->record = record;
   const std::lock_guard lock(mutex_);
   if (is_collective(record.op)) {
-    count_ring_collective(counters_, record, rank_, size_);
+    count_ring_collective(counters_, record, rank_, layout_);
   } else {
-    const std::uint64_t bytes = record.count * element_size(record.type);
-    OpCounters& counted = counters_.of(record.op);
-    ++counted.calls;
-    if (record.op == CommOp::kSend) {
-      counted.bytes_sent += bytes;
-      ++counted.messages_sent;
-      counters_.bytes_sent_to[static_cast<std::size_t>(record.peer)] += bytes;
-    } else {
-      counted.bytes_received += bytes;
-      ++counted.messages_received;
-      counters_.bytes_received_from[static_cast<std::size_t>(record.peer)] += bytes;
-    }
+    count_point_to_point(counters_, record.op, rank_, record.peer,
+                         record.count * element_size(record.type), layout_);
   }
   return call;
 }
@@ -793,7 +830,9 @@ std::exception_ptr run_rank(const ncclUniqueId& id, int rank, int size, int slot
   try {
     const int device = device_for(rank, cuda_device_count());
     check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    NcclCommunicator communicator(id, rank, size, device, slot, group, options.comm);
+    NcclCommunicator communicator(
+        id, rank, size, device, slot, group, options.comm,
+        NodeLayout::of_launch(size, options.simulation.network.ranks_per_node));
     try {
       rank_main(communicator);
     } catch (...) {
