@@ -9,11 +9,12 @@
 
 namespace dp {
 
-Parameter Parameter::zeros(std::string name, const std::vector<std::int64_t>& shape) {
+Parameter Parameter::zeros(std::string name, const std::vector<std::int64_t>& shape,
+                           DataType dtype) {
   Parameter parameter;
   parameter.name = std::move(name);
-  parameter.value = Tensor(shape, MemoryCategory::kParameters);
-  parameter.grad = Tensor(shape, MemoryCategory::kGradients);
+  parameter.value = Tensor(shape, dtype, MemoryCategory::kParameters);
+  parameter.grad = Tensor(shape, dtype, MemoryCategory::kGradients);
   return parameter;
 }
 
@@ -73,8 +74,8 @@ void Layer::require_value(const Parameter& parameter, const std::vector<std::int
 
 Tensor& Layer::grad_for_accumulation(Parameter& parameter) {
   if (parameter.grad.empty() && !parameter.value.empty())
-    parameter.grad =
-        Tensor(parameter.value.shape(), MemoryCategory::kGradients, parameter.value.device());
+    parameter.grad = Tensor(parameter.value.shape(), parameter.value.dtype(),
+                            MemoryCategory::kGradients, parameter.value.device());
   if (parameter.grad.device() != parameter.value.device())
     throw Error(fmt::format(
         "the gradient of {} lives on {} but its value on {}; move both "

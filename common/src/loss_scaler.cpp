@@ -51,6 +51,22 @@ bool DynamicLossScaler::unscale(std::span<const TensorView> gradients) const {
   return overflow;
 }
 
+bool DynamicLossScaler::found_overflow(std::span<const ConstTensorView> gradients) {
+  bool overflow = false;
+  for (const ConstTensorView& gradient : gradients) overflow = overflow || !all_finite(gradient);
+  return overflow;
+}
+
+bool DynamicLossScaler::check_overflow(Communicator& comm,
+                                       std::span<const ConstTensorView> gradients,
+                                       Device device) const {
+  const bool overflow_here = found_overflow(gradients);
+  Tensor flag({1}, MemoryCategory::kCommunication, device);
+  fill(flag.view(), overflow_here ? 1.0f : 0.0f);
+  comm.allreduce(flag.view(), ReduceOp::kMax)->wait();
+  return flag.to(Device::kHost)[0] != 0.0f;
+}
+
 bool DynamicLossScaler::unscale_and_check(Communicator& comm, std::span<const TensorView> gradients,
                                           Device device) const {
   const bool overflow_here = unscale(gradients);

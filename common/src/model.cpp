@@ -8,6 +8,7 @@
 #include "device_dispatch.h"
 #include "dp/clock.h"
 #include "dp/error.h"
+#include "precision.h"
 
 namespace dp {
 
@@ -141,12 +142,18 @@ Model Model::mlp(std::string_view spec, const MlpOptions& options) {
   if (options.activation != "relu" && options.activation != "gelu")
     throw Error(fmt::format("unknown activation \"{}\"; expected \"relu\" or \"gelu\"",
                             options.activation));
+  detail::check_tensor_type("Model::mlp", options.dtype);
+  if (options.dtype != DataType::kFloat32 && (options.layer_norm || options.activation != "relu"))
+    throw Error(fmt::format(
+        "a {} MLP has 16-bit Linear and ReLU layers only: {} has no 16-bit path yet (train it "
+        "in float32)",
+        to_string(options.dtype), options.layer_norm ? "LayerNorm" : "GELU"));
   Model model;
   const std::size_t num_linear = widths.size() - 1;
   for (std::size_t i = 0; i < num_linear; ++i) {
     const std::string suffix = std::to_string(i + 1);
     const std::int64_t out = widths[i + 1];
-    model.add(std::make_unique<Linear>("fc" + suffix, widths[i], out));
+    model.add(std::make_unique<Linear>("fc" + suffix, widths[i], out, options.dtype));
     if (i + 1 == num_linear) break;  // the last Linear produces the logits
     if (options.layer_norm) model.add(std::make_unique<LayerNorm>("ln" + suffix, out));
     if (options.activation == "relu")
@@ -263,6 +270,10 @@ Device Model::device() const {
   return parameters_.empty() ? Device::kHost : parameters_.front()->value.device();
 }
 
+DataType Model::dtype() const {
+  return parameters_.empty() ? DataType::kFloat32 : parameters_.front()->value.dtype();
+}
+
 void Model::freeze(std::string_view parameter_name) {
   parameter(parameter_name).frozen = true;
 }
@@ -276,6 +287,12 @@ Tensor Model::forward(const Tensor& input) {
   Tensor output;
   const Tensor* current = &input;
   forward_batch_ = input.rank() >= 1 ? input.dim(0) : 0;
+  // A 16-bit model takes float32 data rounded to its type: the activations are 16-bit.
+  Tensor rounded_input;
+  if (dtype() != DataType::kFloat32 && input.dtype() == DataType::kFloat32) {
+    rounded_input = input.to(dtype());
+    current = &rounded_input;
+  }
   for (Layer* layer : layers_) {
     for (const LayerHook& hook : pre_forward_hooks_) hook(*layer);
     const std::int64_t rows = current->rank() >= 1 ? current->dim(0) : 0;
@@ -291,11 +308,19 @@ float Model::backward(const Tensor& logits, std::span<const int> labels, float l
   if (layers_.empty()) throw Error("backward called on a model with no layers");
   const std::int64_t rows = logits.rank() == 2 ? logits.dim(0) : 0;
   const std::int64_t classes = logits.rank() == 2 ? logits.dim(1) : 0;
+  // 16-bit logits: the loss in float32 on their widened values, and the gradient of the
+  // logits (scaled by `loss_scale` first, as fp16 loss scaling needs) rounded once.
+  const DataType type = logits.dtype();
   const float loss =
-      timed_compute("loss", "forward", SoftmaxCrossEntropy::forward_cost(rows, classes),
-                    [&] { return loss_.forward(logits, labels); });
-  Tensor grad = timed_compute("loss", "backward", SoftmaxCrossEntropy::backward_cost(rows, classes),
-                              [&] { return loss_.backward(loss_scale); });  // (B, classes)
+      timed_compute("loss", "forward", SoftmaxCrossEntropy::forward_cost(rows, classes), [&] {
+        return type == DataType::kFloat32 ? loss_.forward(logits, labels)
+                                          : loss_.forward(detail::widened(logits), labels);
+      });
+  Tensor grad =
+      timed_compute("loss", "backward", SoftmaxCrossEntropy::backward_cost(rows, classes), [&] {
+        return type == DataType::kFloat32 ? loss_.backward(loss_scale)
+                                          : detail::rounded(loss_.backward(loss_scale), type);
+      });  // (B, classes)
   for (auto layer_it = layers_.rbegin(); layer_it != layers_.rend(); ++layer_it) {
     Layer& layer = **layer_it;
     for (const LayerHook& hook : pre_backward_hooks_) hook(layer);
@@ -355,12 +380,23 @@ namespace {
 // Copies `count` floats from host memory into a tensor's memory, wherever that lives. Not
 // dp::copy: reading or setting the whole state is not part of a step, so it is not charged
 // to the simulated clock.
+// A 16-bit destination gets the values rounded to nearest even.
 void copy_from_host(const float* source, std::size_t count, Tensor& destination) {
+  if (destination.dtype() != DataType::kFloat32) {
+    Tensor wide({static_cast<std::int64_t>(count)}, MemoryCategory::kOther, destination.device());
+    copy_from_host(source, count, wide);
+    detail::convert_uncharged(wide.view(), destination.view());
+    return;
+  }
   detail::copy_memory(destination.view().data(), destination.device(), source, Device::kHost,
                       count * sizeof(float));
 }
-// The same from a tensor's memory into host memory.
+// The same from a tensor's memory into host memory (16-bit elements widened exactly).
 void copy_to_host(const Tensor& source, std::size_t count, float* destination) {
+  if (source.dtype() != DataType::kFloat32) {
+    copy_to_host(detail::widened(source, MemoryCategory::kOther), count, destination);
+    return;
+  }
   detail::copy_memory(destination, Device::kHost, source.view().data(), source.device(),
                       count * sizeof(float));
 }
@@ -443,6 +479,7 @@ float accuracy(const Tensor& logits, std::span<const int> labels) {
   if (static_cast<std::int64_t>(labels.size()) != batch)
     throw Error(fmt::format("accuracy got {} labels for a batch of {} rows", labels.size(), batch));
   if (batch == 0) return 0.0f;
+  if (logits.dtype() != DataType::kFloat32) return accuracy(detail::widened(logits), labels);
   if (logits.device() != Device::kHost) return accuracy(logits.to(Device::kHost), labels);
   std::int64_t correct = 0;
   for (std::int64_t row = 0; row < batch; ++row) {

@@ -1,5 +1,6 @@
 #include "dp/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/device_ops.h"
@@ -7,6 +8,7 @@
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/model.h"
+#include "precision.h"
 
 namespace dp {
 
@@ -214,6 +216,103 @@ void AdamW::update_in_host_memory(std::size_t offset, float* params, const float
 
 std::vector<OptimizerState> AdamW::state() {
   return {{"exp_avg", &exp_avg_}, {"exp_avg_sq", &exp_avg_sq_}};
+}
+
+// --- mixed precision ---------------------------------------------------------------------
+
+namespace {
+constexpr std::size_t kWorkspaceElements = std::size_t{1} << 16;
+}  // namespace
+
+MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::unique_ptr<Optimizer> inner,
+                                                 DataType parameter_type)
+    : Optimizer(inner != nullptr ? inner->state_size() : 0,
+                inner != nullptr ? inner->device() : Device::kHost),
+      inner_(std::move(inner)),
+      type_(parameter_type) {
+  if (inner_ == nullptr) throw Error("MixedPrecisionOptimizer needs an inner optimizer, got none");
+  if (type_ != DataType::kBFloat16 && type_ != DataType::kFloat16)
+    throw Error(fmt::format(
+        "MixedPrecisionOptimizer keeps float32 masters of bfloat16 or float16 parameters, got "
+        "{} (a float32 model needs no master weights: use the optimizer itself)",
+        to_string(type_)));
+  const auto size = static_cast<std::int64_t>(state_size());
+  master_ = Tensor({size}, DataType::kFloat32, MemoryCategory::kOptimizerState, device());
+  workspace_ = Tensor({std::min<std::int64_t>(size, kWorkspaceElements)}, DataType::kFloat32,
+                      MemoryCategory::kOther, device());
+}
+
+void MixedPrecisionOptimizer::begin_step() {
+  Optimizer::begin_step();
+  inner_->begin_step();
+}
+
+void MixedPrecisionOptimizer::load_master_weights(std::size_t offset, ConstTensorView params) {
+  if (params.dtype() != type_ || params.device() != device())
+    throw Error(fmt::format(
+        "{} master weights: loading {} parameters in {} memory, expected {} in {} memory", name(),
+        to_string(params.dtype()), to_string(params.device()), to_string(type_),
+        to_string(device())));
+  if (offset > state_size() || params.size() > state_size() - offset)
+    throw Error(fmt::format("{} master weights: elements [{}, {}) are outside its {} elements",
+                            name(), offset, offset + params.size(), state_size()));
+  detail::convert_uncharged(params, master_.view(offset, params.size()));
+}
+
+void MixedPrecisionOptimizer::load_master_weights(const Model& model) {
+  for (const Parameter* parameter : model.parameters())
+    load_master_weights(parameter->offset, parameter->value.view());
+}
+
+void MixedPrecisionOptimizer::set_gradient_scale(float factor) {
+  if (!(factor > 0.0f && std::isfinite(factor)))
+    throw Error(fmt::format("gradient scale must be finite and positive, got {}", factor));
+  gradient_scale_ = factor;
+}
+
+void MixedPrecisionOptimizer::update(std::size_t /*offset*/, std::span<float> /*params*/,
+                                     std::span<const float> /*grads*/) {
+  throw Error(fmt::format(
+      "mixed-precision {} update on float32 spans: its parameters and gradients are {} views "
+      "(update(offset, TensorView, ConstTensorView)); a float32 model needs no master weights",
+      name(), to_string(type_)));
+}
+
+void MixedPrecisionOptimizer::update(std::size_t offset, TensorView params, ConstTensorView grads) {
+  if (params.dtype() != type_ || grads.dtype() != type_)
+    throw Error(fmt::format(
+        "mixed-precision {} update of {} parameters with {} gradients: expected both {}", name(),
+        to_string(params.dtype()), to_string(grads.dtype()), to_string(type_)));
+  if (params.device() != device() || grads.device() != device())
+    throw Error(fmt::format(
+        "mixed-precision {} update of parameters in {} memory with gradients in {} memory: "
+        "expected both where the master weights live ({} memory)",
+        name(), to_string(params.device()), to_string(grads.device()), to_string(device())));
+  check_update(offset, params.size(), grads.size());
+  // In chunks through the workspace: widen (and unscale), the inner float32 update of the
+  // masters, then round the masters into the parameters.
+  for (std::size_t done = 0; done < params.size();) {
+    const std::size_t n = std::min(workspace_.size(), params.size() - done);
+    const TensorView gradient = workspace_.view(0, n);
+    detail::convert_uncharged(grads.slice(done, n), gradient);
+    if (gradient_scale_ != 1.0f) detail::scale_uncharged(gradient, gradient_scale_);
+    const TensorView master = master_.view(offset + done, n);
+    inner_->update(offset + done, master, gradient);
+    detail::convert_uncharged(master, params.slice(done, n));
+    done += n;
+  }
+}
+
+std::vector<OptimizerState> MixedPrecisionOptimizer::state() {
+  std::vector<OptimizerState> states = {{"master_weights", &master_}};
+  for (const OptimizerState& inner_state : inner_->state()) states.push_back(inner_state);
+  return states;
+}
+
+OpCost MixedPrecisionOptimizer::update_cost(std::size_t elements) const {
+  OpCost cost = inner_->update_cost(elements);
+  cost += OpCost{2 * static_cast<double>(elements), 6 * static_cast<double>(elements)};
+  return cost;
 }
 
 std::unique_ptr<Optimizer> make_optimizer(std::string_view name, std::size_t state_size, float lr,

@@ -20,8 +20,10 @@
 #include "dp/error.h"
 #include "dp/host_collectives.h"
 #include "dp/launch.h"
+#include "dp/loss_scaler.h"
 #include "dp/rng.h"
 #include "dp/tensor_ops.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -32,7 +34,8 @@ using SteadyClock = std::chrono::steady_clock;
 void throw_if_not_finite(Model& model, int rank, int step, const char* when) {
   for (Parameter* parameter : model.parameters()) {
     if (parameter->frozen) continue;
-    const Tensor host_grad = parameter->grad.to(Device::kHost);
+    const Tensor host_grad =
+        detail::widened(parameter->grad, MemoryCategory::kOther).to(Device::kHost);
     const std::span<const float> grad = host_grad.span();
     for (std::size_t i = 0; i < grad.size(); ++i) {
       if (!std::isfinite(grad[i]))
@@ -75,14 +78,17 @@ class GradientWatch {
   void scan(Model& model, bool check, bool track, int rank, int step, const char* when) {
     arrays_.clear();
     sizes_.clear();
+    views_.clear();
     std::size_t elements = 0;
     // Every gradient, frozen ones too: the maximum counts them (they hold zeros), and a
     // non-finite frozen one makes throw_if_not_finite look and find nothing to report.
     for (Parameter* parameter : model.parameters()) {
       const ConstTensorView grad = std::as_const(parameter->grad).view();
+      views_.push_back(grad);
+      elements += grad.size();
+      if (!detail::on_gpu(device_)) continue;  // 16-bit models train on the host or emulated
       arrays_.push_back(grad.data());
       sizes_.push_back(grad.size());
-      elements += grad.size();
     }
     // On a device the scan is work of its own (on the host it never was charged).
     const bool charged = device_ != Device::kHost;
@@ -96,9 +102,22 @@ class GradientWatch {
         if (check) detail::copy_memory(&scanned, Device::kHost, &bits_[0], device_, sizeof scanned);
         return;
       }
-      for (std::size_t a = 0; a < arrays_.size(); ++a)
-        for (std::size_t i = 0; i < sizes_[a]; ++i)
-          scanned = std::max(scanned, magnitude_bits(arrays_[a][i]));
+      // Host memory or the emulated device's; 16-bit elements widened exactly.
+      for (const ConstTensorView& view : views_) {
+        if (view.dtype() == DataType::kFloat32) {
+          const float* values = view.data();
+          for (std::size_t i = 0; i < view.size(); ++i)
+            scanned = std::max(scanned, magnitude_bits(values[i]));
+        } else if (view.dtype() == DataType::kBFloat16) {
+          const auto* values = static_cast<const BFloat16*>(view.raw_data());
+          for (std::size_t i = 0; i < view.size(); ++i)
+            scanned = std::max(scanned, magnitude_bits(to_float(values[i])));
+        } else {
+          const auto* values = static_cast<const Float16*>(view.raw_data());
+          for (std::size_t i = 0; i < view.size(); ++i)
+            scanned = std::max(scanned, magnitude_bits(to_float(values[i])));
+        }
+      }
       host_running_ = track ? std::max(host_running_, scanned) : host_running_;
     };
     if (charged) {
@@ -136,6 +155,7 @@ class GradientWatch {
   unsigned int host_running_ = 0;  // elsewhere: the running maximum
   std::vector<const float*> arrays_;
   std::vector<std::size_t> sizes_;
+  std::vector<ConstTensorView> views_;
 };
 
 /// `options` with a GPT's vocabulary taken from `data` when it is not set.
@@ -146,8 +166,18 @@ TrainOptions with_vocabulary_of(const TrainOptions& options, const Dataset& data
 }
 
 std::unique_ptr<Optimizer> make_optimizer_for(const TrainOptions& options, const Model& model) {
-  return make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
-                        options.weight_decay, options.device);
+  std::unique_ptr<Optimizer> optimizer =
+      make_optimizer(options.optimizer, model.num_parameters(), options.lr, options.momentum,
+                     options.weight_decay, options.device);
+  if (options.precision == DataType::kFloat32) return optimizer;
+  auto mixed = std::make_unique<MixedPrecisionOptimizer>(std::move(optimizer), options.precision);
+  mixed->load_master_weights(model);
+  return mixed;
+}
+
+/// The type the gradients are all-reduced in.
+DataType reduce_type_of(const TrainOptions& options) {
+  return options.reduce_dtype.value_or(options.precision);
 }
 
 /// destination = the elements of host tensor `source`, wherever destination lives (not
@@ -172,14 +202,26 @@ void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& opti
 /// gradient on its slice of the global batch, added in rank order, ((g_0 + g_1) + g_2) + ...,
 /// and divided by the rank count, as the local and mpi backends' kAvg all-reduce does, left
 /// in the model's gradients; `metrics` gets the sums over the global batch.
+///
+/// In mixed precision the sums are those of the reduce type, as the backends add it: float32
+/// sums of the widened gradients, rounded once into them at the end, or 16-bit sums rounded
+/// after every addition and a quotient rounded once (reduce_arithmetic.h's rule). `loss_scale`
+/// multiplies the loss's gradient (fp16), and `check` says whether a non-finite gradient is an
+/// error (not under fp16 loss scaling, where it is an overflow that skips the step).
 void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::size_t> batch,
                         int world, std::int64_t local_batch, Device device, int step,
                         std::vector<Tensor>& sums, std::array<float, 2>& metrics,
-                        GradientWatch& watch) {
+                        GradientWatch& watch, DataType reduce_type, float loss_scale, bool check) {
   const std::span<Parameter* const> parameters = model.parameters();
+  const bool wide_sums = reduce_type == DataType::kFloat32;
   if (sums.empty())
     for (Parameter* parameter : parameters)
-      sums.emplace_back(parameter->grad.shape(), MemoryCategory::kGradients, device);
+      sums.emplace_back(parameter->grad.shape(), reduce_type, MemoryCategory::kGradients, device);
+  // 16-bit sums are added in float32 in this tensor and rounded back after each addition.
+  std::vector<Tensor> wide;
+  if (!wide_sums)
+    for (Parameter* parameter : parameters)
+      wide.emplace_back(parameter->grad.shape(), MemoryCategory::kGradients, device);
   metrics = {0.0f, 0.0f};
   for (int rank = 0; rank < world; ++rank) {
     const Batch slice =
@@ -188,24 +230,34 @@ void emulate_ranks_step(Model& model, const Dataset& data, std::span<const std::
     model.zero_grad();
     const Tensor device_inputs = device != Device::kHost ? slice.inputs.to(device) : Tensor();
     const Tensor logits = model.forward(device != Device::kHost ? device_inputs : slice.inputs);
-    const float loss = model.backward(logits, slice.labels);
-    watch.scan(model, /*check=*/true, /*track=*/false, rank, step, "before averaging");
+    const float loss = model.backward(logits, slice.labels, loss_scale);
+    watch.scan(model, check, /*track=*/false, rank, step, "before averaging");
     // The order of the ranks' metrics sum, as the metrics all-reduce adds them.
     metrics[0] += loss * static_cast<float>(local_batch);
     metrics[1] += accuracy(logits, slice.labels) * static_cast<float>(local_batch);
     for (std::size_t i = 0; i < parameters.size(); ++i) {
       if (parameters[i]->frozen) continue;
       if (rank == 0) {
-        copy(parameters[i]->grad.view(), sums[i].view());
+        convert(parameters[i]->grad.view(), sums[i].view());  // a copy, or widened exactly
+      } else if (wide_sums) {
+        add(parameters[i]->grad.view(), sums[i].view());  // sum + g_rank, in float32
       } else {
-        add(parameters[i]->grad.view(), sums[i].view());  // sum + g_rank
+        convert(sums[i].view(), wide[i].view());  // round(widen(sum) + widen(g_rank))
+        add(parameters[i]->grad.view(), wide[i].view());
+        convert(wide[i].view(), sums[i].view());
       }
     }
   }
   for (std::size_t i = 0; i < parameters.size(); ++i) {
     if (parameters[i]->frozen) continue;
-    divide(sums[i].view(), static_cast<float>(world));
-    copy(sums[i].view(), parameters[i]->grad.view());
+    if (wide_sums) {
+      divide(sums[i].view(), static_cast<float>(world));
+      convert(sums[i].view(), parameters[i]->grad.view());  // a copy, or rounded once
+    } else {
+      convert(sums[i].view(), wide[i].view());  // round(widen(sum) / N)
+      divide(wide[i].view(), static_cast<float>(world));
+      convert(wide[i].view(), parameters[i]->grad.view());
+    }
   }
 }
 
@@ -232,10 +284,27 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
     throw Error(
         fmt::format("checkpoints every {} steps: expected 0 (never) or more", checkpointing.every));
 
+  const bool mixed = options.precision != DataType::kFloat32;
+  if (mixed && detail::on_gpu(options.device))
+    throw Error(fmt::format(
+        "{} training on a GPU: the 16-bit layers run on the host and the emulated device only "
+        "(--device host or emulated)",
+        to_string(options.precision)));
+  if (mixed && (checkpointing.resume_from != nullptr || checkpointing.every > 0))
+    throw Error(fmt::format(
+        "{} training with checkpoints: a mixed-precision run cannot be saved or resumed yet "
+        "(its master weights and loss scale are not in the checkpoint format)",
+        to_string(options.precision)));
+  const DataType reduce_type = reduce_type_of(options);
+  // fp16 scales its loss; bfloat16 has float32's range and needs no scaling.
+  std::optional<DynamicLossScaler> scaler;
+  if (options.precision == DataType::kFloat16) scaler.emplace(options.loss_scaling);
+
   TrainResult result{make_model(options), nullptr, {}, 0.0f};
   Model& model = result.model;
   result.optimizer = make_optimizer_for(options, model);
   Optimizer& optimizer = *result.optimizer;
+  auto* master_weights = dynamic_cast<MixedPrecisionOptimizer*>(&optimizer);
   const int first_step = checkpointing.resume_from != nullptr ? checkpointing.resume_from->step : 0;
   if (checkpointing.resume_from != nullptr) restore(*checkpointing.resume_from, model, optimizer);
   // On a device the parameters and gradients are exchanged where they live (the local and
@@ -247,14 +316,29 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
     // As DDP does at construction: every replica starts from rank 0's weights.
     for (Parameter* parameter : model.parameters())
       comm->broadcast(parameter->value.view(), 0)->wait();
+    // The masters are the parameters every replica now holds.
+    if (master_weights != nullptr) master_weights->load_master_weights(model);
   }
-  // With overlap, each gradient's all-reduce starts the moment backward has finished it.
+  // A reduce type other than the gradients': a float32 buffer per parameter, which the
+  // 16-bit gradient is widened into, averaged in, and rounded back from.
+  std::vector<Tensor> reduce_buffers;
+  if (replicated && mixed && reduce_type != options.precision)
+    for (Parameter* parameter : model.parameters())
+      reduce_buffers.emplace_back(parameter->grad.shape(), reduce_type,
+                                  MemoryCategory::kCommunication, options.device);
   std::vector<std::unique_ptr<Work>> pending;
-  const bool overlap = replicated && options.overlap;
-  if (overlap)
-    model.on_gradient_ready([&](Parameter& parameter) {
+  const auto start_allreduce = [&](Parameter& parameter) {
+    if (reduce_buffers.empty()) {
       pending.push_back(comm->allreduce(parameter.grad.view(), ReduceOp::kAvg));
-    });
+      return;
+    }
+    const TensorView buffer = reduce_buffers[parameter.index].view();
+    convert(parameter.grad.view(), buffer);
+    pending.push_back(comm->allreduce(buffer, ReduceOp::kAvg));
+  };
+  // With overlap, each gradient's all-reduce starts the moment backward has finished it.
+  const bool overlap = replicated && options.overlap;
+  if (overlap) model.on_gradient_ready(start_allreduce);
   if (comm != nullptr) detail::charging_clock(*comm).mark_step();
   double last_report_clock = comm != nullptr ? comm->clock().now() : 0.0;
 
@@ -291,13 +375,33 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
   };
   std::vector<Tensor> emulated_sums;  // the all-reduce's sums, when emulating ranks
   GradientWatch watch(options.device);
+  // Under fp16 loss scaling a non-finite gradient is an overflow that skips the step, not an
+  // error, and the largest |g| of scaled gradients means nothing: neither is watched.
+  const bool watch_gradients = !scaler.has_value();
+  // After the gradients are averaged: the optimizer's step, unless fp16's scaled gradients
+  // overflowed on some rank (one all-reduce decides, so every rank skips the same steps).
+  const auto optimizer_step = [&] {
+    bool overflow = false;
+    if (scaler) {
+      std::vector<ConstTensorView> gradients;
+      for (const Parameter* parameter : std::as_const(model).parameters())
+        if (!parameter->frozen) gradients.push_back(parameter->grad.view());
+      overflow = comm != nullptr ? scaler->check_overflow(*comm, gradients, options.device)
+                                 : DynamicLossScaler::found_overflow(gradients);
+      if (!overflow) master_weights->set_gradient_scale(scaler->inverse_scale());
+    }
+    if (!overflow) optimizer.step(model);
+    if (scaler) scaler->update(overflow);
+  };
   for (int step = first_step; step < options.steps; ++step) {
     std::array<float, 2> metrics{};
+    const float loss_scale = scaler ? scaler->scale() : 1.0f;
     if (comm == nullptr && world > 1) {
       emulate_ranks_step(model, data, batches.of_step(step), world, local_batch, options.device,
-                         step + 1, emulated_sums, metrics, watch);
-      watch.scan(model, /*check=*/false, /*track=*/true, rank, step + 1, "");
-      optimizer.step(model);
+                         step + 1, emulated_sums, metrics, watch, reduce_type, loss_scale,
+                         watch_gradients);
+      if (watch_gradients) watch.scan(model, /*check=*/false, /*track=*/true, rank, step + 1, "");
+      optimizer_step();
       finish_step(step + 1, metrics);
       continue;
     }
@@ -308,9 +412,9 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
     model.zero_grad();
     const Tensor device_inputs = on_device ? batch.inputs.to(options.device) : Tensor();
     const Tensor logits = model.forward(on_device ? device_inputs : batch.inputs);  // (B/N, C)
-    const float loss = model.backward(logits, batch.labels);
+    const float loss = model.backward(logits, batch.labels, loss_scale);
     // (With overlap the all-reduces are already writing the gradients: checked after.)
-    if (!overlap)
+    if (!overlap && watch_gradients)
       watch.scan(model, /*check=*/true, /*track=*/false, rank, step + 1, "before averaging");
 
     // metrics: (sum of losses, correct predictions) over the local batch
@@ -319,22 +423,31 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
     if (comm != nullptr) {
       if (replicated && !overlap)
         for (Parameter* parameter : model.parameters())
-          if (!parameter->frozen)
-            pending.push_back(comm->allreduce(parameter->grad.view(), ReduceOp::kAvg));
+          if (!parameter->frozen) start_allreduce(*parameter);
       // Host values: on nccl (device buffers only) through a device copy, so it waits.
       allreduce_host_values(std::span<float>(metrics), ReduceOp::kSum, *comm);
       for (auto& work : pending) work->wait();
       pending.clear();
+      // The float32 averages rounded once into the 16-bit gradients.
+      if (!reduce_buffers.empty())
+        for (Parameter* parameter : model.parameters())
+          if (!parameter->frozen)
+            convert(reduce_buffers[parameter->index].view(), parameter->grad.view());
     }
     // With overlap the check comes after averaging, in the pass that tracks the maximum.
-    watch.scan(model, /*check=*/overlap, /*track=*/true, rank, step + 1, "after averaging");
-    optimizer.step(model);
+    if (watch_gradients)
+      watch.scan(model, /*check=*/overlap, /*track=*/true, rank, step + 1, "after averaging");
+    optimizer_step();
     if (comm != nullptr) detail::charging_clock(*comm).mark_step();
 
     finish_step(step + 1, metrics);
   }
   if (overlap) model.clear_hooks();  // the hook refers to this function's locals
   result.max_abs_gradient = watch.running_max();
+  if (scaler) {
+    result.skipped_steps = scaler->skipped_steps();
+    result.loss_scale = scaler->scale();
+  }
   return result;
 }
 
@@ -456,6 +569,25 @@ void check_train_options(const TrainOptions& options) {
   if (options.log_every < 1)
     throw Error(fmt::format("log_every must be at least 1 (a report every that many steps), got {}",
                             options.log_every));
+  detail::check_tensor_type("the training precision", options.precision);
+  if (options.precision != DataType::kFloat32) {
+    if (is_gpt_spec(options.model))
+      throw Error(fmt::format(
+          "model {} is a GPT, whose layers (embedding, attention, LayerNorm, GELU) have no "
+          "16-bit path yet: train it with precision fp32 ({} trains an MLP)",
+          options.model, to_string(options.precision)));
+    if (options.layer_norm || options.activation != "relu")
+      throw Error(fmt::format(
+          "a {} MLP has 16-bit Linear and ReLU layers only: {} has no 16-bit path yet (train "
+          "it with precision fp32)",
+          to_string(options.precision), options.layer_norm ? "--layer-norm" : "--activation gelu"));
+  }
+  if (options.reduce_dtype && *options.reduce_dtype != DataType::kFloat32 &&
+      *options.reduce_dtype != options.precision)
+    throw Error(fmt::format(
+        "the gradient all-reduce of {} gradients in {}: expected the gradients' own type or "
+        "float32",
+        to_string(options.precision), to_string(*options.reduce_dtype)));
 }
 
 namespace {
@@ -677,6 +809,7 @@ Model make_model(const TrainOptions& options) {
   mlp.layer_norm = options.layer_norm;
   mlp.seed = options.seed;
   mlp.device = options.device;
+  mlp.dtype = options.precision;
   return Model::mlp(options.model, mlp);
 }
 

@@ -67,8 +67,9 @@ struct Parameter {
   std::size_t offset = 0;
 
   /// A parameter called `name` of `shape`: value charged as parameters, grad as gradients,
-  /// both zero-filled.
-  static Parameter zeros(std::string name, const std::vector<std::int64_t>& shape);
+  /// both zero-filled, of element type `dtype` (float32, or 16-bit in mixed precision).
+  static Parameter zeros(std::string name, const std::vector<std::int64_t>& shape,
+                         DataType dtype = DataType::kFloat32);
 };
 
 /// The base of every layer in a `Model`.
@@ -129,8 +130,8 @@ class Layer {
                            std::string_view reference_what) const;
   /// Throws `dp::Error` unless `parameter.value` is `shape` (a hook may have freed it).
   static void require_value(const Parameter& parameter, const std::vector<std::int64_t>& shape);
-  /// `parameter.grad`, allocated again (zero-filled, on the value's device) if a hook
-  /// released it; throws `dp::Error` when it lives on another device than the value.
+  /// `parameter.grad`, allocated again (zero-filled, on the value's device, of its type) if
+  /// a hook released it; throws `dp::Error` when it lives on another device than the value.
   static Tensor& grad_for_accumulation(Parameter& parameter);
 
  private:

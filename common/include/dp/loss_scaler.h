@@ -27,6 +27,14 @@
 //   bool overflow = scaler.unscale_and_check(comm, my_gradients);   // same on every rank
 //   if (!overflow) optimizer.step(model);
 //   scaler.update(overflow);                         // halves S, or counts toward doubling it
+//
+// With 16-bit gradients and float32 master weights (dp::MixedPrecisionOptimizer) the
+// gradients stay as they are: `check_overflow` agrees on the overflow, and the optimizer
+// multiplies each widened gradient by `inverse_scale()`:
+//
+//   bool overflow = scaler.check_overflow(comm, my_16bit_gradients);
+//   if (!overflow) { optimizer.set_gradient_scale(scaler.inverse_scale()); optimizer.step(model); }
+//   scaler.update(overflow);
 #pragma once
 
 #include <cstdint>
@@ -75,6 +83,19 @@ class DynamicLossScaler {
   /// buffers there). Every rank must call it, once per step.
   bool unscale_and_check(Communicator& comm, std::span<const TensorView> gradients,
                          Device device = Device::kHost) const;
+  /// The factor that unscales a gradient: 1 / S rounded to float, as `unscale` multiplies
+  /// by (`MixedPrecisionOptimizer::set_gradient_scale` takes it).
+  float inverse_scale() const { return static_cast<float>(1.0 / static_cast<double>(scale_)); }
+  /// True when some element of `gradients` (of any type) is not finite: this rank's view,
+  /// the gradients left as they are. For 16-bit gradients, which the master-weight
+  /// optimizer unscales as it widens them (`MixedPrecisionOptimizer`), the test reads the
+  /// scaled values, as `unscale` does.
+  static bool found_overflow(std::span<const ConstTensorView> gradients);
+  /// `found_overflow`, then one all-reduce (max) of the answer over `comm`, as
+  /// `unscale_and_check` agrees: every rank returns true when any rank found an overflow.
+  /// Every rank must call it, once per step.
+  bool check_overflow(Communicator& comm, std::span<const ConstTensorView> gradients,
+                      Device device = Device::kHost) const;
   /// After the step: on an overflow S is multiplied by the backoff factor, the tracker is
   /// reset and the step counted as skipped (throws `dp::Error` once S falls below the
   /// smallest normal float: then no scale makes the gradients finite); otherwise the tracker counts

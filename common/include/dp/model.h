@@ -72,6 +72,11 @@ struct MlpOptions {
   bool layer_norm = false;          ///< a LayerNorm lnK before the K-th activation
   std::uint64_t seed = 0;           ///< seed of `init_parameters`
   Device device = Device::kHost;    ///< where the parameters live (drawn on the host, moved)
+  /// The element type of the parameters, activations and gradients: float32, or bfloat16 or
+  /// float16 for mixed-precision training (each Linear computes in float32 and rounds, see
+  /// dp/layers/linear.h; the data is rounded to it as it enters). 16-bit MLPs have Linear
+  /// and ReLU layers only (no LayerNorm, no GELU yet).
+  DataType dtype = DataType::kFloat32;
 };
 
 /// Parses an MLP spec such as "64-256-256-10" into its widths {64, 256, 256, 10}.
@@ -189,6 +194,9 @@ class Model {
   /// Where the parameters live: the device of the first one (the host for a model without
   /// parameters). Layers check that the rest agree when they run.
   Device device() const;
+  /// The element type of the parameters: the first one's (float32 for a model without
+  /// parameters); float32 unless built 16-bit (`MlpOptions::dtype`).
+  DataType dtype() const;
 
   /// Freezes a parameter: no gradient, no gradient-ready hook, no optimizer update.
   /// Throws `dp::Error` if there is no such parameter.
@@ -197,7 +205,8 @@ class Model {
   void unfreeze(std::string_view parameter_name);
 
   /// Runs every layer in order, firing pre- and post-forward hooks around each; returns
-  /// the logits (B, classes). Throws `dp::Error` on an empty model or a wrong input shape.
+  /// the logits (B, classes). A 16-bit model (`dtype()`) rounds a float32 input to its type
+  /// first and returns 16-bit logits. Throws `dp::Error` on an empty model or a wrong input shape.
   Tensor forward(const Tensor& input);
   /// Cross-entropy (mean over the batch) of `logits` against `labels`, then backward
   /// through all layers in reverse. `loss_scale` multiplies the gradient (1/k for
@@ -206,6 +215,8 @@ class Model {
   /// non-frozen parameter the moment its gradient is final (reverse definition order:
   /// fc3.bias, fc3.weight, fc2.bias, ...), and post-backward hooks per layer. The first
   /// layer runs `Layer::backward_parameters_only`: the input's gradient is never computed.
+  /// 16-bit logits: the loss is computed on their widened values and the gradient of the
+  /// logits, scaled by `loss_scale`, is rounded once to their type.
   /// Returns the unscaled mean loss.
   float backward(const Tensor& logits, std::span<const int> labels, float loss_scale = 1.0f);
   /// Sets every gradient to 0 (a gradient a hook released stays released).
@@ -225,12 +236,14 @@ class Model {
   void clear_hooks();
 
   /// All parameter values concatenated in definition order (`num_parameters()` elements),
-  /// copied to the host wherever they live. Throws `dp::Error` if a hook released a value.
+  /// copied to the host wherever they live (16-bit values widened exactly). Throws `dp::Error` if a
+  /// hook released a value.
   std::vector<float> flat_parameters() const;
   /// All gradients concatenated in definition order, copied to the host; a released
   /// gradient reads as zeros.
   std::vector<float> flat_gradients() const;
-  /// The inverse of `flat_parameters` (copied to where the parameters live); throws
+  /// The inverse of `flat_parameters` (copied to where the parameters live, rounded to
+  /// nearest even for a 16-bit model); throws
   /// `dp::Error` unless `values` has `num_parameters()` elements.
   void set_flat_parameters(std::span<const float> values);
 

@@ -76,8 +76,9 @@ class Optimizer {
                       std::span<const float> grads) = 0;
   /// The same on views, on the device the optimizer's state lives on (`device()`): host
   /// views go to the update above, device views to the optimizer's kernel. Throws
-  /// `dp::Error` when the views and the state live on different devices.
-  void update(std::size_t offset, TensorView params, ConstTensorView grads);
+  /// `dp::Error` when the views and the state live on different devices. Virtual for
+  /// `MixedPrecisionOptimizer`, whose parameters and gradients are 16-bit views.
+  virtual void update(std::size_t offset, TensorView params, ConstTensorView grads);
   /// begin_step(), then update() of every non-frozen parameter of `model` at its
   /// `Parameter::offset`; charged to the thread's clock (dp/clock.h) as one compute op.
   void step(Model& model);
@@ -192,6 +193,82 @@ class AdamW final : public Optimizer {
   AdamWOptions options_;
   Tensor exp_avg_;     // (state_size), m
   Tensor exp_avg_sq_;  // (state_size), v
+};
+
+/// Mixed-precision training's optimizer: float32 master weights for 16-bit parameters.
+///
+/// The model's parameters and gradients are bfloat16 or float16 (2 + 2 bytes per parameter);
+/// this wrapper keeps a float32 copy of every parameter, the master weights, and an inner
+/// optimizer (SGD or AdamW, its state in float32) that updates the masters. With AdamW that
+/// is 4 + 8 bytes of optimizer state per parameter, ZeRO's 12 Psi, charged under
+/// `MemoryCategory::kOptimizerState` (the masters with the inner optimizer's state): 16 bytes
+/// per parameter in all. The update of element i, in this order:
+///
+///   g = widen(grad[i]) * gradient_scale    the 16-bit gradient widened exactly, then
+///                                          multiplied by 1/S under fp16 loss scaling
+///                                          (`set_gradient_scale`; skipped when it is 1)
+///   inner update of master[i] with g       SGD's or AdamW's float32 arithmetic, unchanged
+///   param[i] = round(master[i])            to nearest even (dp/float16.h)
+///
+/// Small updates accumulate in the masters, where a 16-bit weight would lose them (a bf16
+/// weight near 1 ignores any step below 2^-8). The gradients are widened in chunks through
+/// a float32 workspace of at most 65536 elements, charged under `MemoryCategory::kOther`.
+///
+/// Example:
+///
+///   dp::Model model = dp::Model::mlp("64-256-10", {.dtype = dp::DataType::kBFloat16});
+///   dp::MixedPrecisionOptimizer optimizer(
+///       std::make_unique<dp::AdamW>(model.num_parameters(), dp::AdamWOptions{}),
+///       dp::DataType::kBFloat16);
+///   optimizer.load_master_weights(model);   // after the parameters are final (broadcast)
+///   ... forward, backward, all-reduce ...
+///   optimizer.step(model);                  // masters updated, parameters rounded from them
+class MixedPrecisionOptimizer final : public Optimizer {
+ public:
+  /// Wraps `inner`, whose state covers the whole index space (`state_size()` is its), for
+  /// parameters of `parameter_type` (bfloat16 or float16), its masters on `inner`'s device,
+  /// zero until `load_master_weights`. Throws `dp::Error` on a null `inner` or another type.
+  MixedPrecisionOptimizer(std::unique_ptr<Optimizer> inner, DataType parameter_type);
+  /// The inner optimizer's name ("sgd" or "adamw").
+  std::string_view name() const override { return inner_->name(); }
+  /// Starts a step of this wrapper and of the inner optimizer (AdamW's bias correction).
+  void begin_step() override;
+  /// masters[offset, offset + params.size()) = the 16-bit `params` widened exactly (on the
+  /// optimizer's device). Throws `dp::Error` on a range past the state, another type or
+  /// another device.
+  void load_master_weights(std::size_t offset, ConstTensorView params);
+  /// The same for every parameter of `model` at its `Parameter::offset`.
+  void load_master_weights(const Model& model);
+  /// The factor each widened gradient is multiplied by before the inner update: 1 / S under
+  /// fp16 loss scaling (`DynamicLossScaler::inverse_scale`), else 1 (the default). Throws
+  /// `dp::Error` unless it is finite and positive.
+  void set_gradient_scale(float factor);
+  /// The factor of `set_gradient_scale`.
+  float gradient_scale() const { return gradient_scale_; }
+  /// Refuses float32 spans (throws `dp::Error`): the parameters of mixed precision are
+  /// 16-bit views, the update below.
+  void update(std::size_t offset, std::span<float> params, std::span<const float> grads) override;
+  /// The mixed-precision update (see the class) of elements [offset, offset + params.size()):
+  /// `params` and `grads` are views of `parameter_type` on the optimizer's device. Throws
+  /// `dp::Error` on another type or device, a range past the state or before `begin_step`.
+  void update(std::size_t offset, TensorView params, ConstTensorView grads) override;
+  /// {"master_weights"}, then the inner optimizer's state.
+  std::vector<OptimizerState> state() override;
+  /// The inner update's, plus reading 2 + 2 bytes and writing 2 per element (widen, round).
+  OpCost update_cost(std::size_t elements) const override;
+  /// The inner optimizer, which updates the masters.
+  Optimizer& inner() { return *inner_; }
+  /// The float32 master weights, (state_size).
+  const Tensor& master_weights() const { return master_; }
+  /// The 16-bit type of the parameters.
+  DataType parameter_type() const { return type_; }
+
+ private:
+  std::unique_ptr<Optimizer> inner_;
+  DataType type_;
+  Tensor master_;     // (state_size) float32, kOptimizerState
+  Tensor workspace_;  // (min(state_size, 65536)) float32 widened gradients, kOther
+  float gradient_scale_ = 1.0f;
 };
 
 /// Makes "sgd" (with `momentum`) or "adamw" (`momentum` unused: PyTorch's default betas)

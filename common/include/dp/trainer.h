@@ -50,6 +50,7 @@
 #include "dp/checkpoint.h"
 #include "dp/comm.h"
 #include "dp/data.h"
+#include "dp/loss_scaler.h"
 #include "dp/model.h"
 #include "dp/optimizer.h"
 #include "dp/tokenizer.h"
@@ -88,6 +89,21 @@ struct TrainOptions {
   /// A GPT's vocabulary (tokens): 0 takes it from the data set, which the trainers do;
   /// `make_model` and `load_training_checkpoint` need it set for a GPT.
   std::int64_t vocab = 0;
+  /// The element type of the model's parameters, activations and gradients: float32, or
+  /// bfloat16 or float16 for mixed-precision training (an MLP of Linear and ReLU layers,
+  /// dp/layers/linear.h states the arithmetic). In mixed precision the optimizer is wrapped
+  /// in a `MixedPrecisionOptimizer` (float32 master weights: 2 + 2 + 12 bytes per parameter
+  /// with AdamW), and float16 scales its loss with a `DynamicLossScaler` (PyTorch
+  /// GradScaler's defaults): a step whose averaged gradients overflow is skipped on every
+  /// rank, and the scale halved. No checkpoints yet (saving or resuming is refused).
+  DataType precision = DataType::kFloat32;
+  /// The type of the gradient all-reduce: empty for the parameters' type (16-bit gradients
+  /// averaged as the backends reduce 16-bit buffers, each partial sum rounded, dp/comm.h), or
+  /// float32 (each 16-bit gradient widened into a float32 buffer charged as communication,
+  /// averaged in float32, and rounded once back into the gradient).
+  std::optional<DataType> reduce_dtype;
+  /// float16's dynamic loss scaling (PyTorch GradScaler's defaults; unused otherwise).
+  LossScalerOptions loss_scaling{};
 };
 
 /// Throws `dp::Error` unless training on `device` is possible in this build and process:
@@ -100,7 +116,9 @@ void check_train_device(Device device);
 /// negative steps, a learning rate or weight decay that is negative or not finite, a
 /// momentum outside [0, 1), or `log_every` below 1; a GPT with a data set that is not text
 /// (`is_text_dataset_spec`) or with an MLP's options (--layer-norm, --activation gelu), an
-/// MLP with a text data set or with activation checkpointing. The trainers call it first;
+/// MLP with a text data set or with activation checkpointing; a precision that is not
+/// float32, bfloat16 or float16, a 16-bit GPT or 16-bit MLP with LayerNorm or GELU (no 16-bit
+/// path yet), a reduce type other than float32 or the precision. The trainers call it first;
 /// commands call it before they load data.
 void check_train_options(const TrainOptions& options);
 
@@ -128,7 +146,10 @@ struct TrainResult {
   Model model;                           ///< the trained model
   std::unique_ptr<Optimizer> optimizer;  ///< its optimizer, with its state after the last step
   std::vector<StepReport> reports;       ///< every report, in order
-  float max_abs_gradient = 0;            ///< largest |averaged gradient| seen (for tolerances)
+  float max_abs_gradient = 0;            ///< largest |averaged gradient| seen (for tolerances;
+                                         ///< 0 under fp16 loss scaling)
+  std::int64_t skipped_steps = 0;        ///< fp16: steps skipped for an overflow (all ranks alike)
+  float loss_scale = 0;                  ///< fp16: the loss scale after the last step (else 0)
 };
 
 /// Called with each report, on rank 0 only when data-parallel.
@@ -279,9 +300,13 @@ TrainResult train_data_parallel(const TrainOptions& options, const Dataset& data
 /// Trains in one process the way `world_size` ranks train on a backend that adds in rank
 /// order (local, mpi, and nccl at 1 or 2 ranks): every step computes each rank's gradient on
 /// its slice of the global batch, adds them in rank order, ((g_0 + g_1) + g_2) + ..., and
-/// divides the sum by the rank count, then steps. Its parameters are then bitwise those of
-/// `train_data_parallel` on `world_size` ranks, for any number of steps, optimizer and data:
-/// the same arithmetic in the same order, with none of the communication. `dplab train
+/// divides the sum by the rank count, then steps. In mixed precision it reduces as the
+/// backends reduce the reduce type: 16-bit sums rounded after each addition and the quotient
+/// rounded (dp/comm.h), or float32 sums of the widened gradients rounded once; under fp16 it
+/// scales the loss and skips the steps whose averaged gradients overflow, as every rank does. Its
+/// parameters are then bitwise those of `train_data_parallel` on `world_size` ranks, for any number
+/// of steps, optimizer and data: the same arithmetic in the same order, with none of the
+/// communication. `dplab train
 /// --verify` compares with it. Continues from `checkpointing.resume_from` when set; saves
 /// nothing.
 TrainResult train_emulating_data_parallel(const TrainOptions& options, const Dataset& data,

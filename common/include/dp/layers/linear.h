@@ -18,6 +18,15 @@
 //   dp::Tensor y = fc.forward(x);      // x: (B, 64) -> y: (B, 256)
 //   dp::Tensor dx = fc.backward(dy);   // dy: (B, 256) -> dx: (B, 64)
 //
+// Precision: the parameters, the input, the output and the gradients are all of the type
+// given at construction, float32 by default or bfloat16 / float16 (mixed-precision training,
+// dp::MixedPrecisionOptimizer keeps the float32 masters). The 16-bit rule: the operands are
+// widened to float32 exactly, the products are BLAS sgemm in float32 (on a GPU cuBLAS in
+// float32, as a float32 layer), and each result is rounded once, to nearest even: the output
+// y = round(x W^T + b), dX = round(dY W), and the parameter gradients are added as
+// grad = round(widen(grad) + contribution). The float32 temporaries are charged as
+// activations while the call runs. On the emulated device the same host code runs.
+//
 // As every layer, it runs where its tensors live (dp/layer.h): the bias broadcast (equal to
 // the loop bit for bit) and the bias gradient's column sums (the rows added in groups in a
 // fixed order, within the float sum bound of the loop's) have kernels of their own.
@@ -25,6 +34,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dp/layer.h"
@@ -35,8 +45,10 @@ namespace dp {
 class Linear final : public Layer {
  public:
   /// A layer `name` mapping `in_features` to `out_features`, parameters zero-filled
-  /// (`Model::init_parameters` draws them). Throws `dp::Error` unless both are positive.
-  Linear(std::string name, std::int64_t in_features, std::int64_t out_features);
+  /// (`Model::init_parameters` draws them), of element type `dtype` (see the top of this
+  /// file). Throws `dp::Error` unless both sizes are positive and `dtype` is a tensor type.
+  Linear(std::string name, std::int64_t in_features, std::int64_t out_features,
+         DataType dtype = DataType::kFloat32);
 
   /// "linear".
   std::string kind() const override { return "linear"; }
@@ -50,7 +62,8 @@ class Linear final : public Layer {
   Tensor backward_parameters_only(const Tensor& grad_output) override;
   /// {weight, bias}.
   std::vector<Parameter*> parameters() override { return {&weight_, &bias_}; }
-  /// Uniform in (-1/sqrt(in), 1/sqrt(in)) for weight and bias, as PyTorch's default.
+  /// Uniform in (-1/sqrt(in), 1/sqrt(in)) for weight and bias, as PyTorch's default (for
+  /// 16-bit parameters the same float32 draws, rounded).
   void initialize(Parameter& parameter, CounterRng& rng) override;
   /// 2 B in out flops for the product, B out for the bias.
   OpCost forward_cost(std::int64_t batch) const override;
@@ -69,6 +82,8 @@ class Linear final : public Layer {
   Parameter& bias() { return bias_; }
 
  private:
+  // Throws unless `tensor` (called `what`) holds the parameters' element type.
+  void require_input_type(const Tensor& tensor, std::string_view what) const;
   // backward's work: the parameter gradients, then dx when `input_gradient` (else empty).
   Tensor backward_impl(const Tensor& grad_output, bool input_gradient);
 

@@ -2,7 +2,9 @@
 //
 // Its gradient is 1 where the input was positive and 0 elsewhere (0 at exactly 0, as in
 // PyTorch), so backward keeps the input of the last forward. On a CUDA device a kernel
-// computes both directions, bitwise the host loops.
+// computes both directions, bitwise the host loops. A bfloat16 or float16 input gives an
+// output of its type, the float32 rule applied to the widened values (exact: each result is
+// an input element or +0); that runs on the host and the emulated device only.
 //
 // Example:
 //

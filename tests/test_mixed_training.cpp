@@ -1,0 +1,206 @@
+// Mixed-precision training (dp::TrainOptions::precision): replicas bitwise each other and
+// the one-process emulation of their 16-bit arithmetic (the reduce type's rounding and fp16's
+// skipped steps included), 16 bytes per parameter with AdamW, the emulated device bitwise the
+// host, and what has no 16-bit path refused.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dp/error.h"
+#include "dp/launch.h"
+#include "dp/memory.h"
+#include "dp/trainer.h"
+#include "test_support.h"
+
+namespace {
+
+std::string error_message(const std::function<void()>& action) {
+  return dp::testing::message_of<dp::Error>(action);
+}
+
+// --- mixed-precision training ------------------------------------------------------------
+
+dp::Dataset small_data() {
+  dp::SyntheticOptions synthetic;
+  synthetic.samples = 256;
+  synthetic.features = 16;
+  synthetic.classes = 4;
+  synthetic.seed = 4;
+  return dp::make_synthetic_classification(synthetic);
+}
+
+dp::TrainOptions mixed_options(dp::DataType precision, const char* optimizer) {
+  dp::TrainOptions options;
+  options.model = "16-32-32-4";
+  options.dataset = "synthetic:256";
+  options.global_batch = 48;  // a multiple of 1 to 4 ranks
+  options.steps = 25;
+  options.optimizer = optimizer;
+  options.lr = std::string(optimizer) == "adamw" ? 0.01f : 0.05f;
+  options.momentum = std::string(optimizer) == "adamw" ? 0.0f : 0.9f;
+  options.weight_decay = 0.01f;
+  options.seed = 6;
+  options.precision = precision;
+  return options;
+}
+
+struct RanksResult {
+  std::vector<std::vector<float>> replicas;
+  std::vector<std::int64_t> skipped;
+  std::vector<std::int64_t> optimizer_steps;
+};
+
+RanksResult train_on_ranks(const dp::TrainOptions& options, const dp::Dataset& data, int world) {
+  RanksResult out;
+  out.replicas.resize(world);
+  out.skipped.resize(world);
+  out.optimizer_steps.resize(world);
+  dp::launch({.world_size = world}, [&](dp::Communicator& comm) {
+    const dp::TrainResult result = dp::train_data_parallel(options, data, comm);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    out.replicas[r] = result.model.flat_parameters();
+    out.skipped[r] = result.skipped_steps;
+    out.optimizer_steps[r] = result.optimizer->step_count();
+  });
+  return out;
+}
+
+void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
+}
+
+struct MixedCase {
+  dp::DataType precision;
+  bool float32_reduce;
+  const char* optimizer;
+  int world;
+};
+
+class MixedPrecisionTraining : public ::testing::TestWithParam<MixedCase> {};
+
+// Every replica bitwise the same, and bitwise the one-process emulation of their arithmetic
+// (the reduce type's rounding included): what `dplab train --verify` checks.
+TEST_P(MixedPrecisionTraining, ReplicasAreBitwiseTheOneProcessEmulation) {
+  const MixedCase setup = GetParam();
+  dp::TrainOptions options = mixed_options(setup.precision, setup.optimizer);
+  if (setup.float32_reduce) options.reduce_dtype = dp::DataType::kFloat32;
+  const dp::Dataset data = small_data();
+  const RanksResult ranks = train_on_ranks(options, data, setup.world);
+  for (int r = 1; r < setup.world; ++r)
+    expect_bitwise(ranks.replicas[r], ranks.replicas[0], "replica");
+  const dp::TrainResult emulated = dp::train_emulating_data_parallel(options, data, setup.world);
+  expect_bitwise(emulated.model.flat_parameters(), ranks.replicas[0], "emulation");
+  EXPECT_EQ(emulated.skipped_steps, ranks.skipped[0]);
+  // It trained: the parameters moved from the initial ones.
+  dp::TrainOptions none = options;
+  none.steps = 0;
+  EXPECT_NE(dp::train_emulating_data_parallel(none, data, setup.world).model.flat_parameters(),
+            ranks.replicas[0]);
+}
+
+std::string mixed_case_name(const ::testing::TestParamInfo<MixedCase>& info) {
+  const MixedCase& setup = info.param;
+  return std::string(setup.precision == dp::DataType::kBFloat16 ? "bf16" : "fp16") +
+         (setup.float32_reduce ? "_fp32reduce_" : "_") + setup.optimizer + "_ranks" +
+         std::to_string(setup.world);
+}
+
+INSTANTIATE_TEST_SUITE_P(PrecisionsReduceTypesOptimizersAndRanks, MixedPrecisionTraining,
+                         ::testing::Values(MixedCase{dp::DataType::kBFloat16, false, "adamw", 1},
+                                           MixedCase{dp::DataType::kBFloat16, false, "adamw", 4},
+                                           MixedCase{dp::DataType::kBFloat16, true, "adamw", 4},
+                                           MixedCase{dp::DataType::kBFloat16, false, "sgd", 3},
+                                           MixedCase{dp::DataType::kFloat16, false, "adamw", 1},
+                                           MixedCase{dp::DataType::kFloat16, false, "adamw", 4},
+                                           MixedCase{dp::DataType::kFloat16, true, "sgd", 4}),
+                         mixed_case_name);
+
+TEST(MixedPrecisionTraining, TheEmulationSeesTheReduceType) {
+  // A float32 reduce rounds once, a bf16 one after every addition: over 4 ranks they differ,
+  // so an emulation of the wrong reduce type is not the ranks' bits (the check can fail).
+  dp::TrainOptions options = mixed_options(dp::DataType::kBFloat16, "adamw");
+  const dp::Dataset data = small_data();
+  const RanksResult ranks = train_on_ranks(options, data, 4);
+  options.reduce_dtype = dp::DataType::kFloat32;
+  const std::vector<float> other =
+      dp::train_emulating_data_parallel(options, data, 4).model.flat_parameters();
+  EXPECT_NE(std::memcmp(other.data(), ranks.replicas[0].data(), other.size() * sizeof(float)), 0);
+}
+
+TEST(MixedPrecisionTraining, Float16OverflowsSkipTheSameStepsOnEveryRank) {
+  // A loss scale of 2^40 overflows float16 at once: the first steps are skipped, the scale
+  // halves each time until the gradients fit, then training goes on.
+  dp::TrainOptions options = mixed_options(dp::DataType::kFloat16, "adamw");
+  options.loss_scaling.initial_scale = 0x1.0p40f;
+  options.loss_scaling.growth_interval = 5;  // and it grows into overflows again
+  options.steps = 40;
+  const dp::Dataset data = small_data();
+  const RanksResult ranks = train_on_ranks(options, data, 4);
+  EXPECT_GE(ranks.skipped[0], 10);
+  EXPECT_LT(ranks.skipped[0], options.steps);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(ranks.skipped[r], ranks.skipped[0]) << "rank " << r;
+    // A skipped step does not advance the optimizer (AdamW's bias correction).
+    EXPECT_EQ(ranks.optimizer_steps[r], options.steps - ranks.skipped[0]) << "rank " << r;
+    expect_bitwise(ranks.replicas[r], ranks.replicas[0], "replica");
+  }
+  const dp::TrainResult emulated = dp::train_emulating_data_parallel(options, data, 4);
+  EXPECT_EQ(emulated.skipped_steps, ranks.skipped[0]);
+  expect_bitwise(emulated.model.flat_parameters(), ranks.replicas[0], "emulation");
+}
+
+TEST(MixedPrecisionTraining, HoldsSixteenBytesPerParameterWithAdamW) {
+  auto memory = std::make_shared<dp::RankMemory>();
+  const dp::ScopedRankMemory bind(memory);
+  const dp::TrainOptions options = mixed_options(dp::DataType::kBFloat16, "adamw");
+  const dp::TrainResult result = dp::train_single_process(options, small_data());
+  const std::size_t psi = result.model.num_parameters();
+  const dp::MemoryTracker& tracker = memory->tracker();
+  EXPECT_EQ(tracker.current(dp::MemoryCategory::kParameters), 2 * psi);
+  EXPECT_EQ(tracker.current(dp::MemoryCategory::kGradients), 2 * psi);
+  EXPECT_EQ(tracker.current(dp::MemoryCategory::kOptimizerState), 12 * psi);
+}
+
+TEST(MixedPrecisionTraining, RefusesWhatHasNo16BitPath) {
+  dp::TrainOptions gpt = mixed_options(dp::DataType::kBFloat16, "adamw");
+  gpt.model = "gpt";
+  gpt.dataset = "fortunes";
+  EXPECT_NE(error_message([&] { dp::check_train_options(gpt); }).find("no 16-bit path"),
+            std::string::npos);
+  dp::TrainOptions gelu = mixed_options(dp::DataType::kFloat16, "sgd");
+  gelu.activation = "gelu";
+  EXPECT_NE(error_message([&] { dp::check_train_options(gelu); }).find("--activation gelu"),
+            std::string::npos);
+  dp::TrainOptions reduce = mixed_options(dp::DataType::kFloat16, "sgd");
+  reduce.reduce_dtype = dp::DataType::kBFloat16;
+  EXPECT_NE(error_message([&] { dp::check_train_options(reduce); }).find("gradients' own type"),
+            std::string::npos);
+}
+
+class MixedPrecisionOnTheEmulatedDevice : public ::testing::Test {
+ protected:
+  void SetUp() override { dp::set_cuda_device_emulated(true); }
+  void TearDown() override { dp::set_cuda_device_emulated(false); }
+};
+
+TEST_F(MixedPrecisionOnTheEmulatedDevice, TrainsBitwiseAsOnTheHost) {
+  for (const dp::DataType precision : {dp::DataType::kBFloat16, dp::DataType::kFloat16}) {
+    dp::TrainOptions options = mixed_options(precision, "adamw");
+    options.steps = 10;
+    const dp::Dataset data = small_data();
+    const RanksResult host = train_on_ranks(options, data, 2);
+    options.device = dp::Device::kCuda;
+    const RanksResult device = train_on_ranks(options, data, 2);
+    expect_bitwise(device.replicas[0], host.replicas[0], "device against host");
+    expect_bitwise(device.replicas[1], host.replicas[0], "device replica");
+    expect_bitwise(dp::train_emulating_data_parallel(options, data, 2).model.flat_parameters(),
+                   host.replicas[0], "device emulation");
+  }
+}
+
+}  // namespace
