@@ -383,7 +383,12 @@ void run_train(TrainArguments args) {
           "run cannot be saved or resumed yet (its master weights and loss scale are not in "
           "the checkpoint format); train without them (--checkpoint '' is accepted)",
           precision_name(args.options.precision)));
-    args.checkpoint.clear();  // the default checkpoint is not saved either
+    // The default checkpoint is not saved either; say so, since a run without the option
+    // saves one.
+    if (!args.checkpoint.empty() && mpi_world_rank() == 0)
+      fmt::print("--precision {}: {} is not saved (a mixed-precision run cannot be saved yet)\n",
+                 precision_name(args.options.precision), args.checkpoint);
+    args.checkpoint.clear();
   }
   int world_size = args.world_size.value_or(0);
   if (launch_options.backend == Backend::kMpi) {
