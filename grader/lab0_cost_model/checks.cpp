@@ -174,6 +174,8 @@ void check_routine(std::string_view check, Routine routine, Graded graded) {
     worlds.push_back(i == 0 ? 2 : static_cast<int>(draws.integer("ranks", 2, 8)));
   int passed = 0;
   double most_spent = 0;
+  double worst_alpha = 0;  // the largest relative errors over the fabrics, for the note
+  double worst_beta = 0;
   for (std::size_t i = 0; i < fabrics.size(); ++i) {
     const Fabric& fabric = fabrics[i];
     const Measured measured = measure(routine, worlds[i], fabric.link, draws);
@@ -181,6 +183,11 @@ void check_routine(std::string_view check, Routine routine, Graded graded) {
     std::vector<std::string> findings;
     if (!measured.misuse.empty()) findings.push_back(measured.misuse);
     const double beta = 1.0 / fabric.link.bytes_per_second;
+    worst_alpha = std::max(worst_alpha,
+                           std::abs(measured.estimate.alpha_seconds - fabric.link.alpha_seconds) /
+                               fabric.link.alpha_seconds);
+    worst_beta =
+        std::max(worst_beta, std::abs(measured.estimate.beta_seconds_per_byte - beta) / beta);
     const std::string alpha_finding =
         within_tolerance("alpha (s)", measured.estimate.alpha_seconds, fabric.link.alpha_seconds);
     const std::string beta_finding =
@@ -203,8 +210,11 @@ void check_routine(std::string_view check, Routine routine, Graded graded) {
                                  describe(fabric.link), fabric.why, fmt::join(findings, "; "),
                                  draws.describe());
   }
-  grading::note_measured(fmt::format("{} of {} fabrics within {:.0f}%, at most {:.3g} ms spent",
-                                     passed, fabrics.size(), kTolerance * 100, most_spent * 1e3));
+  grading::note_measured(fmt::format(
+      "{} of {} fabrics passed; largest error {:.2g}% on alpha, {:.2g}% on beta (at most {:.0f}%); "
+      "at most {:.3g} ms of simulated time spent (budget {:.0f} ms)",
+      passed, fabrics.size(), worst_alpha * 100, worst_beta * 100, kTolerance * 100,
+      most_spent * 1e3, kBudgetSeconds * 1e3));
 }
 
 TEST(Lab0PointToPoint, RecoversAlphaWithin5Percent) {
