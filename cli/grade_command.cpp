@@ -71,7 +71,7 @@ constexpr bool kReferenceBuild = false;
 #endif
 
 struct GradeArguments {
-  int lab = 0;  // 0: every lab
+  int lab = -1;  // -1: every lab (lab 0 is the first lab)
   std::string backend = "local";
   // Where the checks put the lab code's tensors; "" (the default): on the local backend both
   // "host" and "emulated", one run each, a check passing only when it passes in both.
@@ -274,7 +274,7 @@ void grade(const GradeArguments& args) {
     throw Error(
         fmt::format("-n must be between 1 and {} processes, got {}", kMaxWorldSize, args.ranks));
   timeout_milliseconds(args.timeout_seconds, "--timeout", kMaxGradeTimeout);
-  if (!args.variant.empty() && args.lab == 0)
+  if (!args.variant.empty() && args.lab < 0)
     throw Error("--variant names one lab's build: give --lab N too");
   if (!args.variant.empty() && !args.sanitize.empty())
     throw Error("--sanitize has no planted-bug builds: give --variant or --sanitize, not both");
@@ -288,7 +288,7 @@ void grade(const GradeArguments& args) {
   const std::filesystem::path dir = grader_dir();
   std::vector<LabEntry> labs = find_labs(dir);
   if (labs.empty()) throw Error(fmt::format("no lab rubric found under {}", dir.string()));
-  if (args.lab != 0) {
+  if (args.lab >= 0) {
     std::vector<std::string> known;
     for (const LabEntry& lab : labs) known.push_back(std::to_string(lab.number));
     std::erase_if(labs, [&](const LabEntry& lab) { return lab.number != args.lab; });
@@ -307,7 +307,7 @@ void grade(const GradeArguments& args) {
   }
   // --check names checks of the rubric, exactly: a misspelt name must not grade nothing.
   if (!args.checks.empty()) {
-    if (args.lab == 0) throw Error("--check names one lab's checks: give --lab N too");
+    if (args.lab < 0) throw Error("--check names one lab's checks: give --lab N too");
     std::vector<std::string> known;
     for (const grader::RubricCheck& check : rubrics.front().checks) known.push_back(check.test);
     for (const std::string& check : args.checks)
@@ -400,7 +400,7 @@ void add_grade_command(CLI::App& app) {
       "grade", kReferenceBuild ? "Grade the reference solutions: the score table, check by check"
                                : "Grade your labs: the score table, check by check");
   grade_app->add_option("--lab", args->lab, "Grade only lab N (default: every lab)")
-      ->check(whole_number_at_least(1));
+      ->check(whole_number_at_least(0));
   grade_app
       ->add_option("--backend", args->backend,
                    "local, mpi or nccl (mpirun, one process per GPU; the checks must keep their "

@@ -125,9 +125,9 @@ Rubric parse_rubric(std::string_view text, const std::string& source) {
   Rubric rubric;
   rubric.source = source;
   const json& lab = required_field(document, "lab", source, "top level");
-  if (!lab.is_number_integer() || lab.get<long long>() < 1)
+  if (!lab.is_number_integer() || lab.get<long long>() < 0)
     malformed(source, "top level",
-              fmt::format("\"lab\" must be a positive integer, got {}", describe(lab)));
+              fmt::format("\"lab\" must be a whole number >= 0, got {}", describe(lab)));
   rubric.lab = lab.get<int>();
   rubric.title = required_string(document, "title", source, "top level");
   if (const auto tolerance = document.find("tolerance"); tolerance != document.end()) {

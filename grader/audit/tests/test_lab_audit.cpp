@@ -273,6 +273,37 @@ TEST_F(LabAuditTest, RefusesAChangedContractAndExtraFiles) {
   EXPECT_EQ(report.findings.size(), 2u) << report.summary();
 }
 
+/// Lab code that reads the clock's time, and with `with_trace` its trace too.
+std::string reads_the_clock(bool with_trace) {
+  return std::string(
+             "#include \"lab1.h\"\n"
+             "#include \"dp/clock.h\"\n"
+             "#include \"dp/comm.h\"\n"
+             "namespace dp::lab1 {\n"
+             "float total(const dp::Tensor& values) { return static_cast<float>(values.size()); }\n"
+             "double seconds(dp::Communicator& comm) {\n"
+             "  return comm.clock().now()") +
+         (with_trace ? " + static_cast<double>(comm.clock().trace().events.size())" : "") +
+         ";\n}\n}  // namespace dp::lab1\n";
+}
+
+TEST_F(LabAuditTest, AllowedCallsLetOneLabReadTheClockButNotItsTrace) {
+  // Refused by grader/audit/base.refused_calls...
+  AuditReport report = audit(reads_the_clock(false));
+  EXPECT_FALSE(report.passed());
+  EXPECT_TRUE(mentions(report, "dp::Clock::now")) << report.summary();
+  // ...unless the lab's allowed_calls lists it (lab 0 times its messages); the rest of the
+  // clock stays refused.
+  write(root_ / "grader_lab1" / "allowed_calls",
+        "# the lab measures time\ndp::Clock::now the lab times its messages\n");
+  report = audit(reads_the_clock(false));
+  EXPECT_TRUE(report.passed()) << report.summary();
+  report = audit(reads_the_clock(true));
+  EXPECT_FALSE(report.passed());
+  EXPECT_TRUE(mentions(report, "dp::Clock::trace")) << report.summary();
+  EXPECT_FALSE(mentions(report, "dp::Clock::now")) << report.summary();
+}
+
 TEST(LabCode, ManifestErrorsNameTheFileAndTheField) {
   const fs::path manifest = fs::temp_directory_path() / "dp_audit_manifest_test.lab.json";
   write(manifest, "{\"lab\": 1, \"code_dir\": \"/\"}");

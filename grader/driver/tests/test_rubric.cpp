@@ -130,9 +130,12 @@ TEST(Rubric, DuplicateTestIsAnError) {
   EXPECT_NE(message.find("checks[1]: test \"A.B\" is listed twice"), std::string::npos) << message;
 }
 
-TEST(Rubric, LabMustBeAPositiveIntegerAndChecksNonEmpty) {
+TEST(Rubric, LabMustBeAWholeNumberAndChecksNonEmpty) {
   EXPECT_NE(error_of(R"({"lab": "one", "title": "x", "checks": []})")
-                .find("\"lab\" must be a positive integer, got the string \"one\""),
+                .find("\"lab\" must be a whole number >= 0, got the string \"one\""),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"lab": -1, "title": "x", "checks": []})")
+                .find("\"lab\" must be a whole number >= 0"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"lab": 1, "title": "x", "checks": []})")
                 .find("\"checks\" must be a non-empty array, got an array"),
