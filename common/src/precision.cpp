@@ -5,48 +5,9 @@
 #include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/float16.h"
+#include "element_types.h"
 
 namespace dp::detail {
-namespace {
-
-cuda::Element device_element(DataType type) {
-  switch (type) {
-    case DataType::kBFloat16: return cuda::Element::kBFloat16;
-    case DataType::kFloat16: return cuda::Element::kFloat16;
-    default: return cuda::Element::kFloat32;
-  }
-}
-
-float widen(float value) {
-  return value;
-}
-float widen(BFloat16 value) {
-  return to_float(value);
-}
-float widen(Float16 value) {
-  return to_float(value);
-}
-
-template <typename T>
-T narrow(float value) {
-  if constexpr (std::is_same_v<T, BFloat16>)
-    return to_bfloat16(value);
-  else if constexpr (std::is_same_v<T, Float16>)
-    return to_float16(value);
-  else
-    return value;
-}
-
-template <typename Body>
-void with_element_type(DataType type, Body&& body) {
-  switch (type) {
-    case DataType::kBFloat16: return body(BFloat16{});
-    case DataType::kFloat16: return body(Float16{});
-    default: return body(float{});
-  }
-}
-
-}  // namespace
 
 void convert_uncharged(ConstTensorView source, TensorView destination) {
   DP_CHECK(source.size() == destination.size(), "convert of {} elements into {}", source.size(),

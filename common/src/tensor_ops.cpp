@@ -19,6 +19,7 @@
 #include "dp/clock.h"
 #include "dp/error.h"
 #include "dp/float16.h"
+#include "element_types.h"
 
 namespace dp {
 namespace {
@@ -76,47 +77,10 @@ void require_float32_accumulator(std::string_view op, DataType x_type, DataType 
         op, to_string(y_type), to_string(x_type), op));
 }
 
-/// The kernels' name for a tensor's element type.
-cuda::Element device_element(DataType type) {
-  switch (type) {
-    case DataType::kBFloat16: return cuda::Element::kBFloat16;
-    case DataType::kFloat16: return cuda::Element::kFloat16;
-    default: return cuda::Element::kFloat32;
-  }
-}
-
-/// The float32 value of a tensor element, exactly.
-float widen(float value) {
-  return value;
-}
-float widen(BFloat16 value) {
-  return to_float(value);
-}
-float widen(Float16 value) {
-  return to_float(value);
-}
-
-/// `value` rounded to the element type `T`.
-template <typename T>
-T narrow(float value) {
-  if constexpr (std::is_same_v<T, BFloat16>)
-    return to_bfloat16(value);
-  else if constexpr (std::is_same_v<T, Float16>)
-    return to_float16(value);
-  else
-    return value;
-}
-
-/// Calls `body` with a value of the C++ element type of `type` (float, BFloat16 or Float16),
-/// for code written once for the three types of a tensor.
-template <typename Body>
-decltype(auto) with_element_type(DataType type, Body&& body) {
-  switch (type) {
-    case DataType::kBFloat16: return body(BFloat16{});
-    case DataType::kFloat16: return body(Float16{});
-    default: return body(float{});
-  }
-}
+using detail::device_element;
+using detail::narrow;
+using detail::widen;
+using detail::with_element_type;
 
 /// The host loop of `convert`: out[i] = in[i] in To's type, through float32.
 template <typename From, typename To>
