@@ -101,7 +101,7 @@ struct TrainOptions {
   /// averaged as the backends reduce 16-bit buffers, each partial sum rounded, dp/comm.h), or
   /// float32 (each 16-bit gradient widened into a float32 buffer charged as communication,
   /// averaged in float32, and rounded once back into the gradient).
-  std::optional<DataType> reduce_dtype;
+  std::optional<DataType> reduce_dtype{};
   /// float16's dynamic loss scaling (PyTorch GradScaler's defaults; unused otherwise).
   LossScalerOptions loss_scaling{};
 };
