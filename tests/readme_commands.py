@@ -79,6 +79,17 @@ SMALLER = {
         ["--lab", "1"],
         "lab 1 only: grading under mpi runs the same for every lab, and the selftests grade "
         "every lab's skeleton under mpi"),
+    "build/reference/bin/dplab-reference grade": (
+        ["--lab", "1"],
+        "lab 1 only: the selftests grade every lab's reference, on the host and the emulated "
+        "device, on more seeds (selftest_<lab>_reference_full_marks); all labs take 2 min"),
+    "build/default/bin/dplab-reference grade --device emulated": (
+        ["--lab", "1"],
+        "lab 1 only: the selftests grade every lab's reference on the emulated device too"),
+    "build/student/bin/dplab grade": (
+        ["--lab", "2"],
+        "lab 2 only (the step before grades lab 1): the selftests grade every lab's skeleton "
+        "(selftest_<lab>_skeleton_scores_zero); all labs take 80 s"),
     "build/student/bin/dplab grade --json results.json --junit grades.xml": (
         ["--lab", "1"],
         "lab 1 only: the files are written the same way for one lab as for all of them"),
