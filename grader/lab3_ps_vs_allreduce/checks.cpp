@@ -48,6 +48,7 @@
 #include "ground_truth.h"
 #include "lab3.h"
 #include "memory_check.h"
+#include "speed_workload.h"
 
 namespace dp::lab3 {
 namespace {
@@ -1140,17 +1141,6 @@ std::vector<std::vector<float>> gather_from_every_rank(std::span<const float> mi
 // point-to-point-only communicator, every message against the contract, the result's bits.
 // Switching to other code on the simulated clock gains nothing.
 
-/// A device whose compute costs nothing: the alpha-beta formulas have no gamma, so the
-/// speed checks time communication alone (and the checks' own copies cost no time).
-DeviceModel free_compute() {
-  DeviceModel device;
-  device.name = "free";
-  device.flops_per_second = std::numeric_limits<double>::infinity();
-  device.bytes_per_second = std::numeric_limits<double>::infinity();
-  device.launch_seconds = 0;
-  return device;
-}
-
 /// Options for `ranks` local threads on the simulated network `network` with free compute,
 /// in the adversarial completion mode (the speed checks run on local threads under mpi
 /// too: the simulation belongs to the local backend).
@@ -1162,7 +1152,7 @@ LaunchOptions simulated(int ranks, const NetworkModel& network, const Draws& dra
   options.comm.completion_seed = draws.completion_seed();
   options.simulation.enabled = true;
   options.simulation.network = network;
-  options.simulation.device = free_compute();
+  options.simulation.device = grading::free_compute_device();
   options.simulation.record_trace = false;
   return options;
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -36,6 +37,15 @@ TrainOptions equal_layers_sgd_step(Draws& draws, std::int64_t hidden, std::int64
   options.optimizer = "sgd";
   options.lr = 0.01f;
   return options;
+}
+
+DeviceModel free_compute_device() {
+  DeviceModel device;
+  device.name = "free";
+  device.flops_per_second = std::numeric_limits<double>::infinity();
+  device.bytes_per_second = std::numeric_limits<double>::infinity();
+  device.launch_seconds = 0;
+  return device;
 }
 
 LaunchOptions simulated_launch(const Draws& draws, int world, const char* network,

@@ -39,6 +39,11 @@ TrainOptions equal_layers_sgd_step(Draws& draws, std::int64_t hidden, std::int64
                                    std::int64_t rows_per_rank, int world,
                                    const std::string& prefix = "");
 
+/// A device whose compute costs nothing: the alpha-beta model has no gamma, so a check that
+/// fits or compares network formulas times the network alone (and its own copies cost no
+/// simulated time).
+DeviceModel free_compute_device();
+
 /// `world` simulated local ranks on the network preset `network` and the device preset
 /// `device`, their calls completing in the adversarial order of `draws`' completion seed.
 LaunchOptions simulated_launch(const Draws& draws, int world, const char* network,
