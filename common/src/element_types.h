@@ -1,7 +1,7 @@
 // Element types, written once for the runtime's host loops: the kernels' name for a tensor's
 // element type, the exact float32 value of an element, rounding a float32 back to a type,
 // and a dispatch that calls code written once with a value of the tensor's C++ type.
-// Internal to common/src (tensor_ops.cpp and precision.cpp use it).
+// Internal to common/src (tensor_ops.cpp, precision.cpp and comm/reduce_arithmetic.h use it).
 //
 //   with_element_type(tensor.dtype(), [&]<typename T>(T) {
 //     T* out = static_cast<T*>(tensor.raw_data());

@@ -13,6 +13,7 @@
 
 #include "dp/comm.h"
 #include "dp/float16.h"
+#include "element_types.h"
 
 namespace dp::detail {
 
@@ -34,21 +35,14 @@ inline Float16 reduce_add(Float16 running, Float16 next) {
   return to_float16(to_float(running) + to_float(next));
 }
 
-/// The value a maximum compares: the element itself, or the float32 of a 16-bit float.
-inline float compared_value(float value) {
-  return value;
-}
-/// The value a maximum compares: the element itself, or the float32 of a 16-bit float.
+/// The value a maximum compares for an int32: the element itself.
 inline std::int32_t compared_value(std::int32_t value) {
   return value;
 }
-/// The value a maximum compares: the element itself, or the float32 of a 16-bit float.
-inline float compared_value(BFloat16 value) {
-  return to_float(value);
-}
-/// The value a maximum compares: the element itself, or the float32 of a 16-bit float.
-inline float compared_value(Float16 value) {
-  return to_float(value);
+/// The value a maximum compares for a float type: its exact float32 value (`widen`).
+template <typename T>
+float compared_value(T value) {
+  return widen(value);
 }
 
 /// One step of a maximum, std::max's rule: `running` unless `next` is greater, so on ties
