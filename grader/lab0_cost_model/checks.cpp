@@ -26,6 +26,7 @@
 #include "dp/launch.h"
 #include "grading.h"
 #include "lab0.h"
+#include "speed_workload.h"
 
 namespace dp {
 namespace {
@@ -37,21 +38,15 @@ constexpr double kTolerance = 0.05;
 /// The simulated seconds one call may spend (lab0.h).
 constexpr double kBudgetSeconds = 0.1;
 
-/// A device whose compute costs nothing: the all-reduce's reduction is not in the alpha-beta
-/// model the lab fits (no gamma), so only the network is timed.
-DeviceModel free_compute() {
-  DeviceModel device;
-  device.name = "free";
-  device.flops_per_second = std::numeric_limits<double>::infinity();
-  device.bytes_per_second = std::numeric_limits<double>::infinity();
-  device.launch_seconds = 0;
-  return device;
-}
-
-/// A number drawn log-uniformly in [low, high], as `--mystery` draws (recorded as `name`).
-double log_uniform(Draws& draws, std::string_view name, double low, double high) {
+/// A number drawn log-uniformly in [low, high], as `--mystery` draws, recorded as `name`
+/// with its value in `unit` (a failure's "Drawn:" line shows the fabric, not the draw in
+/// [0, 1) behind it).
+double log_uniform(Draws& draws, std::string_view name, double low, double high,
+                   std::string_view unit) {
   const double u = draws.uniform(name, 0.0f, 1.0f);
-  return low * std::pow(high / low, u);
+  const double value = low * std::pow(high / low, u);
+  draws.overrule(name, fmt::format("{}={:.4g} {}", name, value, unit));
+  return value;
 }
 
 /// One fabric to measure, and why it is drawn.
@@ -74,10 +69,10 @@ std::vector<Fabric> drawn_fabrics(Draws& draws) {
   std::vector<Fabric> fabrics;
   const auto add = [&](double alpha_low, double alpha_high, double gbps_low, double gbps_high,
                        std::string why) {
-    draws.section(fmt::format("[{}:]", why));
+    draws.section(fmt::format("{}:", why));
     LinkModel link;
-    link.alpha_seconds = log_uniform(draws, "alpha", alpha_low, alpha_high) * 1e-6;
-    link.bytes_per_second = log_uniform(draws, "bandwidth", gbps_low, gbps_high) * 1e9;
+    link.alpha_seconds = log_uniform(draws, "alpha", alpha_low, alpha_high, "us") * 1e-6;
+    link.bytes_per_second = log_uniform(draws, "bandwidth", gbps_low, gbps_high, "GB/s") * 1e9;
     fabrics.push_back({link, std::move(why)});
   };
   add(1, 5, 1, 4, "small knee");
@@ -108,7 +103,7 @@ Measured measure(Routine routine, int ranks, const LinkModel& link, const Draws&
   options.simulation.enabled = true;
   options.simulation.network.name = "custom";
   options.simulation.network.fabric = link;
-  options.simulation.device = free_compute();
+  options.simulation.device = grading::free_compute_device();
   options.simulation.record_trace = false;
   std::vector<double> spent(static_cast<std::size_t>(ranks), 0.0);
   std::vector<std::string> misuse(static_cast<std::size_t>(ranks));
@@ -168,7 +163,7 @@ struct Graded {
 void check_routine(std::string_view check, Routine routine, Graded graded) {
   Draws draws(check);
   const std::vector<Fabric> fabrics = drawn_fabrics(draws);
-  draws.section("[world sizes:]");
+  draws.section("world sizes:");
   std::vector<int> worlds;
   for (std::size_t i = 0; i < fabrics.size(); ++i)
     worlds.push_back(i == 0 ? 2 : static_cast<int>(draws.integer("ranks", 2, 8)));

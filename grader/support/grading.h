@@ -113,8 +113,8 @@ class Draws {
 
   /// Every value drawn so far, e.g. "seed 42: steps=4 k=3 lr=0.05".
   std::string describe() const;
-  /// Opens a part of the description, e.g. "[then SGD:]": for a check that draws two set-ups
-  /// one after the other. Draws nothing.
+  /// Opens a part of the description, e.g. "then SGD:" (shown as "[then SGD:]"): for a
+  /// check that draws two set-ups one after the other. Draws nothing.
   void section(std::string_view title);
   /// Replaces the description of the last value drawn as `name` with `text`, for a value
   /// the check then set itself (e.g. "momentum=0.9 (set by the check)"), so that the
