@@ -359,6 +359,17 @@ void train_and_compare(const Training& t, int world, const Expected& expected, W
             verdict.fail(fmt::format("{}: {}", at, masters));
             return;
           }
+          // A skipped step changes nothing of the inner optimizer, its step count neither
+          // (AdamW's bias correction would move on).
+          const auto updates =
+              std::count(expected.updated.begin(), expected.updated.begin() + step + 1, true);
+          if (zero.inner().step_count() != updates) {
+            verdict.fail(fmt::format(
+                "{}: the inner optimizer's step_count() is {}; expected {}, the steps that "
+                "updated (a skipped step begins no step of it)",
+                at, zero.inner().step_count(), updates));
+            return;
+          }
           const lab8::LossScaler& scaler = zero.scaler();
           if (scaler.scale() != expected.scale_after[k] ||
               scaler.growth_tracker() != expected.tracker_after[k] ||
