@@ -239,7 +239,8 @@ std::string world_calls(const CommCounters& since) {
 std::string link_bytes(const CommCounters& counted, std::uint64_t intra, std::uint64_t inter) {
   std::vector<std::string> wrong;
   const auto compare = [&](std::string_view what, std::uint64_t seen, std::uint64_t expected) {
-    if (seen != expected) wrong.push_back(fmt::format("{} {} bytes, expected {}", what, seen, expected));
+    if (seen != expected)
+      wrong.push_back(fmt::format("{} {} bytes, expected {}", what, seen, expected));
   };
   compare("intra-node sent", counted.intra_node_bytes_sent(), intra);
   compare("intra-node received", counted.intra_node_bytes_received(), intra);
@@ -293,9 +294,10 @@ std::string bitwise(std::span<const float> seen, std::span<const float> expected
     return fmt::format("{} holds {} elements; expected {}", what, seen.size(), expected.size());
   for (std::size_t e = 0; e < seen.size(); ++e)
     if (std::memcmp(&seen[e], &expected[e], sizeof(float)) != 0)
-      return fmt::format("{} element {} is {:.9g}; expected {:.9g} (the contract's sum order: each "
-                         "node's sum in rank order, then the node sums in node order)",
-                         what, e, seen[e], expected[e]);
+      return fmt::format(
+          "{} element {} is {:.9g}; expected {:.9g} (the contract's sum order: each "
+          "node's sum in rank order, then the node sums in node order)",
+          what, e, seen[e], expected[e]);
   return "";
 }
 
@@ -326,9 +328,10 @@ TEST(Lab9Hierarchical, BitwiseTheContractsSumOrder) {
           for (const int bad : {0, layout.world + 1}) {
             try {
               (void)split_levels(world, bad);
-              verdict.fail(fmt::format("split_levels(comm, {}) on {} ranks returned; expected "
-                                       "dp::Error",
-                                       bad, layout.world));
+              verdict.fail(
+                  fmt::format("split_levels(comm, {}) on {} ranks returned; expected "
+                              "dp::Error",
+                              bad, layout.world));
             } catch (const NotImplemented&) {
               throw;
             } catch (const Error&) {
@@ -340,24 +343,24 @@ TEST(Lab9Hierarchical, BitwiseTheContractsSumOrder) {
             return;
           }
           if (levels.node->size() != layout.k || levels.node->rank() != rank % layout.k)
-            verdict.fail(fmt::format("the node communicator has rank {} of {}; expected rank {} "
-                                     "of {} (nodes of consecutive ranks)",
-                                     levels.node->rank(), levels.node->size(), rank % layout.k,
-                                     layout.k));
-          if (levels.across->size() != layout.nodes() ||
-              levels.across->rank() != rank / layout.k)
-            verdict.fail(fmt::format("the across communicator has rank {} of {}; expected rank "
-                                     "{} of {} (one rank per node, in node order)",
-                                     levels.across->rank(), levels.across->size(),
-                                     rank / layout.k, layout.nodes()));
+            verdict.fail(
+                fmt::format("the node communicator has rank {} of {}; expected rank {} "
+                            "of {} (nodes of consecutive ranks)",
+                            levels.node->rank(), levels.node->size(), rank % layout.k, layout.k));
+          if (levels.across->size() != layout.nodes() || levels.across->rank() != rank / layout.k)
+            verdict.fail(fmt::format(
+                "the across communicator has rank {} of {}; expected rank "
+                "{} of {} (one rank per node, in node order)",
+                levels.across->rank(), levels.across->size(), rank / layout.k, layout.nodes()));
           if (layout.k > 1) {
             Tensor odd({static_cast<std::int64_t>(n + 1)}, MemoryCategory::kOther,
                        grading::check_device());
             try {
               hierarchical_allreduce(odd.view(), levels);
-              verdict.fail(fmt::format("hierarchical_allreduce of {} elements on nodes of {} "
-                                       "returned; expected dp::Error",
-                                       n + 1, layout.k));
+              verdict.fail(
+                  fmt::format("hierarchical_allreduce of {} elements on nodes of {} "
+                              "returned; expected dp::Error",
+                              n + 1, layout.k));
             } catch (const NotImplemented&) {
               throw;
             } catch (const Error&) {
@@ -384,7 +387,8 @@ TEST(Lab9Hierarchical, BytesPerLinkClass) {
   for (const Layout& layout : layouts) {
     const auto k = static_cast<std::uint64_t>(layout.k);
     const auto nodes = static_cast<std::uint64_t>(layout.nodes());
-    const std::uint64_t n = k * nodes * static_cast<std::uint64_t>(draws.integer("elements / p", 1, 2000));
+    const std::uint64_t n =
+        k * nodes * static_cast<std::uint64_t>(draws.integer("elements / p", 1, 2000));
     // dp/comm.h's ring counts: 2 (k-1)/k x 4n inside the node, 2 (N-1)/N x 4n/k across.
     const std::uint64_t intra = 2 * (k - 1) * 4 * n / k;
     const std::uint64_t inter = 2 * (nodes - 1) * 4 * n / (k * nodes);
@@ -394,8 +398,8 @@ TEST(Lab9Hierarchical, BytesPerLinkClass) {
           auto watch = std::make_shared<Watch>();
           Watched world(comm, watch);
           const Levels levels = split_levels(world, layout.k);
-          Tensor data =
-              on_device(rank_data(seed, comm.rank(), static_cast<std::size_t>(n)), MemoryCategory::kOther);
+          Tensor data = on_device(rank_data(seed, comm.rank(), static_cast<std::size_t>(n)),
+                                  MemoryCategory::kOther);
           const CommCounters world_before = comm.counters();
           const CommCounters children_before = watch->children();
           hierarchical_allreduce(data.view(), levels);
@@ -507,8 +511,8 @@ TEST(Lab9Hierarchical, FasterThanTheFlatRingByThePredictedFactor) {
         const float sum = static_cast<float>(layout.world * (layout.world + 1) / 2);
         const std::vector<float> result = grading::host_values(data);
         if (std::ranges::any_of(result, [&](float v) { return v != sum; }))
-          wrong[static_cast<std::size_t>(comm.rank())] =
-              fmt::format("rank {}'s result is not the sum {} of the ranks' values", comm.rank(), sum);
+          wrong[static_cast<std::size_t>(comm.rank())] = fmt::format(
+              "rank {}'s result is not the sum {} of the ranks' values", comm.rank(), sum);
       });
       lab = *std::max_element(took.begin(), took.end());
       for (const std::string& w : wrong)
@@ -521,11 +525,11 @@ TEST(Lab9Hierarchical, FasterThanTheFlatRingByThePredictedFactor) {
                                    grading::type_name(error), error.what(), draws.describe());
       continue;
     }
-    const double flat = simulate(layout, network, draws, [&](Communicator& comm, Communicator&,
-                                                              Communicator&) {
-      std::vector<float> data(elements, 1.0f);
-      comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
-    });
+    const double flat =
+        simulate(layout, network, draws, [&](Communicator& comm, Communicator&, Communicator&) {
+          std::vector<float> data(elements, 1.0f);
+          comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+        });
     const double formula = hierarchical_formula(bytes, f);
     const double predicted_factor = flat_formula(bytes, f) / formula;
     const double factor = flat / lab;
@@ -542,9 +546,10 @@ TEST(Lab9Hierarchical, FasterThanTheFlatRingByThePredictedFactor) {
     }
     seen.push_back(fmt::format("{}x on {}", fmt::format("{:.2f}", factor), describe(f)));
   }
-  grading::note_measured(fmt::format("faster than the flat ring by {} (largest deviation from the "
-                                     "closed form {:.2g}%)",
-                                     fmt::join(seen, ", "), worst * 100));
+  grading::note_measured(
+      fmt::format("faster than the flat ring by {} (largest deviation from the "
+                  "closed form {:.2g}%)",
+                  fmt::join(seen, ", "), worst * 100));
 }
 
 // --- Lab9Hsdp ------------------------------------------------------------------------------------
@@ -590,9 +595,10 @@ std::string check_shard(std::span<const float> all, std::size_t shard_size, int 
   for (std::size_t i = 0; i < shard_size; ++i) {
     const float expected = begin + i < all.size() ? all[begin + i] : 0.0f;
     if (std::memcmp(&values[i], &expected, sizeof(float)) != 0)
-      return fmt::format("shard_parameters()[{}] (flat element {}) holds {}; expected {} (node "
-                         "index {} owns [{}, {}))",
-                         i, begin + i, values[i], expected, index, begin, begin + shard_size);
+      return fmt::format(
+          "shard_parameters()[{}] (flat element {}) holds {}; expected {} (node "
+          "index {} owns [{}, {}))",
+          i, begin + i, values[i], expected, index, begin, begin + shard_size);
   }
   return "";
 }
@@ -614,8 +620,8 @@ TEST(Lab9Hsdp, BitwiseTheContractsSumOrderAfterEveryStep) {
             Watched world(comm, watch);
             Model model = training.model();
             const std::size_t psi = model.num_parameters();
-            const std::size_t shard = (psi + static_cast<std::size_t>(layout.k) - 1) /
-                                      static_cast<std::size_t>(layout.k);
+            const std::size_t shard =
+                (psi + static_cast<std::size_t>(layout.k) - 1) / static_cast<std::size_t>(layout.k);
             HsdpOptimizer hsdp(model, world, layout.k, grading::shard_optimizer_factory(options));
             if (hsdp.shard_elements() != shard)
               verdict.fail(fmt::format("shard_elements() is {}; expected ceil(Psi / k) = {}",
@@ -631,26 +637,29 @@ TEST(Lab9Hsdp, BitwiseTheContractsSumOrderAfterEveryStep) {
               const std::vector<float>& expected =
                   exact.parameters_after_step[static_cast<std::size_t>(step - 1)];
               const std::vector<float> seen = model.flat_parameters();
-              const std::string finding = grading::compare_flat(model, seen, expected, 0.0f,
-                                                                "parameter");
+              const std::string finding =
+                  grading::compare_flat(model, seen, expected, 0.0f, "parameter");
               if (!finding.empty()) {
-                verdict.fail(fmt::format("{}, after step {}: {} (the contract's sum order: each "
-                                         "node's sum in rank order, then the nodes', / p)",
-                                         options.optimizer, step, finding));
+                verdict.fail(
+                    fmt::format("{}, after step {}: {} (the contract's sum order: each "
+                                "node's sum in rank order, then the nodes', / p)",
+                                options.optimizer, step, finding));
                 continue;
               }
               if (model.flat_gradients() != local)
-                verdict.fail(fmt::format("step {} changed Parameter::grad; expected the local "
-                                         "gradients left as backward made them",
-                                         step));
-              verdict.expect_empty(check_shard(expected, shard, comm.rank() % layout.k,
-                                               hsdp.shard_parameters()),
-                                   fmt::format("after step {}", step));
+                verdict.fail(
+                    fmt::format("step {} changed Parameter::grad; expected the local "
+                                "gradients left as backward made them",
+                                step));
+              verdict.expect_empty(
+                  check_shard(expected, shard, comm.rank() % layout.k, hsdp.shard_parameters()),
+                  fmt::format("after step {}", step));
             }
             if (verdict.passed())
-              verdict.note(fmt::format("SGD and AdamW on {}: every rank bitwise the contract's "
-                                       "arithmetic after {} steps (Psi = {}, S = {})",
-                                       training.model_name(), options.steps, psi, shard));
+              verdict.note(
+                  fmt::format("SGD and AdamW on {}: every rank bitwise the contract's "
+                              "arithmetic after {} steps (Psi = {}, S = {})",
+                              training.model_name(), options.steps, psi, shard));
           },
           draws);
     }
@@ -658,7 +667,8 @@ TEST(Lab9Hsdp, BitwiseTheContractsSumOrderAfterEveryStep) {
 
 /// The bytes one rank sends in a ring all-reduce of `elements` floats over `ranks` ranks, as
 /// rank `rank` (dp/comm.h's counts: chunk i is [n i / p, n (i+1) / p)).
-std::uint64_t ring_allreduce_bytes(std::uint64_t elements, std::uint64_t ranks, std::uint64_t rank) {
+std::uint64_t ring_allreduce_bytes(std::uint64_t elements, std::uint64_t ranks,
+                                   std::uint64_t rank) {
   if (ranks < 2) return 0;
   const std::uint64_t chunk = elements * (rank + 1) / ranks - elements * rank / ranks;
   return 4 * ((ranks - 1) * chunk + (elements - chunk));
@@ -679,14 +689,16 @@ TEST(Lab9Hsdp, MemoryAndBytesPerRankDdpFsdpHsdp) {
           const std::size_t psi = model.num_parameters();
           const auto k = static_cast<std::size_t>(layout.k);
           const std::size_t s = (psi + k - 1) / k;
-          const auto bytes = [](std::size_t floats) { return static_cast<std::int64_t>(4 * floats); };
+          const auto bytes = [](std::size_t floats) {
+            return static_cast<std::int64_t>(4 * floats);
+          };
           MemoryTracker& tracker = this_rank_memory().tracker();
           const grading::CategoryBytes base = grading::current_bytes(tracker);
           tracker.reset_peaks();
           HsdpOptimizer hsdp(model, world, layout.k, grading::shard_optimizer_factory(options));
-          const std::string name = layout.k == 1            ? "DDP (k = 1)"
+          const std::string name = layout.k == 1              ? "DDP (k = 1)"
                                    : layout.k == layout.world ? "full sharding (k = p)"
-                                                             : "HSDP";
+                                                              : "HSDP";
           // The formulas: optimizer state 2 x 4 S exactly (AdamW), at most one padded flat
           // buffer of communication, a shard of gradients, a shard of parameters.
           const auto judge = [&](const grading::CategoryBytes& held, std::string_view when,
@@ -695,7 +707,8 @@ TEST(Lab9Hsdp, MemoryAndBytesPerRankDdpFsdpHsdp) {
             if (held[MemoryCategory::kOptimizerState] != bytes(2 * s))
               over.push_back(fmt::format("optimizer state {} bytes, expected exactly 8 S = {}",
                                          held[MemoryCategory::kOptimizerState], bytes(2 * s)));
-            const auto at_most = [&](MemoryCategory c, std::int64_t budget, std::string_view formula) {
+            const auto at_most = [&](MemoryCategory c, std::int64_t budget,
+                                     std::string_view formula) {
               if (held[c] > budget)
                 over.push_back(fmt::format("{} {} bytes, at most {} = {}", to_string(c), held[c],
                                            formula, budget));
@@ -706,8 +719,9 @@ TEST(Lab9Hsdp, MemoryAndBytesPerRankDdpFsdpHsdp) {
             at_most(MemoryCategory::kOther, 0, "0");
             if (activations) at_most(MemoryCategory::kActivations, 0, "0");
             if (!over.empty())
-              verdict.fail(fmt::format("{} {} (Psi = {}, k = {}, S = {}), beyond the model's own: {}",
-                                       name, when, psi, k, s, fmt::join(over, "; ")));
+              verdict.fail(
+                  fmt::format("{} {} (Psi = {}, k = {}, S = {}), beyond the model's own: {}", name,
+                              when, psi, k, s, fmt::join(over, "; ")));
           };
           judge(grading::current_bytes(tracker) - base, "after the constructor", true);
           judge(grading::peak_bytes(tracker) - base, "at the constructor's peak", true);
@@ -773,12 +787,13 @@ DesignTruth simulate_case(const DesignCase& c, const Draws& draws) {
   const auto k = static_cast<std::size_t>(f.ranks_per_node);
   const auto p = static_cast<std::size_t>(layout.world);
   DesignTruth truth;
-  truth.flat = simulate(layout, network, draws, [&](Communicator& comm, Communicator&, Communicator&) {
-    std::vector<float> data(n, 1.0f);
-    comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
-  });
-  truth.hierarchical =
-      simulate(layout, network, draws, [&](Communicator&, Communicator& node, Communicator& across) {
+  truth.flat =
+      simulate(layout, network, draws, [&](Communicator& comm, Communicator&, Communicator&) {
+        std::vector<float> data(n, 1.0f);
+        comm.allreduce(std::span(data), ReduceOp::kSum)->wait();
+      });
+  truth.hierarchical = simulate(
+      layout, network, draws, [&](Communicator&, Communicator& node, Communicator& across) {
         std::vector<float> data(n, 1.0f);
         std::vector<float> shard(n / k);
         node.reduce_scatter(std::span<const float>(data), std::span(shard), ReduceOp::kSum)->wait();
@@ -794,8 +809,8 @@ DesignTruth simulate_case(const DesignCase& c, const Draws& draws) {
         comm.allgather(std::span<const float>(shard), std::span(flat))->wait();
       });
   const std::size_t hsdp_shard = (c.num_parameters + k - 1) / k;
-  truth.hsdp =
-      simulate(layout, network, draws, [&](Communicator&, Communicator& node, Communicator& across) {
+  truth.hsdp = simulate(
+      layout, network, draws, [&](Communicator&, Communicator& node, Communicator& across) {
         std::vector<float> flat(hsdp_shard * k, 1.0f);
         std::vector<float> shard(hsdp_shard);
         node.reduce_scatter(std::span<const float>(flat), std::span(shard), ReduceOp::kSum)->wait();
@@ -814,8 +829,8 @@ struct NearMiss {
 };
 
 std::vector<NearMiss> near_misses() {
-  const auto hierarchical_with = [](const DesignCase& c, double across_alpha, double across_chunk_div,
-                                    double across_steps) {
+  const auto hierarchical_with = [](const DesignCase& c, double across_alpha,
+                                    double across_chunk_div, double across_steps) {
     const TwoLevelFabric& f = c.fabric;
     const double b = static_cast<double>(c.allreduce_bytes);
     const double k = f.ranks_per_node;
@@ -890,14 +905,15 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
         log_uniform(draws, "bytes", bytes_low, bytes_high) / (4.0 * static_cast<double>(p)));
     c.allreduce_bytes = 4 * p * std::max<std::size_t>(per_rank, 1);
     // Psi: not a multiple of k nor of p, so that both paddings show.
-    c.num_parameters = c.allreduce_bytes / 4 + static_cast<std::size_t>(draws.integer("Psi - n", 1, 3));
+    c.num_parameters =
+        c.allreduce_bytes / 4 + static_cast<std::size_t>(draws.integer("Psi - n", 1, 3));
     while (c.num_parameters % static_cast<std::size_t>(k) == 0 || c.num_parameters % p == 0)
       ++c.num_parameters;
     cases.push_back(std::move(c));
   };
   draws.section("[bandwidth-bound, NVLink and 10 GbE:]");
-  add("bandwidth-bound", static_cast<int>(draws.integer("nodes", 2, 4)), draws.pick<int>("k", {2, 4}),
-      nvlink, NetworkModel::preset("10gbe").fabric, 1 << 20, 4 << 20);
+  add("bandwidth-bound", static_cast<int>(draws.integer("nodes", 2, 4)),
+      draws.pick<int>("k", {2, 4}), nvlink, NetworkModel::preset("10gbe").fabric, 1 << 20, 4 << 20);
   draws.section("[latency-bound:]");
   LinkModel slow_switch;
   slow_switch.alpha_seconds = log_uniform(draws, "alpha across (s)", 20e-6, 80e-6);
@@ -911,8 +927,8 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
   LinkModel inter;
   inter.alpha_seconds = log_uniform(draws, "alpha across (s)", 2e-6, 50e-6);
   inter.bytes_per_second = log_uniform(draws, "bandwidth across", 1e9, 50e9);
-  add("custom", static_cast<int>(draws.integer("nodes", 2, 3)), draws.pick<int>("k", {2, 3, 4}), intra,
-      inter, 64 << 10, 2 << 20);
+  add("custom", static_cast<int>(draws.integer("nodes", 2, 3)), draws.pick<int>("k", {2, 3, 4}),
+      intra, inter, 64 << 10, 2 << 20);
   draws.section("[InfiniBand:]");
   add("ib-ndr", 2, 4, nvlink, NetworkModel::preset("ib-ndr").fabric, 256 << 10, 2 << 20);
   return cases;
@@ -921,9 +937,10 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
 std::string within(std::string_view what, double predicted, double simulated) {
   const double error = std::abs(predicted - simulated) / simulated;
   if (std::isfinite(predicted) && error <= 0.01) return "";
-  return fmt::format("{} predicted {:.6g} s, the simulated clock {:.6g} s (off by {:.3g}%, at most "
-                     "1%)",
-                     what, predicted, simulated, error * 100);
+  return fmt::format(
+      "{} predicted {:.6g} s, the simulated clock {:.6g} s (off by {:.3g}%, at most "
+      "1%)",
+      what, predicted, simulated, error * 100);
 }
 
 TEST(Lab9Design, PredictsFlatHierarchicalAndShardedTimes) {
@@ -961,15 +978,16 @@ TEST(Lab9Design, PredictsFlatHierarchicalAndShardedTimes) {
       ADD_FAILURE() << fmt::format("{} ({}), all-reduce of {} bytes, Psi = {}: {}. Drawn: {}",
                                    describe(c.fabric), c.why, c.allreduce_bytes, c.num_parameters,
                                    fmt::join(findings, "; "), draws.describe());
-    notes.push_back(fmt::format("{}: hierarchical {:.2f}x the flat ring, HSDP {:.2f}x full sharding",
-                                c.why, truth.flat / truth.hierarchical,
-                                truth.full_sharding / truth.hsdp));
+    notes.push_back(
+        fmt::format("{}: hierarchical {:.2f}x the flat ring, HSDP {:.2f}x full sharding", c.why,
+                    truth.flat / truth.hierarchical, truth.full_sharding / truth.hsdp));
   }
   for (std::size_t m = 0; m < misses.size(); ++m)
     if (!parted[m])
-      ADD_FAILURE() << fmt::format("grader bug: no drawn case puts the plausible wrong formula '{}' "
-                                   "3% from the simulated clock. Drawn: {}",
-                                   misses[m].name, draws.describe());
+      ADD_FAILURE() << fmt::format(
+          "grader bug: no drawn case puts the plausible wrong formula '{}' "
+          "3% from the simulated clock. Drawn: {}",
+          misses[m].name, draws.describe());
   grading::note_measured(fmt::format("{}", fmt::join(notes, "; ")));
 }
 

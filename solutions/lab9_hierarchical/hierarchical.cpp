@@ -40,9 +40,10 @@ void hierarchical_allreduce(TensorView data, const Levels& levels) {
   // SKELETON: throw NotImplemented("lab9::hierarchical_allreduce");
   const auto k = static_cast<std::size_t>(levels.node->size());
   if (data.size() % k != 0)
-    throw Error(fmt::format("hierarchical_allreduce: {} elements are not a multiple of the {} "
-                            "ranks of a node",
-                            data.size(), k));
+    throw Error(
+        fmt::format("hierarchical_allreduce: {} elements are not a multiple of the {} "
+                    "ranks of a node",
+                    data.size(), k));
   // The node's sum of this rank's k-th of the buffer, then the sum over nodes of that shard,
   // then every shard to every rank of the node. The shard is a buffer of its own: the
   // reduce-scatter reads all of `data` while it writes the shard.
@@ -95,9 +96,10 @@ HsdpOptimizer::HsdpOptimizer(Model& model, Communicator& comm, int ranks_per_nod
   state->inner = make_inner(state->shard);
   if (state->inner == nullptr) throw Error("HsdpOptimizer: the factory returned no optimizer");
   if (state->inner->state_size() != state->shard)
-    throw Error(fmt::format("HsdpOptimizer: the factory's optimizer keeps state for {} elements; "
-                            "expected the shard's {}",
-                            state->inner->state_size(), state->shard));
+    throw Error(
+        fmt::format("HsdpOptimizer: the factory's optimizer keeps state for {} elements; "
+                    "expected the shard's {}",
+                    state->inner->state_size(), state->shard));
   const Device device = model.device();
   const auto shard = static_cast<std::int64_t>(state->shard);
   state->flat = Tensor({shard * ranks_per_node}, MemoryCategory::kCommunication, device);
