@@ -622,6 +622,25 @@ TEST(Lab9Hsdp, BitwiseTheContractsSumOrderAfterEveryStep) {
             const std::size_t psi = model.num_parameters();
             const std::size_t shard =
                 (psi + static_cast<std::size_t>(layout.k) - 1) / static_cast<std::size_t>(layout.k);
+            // The constructor's errors (every rank alike, so that none waits for a peer).
+            const std::vector<std::pair<std::string, OptimizerFactory>> bad_factories = {
+                {"an empty factory", OptimizerFactory{}},
+                {"a factory returning nullptr",
+                 [](std::size_t) -> std::unique_ptr<Optimizer> { return nullptr; }},
+                {"a factory whose optimizer keeps state for S + 1 elements",
+                 [&](std::size_t s) { return grading::optimizer_for(options, s + 1); }}};
+            for (const auto& [what, factory] : bad_factories) {
+              try {
+                HsdpOptimizer bad(model, world, layout.k, factory);
+                verdict.fail(
+                    fmt::format("HsdpOptimizer with {} was constructed; expected "
+                                "dp::Error",
+                                what));
+              } catch (const NotImplemented&) {
+                throw;
+              } catch (const Error&) {
+              }
+            }
             HsdpOptimizer hsdp(model, world, layout.k, grading::shard_optimizer_factory(options));
             if (hsdp.shard_elements() != shard)
               verdict.fail(fmt::format("shard_elements() is {}; expected ceil(Psi / k) = {}",
