@@ -729,13 +729,14 @@ TEST(Lab6Clipping, GlobalNormOverTheShards) {
 /// The steps a memory check runs (two: the peaks of a step and what the next keeps).
 constexpr int kMeasuredSteps = 2;
 
-/// The contract's parameters after the memory check's two steps of `training` on `world`
-/// ranks, clipping at `max_norm` when it is positive (lab 2's arithmetic, emulated once in
-/// one process). The memory checks compare every rank's parameters with them bitwise: they
-/// read the tracker, and a design could otherwise give up the arithmetic on the models that
-/// only they build (the speed checks' cheat, where only the memory is measured).
-Trajectory measured_steps(const Training& training, int world, float max_norm) {
-  TrainOptions options = training.for_world(world);
+/// The contract's parameters after the memory check's two steps of `options` (`training`'s
+/// on `world` ranks, or an allocation check's set-up of it), clipping at `max_norm` when it
+/// is positive (lab 2's arithmetic, emulated once in one process). The memory checks compare
+/// every rank's parameters with them bitwise: they read the tracker, and a design could
+/// otherwise give up the arithmetic on the models or set-ups that only they build (the speed
+/// checks' cheat, where only the memory is measured).
+Trajectory measured_steps(const Training& training, TrainOptions options, int world,
+                          float max_norm) {
   options.steps = kMeasuredSteps;
   if (max_norm <= 0) return grading::emulate_data_parallel(options, *training.data, world);
   return grading::emulate_clipped(options, *training.data, world,
@@ -743,17 +744,23 @@ Trajectory measured_steps(const Training& training, int world, float max_norm) {
       .exact;
 }
 
-/// "" when `model`'s parameters after step `step` of a memory check are `exact`'s bitwise,
-/// else the finding, which names `arithmetic`, what `exact` emulates.
+/// measured_steps of `training` itself on `world` ranks.
+Trajectory measured_steps(const Training& training, int world, float max_norm) {
+  return measured_steps(training, training.for_world(world), world, max_norm);
+}
+
+/// "" when `model`'s parameters after step `step` of `run` (a memory check's by default)
+/// are `exact`'s bitwise, else the finding, which names `arithmetic`, what `exact` emulates.
 std::string compare_measured_step(const Model& model, const Trajectory& exact, int step,
-                                  std::string_view arithmetic) {
+                                  std::string_view arithmetic,
+                                  std::string_view run = "the memory check") {
   const std::string finding = grading::compare_parameters(
       model, exact.parameters_after_step[static_cast<std::size_t>(step - 1)], 0.0f);
   if (finding.empty()) return "";
   return fmt::format(
-      "after step {} of the memory check: {} (expected {} bitwise, emulated in one process: a "
-      "design must be right on every model it runs, measured or not)",
-      step, finding, arithmetic);
+      "after step {} of {}: {} (expected {} bitwise, emulated in one process: a design must be "
+      "right on every model it runs, measured or not)",
+      step, run, finding, arithmetic);
 }
 
 /// The memory budgets of one rank training `training` on `world` ranks with `max_norm`:
@@ -969,11 +976,20 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
   Draws draws("Lab6Memory.ShardedStateAndNoAllocation");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training = draw_training(draws, "adamw");
+  const std::vector<grading::StateSetUp> set_ups = grading::state_set_ups();
   for (int world : worlds) {
+    // Each set-up's parameters after its two steps, emulated once in one process: the check
+    // reads the tracker and the heap, and a design could otherwise give up the arithmetic
+    // on the set-ups only it builds (the speed checks' cheat, where only memory is measured).
+    std::vector<Trajectory> exact;
+    for (const grading::StateSetUp& set_up : set_ups)
+      exact.push_back(measured_steps(training, set_up.applied_to(training.for_world(world)), world,
+                                     set_up.max_norm));
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          for (const grading::StateSetUp& set_up : grading::state_set_ups()) {
+          for (std::size_t u = 0; u < set_ups.size(); ++u) {
+            const grading::StateSetUp& set_up = set_ups[u];
             const auto& [kind, floats, max_norm] = set_up;
             const std::string label = set_up.label();
             const TrainOptions options = set_up.applied_to(training.for_world(world));
@@ -996,12 +1012,17 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
                   "none (every buffer of gradients or parameters is a Tensor, charged to its "
                   "category)",
                   label, constructor.large_bytes, grading::kLargeAllocationBytes));
-            for (int step = 1; step <= 2; ++step) {
+            std::string numbers;  // the first step whose parameters differ from the contract's
+            for (int step = 1; step <= kMeasuredSteps; ++step) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               model.zero_grad();
               const grading::StepAllocations a = grading::measure_step_allocations(
                   model, twin, batch, comm, [&] { (void)zero.step(); });
+              // Read from the host copy of the values (no tensor, no tracker account), after
+              // the step's measurements.
+              if (numbers.empty())
+                numbers = compare_measured_step(model, exact[u], step, "lab 2's arithmetic");
               if (!verdict.passed()) continue;
               const std::size_t grads = a.made(MemoryCategory::kGradients);
               const std::size_t others = a.made(MemoryCategory::kCommunication) +
@@ -1044,6 +1065,8 @@ TEST(Lab6Memory, ShardedStateAndNoAllocation) {
             if (!verdict.passed()) continue;
             if (!state.empty())
               verdict.fail(state);
+            else if (!numbers.empty())
+              verdict.fail(fmt::format("{}: {}", label, numbers));
             else if (kind == "adamw")
               verdict.note(fmt::format(
                   "AdamW state 8 S = {} bytes per rank on N = {}, at its peak too; steps allocate "
@@ -1569,16 +1592,16 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
     separates(separated);
     const std::string spec = fmt::format("64-{}-{}-10", h1, h2);
     for (int world : worlds) {
+      const TrainOptions options = grading::design_training(spec, layer_norm, world);
+      const Trajectory exact =
+          grading::emulate_data_parallel(options, grading::design_data(), world);
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
             const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-            Model model = Model::mlp(spec, {.activation = "relu",
-                                            .layer_norm = layer_norm,
-                                            .seed = 3,
-                                            .device = grading::check_device()});
+            Model model = grading::make_check_model(options);
             const std::size_t psi = model.num_parameters();
             const std::size_t buckets = contract_buckets(model, world, cap).size();
             const auto [reference, wrong] = design_formulas(model, world, cap);
@@ -1586,23 +1609,20 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
             std::size_t bytes = 0;
             std::size_t gradient_peak = 0;
             std::size_t communication_peak = 0;
+            std::string numbers;  // the parameters after the step, where they differ
             {
-              const Dataset data = load_dataset("synthetic:64", 5);
-              std::vector<std::size_t> rows(4);
-              for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-              const Batch batch = grading::on_check_device(gather_batch(data, rows));
-              ZeroTwoOptimizer zero(
-                  model, comm,
-                  [](std::size_t s) {
-                    return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
-                  },
-                  cap);
+              const Batch batch = grading::on_check_device(
+                  grading::local_batch(grading::design_data(), options, 0, comm.rank(), world));
+              ZeroTwoOptimizer zero(model, comm, factory_for(options), cap);
               tracker.reset_peaks();
               model.backward(grading::forward(model, batch), batch.labels);
               (void)zero.step();
               gradient_peak = tracker.peak(MemoryCategory::kGradients) - grad_base;
               communication_peak = tracker.peak(MemoryCategory::kCommunication) - comm_base;
               bytes = gradient_peak + communication_peak;
+              // Read from the host copy of the values, once the peaks are read.
+              numbers = compare_measured_step(model, exact, 1, "lab 2's arithmetic",
+                                              "the design check's run");
             }
             if (!verdict.passed()) return;
             // Every plausible mistake the prediction equals, by the mistake alone: on some
@@ -1631,6 +1651,9 @@ TEST(Lab6Design, PredictsGradientPeakBytes) {
                   spec, layer_norm ? " with LayerNorm" : "", world, cap, buckets,
                   buckets == 1 ? "" : "s", predicted, gradient_peak, communication_peak, bytes,
                   static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes), hint));
+            else if (!numbers.empty())
+              verdict.fail(fmt::format("{}{} on N = {}, cap {} bytes: {}", spec,
+                                       layer_norm ? " with LayerNorm" : "", world, cap, numbers));
             else
               verdict.note(fmt::format(
                   "Psi = {} on N = {}, {} bucket{}: gradient peak {} bytes per rank ({:.2f} "
@@ -2642,16 +2665,19 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
          prediction_cases(draws, world == worlds.front())) {
       const Accumulation strategy = drawn_strategy;  // a lambda below captures them
       const int micro = drawn_micro;
+      // The design questions' training, 4 rows per rank in each of the M micro-batches; its
+      // step emulated once in one process with the strategy's arithmetic.
+      TrainOptions options = grading::design_training(spec, layer_norm, world);
+      options.global_batch *= micro;
+      const Trajectory exact =
+          emulate_accumulation(options, grading::design_data(), world, micro, strategy);
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
             MemoryTracker& tracker = this_rank_memory().tracker();
             const std::size_t grad_base = tracker.current(MemoryCategory::kGradients);
             const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-            Model model = Model::mlp(spec, {.activation = "relu",
-                                            .layer_norm = layer_norm,
-                                            .seed = 3,
-                                            .device = grading::check_device()});
+            Model model = grading::make_check_model(options);
             const AccumulationOptions accumulation{.micro_batches = micro,
                                                    .accumulation = strategy};
             const AccumulationCost predicted =
@@ -2660,21 +2686,16 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
             AccumulationCost measured;
             std::size_t gradient_peak = 0;
             std::size_t communication_peak = 0;
+            std::string numbers;  // the parameters after the step, where they differ
             {
-              const Dataset data = load_dataset("synthetic:64", 5);
-              ZeroTwoOptimizer zero(
-                  model, comm,
-                  [](std::size_t s) {
-                    return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
-                  },
-                  cap, 0.0f, accumulation);
+              std::vector<Batch> batches = grading::micro_batches(grading::design_data(), options,
+                                                                  0, comm.rank(), world, micro);
+              ZeroTwoOptimizer zero(model, comm, factory_for(options), cap, 0.0f, accumulation);
               tracker.reset_peaks();
               const CommCounters before = comm.counters();
               for (int m = 0; m < micro; ++m) {
-                std::vector<std::size_t> rows(4);
-                for (std::size_t i = 0; i < rows.size(); ++i)
-                  rows[i] = 4 * static_cast<std::size_t>(m) + i;
-                const Batch batch = grading::on_check_device(gather_batch(data, rows));
+                const Batch batch =
+                    grading::on_check_device(std::move(batches[static_cast<std::size_t>(m)]));
                 model.backward(grading::forward(model, batch), batch.labels);
               }
               (void)zero.step();
@@ -2684,6 +2705,9 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
               measured = {.gradient_peak_bytes = gradient_peak + communication_peak,
                           .bytes_sent = used.of(CommOp::kReduceScatter).bytes_sent +
                                         used.of(CommOp::kAllGather).bytes_sent};
+              // Read from the host copy of the values, once the peaks and counters are read.
+              numbers = compare_measured_step(model, exact, 1, "the strategy's arithmetic",
+                                              "the design check's run");
             }
             if (!verdict.passed()) return;
             // The near misses the prediction equals where the measurement does not, by the
@@ -2728,6 +2752,8 @@ TEST(Lab6Accumulation, PredictsCostEachStrategy) {
                                            : static_cast<double>(predicted.bytes_sent) /
                                                  static_cast<double>(measured.bytes_sent),
                   hint));
+            else if (!numbers.empty())
+              verdict.fail(fmt::format("{}: {}", what, numbers));
             else
               verdict.note(
                   fmt::format("{}: {} bytes at the gradient peak, {} bytes sent, "

@@ -720,18 +720,24 @@ std::size_t replicated_parameter_bytes(std::size_t psi) {
 /// The steps the memory check runs (two: the peaks of a step and what the next keeps).
 constexpr int kMeasuredSteps = 2;
 
-/// Lab 2's parameters after the memory check's two steps of `training` on `world` ranks,
-/// clipping at `max_norm` when it is positive, emulated once in one process. The memory
-/// check compares every rank's shard with them bitwise: it reads the tracker, and a design
-/// could otherwise give up the arithmetic on the models that only it builds (the speed
-/// checks' cheat, where only the memory is measured).
-Trajectory measured_steps(const Training& training, int world, float max_norm) {
-  TrainOptions options = training.for_world(world);
+/// Lab 2's parameters after the memory check's two steps of `options` (`training`'s on
+/// `world` ranks, or an allocation check's set-up of it), clipping at `max_norm` when it is
+/// positive, emulated once in one process. The memory checks compare every rank's shard with
+/// them bitwise: they read the tracker, and a design could otherwise give up the arithmetic
+/// on the models or set-ups that only they build (the speed checks' cheat, where only the
+/// memory is measured).
+Trajectory measured_steps(const Training& training, TrainOptions options, int world,
+                          float max_norm) {
   options.steps = kMeasuredSteps;
   if (max_norm <= 0) return grading::emulate_data_parallel(options, *training.data, world);
   return grading::emulate_clipped(options, *training.data, world,
                                   real_elements_by_rank(training, world), max_norm)
       .exact;
+}
+
+/// measured_steps of `training` itself on `world` ranks.
+Trajectory measured_steps(const Training& training, int world, float max_norm) {
+  return measured_steps(training, training.for_world(world), world, max_norm);
 }
 
 /// One rank of Lab7Memory.ShardPlusTwoUnitsAndTheirBuffers: `training` on `world` ranks,
@@ -1022,11 +1028,26 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
   Draws draws("Lab7Memory.ShardedStateAndNoAllocation");
   const std::vector<int> worlds = draws.world_sizes(6);
   const Training training = grading::draw_sharded_training(draws, "adamw");
+  const std::vector<grading::StateSetUp> set_ups = grading::state_set_ups();
   for (int world : worlds) {
+    // Each set-up's parameters after its two steps, emulated once in one process: the check
+    // reads the tracker and the heap, and a design could otherwise give up the arithmetic
+    // on the set-ups only it builds (the speed checks' cheat, where only memory is measured).
+    std::vector<Trajectory> exact;
+    for (const grading::StateSetUp& set_up : set_ups)
+      exact.push_back(measured_steps(training, set_up.applied_to(training.for_world(world)), world,
+                                     set_up.max_norm));
     run_on_ranks(
         world,
         [&](Communicator& comm, Verdict& verdict) {
-          for (const grading::StateSetUp& set_up : grading::state_set_ups()) {
+          // The parameters' names and this rank's shard as flat indices, for the comparison
+          // after each step; built before any base is read (its values count in them).
+          Model layout = training.model();
+          const std::vector<std::size_t> indices =
+              shard_indices(layout, contract_units(layout, world), comm.rank());
+          const std::vector<float> initial = layout.flat_parameters();
+          for (std::size_t u = 0; u < set_ups.size(); ++u) {
+            const grading::StateSetUp& set_up = set_ups[u];
             const auto& [kind, floats, max_norm] = set_up;
             const std::string label = set_up.label();
             const TrainOptions options = set_up.applied_to(training.for_world(world));
@@ -1058,11 +1079,26 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
             // What one collective call and its wait take from this thread's heap (the Work,
             // the backend's bookkeeping): the hooks may take that much per call they make.
             const grading::HeapUse one_call = grading::heap_of_one_collective_call(comm);
-            for (int step = 1; step <= 2; ++step) {
+            std::string numbers;  // the first step whose shard differs from lab 2's
+            for (int step = 1; step <= kMeasuredSteps; ++step) {
               const Batch batch = grading::on_check_device(
                   grading::local_batch(*training.data, options, step - 1, comm.rank(), world));
               const grading::StepAllocations a = grading::measure_step_allocations(
                   model, twin, batch, comm, [&] { (void)zero.step(); });
+              // Read through a host copy of the shard (no tensor, no tracker account), after
+              // the step's measurements.
+              const auto s = static_cast<std::size_t>(step);
+              if (numbers.empty()) {
+                const std::string finding = check_shard(
+                    layout, indices, zero.shard_parameters(), exact[u].parameters_after_step[s - 1],
+                    s == 1 ? initial : exact[u].parameters_after_step[s - 2], world);
+                if (!finding.empty())
+                  numbers = fmt::format(
+                      "{}, after step {}: {} (expected lab 2's arithmetic bitwise, emulated in "
+                      "one process: a design must be right on every set-up it runs, measured or "
+                      "not)",
+                      label, step, finding);
+              }
               const std::size_t extra_tensors =
                   a.hooked_tensors - std::min(a.hooked_tensors, a.plain_tensors);
               // In all, small blocks too: values kept between forward and backward in heap
@@ -1134,6 +1170,8 @@ TEST(Lab7Memory, ShardedStateAndNoAllocation) {
             if (!verdict.passed()) continue;
             if (!state.empty())
               verdict.fail(state);
+            else if (!numbers.empty())
+              verdict.fail(numbers);
             else if (kind == "adamw")
               verdict.note(fmt::format(
                   "AdamW state 8 S = {} bytes per rank on N = {}, at its peak too; steps allocate "
@@ -2139,39 +2177,64 @@ std::pair<std::size_t, std::vector<WrongFormula>> keep_formulas(Model&, int) {
 }
 #endif
 
-/// The design questions' model: `spec` with ReLU, `layer_norm`, on the check's device.
+/// The design questions' model: `spec` with ReLU, `layer_norm`, on the check's device
+/// (grading::design_training's).
 Model design_model(const std::string& spec, bool layer_norm) {
-  return Model::mlp(spec, {.activation = "relu",
-                           .layer_norm = layer_norm,
-                           .seed = 3,
-                           .device = grading::check_device()});
+  return grading::make_check_model(grading::design_training(spec, layer_norm, 1));
 }
 
+/// What measured_parameter_peak measured of one run.
+struct MeasuredPeak {
+  std::size_t bytes = 0;     ///< peak(kParameters) + peak(kCommunication)
+  std::string numbers = {};  ///< "" when the shard after the step is lab 2's bitwise
+};
+
 /// peak(kParameters) + peak(kCommunication) of one forward, backward and step() (AdamW,
-/// clipping off) of the student's ZeroThreeOptimizer on `design_model(spec, layer_norm)`,
-/// the peaks reset just after its constructor and the bytes counted from before the model,
-/// so that the shard counts.
-std::size_t measured_parameter_peak(const std::string& spec, bool layer_norm, Communicator& comm,
-                                    bool reshard_after_forward) {
+/// clipping off) of the student's ZeroThreeOptimizer on grading::design_training(spec,
+/// layer_norm, N), the peaks reset just after its constructor and the bytes counted from
+/// before the model, so that the shard counts; and the shard after the step against
+/// `exact`, that training emulated once in one process (a design could otherwise give up
+/// the arithmetic on the models only the design checks build).
+MeasuredPeak measured_parameter_peak(const std::string& spec, bool layer_norm,
+                                     const Trajectory& exact, Communicator& comm,
+                                     bool reshard_after_forward) {
+  const int world = comm.size();
+  const TrainOptions options = grading::design_training(spec, layer_norm, world);
+  // The parameters' names and this rank's shard as flat indices, for the comparison after
+  // the step; built before the bases are read (its values count in them, not in the peaks).
+  Model layout = grading::make_check_model(options);
+  const std::vector<std::size_t> indices =
+      shard_indices(layout, contract_units(layout, world), comm.rank());
   MemoryTracker& tracker = this_rank_memory().tracker();
   const std::size_t param_base = tracker.current(MemoryCategory::kParameters);
   const std::size_t comm_base = tracker.current(MemoryCategory::kCommunication);
-  Model model = design_model(spec, layer_norm);
-  const Dataset data = load_dataset("synthetic:64", 5);
-  std::vector<std::size_t> rows(4);
-  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = i;
-  const Batch batch = grading::on_check_device(gather_batch(data, rows));
-  ZeroThreeOptimizer zero(
-      model, comm,
-      [](std::size_t s) {
-        return make_optimizer("adamw", s, 0.01f, 0.0f, 0.0f, grading::check_device());
-      },
-      0.0f, reshard_after_forward);
+  Model model = grading::make_check_model(options);
+  const Batch batch = grading::on_check_device(
+      grading::local_batch(grading::design_data(), options, 0, comm.rank(), world));
+  ZeroThreeOptimizer zero(model, comm, factory_for(options), 0.0f, reshard_after_forward);
   tracker.reset_peaks();
   model.backward(grading::forward(model, batch), batch.labels);
   (void)zero.step();
-  return (tracker.peak(MemoryCategory::kParameters) - param_base) +
-         (tracker.peak(MemoryCategory::kCommunication) - comm_base);
+  MeasuredPeak measured{.bytes = (tracker.peak(MemoryCategory::kParameters) - param_base) +
+                                 (tracker.peak(MemoryCategory::kCommunication) - comm_base)};
+  // Read through a host copy of the shard, once the peaks are read.
+  const std::string finding =
+      check_shard(layout, indices, zero.shard_parameters(), exact.parameters_after_step[0],
+                  layout.flat_parameters(), world);
+  if (!finding.empty())
+    measured.numbers = fmt::format(
+        "after the step of the design check's run with reshard_after_forward = {}: {} (expected "
+        "lab 2's arithmetic bitwise, emulated in one process: a design must be right on every "
+        "model it runs, measured or not)",
+        reshard_after_forward, finding);
+  return measured;
+}
+
+/// Lab 2's parameters after grading::design_training(spec, layer_norm, world)'s step,
+/// emulated once in one process.
+Trajectory design_step(const std::string& spec, bool layer_norm, int world) {
+  return grading::emulate_data_parallel(grading::design_training(spec, layer_norm, world),
+                                        grading::design_data(), world);
 }
 
 /// Whether the MLP `spec` (ReLU, LayerNorm or not) pads where two near misses part from the
@@ -2236,6 +2299,7 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
     }
     separation.add(spec, layer_norm);
     for (int world : worlds) {
+      const Trajectory exact = design_step(spec, layer_norm, world);
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
@@ -2244,7 +2308,9 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
             const std::size_t units = contract_units(model, world).size();
             const auto [reference, wrong] = design_formulas(model, world);
             const std::size_t predicted = predicted_parameter_peak_bytes(model, world);
-            const std::size_t bytes = measured_parameter_peak(spec, layer_norm, comm, true);
+            const MeasuredPeak measured =
+                measured_parameter_peak(spec, layer_norm, exact, comm, true);
+            const std::size_t bytes = measured.bytes;
             if (!verdict.passed()) return;
             const std::string wrong_one = named_near_miss(
                 wrong, static_cast<std::int64_t>(predicted), static_cast<std::int64_t>(bytes),
@@ -2257,6 +2323,10 @@ TEST(Lab7Design, PredictsParameterPeakBytes) {
                   predicted, bytes,
                   static_cast<std::int64_t>(predicted) - static_cast<std::int64_t>(bytes),
                   wrong_one));
+            else if (!measured.numbers.empty())
+              verdict.fail(fmt::format("{}{} on N = {}: {}", spec,
+                                       layer_norm ? " with LayerNorm" : "", world,
+                                       measured.numbers));
             else
               verdict.note(fmt::format(
                   "Psi = {} on N = {}, {} unit{}: parameter peak {} bytes per rank ({:.2f} bytes "
@@ -2308,6 +2378,7 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
     }
     separation.add(spec, layer_norm);
     for (int world : worlds) {
+      const Trajectory exact = design_step(spec, layer_norm, world);
       run_on_ranks(
           world,
           [&](Communicator& comm, Verdict& verdict) {
@@ -2316,8 +2387,11 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
             const std::size_t units = contract_units(model, world).size();
             const auto [reference, wrong] = keep_formulas(model, world);
             const std::size_t predicted = predicted_keep_gathered_extra_bytes(model, world);
-            const std::size_t resharding = measured_parameter_peak(spec, layer_norm, comm, true);
-            const std::size_t keeping = measured_parameter_peak(spec, layer_norm, comm, false);
+            const MeasuredPeak reshard =
+                measured_parameter_peak(spec, layer_norm, exact, comm, true);
+            const MeasuredPeak keep = measured_parameter_peak(spec, layer_norm, exact, comm, false);
+            const std::size_t resharding = reshard.bytes;
+            const std::size_t keeping = keep.bytes;
             if (!verdict.passed()) return;
             const auto extra =
                 static_cast<std::int64_t>(keeping) - static_cast<std::int64_t>(resharding);
@@ -2331,6 +2405,10 @@ TEST(Lab7Design, PredictsKeepGatheredExtraBytes) {
                   "communication add to {} keeping and {} resharding: {:+} bytes keeping{}",
                   spec, layer_norm ? " with LayerNorm" : "", world, units, units == 1 ? "" : "s",
                   predicted, keeping, resharding, extra, wrong_one));
+            else if (!reshard.numbers.empty() || !keep.numbers.empty())
+              verdict.fail(fmt::format("{}{} on N = {}: {}", spec,
+                                       layer_norm ? " with LayerNorm" : "", world,
+                                       reshard.numbers.empty() ? keep.numbers : reshard.numbers));
             else
               verdict.note(fmt::format(
                   "Psi = {} on N = {}, {} unit{}: keeping the units gathered holds {} bytes "

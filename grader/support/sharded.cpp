@@ -78,6 +78,26 @@ ShardedTraining draw_sharded_training(Draws& draws, const std::string& optimizer
   return training;
 }
 
+TrainOptions design_training(const std::string& spec, bool layer_norm, int world) {
+  TrainOptions options;
+  options.model = spec;
+  options.activation = "relu";
+  options.layer_norm = layer_norm;
+  options.seed = 3;
+  options.optimizer = "adamw";
+  options.lr = 0.01f;
+  options.weight_decay = 0.0f;
+  options.steps = 1;
+  options.dataset = "synthetic:128";
+  options.global_batch = 4 * static_cast<std::int64_t>(world);
+  return options;
+}
+
+const Dataset& design_data() {
+  static const Dataset data = load_dataset("synthetic:128", 5);
+  return data;
+}
+
 ShardedTraining sgd_with_momentum_on_the_same_model(Draws& draws, const ShardedTraining& first) {
   ShardedTraining sgd = draw_sharded_training(draws, "sgd");
   sgd.options.momentum = 0.9f;

@@ -92,6 +92,18 @@ ShardedTraining draw_sharded_gpt_training(Draws& draws, const std::string& optim
 /// under another name than AdamW's, so a check that saves or shards state runs both.
 ShardedTraining sgd_with_momentum_on_the_same_model(Draws& draws, const ShardedTraining& first);
 
+/// The training the design questions of labs 6 and 7 measure: the MLP `spec` with ReLU and
+/// `layer_norm`, weights of seed 3, AdamW (lr 0.01, no weight decay), one step on `world`
+/// ranks of 4 rows each of design_data(). Their checks compare every rank's parameters
+/// after that step with emulate_data_parallel's on it: they read the tracker's peaks, and
+/// a design could otherwise give up the arithmetic on the models only they build.
+TrainOptions design_training(const std::string& spec, bool layer_norm, int world);
+
+/// The design questions' data set: synthetic:128 (lab 6's accumulation design question
+/// takes 4 rows per rank in each of up to 4 micro-batches on up to 6 ranks), seed 5, loaded
+/// once and shared by every rank (read-only).
+const Dataset& design_data();
+
 /// The contract's clipping arithmetic of the sharded labs, applied to the averaged flat
 /// gradient `g`: rank r's partial squared norm is dp::dot's (double, in index order) over
 /// the elements `real_by_rank[r]` lists (flat indices of its shard's real elements, in
