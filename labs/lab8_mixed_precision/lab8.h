@@ -90,7 +90,9 @@ class LossScaler {
   float scale() const;
   /// `(float)(1.0 / (double)scale())`.
   float inverse_scale() const;
-  /// Clean steps in a row since S last changed (or since the start).
+  /// Clean steps counted toward the next growth: back to 0 after an overflow and after every
+  /// growth_interval-th clean step, whether S grew then or a growth to infinity was refused
+  /// (S unchanged); 0 at the start.
   int growth_tracker() const;
   /// Steps skipped so far.
   std::int64_t skipped_steps() const;
@@ -196,7 +198,16 @@ using OptimizerFactory = std::function<std::unique_ptr<Optimizer>(std::size_t sh
 ///       - `kGradients`: at most 6 S (a 16-bit and a float32 shard of the gradient);
 ///       - `kParameters`: at most 2 S (a 16-bit shard of the parameters);
 ///       - `kActivations` and `kOther`: nothing.
+///   * Heap: step() allocates every buffer it uses in the constructor, as Tensors; on the
+///     rank's thread it takes no heap block of 1 KiB or more (a std::vector, new) and in all
+///     at most what its calls and their waits take and 2 KiB to spare (lab 5's rule). Skipped
+///     steps, and the constructor, are measured as the others.
 ///   * Parameters must be trainable: the constructor rejects a frozen one.
+///
+/// MixedZeroOne need not use `MasterWeightOptimizer`, and cannot reuse its buffers: they are
+/// private to it, and a wrapper over the shard (4 S bytes of float32 gradient in kGradients)
+/// beside a float32 gradient shard of your own would exceed the 6 S above. Write the shard's
+/// step with the same arithmetic, or wrap one and keep no float32 gradient of your own.
 class MixedZeroOne {
  public:
   /// Sets up ZeRO-1 for the 16-bit `model` on `comm` with a loss scaler of `scaler`. Makes
