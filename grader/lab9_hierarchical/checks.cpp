@@ -48,6 +48,7 @@
 #include "dp/tensor_ops.h"
 #include "grading.h"
 #include "ground_truth.h"
+#include "heap_use.h"
 #include "lab9.h"
 #include "memory_check.h"
 #include "sharded.h"
@@ -233,6 +234,27 @@ std::string world_calls(const CommCounters& since) {
       "are on the node's and the across communicators only (a native all-reduce of all ranks "
       "is the flat ring this lab improves on)",
       calls, since.total_bytes_sent());
+}
+
+/// "" when the calls on the communicators split from the one given, `counted` since a step
+/// began, are the contract's: one reduce-scatter and one all-gather inside the node and one
+/// all-reduce across, every call counted (barriers and calls of zero bytes too).
+std::string step_calls(const CommCounters& counted) {
+  std::vector<std::string> wrong;
+  for (std::size_t i = 0; i < kNumCommOps; ++i) {
+    const auto op = static_cast<CommOp>(i);
+    const std::uint64_t expected =
+        op == CommOp::kReduceScatter || op == CommOp::kAllReduce || op == CommOp::kAllGather ? 1
+                                                                                             : 0;
+    if (counted.of(op).calls != expected)
+      wrong.push_back(fmt::format("{} {}", counted.of(op).calls, to_string(op)));
+  }
+  if (wrong.empty()) return "";
+  return fmt::format(
+      "{} call(s) on the node's and the across communicators; expected exactly one "
+      "reduce-scatter, one all-reduce and one all-gather per step, nothing else (no barrier, "
+      "no call of zero bytes)",
+      fmt::join(wrong, ", "));
 }
 
 /// "" when the bytes sent and received per link class are the expected ones.
@@ -605,7 +627,10 @@ std::string check_shard(std::span<const float> all, std::size_t shard_size, int 
 
 TEST(Lab9Hsdp, BitwiseTheContractsSumOrderAfterEveryStep) {
   Draws draws("Lab9Hsdp.BitwiseTheContractsSumOrderAfterEveryStep");
-  const std::vector<Layout> layouts = drawn_layouts(draws);
+  std::vector<Layout> layouts = drawn_layouts(draws);
+  // 3 nodes of 3: neither N nor k a power of two, so that dividing by N and then by k (an
+  // average across, say) rounds differently from dividing by p once, as the contract says.
+  if (grading::check_backend() == Backend::kLocal) layouts.push_back({9, 3});
   std::vector<Training> trainings;
   for (const std::string optimizer : {"sgd", "adamw"})
     trainings.push_back(draw_training(draws, optimizer, layouts));
@@ -756,7 +781,19 @@ TEST(Lab9Hsdp, MemoryAndBytesPerRankDdpFsdpHsdp) {
             const grading::CategoryBytes before = grading::current_bytes(tracker);
             const CommCounters world_before = comm.counters();
             const CommCounters children_before = watch->children();
+            // The constructor allocates every buffer: step() makes no tensor and takes no
+            // large block from the heap (a flat buffer made per step is both).
+            const std::size_t tensors_before = tracker.allocations_total();
+            const grading::HeapUse heap_before = grading::heap_use_of_this_thread();
             hsdp.step();
+            const grading::HeapUse step_heap =
+                grading::heap_use_of_this_thread().since(heap_before);
+            const std::size_t step_tensors = tracker.allocations_total() - tensors_before;
+            if (step_tensors != 0 || step_heap.large_bytes != 0)
+              verdict.fail(fmt::format(
+                  "step {} allocated {} tensor(s) and {} bytes in blocks of {} bytes or more "
+                  "from the heap; expected none (the constructor allocates every buffer)",
+                  step, step_tensors, step_heap.large_bytes, grading::kLargeAllocationBytes));
             // The model's forward keeps its activations: they are the model's, not the step's.
             judge(grading::current_bytes(tracker) - base, fmt::format("after step {}", step),
                   false);
@@ -767,6 +804,7 @@ TEST(Lab9Hsdp, MemoryAndBytesPerRankDdpFsdpHsdp) {
             verdict.expect_empty(world_calls(comm.counters().since(world_before)),
                                  fmt::format("step {}", step));
             const CommCounters moved = watch->children().since(children_before);
+            verdict.expect_empty(step_calls(moved), fmt::format("step {}", step));
             verdict.expect_empty(link_bytes(moved, intra, inter),
                                  fmt::format("step {} ({}, S = {})", step, name, s));
           }
@@ -868,8 +906,10 @@ double log_uniform(Draws& draws, std::string_view name, double low, double high)
 std::vector<DesignCase> draw_design_cases(Draws& draws) {
   std::vector<DesignCase> cases;
   const LinkModel nvlink = NetworkModel::preset("nvlink").fabric;
+  // psi_per_rank > 0 sets Psi = p x psi_per_rank + 1: a model of a few parameters per rank,
+  // whose padding is a large part of every shard.
   const auto add = [&](std::string why, int nodes, int k, LinkModel intra, LinkModel inter,
-                       double bytes_low, double bytes_high) {
+                       double bytes_low, double bytes_high, std::size_t psi_per_rank = 0) {
     DesignCase c;
     c.why = std::move(why);
     c.fabric = {nodes, k, intra, inter};
@@ -879,7 +919,9 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
     c.allreduce_bytes = 4 * p * std::max<std::size_t>(per_rank, 1);
     // Psi: not a multiple of k nor of p, so that both paddings show.
     c.num_parameters =
-        c.allreduce_bytes / 4 + static_cast<std::size_t>(draws.integer("Psi - n", 1, 3));
+        psi_per_rank > 0
+            ? p * psi_per_rank + 1
+            : c.allreduce_bytes / 4 + static_cast<std::size_t>(draws.integer("Psi - n", 1, 3));
     while (c.num_parameters % static_cast<std::size_t>(k) == 0 || c.num_parameters % p == 0)
       ++c.num_parameters;
     cases.push_back(std::move(c));
@@ -904,6 +946,41 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
       intra, inter, 64 << 10, 2 << 20);
   draws.section("[InfiniBand:]");
   add("ib-ndr", 2, 4, nvlink, NetworkModel::preset("ib-ndr").fabric, 256 << 10, 2 << 20);
+  // A node fabric slower than the network between nodes (GPUs on PCIe, a fast NIC each): the
+  // flat ring's step is paced by its hop inside a node, not by the one across.
+  draws.section("[PCIe inside, InfiniBand across:]");
+  LinkModel pcie;
+  pcie.alpha_seconds = log_uniform(draws, "alpha inside (s)", 2e-6, 5e-6);
+  pcie.bytes_per_second = log_uniform(draws, "bandwidth inside", 12e9, 25e9);
+  add("PCIe inside", static_cast<int>(draws.integer("nodes", 2, 4)), draws.pick<int>("k", {2, 4}),
+      pcie, NetworkModel::preset("ib-ndr").fabric, 4 << 20, 16 << 20);
+  // The larger alpha on one level, the smaller bandwidth on the other (a switch of high latency
+  // inside, slow NICs of low latency across), chunks where both terms weigh: a flat step is
+  // the slower of the two hops, not the larger alpha plus the chunk at the smaller bandwidth.
+  draws.section("[latency inside, bandwidth across:]");
+  LinkModel latent;
+  latent.alpha_seconds = log_uniform(draws, "alpha inside (s)", 10e-6, 20e-6);
+  latent.bytes_per_second = log_uniform(draws, "bandwidth inside", 100e9, 450e9);
+  LinkModel narrow;
+  narrow.alpha_seconds = log_uniform(draws, "alpha across (s)", 1e-6, 2e-6);
+  narrow.bytes_per_second = log_uniform(draws, "bandwidth across", 2e9, 5e9);
+  {
+    const int nodes = static_cast<int>(draws.integer("nodes", 2, 4));
+    const int k = draws.pick<int>("k", {2, 4});
+    const double p = nodes * k;
+    add("latency inside, bandwidth across", nodes, k, latent, narrow, p * (20 << 10),
+        p * (100 << 10));
+  }
+  // A model of a few parameters per rank on links without latency: only bytes count, and the
+  // shards' padding (Psi = p m + 1) is up to 3/8 of them.
+  draws.section("[a few parameters per rank:]");
+  LinkModel bare_intra = nvlink;
+  bare_intra.alpha_seconds = 0;
+  LinkModel bare_inter = NetworkModel::preset("10gbe").fabric;
+  bare_inter.alpha_seconds = 0;
+  add("a few parameters per rank", static_cast<int>(draws.integer("nodes", 2, 3)),
+      draws.pick<int>("k", {2, 4}), bare_intra, bare_inter, 64 << 10, 256 << 10,
+      static_cast<std::size_t>(draws.integer("Psi / p (rounded down)", 1, 3)));
   return cases;
 }
 

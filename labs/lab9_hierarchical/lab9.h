@@ -141,7 +141,7 @@ class HsdpOptimizer {
   /// S = ceil(Psi / k).
   std::size_t shard_elements() const;
   /// This rank's shard of the parameters: (S), elements [i S, (i+1) S) of the flat index
-  /// space for node index i, its padding zero.
+  /// space, i = r mod k its index in its node (not its node's number), its padding zero.
   const Tensor& shard_parameters() const;
   /// The optimizer `make_inner` made.
   Optimizer& inner();

@@ -4,9 +4,10 @@
 //
 // The check grades the predictions against the simulated clock, which is the answer; these
 // only make sure, on every run, that the draws put each plausible mistake at least 3% from
-// it (a grader bug otherwise). The selftests' planted bugs predicts_with_one_alpha and
-// predicts_the_flat_ring_at_nvlink_pace are two of them. Included by checks.cpp after
-// NearMiss, DesignCase and step_on, in its anonymous namespace.
+// it (a grader bug otherwise). The selftests' planted bugs predicts_with_one_alpha,
+// predicts_the_flat_ring_at_nvlink_pace, flat_ring_without_the_hop_inside,
+// flat_ring_with_the_worst_of_each_level and shards_without_padding are among them. Included by
+// checks.cpp after NearMiss, DesignCase and step_on, in its anonymous namespace.
 #pragma once
 
 /// The right formulas with one term changed, each with the schedule it is a formula of.
@@ -47,6 +48,40 @@ inline std::vector<NearMiss> near_misses() {
          return 2.0 * (p - 1) * step_on(f.intra, static_cast<double>(c.allreduce_bytes) / p);
        },
        [](const DesignTruth& t) { return t.flat; }},
+      {"the flat ring's step as its hop across nodes only (not the slower of the two hops)",
+       [](const DesignCase& c) {
+         const TwoLevelFabric& f = c.fabric;
+         const int p = f.nodes * f.ranks_per_node;
+         return 2.0 * (p - 1) * step_on(f.inter, static_cast<double>(c.allreduce_bytes) / p);
+       },
+       [](const DesignTruth& t) { return t.flat; }},
+      {"the flat ring's step as the larger alpha plus the chunk at the smaller bandwidth",
+       [](const DesignCase& c) {
+         const TwoLevelFabric& f = c.fabric;
+         const int p = f.nodes * f.ranks_per_node;
+         LinkModel worst;
+         worst.alpha_seconds = std::max(f.intra.alpha_seconds, f.inter.alpha_seconds);
+         worst.bytes_per_second = std::min(f.intra.bytes_per_second, f.inter.bytes_per_second);
+         return 2.0 * (p - 1) * step_on(worst, static_cast<double>(c.allreduce_bytes) / p);
+       },
+       [](const DesignTruth& t) { return t.flat; }},
+      {"full sharding's step without the padding (4 Psi / p bytes a shard, not 4 ceil(Psi / p))",
+       [](const DesignCase& c) {
+         const TwoLevelFabric& f = c.fabric;
+         const double p = f.nodes * f.ranks_per_node;
+         const double shard = 4.0 * static_cast<double>(c.num_parameters) / p;
+         return 2.0 * (p - 1) * std::max(step_on(f.intra, shard), step_on(f.inter, shard));
+       },
+       [](const DesignTruth& t) { return t.full_sharding; }},
+      {"HSDP's step without the padding (4 Psi / k bytes a shard, not 4 ceil(Psi / k))",
+       [](const DesignCase& c) {
+         const TwoLevelFabric& f = c.fabric;
+         const double k = f.ranks_per_node;
+         const double shard = 4.0 * static_cast<double>(c.num_parameters) / k;
+         return 2.0 * (k - 1) * step_on(f.intra, shard) +
+                2.0 * (f.nodes - 1) * step_on(f.inter, shard / f.nodes);
+       },
+       [](const DesignTruth& t) { return t.hsdp; }},
       {"full sharding as one collective (p - 1 steps, not 2 (p - 1))",
        [](const DesignCase& c) {
          TwoLevelFabric f = c.fabric;
