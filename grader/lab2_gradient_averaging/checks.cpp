@@ -206,26 +206,6 @@ struct StepRecord {
   std::size_t activation_budget = 0;   // ... and one micro-batch's forward and backward
 };
 
-/// Wraps `comm` for lab code: every call it issues is passed on, and `misplaced` becomes
-/// the description of the first call (since it was last cleared) whose input or output is
-/// not on `device`, the model's. The buffers' devices are read from the calls themselves,
-/// which lab code cannot change: a view has its tensor's device, and one of host memory
-/// (a std::vector's) says host (the audit refuses views built from pointers).
-void watch_buffer_devices(grading::RecordingCommunicator& recorder, Device device,
-                          std::string& misplaced) {
-  recorder.set_issue_callback([device, &misplaced](std::size_t, const grading::RecordedCall& call,
-                                                   ConstBuffer in, MutableBuffer out) {
-    if (!misplaced.empty()) return;
-    const auto off_device = [&](std::size_t count, Device where, const char* which) {
-      if (count == 0 || where == device) return false;
-      misplaced = fmt::format("the {} of {} is {} memory, the model's on {}", which,
-                              grading::describe(call), to_string(where), to_string(device));
-      return true;
-    };
-    if (!off_device(in.count, in.device, "input")) off_device(out.count, out.device, "output");
-  });
-}
-
 /// Trains on this rank with the student's per-parameter or flat averaging (the loop of the
 /// handout, run by the grader) and calls `after` after every step.
 void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
@@ -250,7 +230,7 @@ void run_sync(const DrawnSetup& setup, Sync sync, Communicator& comm,
   // Lab code gets a communicator that notes where each call's buffers live.
   grading::RecordingCommunicator recorder(comm);
   std::string misplaced;
-  watch_buffer_devices(recorder, model.device(), misplaced);
+  grading::watch_buffer_devices(recorder, model.device(), misplaced);
   // A buffer like the flat one, for the baseline of what one all-reduce allocates.
   Tensor scratch({static_cast<std::int64_t>(model.num_trainable_parameters())},
                  MemoryCategory::kCommunication, model.device());
@@ -305,7 +285,7 @@ void run_accumulation(const DrawnSetup& setup, Communicator& comm,
                                         model.num_parameters());
   grading::RecordingCommunicator recorder(comm);
   std::string misplaced;
-  watch_buffer_devices(recorder, model.device(), misplaced);
+  grading::watch_buffer_devices(recorder, model.device(), misplaced);
   MemoryTracker& tracker = this_rank_memory().tracker();
   // The activation budget: what one forward and backward of one micro-batch takes, measured
   // on a model of the same architecture that has run nothing yet (it holds no activations

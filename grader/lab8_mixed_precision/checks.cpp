@@ -343,23 +343,12 @@ void train_and_compare(const Training& t, int world, const Expected& expected, W
           gather_bytes = comm.counters().since(before).total_bytes_sent();
         }
         // Lab code gets a communicator that notes where each call's buffers live (lab 2's
-        // watch): the overflow flag's all-reduce must be in a buffer on the model's device,
-        // which only a run on a device (--device emulated) tells from a host buffer.
+        // watch, grading::watch_buffer_devices): the overflow flag's all-reduce must be in a
+        // buffer on the model's device, which only a run on a device (--device emulated)
+        // tells from a host buffer.
         grading::RecordingCommunicator recorder(comm);
         std::string misplaced;
-        recorder.set_issue_callback([device, &misplaced](std::size_t,
-                                                         const grading::RecordedCall& call,
-                                                         ConstBuffer in, MutableBuffer out) {
-          if (!misplaced.empty()) return;
-          const auto off_device = [&](std::size_t count, Device where, const char* which) {
-            if (count == 0 || where == device) return false;
-            misplaced = fmt::format("the {} of {} is {} memory, the model's on {}", which,
-                                    grading::describe(call), to_string(where), to_string(device));
-            return true;
-          };
-          if (!off_device(in.count, in.device, "input"))
-            off_device(out.count, out.device, "output");
-        });
+        grading::watch_buffer_devices(recorder, device, misplaced);
         MixedZeroOne zero(
             model, recorder, [&](std::size_t s) { return inner.make(s, device); }, t.scaler);
         // The first difference of step `step` from the emulation, "" when there is none.

@@ -133,4 +133,18 @@ void RecordingCommunicator::barrier() {
   inner_.barrier();
 }
 
+void watch_buffer_devices(RecordingCommunicator& recorder, Device device, std::string& misplaced) {
+  recorder.set_issue_callback([device, &misplaced](std::size_t, const RecordedCall& call,
+                                                   ConstBuffer in, MutableBuffer out) {
+    if (!misplaced.empty()) return;
+    const auto off_device = [&](std::size_t count, Device where, const char* which) {
+      if (count == 0 || where == device) return false;
+      misplaced = fmt::format("the {} of {} is {} memory, the model's on {}", which, describe(call),
+                              to_string(where), to_string(device));
+      return true;
+    };
+    if (!off_device(in.count, in.device, "input")) off_device(out.count, out.device, "output");
+  });
+}
+
 }  // namespace dp::grading

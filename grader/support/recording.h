@@ -113,4 +113,11 @@ class RecordingCommunicator final : public Communicator {
   WaitCallback on_wait_;
 };
 
+/// Sets `recorder`'s issue callback so that `misplaced` becomes the description of the first
+/// call (since it was last cleared) whose input or output is not on `device`, the model's.
+/// The buffers' devices are read from the calls themselves, which lab code cannot change: a
+/// view has its tensor's device, and one of host memory (a std::vector's) says host (the
+/// audit refuses views built from pointers). Labs 2 and 8 watch their calls with it.
+void watch_buffer_devices(RecordingCommunicator& recorder, Device device, std::string& misplaced);
+
 }  // namespace dp::grading
