@@ -2,10 +2,14 @@
 // the one-process emulation of their 16-bit arithmetic (the reduce type's rounding and fp16's
 // skipped steps included), 16 bytes per parameter with AdamW, the emulated device bitwise the
 // host, and what has no 16-bit path refused.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -200,6 +204,166 @@ TEST_F(MixedPrecisionOnTheEmulatedDevice, TrainsBitwiseAsOnTheHost) {
     expect_bitwise(device.replicas[1], host.replicas[0], "device replica");
     expect_bitwise(dp::train_emulating_data_parallel(options, data, 2).model.flat_parameters(),
                    host.replicas[0], "device emulation");
+  }
+}
+
+
+// --- closeness to float32 (dplab train --verify) ------------------------------------------
+
+/// The default MLP's options, shortened to 60 steps, with every step reported.
+dp::TrainOptions close_options(dp::DataType precision, const char* optimizer) {
+  dp::TrainOptions options;
+  options.steps = 60;
+  options.optimizer = optimizer;
+  options.lr = std::string(optimizer) == "adamw" ? 0.003f : 0.1f;
+  options.log_every = 1;
+  options.precision = precision;
+  return options;
+}
+
+// A correct mixed-precision run is within the tolerance of the same run in float32, on 1 and 4
+// ranks, and float16 replays its skipped steps in float32.
+TEST(MixedPrecisionCloseToFloat32, CorrectRunsAreWithinTheTolerance) {
+  const dp::Dataset data = dp::load_dataset("synthetic", 0);
+  for (const dp::DataType precision : {dp::DataType::kBFloat16, dp::DataType::kFloat16})
+    for (const char* optimizer : {"sgd", "adamw"})
+      for (const int world : {1, 4}) {
+        const dp::TrainOptions options = close_options(precision, optimizer);
+        const dp::TrainResult mixed = dp::train_emulating_data_parallel(options, data, world);
+        const dp::Float32Comparison comparison =
+            dp::compare_with_float32(options, data, world, mixed);
+        EXPECT_TRUE(comparison.close())
+            << dp::to_string(precision) << " " << optimizer << " on " << world
+            << " ranks: gap " << comparison.relative_gap << ", tolerance "
+            << comparison.tolerance;
+        EXPECT_EQ(comparison.steps_compared, 15);
+        EXPECT_EQ(comparison.unit_roundoff, dp::unit_roundoff_of(precision));
+        EXPECT_GT(comparison.sensitivity, 0.0);  // the perturbed run moved
+      }
+}
+
+// The check can fail: a run whose update is wrong by the factor a forgotten average or a
+// forgotten unscaling gives is far outside the tolerance.
+TEST(MixedPrecisionCloseToFloat32, AWrongUpdateIsNotClose) {
+  const dp::Dataset data = dp::load_dataset("synthetic", 0);
+  for (const dp::DataType precision : {dp::DataType::kBFloat16, dp::DataType::kFloat16}) {
+    const dp::TrainOptions options = close_options(precision, "sgd");
+    // Gradients summed over 4 ranks but not divided by 4: SGD at 4 times the rate.
+    dp::TrainOptions summed = options;
+    summed.lr *= 4;
+    const dp::Float32Comparison comparison = dp::compare_with_float32(
+        options, data, 4, dp::train_emulating_data_parallel(summed, data, 4));
+    EXPECT_FALSE(comparison.close())
+        << dp::to_string(precision) << ": gap " << comparison.relative_gap << ", tolerance "
+        << comparison.tolerance;
+    EXPECT_GT(comparison.relative_gap, 0.2);
+    // A NaN loss is never close.
+    dp::TrainResult broken = dp::train_emulating_data_parallel(options, data, 1);
+    broken.reports.back().loss = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_FALSE(dp::compare_with_float32(options, data, 1, broken).close());
+  }
+}
+
+TEST(MixedPrecisionCloseToFloat32, NeedsEveryStepReported) {
+  const dp::Dataset data = dp::load_dataset("synthetic", 0);
+  dp::TrainOptions options = close_options(dp::DataType::kBFloat16, "sgd");
+  options.log_every = 10;
+  const dp::TrainResult mixed = dp::train_emulating_data_parallel(options, data, 1);
+  const std::string message =
+      error_message([&] { dp::compare_with_float32(options, data, 1, mixed); });
+  EXPECT_NE(message.find("report every step (log_every 1), got 6 reports"), std::string::npos)
+      << message;
+  EXPECT_NE(error_message([] { dp::unit_roundoff_of(dp::DataType::kFloat32); }).find(
+                "expected bfloat16 or float16, got float32"),
+            std::string::npos);
+}
+
+// steps_to_skip leaves out exactly those optimizer steps, as float16's overflows do.
+TEST(MixedPrecisionCloseToFloat32, SkippedStepsReplayInFloat32) {
+  const dp::Dataset data = small_data();
+  dp::TrainOptions options = mixed_options(dp::DataType::kFloat32, "adamw");
+  options.steps_to_skip = {2, 5};
+  const dp::TrainResult skipping = dp::train_emulating_data_parallel(options, data, 2);
+  EXPECT_EQ(skipping.optimizer->step_count(), options.steps - 2);
+  options.steps_to_skip.clear();
+  EXPECT_NE(dp::train_emulating_data_parallel(options, data, 2).model.flat_parameters(),
+            skipping.model.flat_parameters());
+  options.steps_to_skip = {0};
+  EXPECT_NE(error_message([&] { dp::train_emulating_data_parallel(options, data, 2); })
+                .find("steps_to_skip: step 0 is not a step of the run; expected 1 to 25"),
+            std::string::npos);
+}
+
+/// The default model's runs the tolerance of `mixed_precision_loss_tolerance` is measured on.
+struct LossGapCase {
+  const char* optimizer;
+  float lr;
+  float momentum;
+  int world;
+};
+
+constexpr LossGapCase kLossGapCases[] = {
+    {"sgd", 0.1f, 0.0f, 1},      {"sgd", 0.1f, 0.0f, 4},      {"sgd", 0.05f, 0.9f, 1},
+    {"sgd", 0.05f, 0.9f, 4},     {"adamw", 0.003f, 0.0f, 1}, {"adamw", 0.003f, 0.0f, 4},
+    {"adamw", 0.01f, 0.0f, 1},   {"adamw", 0.01f, 0.0f, 4},
+};
+
+/// The seeds the calibration draws: DPLAB_CALIBRATION_DRAWS of them (ctest: one), else 10.
+int calibration_seeds() {
+  const char* text = std::getenv("DPLAB_CALIBRATION_DRAWS");
+  return text != nullptr ? std::max(1, std::atoi(text)) : 10;
+}
+
+/// Measures the relative loss gap behind `mixed_precision_loss_tolerance`: the default MLP on
+/// the synthetic set, 100 steps, SGD (with and without momentum) and AdamW at two learning
+/// rates, 1 and 4 ranks, 16-bit and float32 reduction, each seed's mixed run against the same
+/// run in float32, as `dplab train --verify` compares them. Fails when the worst gap exceeds
+/// the worst the tolerance was derived from.
+///
+/// Why disabled: it measures the tolerance, not the code under test, and takes a minute. It
+/// is not skipped: ctest runs it as mixed_precision_tolerance_calibration on a few seeds
+/// (tests/CMakeLists.txt), so CI fails when a change makes mixed precision drift farther.
+TEST(MixedPrecisionTraining, DISABLED_LossGapCalibration) {
+  const int seeds = calibration_seeds();
+  for (const dp::DataType precision : {dp::DataType::kBFloat16, dp::DataType::kFloat16}) {
+    double worst = 0;  // of gap / (u + s)
+    std::string worst_case;
+    for (int seed = 0; seed < seeds; ++seed) {
+      const dp::Dataset data = dp::load_dataset("synthetic", static_cast<std::uint64_t>(seed));
+      for (const LossGapCase& c : kLossGapCases) {
+        dp::TrainOptions options;
+        options.optimizer = c.optimizer;
+        options.lr = c.lr;
+        options.momentum = c.momentum;
+        options.seed = static_cast<std::uint64_t>(seed);
+        options.log_every = 1;
+        for (const bool float32_reduce : {false, true}) {
+          dp::TrainOptions mixed = options;
+          mixed.precision = precision;
+          if (float32_reduce) mixed.reduce_dtype = dp::DataType::kFloat32;
+          const dp::Float32Comparison comparison = dp::compare_with_float32(
+              mixed, data, c.world, dp::train_emulating_data_parallel(mixed, data, c.world));
+          const double ratio =
+              comparison.relative_gap / (comparison.unit_roundoff + comparison.sensitivity);
+          if (!(ratio <= worst)) {
+            worst = ratio;
+            worst_case = fmt::format(
+                "{} lr {} momentum {}, {} ranks, seed {}, reduced in {}: gap {:.3g}, u {:.3g}, "
+                "s {:.3g}",
+                c.optimizer, c.lr, c.momentum, c.world, seed,
+                float32_reduce ? "float32" : dp::to_string(precision), comparison.relative_gap,
+                comparison.unit_roundoff, comparison.sensitivity);
+          }
+        }
+      }
+    }
+    fmt::print("{}: worst gap / (u + s) = {:.3f} ({}); the tolerance allows {:.3f}\n",
+               dp::to_string(precision), worst, worst_case,
+               2 * dp::mixed_precision_worst_measured_ratio(precision));
+    EXPECT_LE(worst, dp::mixed_precision_worst_measured_ratio(precision))
+        << dp::to_string(precision)
+        << ": mixed precision ends farther from float32 than the worst the tolerance was "
+           "derived from: the headroom of dplab train --verify is shrinking";
   }
 }
 

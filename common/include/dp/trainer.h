@@ -104,6 +104,10 @@ struct TrainOptions {
   std::optional<DataType> reduce_dtype{};
   /// float16's dynamic loss scaling (PyTorch GradScaler's defaults; unused otherwise).
   LossScalerOptions loss_scaling{};
+  /// Steps (1-based) whose optimizer step is left out, as a float16 run leaves out the steps
+  /// whose gradients overflowed (`TrainResult::skipped_step_numbers`): a float32 run given
+  /// them takes the same updates, which `compare_with_float32` needs. Empty for training.
+  std::vector<int> steps_to_skip{};
 };
 
 /// Throws `dp::Error` unless training on `device` is possible in this build and process:
@@ -149,6 +153,7 @@ struct TrainResult {
   float max_abs_gradient = 0;            ///< largest |averaged gradient| seen (for tolerances;
                                          ///< 0 under fp16 loss scaling)
   std::int64_t skipped_steps = 0;        ///< fp16: steps skipped for an overflow (all ranks alike)
+  std::vector<int> skipped_step_numbers{};  ///< which steps (1-based) were skipped, in order
   float loss_scale = 0;                  ///< fp16: the loss scale after the last step (else 0)
 };
 
@@ -336,5 +341,65 @@ TrainResult train_emulating_data_parallel(const TrainOptions& options, const Dat
 /// train --verify` therefore checks against `train_emulating_data_parallel`, bitwise, and
 /// prints this comparison for information only.
 float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient);
+
+/// How close a mixed-precision run ends to the same run in float32, in training loss.
+///
+/// The parameters of the two runs cannot be compared element by element: once a 16-bit
+/// rounding changes an update, the data's noise and AdamW's normalised step carry the two
+/// trajectories apart (after 100 steps of the default model the parameter vectors differ by
+/// about 13 % in bfloat16) while both descend the same loss. What training promises is the
+/// loss, so the comparison is of the mean training loss over the last quarter of the steps
+/// (the same batches in both runs: the same seed), relative to float32's. The float32 run
+/// skips the steps the float16 run skipped for an overflow (`TrainOptions::steps_to_skip`):
+/// a skipped step is an update fewer, which is loss scaling's price, not rounding's.
+struct Float32Comparison {
+  int steps_compared = 0;       ///< the last quarter of the steps, at least one
+  double mixed_loss = 0;        ///< the mixed-precision run's mean loss over them
+  double float32_loss = 0;      ///< the float32 run's mean loss over them
+  double relative_gap = 0;      ///< |mixed - float32| / float32 (NaN if either is not finite)
+  double unit_roundoff = 0;     ///< u of the 16-bit format: 2^-8 bfloat16, 2^-11 float16
+  double sensitivity = 0;       ///< the float32 run's relative loss change at lr (1 + u)
+  double tolerance = 0;         ///< `mixed_precision_loss_tolerance` of the run
+  /// True when the relative gap is within the tolerance (false for a NaN or infinite loss).
+  bool close() const { return relative_gap <= tolerance; }
+};
+
+/// The relative loss gap a mixed-precision run in `precision` (bfloat16 or float16) may have
+/// from the same run in float32, given the run's `sensitivity`.
+///
+/// Derivation. A 16-bit format keeps p bits of significand (bfloat16 8, float16 11), so a
+/// rounding to it moves a value by at most u = 2^-p of its size. Mixed precision rounds the
+/// loss's inputs in every forward pass and every update's ingredients in every step, each by
+/// a relative error of at most u. How far such errors carry a run depends on the run: a
+/// steady descent forgets them, a run at the edge of stability (AdamW at a large learning
+/// rate) amplifies them chaotically. So the run measures its own sensitivity: how far
+/// float32's loss moves when every update is scaled by 1 + u (the learning rate times 1 + u),
+/// one rounding's worth of error in every step; u itself is what rounding the loss's inputs
+/// does to the loss. Mixed precision's gap is then of the order of u + sensitivity, times a
+/// constant for the roundings in series (float16's also for its narrow range: a gradient
+/// below 2^-14 / S keeps fewer bits than u counts), measured once per format
+/// (`mixed_precision_worst_measured_ratio`); the tolerance is twice the worst measured:
+/// 2 k (u + sensitivity). A wrong run parts by far more: gradients summed but not averaged
+/// over 4 ranks (SGD at 4 times its rate) ends 20 % and more from float32.
+double mixed_precision_loss_tolerance(DataType precision, double sensitivity);
+
+/// The worst ratio k of gap to u + sensitivity measured for `precision` by
+/// `MixedPrecisionTraining.DISABLED_LossGapCalibration` (run by name, and on fewer seeds by
+/// ctest): over seeds 0-9 of the default MLP on its synthetic data, 100 steps of SGD (lr 0.1;
+/// lr 0.05 with momentum 0.9) and AdamW (lr 0.003 and 0.01), 1 and 4 ranks, 16-bit and
+/// float32 reduction, bfloat16 8.35 and float16 13.99. Throws `dp::Error` for float32.
+double mixed_precision_worst_measured_ratio(DataType precision);
+
+/// The unit roundoff u = 2^-p of a 16-bit format with p bits of significand: 2^-8 for
+/// bfloat16, 2^-11 for float16; throws `dp::Error` for float32 (not a mixed precision).
+double unit_roundoff_of(DataType precision);
+
+/// Compares a mixed-precision run with the same options in float32: trains the float32 run
+/// and the one at lr (1 + u) the way `train_emulating_data_parallel` trains `world_size`
+/// ranks, each skipping the steps `mixed` skipped. `mixed` must report every step (`log_every`
+/// 1): throws `dp::Error` if it does not.
+Float32Comparison compare_with_float32(const TrainOptions& options, const Dataset& data,
+                                       int world_size, const TrainResult& mixed,
+                                       const TrainCheckpointing& checkpointing = {});
 
 }  // namespace dp
