@@ -841,7 +841,8 @@ ActivationCheckpointingEffect measure_activation_checkpointing(const TrainOption
     (checkpointing ? effect.activations_with : effect.activations_without) = peak;
     (checkpointing ? effect.flops_with : effect.flops_without) = flops;
     for (const Parameter* parameter : model.parameters()) {
-      const Tensor host = parameter->grad.to(Device::kHost);
+      // 16-bit gradients widened exactly: equal floats are equal bits.
+      const Tensor host = parameter->grad.to(Device::kHost).to(DataType::kFloat32);
       gradients[checkpointing ? 1 : 0].emplace_back(host.span().begin(), host.span().end());
     }
   }
