@@ -143,11 +143,6 @@ Model Model::mlp(std::string_view spec, const MlpOptions& options) {
     throw Error(fmt::format("unknown activation \"{}\"; expected \"relu\" or \"gelu\"",
                             options.activation));
   detail::check_tensor_type("Model::mlp", options.dtype);
-  if (options.dtype != DataType::kFloat32 && (options.layer_norm || options.activation != "relu"))
-    throw Error(fmt::format(
-        "a {} MLP has 16-bit Linear and ReLU layers only: {} has no 16-bit path yet (train it "
-        "in float32)",
-        to_string(options.dtype), options.layer_norm ? "LayerNorm" : "GELU"));
   Model model;
   const std::size_t num_linear = widths.size() - 1;
   for (std::size_t i = 0; i < num_linear; ++i) {
@@ -155,7 +150,8 @@ Model Model::mlp(std::string_view spec, const MlpOptions& options) {
     const std::int64_t out = widths[i + 1];
     model.add(std::make_unique<Linear>("fc" + suffix, widths[i], out, options.dtype));
     if (i + 1 == num_linear) break;  // the last Linear produces the logits
-    if (options.layer_norm) model.add(std::make_unique<LayerNorm>("ln" + suffix, out));
+    if (options.layer_norm)
+      model.add(std::make_unique<LayerNorm>("ln" + suffix, out, kLayerNormEps, options.dtype));
     if (options.activation == "relu")
       model.add(std::make_unique<ReLU>("relu" + suffix, out));
     else
@@ -177,15 +173,17 @@ Model Model::gpt(const GptSpec& spec, std::int64_t vocab, const GptOptions& opti
     throw Error(fmt::format(
         "a GPT of vocabulary {} and {} blocks of dim {} has more than {} (2^60) parameters", vocab,
         spec.layers, spec.dim, kMaxTensorElements));
+  detail::check_tensor_type("Model::gpt", options.dtype);
   Model model;
-  model.add(std::make_unique<Embedding>("embed", vocab, spec.context, spec.dim));
+  model.add(std::make_unique<Embedding>("embed", vocab, spec.context, spec.dim, options.dtype));
   for (std::int64_t block = 0; block < spec.layers; ++block) {
     auto transformer_block = std::make_unique<TransformerBlock>(
-        fmt::format("h.{}", block), spec.dim, spec.heads, spec.context, spec.layers);
+        fmt::format("h.{}", block), spec.dim, spec.heads, spec.context, spec.layers, options.dtype);
     transformer_block->set_activation_checkpointing(options.activation_checkpointing);
     model.add(std::move(transformer_block));
   }
-  model.add(std::make_unique<LanguageModelHead>("head", spec.dim, vocab, spec.context));
+  model.add(
+      std::make_unique<LanguageModelHead>("head", spec.dim, vocab, spec.context, options.dtype));
   model.init_parameters(options.seed);
   if (options.device != Device::kHost) model.to(options.device);
   return model;
@@ -287,9 +285,11 @@ Tensor Model::forward(const Tensor& input) {
   Tensor output;
   const Tensor* current = &input;
   forward_batch_ = input.rank() >= 1 ? input.dim(0) : 0;
-  // A 16-bit model takes float32 data rounded to its type: the activations are 16-bit.
+  // A 16-bit model takes float32 data rounded to its type: the activations are 16-bit. Not
+  // token ids: a 16-bit GPT's embedding reads them as float32 and outputs 16 bits.
   Tensor rounded_input;
-  if (dtype() != DataType::kFloat32 && input.dtype() == DataType::kFloat32) {
+  if (dtype() != DataType::kFloat32 && input.dtype() == DataType::kFloat32 &&
+      layers_.front()->kind() != "embedding") {
     rounded_input = input.to(dtype());
     current = &rounded_input;
   }

@@ -76,4 +76,12 @@ void scale_uncharged(TensorView x, float factor) {
   for (std::size_t i = 0; i < x.size(); ++i) values[i] = factor * values[i];
 }
 
+void require_16bit_off_gpu(std::string_view layer, const Tensor& tensor) {
+  if (on_gpu(tensor.device()))
+    throw Error(fmt::format(
+        "{}: {} activations on a GPU: the 16-bit layers run on the host and the emulated "
+        "device only (train a 16-bit model with --device host or emulated)",
+        layer, to_string(tensor.dtype())));
+}
+
 }  // namespace dp::detail

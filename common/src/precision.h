@@ -13,6 +13,9 @@
 // are the host's bit for bit.
 #pragma once
 
+#include <string_view>
+#include <type_traits>
+
 #include "dp/tensor.h"
 
 namespace dp::detail {
@@ -38,5 +41,24 @@ void accumulate_rounded(ConstTensorView contribution, TensorView destination);
 
 /// x[i] = factor * x[i] on float32 `x`, wherever it lives. Not charged to the clock.
 void scale_uncharged(TensorView x, float factor);
+
+/// Throws `dp::Error` naming `layer` when 16-bit `tensor` lives on a CUDA device: the 16-bit
+/// layers run on the host and the emulated device only (no 16-bit kernels yet).
+void require_16bit_off_gpu(std::string_view layer, const Tensor& tensor);
+
+/// Fills host tensor `value` with `draw()` once per element, in order: a float32 tensor
+/// directly, a 16-bit one with the same float32 draws rounded to nearest even (so a 16-bit
+/// model starts from its float32 twin rounded). Not charged to the clock.
+template <typename Draw>
+requires std::is_invocable_r_v<float, Draw&>
+void fill_drawn(Tensor& value, Draw&& draw) {
+  if (value.dtype() == DataType::kFloat32) {
+    for (float& element : value.span()) element = draw();
+    return;
+  }
+  Tensor drawn(value.shape(), MemoryCategory::kOther);
+  for (float& element : drawn.span()) element = draw();
+  convert_uncharged(drawn.view(), value.view());
+}
 
 }  // namespace dp::detail

@@ -578,18 +578,6 @@ void check_train_options(const TrainOptions& options) {
     throw Error(fmt::format("log_every must be at least 1 (a report every that many steps), got {}",
                             options.log_every));
   detail::check_tensor_type("the training precision", options.precision);
-  if (options.precision != DataType::kFloat32) {
-    if (is_gpt_spec(options.model))
-      throw Error(fmt::format(
-          "model {} is a GPT, whose layers (embedding, attention, LayerNorm, GELU) have no "
-          "16-bit path yet: train it with precision fp32 ({} trains an MLP)",
-          options.model, to_string(options.precision)));
-    if (options.layer_norm || options.activation != "relu")
-      throw Error(fmt::format(
-          "a {} MLP has 16-bit Linear and ReLU layers only: {} has no 16-bit path yet (train "
-          "it with precision fp32)",
-          to_string(options.precision), options.layer_norm ? "--layer-norm" : "--activation gelu"));
-  }
   if (options.reduce_dtype && *options.reduce_dtype != DataType::kFloat32 &&
       *options.reduce_dtype != options.precision)
     throw Error(fmt::format(
@@ -810,7 +798,8 @@ Model make_model(const TrainOptions& options) {
     return Model::gpt(parse_gpt_spec(options.model), options.vocab,
                       {.seed = options.seed,
                        .device = options.device,
-                       .activation_checkpointing = options.activation_checkpointing});
+                       .activation_checkpointing = options.activation_checkpointing,
+                       .dtype = options.precision});
   }
   MlpOptions mlp;
   mlp.activation = options.activation;
@@ -860,7 +849,8 @@ ActivationCheckpointingEffect measure_activation_checkpointing(const TrainOption
     (checkpointing ? effect.activations_with : effect.activations_without) = peak;
     (checkpointing ? effect.flops_with : effect.flops_without) = flops;
     for (const Parameter* parameter : model.parameters()) {
-      const Tensor host = parameter->grad.to(Device::kHost);
+      // 16-bit gradients widened exactly: equal floats are equal bits.
+      const Tensor host = parameter->grad.to(Device::kHost).to(DataType::kFloat32);
       gradients[checkpointing ? 1 : 0].emplace_back(host.span().begin(), host.span().end());
     }
   }

@@ -74,8 +74,8 @@ struct MlpOptions {
   Device device = Device::kHost;    ///< where the parameters live (drawn on the host, moved)
   /// The element type of the parameters, activations and gradients: float32, or bfloat16 or
   /// float16 for mixed-precision training (each Linear computes in float32 and rounds, see
-  /// dp/layers/linear.h; the data is rounded to it as it enters). 16-bit MLPs have Linear
-  /// and ReLU layers only (no LayerNorm, no GELU yet).
+  /// dp/layers/linear.h, as LayerNorm, ReLU and GELU do; the data is rounded to it as it
+  /// enters).
   DataType dtype = DataType::kFloat32;
 };
 
@@ -109,6 +109,11 @@ struct GptOptions {
   /// Every block keeps only its input in forward and recomputes the rest in backward
   /// (`TransformerBlock::set_activation_checkpointing`): the same gradients, bit for bit.
   bool activation_checkpointing = false;
+  /// The element type of the parameters, activations and gradients: float32, or bfloat16 or
+  /// float16 for mixed-precision training (each layer widens its operands to float32, computes
+  /// and rounds each result once: the top of each dp/layers/ header). The token ids stay
+  /// float32. The 16-bit draws are the float32 draws rounded.
+  DataType dtype = DataType::kFloat32;
 };
 
 /// An ordered list of layers ending in softmax cross-entropy; move-only.
@@ -206,7 +211,8 @@ class Model {
 
   /// Runs every layer in order, firing pre- and post-forward hooks around each; returns
   /// the logits (B, classes). A 16-bit model (`dtype()`) rounds a float32 input to its type
-  /// first and returns 16-bit logits. Throws `dp::Error` on an empty model or a wrong input shape.
+  /// first (not a GPT's token ids, which its embedding reads as float32) and returns 16-bit
+  /// logits. Throws `dp::Error` on an empty model or a wrong input shape.
   Tensor forward(const Tensor& input);
   /// Cross-entropy (mean over the batch) of `logits` against `labels`, then backward
   /// through all layers in reverse. `loss_scale` multiplies the gradient (1/k for

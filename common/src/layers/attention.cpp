@@ -7,6 +7,7 @@
 #include "device_dispatch.h"
 #include "dp/error.h"
 #include "dp/ops.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -77,13 +78,13 @@ std::int64_t checked_dim(const std::string& name, std::int64_t dim, std::int64_t
 }  // namespace
 
 CausalSelfAttention::CausalSelfAttention(std::string name, std::int64_t dim, std::int64_t heads,
-                                         std::int64_t context)
+                                         std::int64_t context, DataType dtype)
     : Layer(std::move(name)),
       dim_(checked_dim(this->name(), dim, heads, context)),
       heads_(heads),
       context_(context),
-      qkv_projection_(this->name() + ".c_attn", dim, 3 * dim),
-      output_projection_(this->name() + ".c_proj", dim, dim) {}
+      qkv_projection_(this->name() + ".c_attn", dim, 3 * dim, dtype),
+      output_projection_(this->name() + ".c_proj", dim, dim, dtype) {}
 
 std::vector<Parameter*> CausalSelfAttention::parameters() {
   return {&qkv_projection_.weight(), &qkv_projection_.bias(), &output_projection_.weight(),
@@ -100,7 +101,8 @@ void CausalSelfAttention::initialize(Parameter& parameter, CounterRng& rng) {
     parameter.value.fill(0.0f);
     return;
   }
-  for (float& value : parameter.value.span()) value = kAttentionWeightStd * rng.normal();
+  // 16-bit: the float32 draws rounded, so a 16-bit model starts from its float32 twin rounded.
+  detail::fill_drawn(parameter.value, [&] { return kAttentionWeightStd * rng.normal(); });
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& input) {
@@ -150,11 +152,17 @@ Tensor CausalSelfAttention::forward_rows(const Tensor& rows, std::int64_t time) 
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
 
   saved_qkv_ = qkv_projection_.forward(rows);  // (B T, 3C)
+  // 16-bit: the core widens [q | k | v] exactly, runs in float32 and rounds y once
+  // (attention.h).
+  const DataType type = saved_qkv_.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (narrow) detail::require_16bit_off_gpu(name(), saved_qkv_);
+  const Tensor wide_qkv = narrow ? detail::widened(saved_qkv_) : Tensor();
   saved_probabilities_ = Tensor::uninitialized({batch, heads_, time, time},
                                                MemoryCategory::kActivations, device);  // P
   Tensor heads_output =
       Tensor::uninitialized({batch * time, width}, MemoryCategory::kActivations, device);  // y
-  const float* qkv = saved_qkv_.view().data();
+  const float* qkv = (narrow ? wide_qkv : saved_qkv_).view().data();
   float* y = heads_output.view().data();
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t h = 0; h < heads_; ++h) {
@@ -175,6 +183,7 @@ Tensor CausalSelfAttention::forward_rows(const Tensor& rows, std::int64_t time) 
     }
   }
   saved_time_ = time;
+  if (narrow) return output_projection_.forward(detail::rounded(heads_output, type));
   return output_projection_.forward(heads_output);  // (B T, C)
 }
 
@@ -195,11 +204,18 @@ Tensor CausalSelfAttention::backward_rows(const Tensor& grad_rows) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
 
   const Tensor grad_heads = output_projection_.backward(grad_rows);  // dy: (B T, C)
+  // 16-bit: [q | k | v] and dy widened exactly, the float32 core below, d[q | k | v] rounded
+  // once (attention.h).
+  const DataType type = saved_qkv_.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (narrow) detail::require_16bit_off_gpu(name(), grad_heads);
+  const Tensor wide_qkv = narrow ? detail::widened(saved_qkv_) : Tensor();
+  const Tensor wide_grad_heads = narrow ? detail::widened(grad_heads) : Tensor();
   Tensor grad_qkv({batch * time, qkv_stride}, MemoryCategory::kActivations, device);  // (B T, 3C)
   Tensor grad_scores =
       Tensor::uninitialized({time, time}, MemoryCategory::kActivations, device);  // dP, then dS
-  const float* qkv = saved_qkv_.view().data();
-  const float* dy = grad_heads.view().data();
+  const float* qkv = (narrow ? wide_qkv : saved_qkv_).view().data();
+  const float* dy = (narrow ? wide_grad_heads : grad_heads).view().data();
   float* ds = grad_scores.view().data();
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t h = 0; h < heads_; ++h) {
@@ -231,6 +247,7 @@ Tensor CausalSelfAttention::backward_rows(const Tensor& grad_rows) {
   }
   saved_qkv_ = Tensor();
   saved_probabilities_ = Tensor();
+  if (narrow) return qkv_projection_.backward(detail::rounded(grad_qkv, type));
   return qkv_projection_.backward(grad_qkv);  // (B T, C)
 }
 

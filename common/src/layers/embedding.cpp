@@ -6,6 +6,7 @@
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -26,7 +27,8 @@ std::vector<float> ids_on_host(const Tensor& tensor) {
 
 }  // namespace
 
-Embedding::Embedding(std::string name, std::int64_t vocab, std::int64_t context, std::int64_t dim)
+Embedding::Embedding(std::string name, std::int64_t vocab, std::int64_t context, std::int64_t dim,
+                     DataType dtype)
     : Layer(std::move(name)), vocab_(vocab), context_(context), dim_(dim) {
   if (vocab <= 0 || context <= 0 || dim <= 0)
     throw Error(
@@ -38,8 +40,9 @@ Embedding::Embedding(std::string name, std::int64_t vocab, std::int64_t context,
         "(at most 2^24 = {})",
         this->name(), vocab, kLargestExactVocab));
   // GPT-2's names, not "<layer>.<role>": a checkpoint then reads in other tools.
-  token_weight_ = Parameter::zeros("wte.weight", {vocab, dim});
-  position_weight_ = Parameter::zeros("wpe.weight", {context, dim});
+  detail::check_tensor_type("Embedding", dtype);
+  token_weight_ = Parameter::zeros("wte.weight", {vocab, dim}, dtype);
+  position_weight_ = Parameter::zeros("wpe.weight", {context, dim}, dtype);
 }
 
 Tensor Embedding::forward(const Tensor& input) {
@@ -52,9 +55,21 @@ Tensor Embedding::forward(const Tensor& input) {
   require_same_device(input, "the input", token_weight_.value, token_weight_.name);
   require_same_device(position_weight_.value, position_weight_.name, token_weight_.value,
                       token_weight_.name);
+  if (input.dtype() != DataType::kFloat32)
+    throw Error(
+        fmt::format("{}: the token ids are {}, expected float32 (a 16-bit float does not "
+                    "hold every id exactly)",
+                    name(), to_string(input.dtype())));
   const std::int64_t batch = input.dim(0);
   const std::int64_t time = input.dim(1);
   const bool gpu = detail::on_gpu(input.device());
+  // 16-bit: the tables widened to float32 exactly, the float32 sums below, y rounded once
+  // (embedding.h).
+  const DataType type = token_weight_.value.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (narrow) detail::require_16bit_off_gpu(name(), token_weight_.value);
+  const Tensor wide_tokens = narrow ? detail::widened(token_weight_.value) : Tensor();
+  const Tensor wide_positions = narrow ? detail::widened(position_weight_.value) : Tensor();
 
   // The ids are checked on the host: a GPU's come over first ((B, T) floats, small).
   std::vector<float> copied_ids;
@@ -73,8 +88,8 @@ Tensor Embedding::forward(const Tensor& input) {
   // (B, T, C)
   Tensor output =
       Tensor::uninitialized({batch, time, dim_}, MemoryCategory::kActivations, input.device());
-  const float* wte = token_weight_.value.view().data();
-  const float* wpe = position_weight_.value.view().data();
+  const float* wte = (narrow ? wide_tokens : token_weight_.value).view().data();
+  const float* wpe = (narrow ? wide_positions : position_weight_.value).view().data();
   float* y = output.view().data();
   if (gpu) {
     cuda::embedding_forward(input.view().data(), wte, wpe, batch, time, dim_, y);
@@ -89,7 +104,7 @@ Tensor Embedding::forward(const Tensor& input) {
     }
   }
   saved_ids_ = input.clone(MemoryCategory::kActivations);
-  return output;
+  return narrow ? detail::rounded(output, type) : std::move(output);
 }
 
 Tensor Embedding::backward(const Tensor& grad_output) {
@@ -105,7 +120,16 @@ Tensor Embedding::backward(const Tensor& grad_output) {
         "{} backward expects a gradient of shape ({}, {}, {}) like its last output, got {}", name(),
         batch, time, dim_, grad_output.shape_string()));
   require_same_device(grad_output, "the output gradient", saved_ids_, "the saved ids");
-  const float* dy = grad_output.view().data();
+  // 16-bit: dy widened to float32 exactly, the float32 sums below, each gradient added as
+  // grad = round(widen(grad) + sums) (embedding.h).
+  const DataType type = token_weight_.value.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (grad_output.dtype() != type)
+    throw Error(fmt::format("{}: the output gradient holds {} elements but the tables are {}",
+                            name(), to_string(grad_output.dtype()), to_string(type)));
+  if (narrow) detail::require_16bit_off_gpu(name(), grad_output);
+  const Tensor wide_grad_output = narrow ? detail::widened(grad_output) : Tensor();
+  const float* dy = (narrow ? wide_grad_output : grad_output).view().data();
   if (detail::on_gpu(grad_output.device())) {
     // The positions of each token in increasing order, so that the kernel adds each token's
     // rows in the host loop's order (cuda/device_ops.h).
@@ -138,16 +162,17 @@ Tensor Embedding::backward(const Tensor& grad_output) {
       float* sum = sums + static_cast<std::int64_t>(ids[row]) * dim_;
       for (std::int64_t c = 0; c < dim_; ++c) sum[c] += dy[row * dim_ + c];
     }
-    float* grad = grad_for_accumulation(token_weight_).view().data();
-    for (std::int64_t i = 0; i < vocab_ * dim_; ++i) grad[i] += sums[i];
+    detail::accumulate_rounded(batch_grad.view(), grad_for_accumulation(token_weight_).view());
   }
   if (!position_weight_.frozen) {
     std::vector<float> sums(static_cast<std::size_t>(time * dim_), 0.0f);  // (T, C)
     for (std::int64_t b = 0; b < batch; ++b)
       for (std::int64_t i = 0; i < time * dim_; ++i) sums[i] += dy[b * time * dim_ + i];
     // Positions past T got no gradient from this batch.
-    float* grad = grad_for_accumulation(position_weight_).view().data();
-    for (std::int64_t i = 0; i < time * dim_; ++i) grad[i] += sums[i];
+    // The emulated device's memory is the host's: accumulate_rounded's loop reads it.
+    const TensorView grad = grad_for_accumulation(position_weight_).view();
+    detail::accumulate_rounded(ConstTensorView(sums.data(), sums.size(), grad.device()),
+                               grad.slice(0, sums.size()));
   }
   saved_ids_ = Tensor();
   return Tensor();
@@ -156,7 +181,8 @@ Tensor Embedding::backward(const Tensor& grad_output) {
 void Embedding::initialize(Parameter& parameter, CounterRng& rng) {
   DP_CHECK(&parameter == &token_weight_ || &parameter == &position_weight_,
            "{} is not a parameter of {}", parameter.name, name());
-  for (float& value : parameter.value.span()) value = kEmbeddingInitStd * rng.normal();
+  // 16-bit: the float32 draws rounded, so a 16-bit model starts from its float32 twin rounded.
+  detail::fill_drawn(parameter.value, [&] { return kEmbeddingInitStd * rng.normal(); });
 }
 
 void Embedding::discard_saved() {

@@ -6,6 +6,7 @@
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -29,21 +30,26 @@ GELU::GELU(std::string name, std::int64_t features) : Layer(std::move(name)), fe
 
 Tensor GELU::forward(const Tensor& input) {
   require_input(input, features_);
+  // 16-bit: x widened to float32 exactly, the float32 formulas below, y rounded once (gelu.h).
+  const DataType type = input.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (narrow) detail::require_16bit_off_gpu(name(), input);
+  const Tensor wide_input = narrow ? detail::widened(input) : Tensor();
   // (B, features), where the input lives
   Tensor output =
       Tensor::uninitialized(input.shape(), MemoryCategory::kActivations, input.device());
   if (detail::on_gpu(input.device())) {
     cuda::gelu_forward(input.view().data(), output.view().data(), input.size());
   } else {
-    const float* x = input.view().data();
+    const float* x = (narrow ? wide_input : input).view().data();
     float* y = output.view().data();
     // Two passes: the exps (calls into libm), then the rest, which the compiler vectorises
     // (a division per element, the slow part, four or eight at a time).
     for (std::size_t i = 0; i < input.size(); ++i) y[i] = exp_of_minus_two_u(x[i]);
     for (std::size_t i = 0; i < input.size(); ++i) y[i] = x[i] * (1.0f / (1.0f + y[i]));
   }
-  saved_input_ = input.clone(MemoryCategory::kActivations);
-  return output;
+  saved_input_ = input.clone(MemoryCategory::kActivations);  // in the input's type
+  return narrow ? detail::rounded(output, type) : std::move(output);
 }
 
 Tensor GELU::backward(const Tensor& grad_output) {
@@ -54,6 +60,15 @@ Tensor GELU::backward(const Tensor& grad_output) {
                     name()));
   require_grad_output(grad_output, saved_input_.dim(0), features_);
   require_same_device(grad_output, "the output gradient", saved_input_, "the saved input");
+  if (grad_output.dtype() != saved_input_.dtype())
+    throw Error(fmt::format("{}: the output gradient holds {} elements, its input held {}", name(),
+                            to_string(grad_output.dtype()), to_string(saved_input_.dtype())));
+  // 16-bit: x and dy widened to float32 exactly, the float32 formulas below, dx rounded once.
+  const DataType type = grad_output.dtype();
+  const bool narrow = type != DataType::kFloat32;
+  if (narrow) detail::require_16bit_off_gpu(name(), grad_output);
+  const Tensor wide_input = narrow ? detail::widened(saved_input_) : Tensor();
+  const Tensor wide_grad_output = narrow ? detail::widened(grad_output) : Tensor();
   // (B, features)
   Tensor grad_input = Tensor::uninitialized(grad_output.shape(), MemoryCategory::kActivations,
                                             grad_output.device());
@@ -63,8 +78,8 @@ Tensor GELU::backward(const Tensor& grad_output) {
     saved_input_ = Tensor();
     return grad_input;
   }
-  const float* x = saved_input_.view().data();
-  const float* dy = grad_output.view().data();
+  const float* x = (narrow ? wide_input : saved_input_).view().data();
+  const float* dy = (narrow ? wide_grad_output : grad_output).view().data();
   float* dx = grad_input.view().data();
   // Two passes, as in forward: the exps, then the vectorised rest.
   for (std::size_t i = 0; i < grad_output.size(); ++i) dx[i] = exp_of_minus_two_u(x[i]);
@@ -75,7 +90,7 @@ Tensor GELU::backward(const Tensor& grad_output) {
     dx[i] = dy[i] * dy_dx;
   }
   saved_input_ = Tensor();
-  return grad_input;
+  return narrow ? detail::rounded(grad_input, type) : std::move(grad_input);
 }
 
 void GELU::discard_saved() {

@@ -2,6 +2,7 @@
 
 #include "dp/error.h"
 #include "dp/ops.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -23,14 +24,14 @@ std::int64_t checked_head_dim(const std::string& name, std::int64_t dim, std::in
 }  // namespace
 
 LanguageModelHead::LanguageModelHead(std::string name, std::int64_t dim, std::int64_t vocab,
-                                     std::int64_t context)
+                                     std::int64_t context, DataType dtype)
     : Layer(std::move(name)),
       dim_(checked_head_dim(this->name(), dim, vocab, context)),
       vocab_(vocab),
       context_(context),
       // GPT-2's names, not "<layer>.<role>": a checkpoint then reads in other tools.
-      ln_f_("ln_f", dim),
-      weight_(Parameter::zeros("lm_head.weight", {vocab, dim})) {}
+      ln_f_("ln_f", dim, kLayerNormEps, dtype),
+      weight_(Parameter::zeros("lm_head.weight", {vocab, dim}, dtype)) {}
 
 std::vector<Parameter*> LanguageModelHead::parameters() {
   return {&ln_f_.weight(), &ln_f_.bias(), &weight_};
@@ -42,7 +43,8 @@ void LanguageModelHead::initialize(Parameter& parameter, CounterRng& rng) {
     return;
   }
   DP_CHECK(&parameter == &weight_, "{} is not a parameter of {}", parameter.name, name());
-  for (float& value : parameter.value.span()) value = kHeadWeightStd * rng.normal();
+  // 16-bit: the float32 draws rounded, so a 16-bit head starts from its float32 twin rounded.
+  detail::fill_drawn(parameter.value, [&] { return kHeadWeightStd * rng.normal(); });
 }
 
 Tensor LanguageModelHead::forward(const Tensor& input) {
@@ -58,6 +60,14 @@ Tensor LanguageModelHead::forward(const Tensor& input) {
   rows.reshape({batch * time, dim_});
   saved_normalized_ = ln_f_.forward(rows);  // h: (B T, C)
   saved_time_ = time;
+  const DataType type = weight_.value.dtype();
+  if (type != DataType::kFloat32) {
+    // 16-bit: h and W widened exactly, the float32 product, the logits rounded once.
+    detail::require_16bit_off_gpu(name(), saved_normalized_);
+    return detail::rounded(matmul(detail::widened(saved_normalized_), Transpose::kNo,
+                                  detail::widened(weight_.value), Transpose::kYes),
+                           type);
+  }
   // logits: (B T, V) = (B T, C) (V, C)^T
   return matmul(saved_normalized_, Transpose::kNo, weight_.value, Transpose::kYes);
 }
@@ -72,6 +82,29 @@ Tensor LanguageModelHead::backward(const Tensor& grad_output) {
   require_grad_output(grad_output, rows, vocab_);
   require_value(weight_, {vocab_, dim_});
   require_same_device(grad_output, "the output gradient", weight_.value, weight_.name);
+  const DataType type = weight_.value.dtype();
+  if (grad_output.dtype() != type)
+    throw Error(fmt::format("{}: the output gradient holds {} elements but the weight is {}",
+                            name(), to_string(grad_output.dtype()), to_string(type)));
+  if (type != DataType::kFloat32) {
+    // 16-bit: dlogits, h and W widened exactly, the float32 products, dW added as
+    // grad = round(widen(grad) + dlogits^T h) and dh rounded once (lm_head.h).
+    detail::require_16bit_off_gpu(name(), grad_output);
+    const Tensor dy = detail::widened(grad_output);
+    if (!weight_.frozen) {
+      const Tensor h = detail::widened(saved_normalized_);
+      Tensor contribution =
+          Tensor::uninitialized({vocab_, dim_}, MemoryCategory::kActivations, grad_output.device());
+      matmul_into(dy, Transpose::kYes, h, Transpose::kNo, contribution, 1.0f, 0.0f);
+      detail::accumulate_rounded(contribution.view(), grad_for_accumulation(weight_).view());
+    }
+    const Tensor grad_normalized = detail::rounded(
+        matmul(dy, Transpose::kNo, detail::widened(weight_.value), Transpose::kNo), type);
+    saved_normalized_ = Tensor();
+    Tensor grad_input = ln_f_.backward(grad_normalized);  // (B T, C)
+    grad_input.reshape({rows / saved_time_, saved_time_, dim_});
+    return grad_input;
+  }
 
   if (!weight_.frozen) {
     // dW: (V, C) += (B T, V)^T (B T, C)

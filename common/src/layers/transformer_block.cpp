@@ -5,6 +5,9 @@
 #include "cuda/device_ops.h"
 #include "device_dispatch.h"
 #include "dp/error.h"
+#include "dp/float16.h"
+#include "element_types.h"
+#include "precision.h"
 
 namespace dp {
 namespace {
@@ -29,10 +32,22 @@ std::int64_t checked_block_dim(const std::string& name, std::int64_t dim, std::i
 }
 
 // y += x, element by element, where the two live. Not dp::add: that charges the simulated
-// clock an op of its own, and the block's cost already counts its residual sums.
+// clock an op of its own, and the block's cost already counts its residual sums. 16-bit:
+// y = round(widen(y) + widen(x)), one rounding per element (transformer_block.h).
 void add_residual(const Tensor& x, Tensor& y) {
-  DP_CHECK(x.size() == y.size() && x.device() == y.device(), "residual sum of {} elements into {}",
-           x.size(), y.size());
+  DP_CHECK(x.size() == y.size() && x.device() == y.device() && x.dtype() == y.dtype(),
+           "residual sum of {} elements into {}", x.size(), y.size());
+  if (y.dtype() != DataType::kFloat32) {
+    detail::require_16bit_off_gpu("a transformer block's residual sum", y);
+    // The emulated device's memory is the host's: the loop reads it.
+    detail::with_element_type(y.dtype(), [&]<typename T>(T) {
+      const T* source = static_cast<const T*>(x.view().raw_data());
+      T* target = static_cast<T*>(y.view().raw_data());
+      for (std::size_t i = 0; i < y.size(); ++i)
+        target[i] = detail::narrow<T>(detail::widen(target[i]) + detail::widen(source[i]));
+    });
+    return;
+  }
   if (detail::on_gpu(y.device())) {
     cuda::add(x.view().data(), y.view().data(), y.size());
     return;
@@ -45,17 +60,17 @@ void add_residual(const Tensor& x, Tensor& y) {
 }  // namespace
 
 TransformerBlock::TransformerBlock(std::string name, std::int64_t dim, std::int64_t heads,
-                                   std::int64_t context, std::int64_t layers)
+                                   std::int64_t context, std::int64_t layers, DataType dtype)
     : Layer(std::move(name)),
       dim_(checked_block_dim(this->name(), dim, heads, context, layers)),
       context_(context),
       layers_(layers),
-      ln_1_(this->name() + ".ln_1", dim),
-      attention_(this->name() + ".attn", dim, heads, context),
-      ln_2_(this->name() + ".ln_2", dim),
-      mlp_fc_(this->name() + ".mlp.c_fc", dim, 4 * dim),
+      ln_1_(this->name() + ".ln_1", dim, kLayerNormEps, dtype),
+      attention_(this->name() + ".attn", dim, heads, context, dtype),
+      ln_2_(this->name() + ".ln_2", dim, kLayerNormEps, dtype),
+      mlp_fc_(this->name() + ".mlp.c_fc", dim, 4 * dim, dtype),
       mlp_gelu_(this->name() + ".mlp.gelu", 4 * dim),
-      mlp_proj_(this->name() + ".mlp.c_proj", 4 * dim, dim) {}
+      mlp_proj_(this->name() + ".mlp.c_proj", 4 * dim, dim, dtype) {}
 
 std::vector<Parameter*> TransformerBlock::parameters() {
   std::vector<Parameter*> all = {&ln_1_.weight(), &ln_1_.bias()};
@@ -75,11 +90,12 @@ void TransformerBlock::initialize(Parameter& parameter, CounterRng& rng) {
              p == &mlp_proj_.bias()) {
     parameter.value.fill(0.0f);
   } else if (p == &attention_.qkv_projection().weight() || p == &mlp_fc_.weight()) {
-    for (float& value : parameter.value.span()) value = kBlockWeightStd * rng.normal();
+    // 16-bit: the float32 draws rounded, so a 16-bit block starts from its float32 twin rounded.
+    detail::fill_drawn(parameter.value, [&] { return kBlockWeightStd * rng.normal(); });
   } else if (p == &attention_.output_projection().weight() || p == &mlp_proj_.weight()) {
     // Each block adds two branch outputs to the residual stream: 2 layers sums in all.
     const float std = kBlockWeightStd / std::sqrt(2.0f * static_cast<float>(layers_));
-    for (float& value : parameter.value.span()) value = std * rng.normal();
+    detail::fill_drawn(parameter.value, [&] { return std * rng.normal(); });
   } else {
     DP_CHECK(false, "{} is not a parameter of {}", parameter.name, name());
   }

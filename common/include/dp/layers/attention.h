@@ -36,6 +36,17 @@
 //   dp::CausalSelfAttention attn("attn", /*dim=*/128, /*heads=*/4, /*context=*/64);
 //   dp::Tensor y = attn.forward(x);       // x: (B, T, 128), T <= 64 -> y: (B, T, 128)
 //   dp::Tensor dx = attn.backward(dy);    // dy: (B, T, 128) -> dx: (B, T, 128)
+//
+// Precision: the parameters, the input, the output and the gradients are of the type given
+// at construction, float32 by default or bfloat16 / float16 (mixed-precision training). The
+// 16-bit rule, as dp::Linear's, for each of its three operations: the two projections are
+// 16-bit dp::Linear layers (operands widened, float32 products, results rounded once), and
+// the core between them (the scores, the masked softmax and P v) widens [q | k | v] (and in
+// backward dy) to float32 exactly, runs the float32 arithmetic above and rounds its result
+// once: y = round(core(widen(qkv))) and d[q | k | v] = round(core'(...)). [q | k | v] is
+// saved in 16 bits, P in float32 (4 bytes, charged as activations), so backward is the float32
+// core's on the same values. It runs on the host and the emulated device only (a 16-bit
+// attention on a GPU throws).
 #pragma once
 
 #include <cstdint>
@@ -53,8 +64,10 @@ class CausalSelfAttention final : public Layer {
  public:
   /// A layer `name` over `dim` features split into `heads` heads, for sequences of at most
   /// `context` tokens (the length its costs assume); parameters zero-filled. Throws
-  /// `dp::Error` unless all three are positive and `heads` divides `dim`.
-  CausalSelfAttention(std::string name, std::int64_t dim, std::int64_t heads, std::int64_t context);
+  /// `dp::Error` unless all three are positive and `heads` divides `dim`, and `dtype` is a
+  /// tensor type (see the top of this file).
+  CausalSelfAttention(std::string name, std::int64_t dim, std::int64_t heads, std::int64_t context,
+                      DataType dtype = DataType::kFloat32);
 
   /// "attention".
   std::string kind() const override { return "attention"; }

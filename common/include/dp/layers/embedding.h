@@ -26,6 +26,16 @@
 //   dp::Embedding embed("embed", /*vocab=*/65, /*context=*/64, /*dim=*/128);
 //   dp::Tensor h = embed.forward(ids);       // ids: (B, T) floats, T <= 64 -> h: (B, T, 128)
 //   embed.backward(dh);                       // dh: (B, T, 128); wte.weight.grad += ...
+//
+// Precision: the tables, the output and its gradient are of the type given at construction,
+// float32 by default or bfloat16 / float16 (mixed-precision training); the ids stay float32
+// whatever the type (a 16-bit float holds integers exactly only up to 256 or 2048). The
+// 16-bit rule, as dp::Linear's: the table rows (and in backward dy) are widened to float32
+// exactly, the float32 arithmetic above runs on them, and each result is rounded once to
+// nearest even: y = round(wte[x] + wpe[t]), and each table's gradient is added as
+// grad = round(widen(grad) + this batch's float32 sums). The widened tables are float32
+// temporaries charged as activations while a call runs. It runs on the host and the emulated
+// device only (16-bit tables on a GPU throw).
 #pragma once
 
 #include <cstdint>
@@ -42,8 +52,10 @@ class Embedding final : public Layer {
   /// A layer `name` over a vocabulary of `vocab` tokens and sequences of at most `context`
   /// tokens, embedding each in `dim` features; parameters zero-filled (`initialize` draws
   /// them). Throws `dp::Error` unless all three are positive and `vocab` is at most 2^24
-  /// (every id a float can hold exactly).
-  Embedding(std::string name, std::int64_t vocab, std::int64_t context, std::int64_t dim);
+  /// (every id a float can hold exactly), and `dtype` a tensor type (see the top of this
+  /// file).
+  Embedding(std::string name, std::int64_t vocab, std::int64_t context, std::int64_t dim,
+            DataType dtype = DataType::kFloat32);
 
   /// "embedding".
   std::string kind() const override { return "embedding"; }

@@ -24,6 +24,14 @@
 //   dp::GELU gelu("gelu1", 256);
 //   dp::Tensor y = gelu.forward(x);      // x: (B, 256) -> y: (B, 256)
 //   dp::Tensor dx = gelu.backward(dy);
+//
+// Precision: the output and the gradient are of the input's type, float32 or bfloat16 /
+// float16 (mixed-precision training; it has no parameters). The 16-bit rule, as
+// dp::Linear's: x (and in backward dy) widened to float32 exactly, the float32 formulas
+// above, each result rounded once to nearest even: y = round(GELU(x)),
+// dx = round(dy dy/dx). It saves the input in its own type (2 bytes an element), and the
+// float32 temporaries are charged as activations while a call runs. It runs on the host and
+// the emulated device only (16-bit activations on a GPU throw).
 #pragma once
 
 #include <cstdint>

@@ -17,23 +17,39 @@
 //
 //   dp::LayerNorm ln("ln1", 256);        // parameters "ln1.weight" (gamma), "ln1.bias" (beta)
 //   dp::Tensor y = ln.forward(x);        // x: (B, 256) -> y: (B, 256)
+//
+// Precision: gamma, beta, the input, the output and the gradients are all of the type given
+// at construction, float32 by default or bfloat16 / float16 (mixed-precision training). The
+// 16-bit rule, as dp::Linear's: x, gamma, beta (and in backward dy) are widened to float32
+// exactly, the float32 arithmetic above runs on them, and each result is rounded once to
+// nearest even: y = round(LN(x)), dx = round(dx of the float32 layer), and the parameter
+// gradients are added as grad = round(widen(grad) + this batch's float32 sum). The saved xhat
+// and 1/sqrt(var + eps) stay float32 (4 bytes each, charged as activations), so backward is
+// the float32 layer's on the same values. It runs on the host and the emulated device only
+// (a 16-bit LayerNorm on a GPU throws).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "dp/layer.h"
 
 namespace dp {
 
+/// The default eps of `LayerNorm` (PyTorch's), for a caller that names a type after it.
+inline constexpr float kLayerNormEps = 1e-5f;
+
 /// Normalises each row of (B, features) to mean 0 and variance 1, then scales by gamma
 /// and shifts by beta (both learnable, (features)).
 class LayerNorm final : public Layer {
  public:
-  /// A layer `name` over rows of `features` elements; `eps` keeps the division finite.
-  /// Throws `dp::Error` unless `features` and `eps` are positive.
-  LayerNorm(std::string name, std::int64_t features, float eps = 1e-5f);
+  /// A layer `name` over rows of `features` elements; `eps` keeps the division finite;
+  /// parameters and activations of element type `dtype` (see the top of this file). Throws
+  /// `dp::Error` unless `features` and `eps` are positive and `dtype` is a tensor type.
+  LayerNorm(std::string name, std::int64_t features, float eps = kLayerNormEps,
+            DataType dtype = DataType::kFloat32);
 
   /// "layer_norm".
   std::string kind() const override { return "layer_norm"; }
@@ -62,6 +78,9 @@ class LayerNorm final : public Layer {
   Parameter& bias() { return bias_; }
 
  private:
+  // Throws unless `tensor` (called `what`) holds the parameters' element type.
+  void require_type(const Tensor& tensor, std::string_view what) const;
+
   std::int64_t features_;
   float eps_;
   Parameter weight_;

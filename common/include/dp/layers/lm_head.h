@@ -21,6 +21,16 @@
 //   dp::LanguageModelHead head("head", /*dim=*/128, /*vocab=*/65, /*context=*/64);
 //   dp::Tensor logits = head.forward(x);   // x: (B, T, 128) -> logits: (B T, 65)
 //   dp::Tensor dx = head.backward(dlogits); // dlogits: (B T, 65) -> dx: (B, T, 128)
+//
+// Precision: the parameters, the input, the logits and the gradients are of the type given
+// at construction, float32 by default or bfloat16 / float16 (mixed-precision training). The
+// 16-bit rule, as dp::Linear's, for each of its two operations: ln_f is a 16-bit
+// dp::LayerNorm, and the projection widens h and W (and in backward dlogits) to float32
+// exactly, multiplies in float32 and rounds each result once to nearest even:
+// logits = round(h W^T), dh = round(dlogits W), and W's gradient is added as
+// grad = round(widen(grad) + dlogits^T h). h is saved in 16 bits. (The loss takes the 16-bit
+// logits widened: dp::Model::backward.) It runs on the host and the emulated device only (a
+// 16-bit head on a GPU throws).
 #pragma once
 
 #include <cstdint>
@@ -37,8 +47,9 @@ class LanguageModelHead final : public Layer {
  public:
   /// A layer `name` from `dim` features to `vocab` logits per token, for sequences of at
   /// most `context` tokens (the length its costs assume); parameters zero-filled. Throws
-  /// `dp::Error` unless all three are positive.
-  LanguageModelHead(std::string name, std::int64_t dim, std::int64_t vocab, std::int64_t context);
+  /// `dp::Error` unless all three are positive and `dtype` is a tensor type (see above).
+  LanguageModelHead(std::string name, std::int64_t dim, std::int64_t vocab, std::int64_t context,
+                    DataType dtype = DataType::kFloat32);
 
   /// "lm_head".
   std::string kind() const override { return "lm_head"; }

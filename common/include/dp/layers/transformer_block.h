@@ -40,6 +40,14 @@
 // It runs where its tensors live, as its sublayers do (the residual sums with cuda::add on a
 // GPU).
 //
+// Precision: the parameters, the input, the output and the gradients are of the type given
+// at construction, float32 by default or bfloat16 / float16 (mixed-precision training). The
+// 16-bit rule, as dp::Linear's, for each operation: every sublayer is 16-bit and follows it
+// (operands widened to float32 exactly, float32 arithmetic, each result rounded once to
+// nearest even), and so does each residual sum, x = round(widen(x) + widen(branch)), in
+// forward and in backward. The 16-bit draws are the float32 draws rounded. It runs on the
+// host and the emulated device only (a 16-bit block on a GPU throws).
+//
 // Example:
 //
 //   dp::TransformerBlock block("h.0", /*dim=*/128, /*heads=*/4, /*context=*/64, /*layers=*/4);
@@ -65,9 +73,10 @@ class TransformerBlock final : public Layer {
   /// A block `name` (a model names block N "h.N") over `dim` features in `heads` heads, for
   /// sequences of at most `context` tokens, in a model of `layers` blocks (which scales the
   /// initialisation of the branches' output projections); parameters zero-filled. Throws
-  /// `dp::Error` unless all are positive and `heads` divides `dim`.
+  /// `dp::Error` unless all are positive and `heads` divides `dim`, and `dtype` is a tensor
+  /// type (see above).
   TransformerBlock(std::string name, std::int64_t dim, std::int64_t heads, std::int64_t context,
-                   std::int64_t layers);
+                   std::int64_t layers, DataType dtype = DataType::kFloat32);
 
   /// "transformer_block".
   std::string kind() const override { return "transformer_block"; }
