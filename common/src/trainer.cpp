@@ -391,8 +391,8 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
       if (!overflow) master_weights->set_gradient_scale(scaler->inverse_scale());
     }
     // A float32 run replaying a float16 run's skips (compare_with_float32).
-    const bool replayed_skip = std::ranges::find(options.steps_to_skip, step_number) !=
-                               options.steps_to_skip.end();
+    const bool replayed_skip =
+        std::ranges::find(options.steps_to_skip, step_number) != options.steps_to_skip.end();
     if (!overflow && !replayed_skip) optimizer.step(model);
     if (overflow) result.skipped_step_numbers.push_back(step_number);
     if (scaler) scaler->update(overflow);
@@ -907,9 +907,9 @@ namespace dp {
 double unit_roundoff_of(DataType precision) {
   if (precision == DataType::kBFloat16) return 0x1.0p-8;
   if (precision == DataType::kFloat16) return 0x1.0p-11;
-  throw Error(fmt::format(
-      "unit_roundoff_of: expected bfloat16 or float16, got {} (not a mixed precision)",
-      to_string(precision)));
+  throw Error(
+      fmt::format("unit_roundoff_of: expected bfloat16 or float16, got {} (not a mixed precision)",
+                  to_string(precision)));
 }
 
 double mixed_precision_worst_measured_ratio(DataType precision) {
@@ -918,9 +918,10 @@ double mixed_precision_worst_measured_ratio(DataType precision) {
   // at lr 0.05 with momentum 0.9, 1 rank, seed 5: a gap of 0.0169).
   if (precision == DataType::kBFloat16) return 8.4;
   if (precision == DataType::kFloat16) return 14.0;
-  throw Error(fmt::format("mixed_precision_worst_measured_ratio: expected bfloat16 or float16, "
-                          "got {} (not a mixed precision)",
-                          to_string(precision)));
+  throw Error(
+      fmt::format("mixed_precision_worst_measured_ratio: expected bfloat16 or float16, "
+                  "got {} (not a mixed precision)",
+                  to_string(precision)));
 }
 
 double mixed_precision_loss_tolerance(DataType precision, double sensitivity) {
@@ -954,11 +955,11 @@ Float32Comparison compare_with_float32(const TrainOptions& options, const Datase
   for (std::size_t i = 0; every_step && i < reports.size(); ++i)
     every_step = reports[i].step == reports.front().step + static_cast<int>(i);
   if (!every_step)
-    throw Error(fmt::format(
-        "compare_with_float32: expected the mixed-precision run to report every step "
-        "(log_every 1), got {} reports of steps {} to {}",
-        reports.size(), reports.empty() ? 0 : reports.front().step,
-        reports.empty() ? 0 : reports.back().step));
+    throw Error(
+        fmt::format("compare_with_float32: expected the mixed-precision run to report every step "
+                    "(log_every 1), got {} reports of steps {} to {}",
+                    reports.size(), reports.empty() ? 0 : reports.front().step,
+                    reports.empty() ? 0 : reports.back().step));
   TrainOptions float32 = options;
   float32.precision = DataType::kFloat32;
   float32.reduce_dtype.reset();
@@ -968,12 +969,15 @@ Float32Comparison compare_with_float32(const TrainOptions& options, const Datase
   Float32Comparison comparison;
   comparison.unit_roundoff = unit_roundoff_of(options.precision);
   perturbed.lr = static_cast<float>(options.lr * (1.0 + comparison.unit_roundoff));
-  const TrainResult reference = train_emulating_data_parallel(float32, data, world_size, checkpointing);
-  const TrainResult nudged = train_emulating_data_parallel(perturbed, data, world_size, checkpointing);
+  const TrainResult reference =
+      train_emulating_data_parallel(float32, data, world_size, checkpointing);
+  const TrainResult nudged =
+      train_emulating_data_parallel(perturbed, data, world_size, checkpointing);
   if (reference.reports.size() != reports.size())
-    throw Error(fmt::format("compare_with_float32: the float32 run reported {} steps, the "
-                            "mixed-precision run {}: expected the same options",
-                            reference.reports.size(), reports.size()));
+    throw Error(
+        fmt::format("compare_with_float32: the float32 run reported {} steps, the "
+                    "mixed-precision run {}: expected the same options",
+                    reference.reports.size(), reports.size()));
   const std::size_t compared = std::max<std::size_t>(1, reports.size() / 4);
   comparison.steps_compared = static_cast<int>(compared);
   comparison.mixed_loss = mean_of_last_losses(reports, compared);

@@ -154,7 +154,7 @@ struct TrainResult {
                                          ///< 0 under fp16 loss scaling)
   std::int64_t skipped_steps = 0;        ///< fp16: steps skipped for an overflow (all ranks alike)
   std::vector<int> skipped_step_numbers{};  ///< which steps (1-based) were skipped, in order
-  float loss_scale = 0;                  ///< fp16: the loss scale after the last step (else 0)
+  float loss_scale = 0;                     ///< fp16: the loss scale after the last step (else 0)
 };
 
 /// Called with each report, on rank 0 only when data-parallel.
@@ -353,13 +353,13 @@ float equivalence_tolerance(const TrainOptions& options, float max_abs_gradient)
 /// skips the steps the float16 run skipped for an overflow (`TrainOptions::steps_to_skip`):
 /// a skipped step is an update fewer, which is loss scaling's price, not rounding's.
 struct Float32Comparison {
-  int steps_compared = 0;       ///< the last quarter of the steps, at least one
-  double mixed_loss = 0;        ///< the mixed-precision run's mean loss over them
-  double float32_loss = 0;      ///< the float32 run's mean loss over them
-  double relative_gap = 0;      ///< |mixed - float32| / float32 (NaN if either is not finite)
-  double unit_roundoff = 0;     ///< u of the 16-bit format: 2^-8 bfloat16, 2^-11 float16
-  double sensitivity = 0;       ///< the float32 run's relative loss change at lr (1 + u)
-  double tolerance = 0;         ///< `mixed_precision_loss_tolerance` of the run
+  int steps_compared = 0;    ///< the last quarter of the steps, at least one
+  double mixed_loss = 0;     ///< the mixed-precision run's mean loss over them
+  double float32_loss = 0;   ///< the float32 run's mean loss over them
+  double relative_gap = 0;   ///< |mixed - float32| / float32 (NaN if either is not finite)
+  double unit_roundoff = 0;  ///< u of the 16-bit format: 2^-8 bfloat16, 2^-11 float16
+  double sensitivity = 0;    ///< the float32 run's relative loss change at lr (1 + u)
+  double tolerance = 0;      ///< `mixed_precision_loss_tolerance` of the run
   /// True when the relative gap is within the tolerance (false for a NaN or infinite loss).
   bool close() const { return relative_gap <= tolerance; }
 };
@@ -379,8 +379,10 @@ struct Float32Comparison {
 /// constant for the roundings in series (float16's also for its narrow range: a gradient
 /// below 2^-14 / S keeps fewer bits than u counts), measured once per format
 /// (`mixed_precision_worst_measured_ratio`); the tolerance is twice the worst measured:
-/// 2 k (u + sensitivity). A wrong run parts by far more: gradients summed but not averaged
-/// over 4 ranks (SGD at 4 times its rate) ends 20 % and more from float32.
+/// 2 k (u + sensitivity). What it catches is gross: gradients summed but not averaged over
+/// 8 ranks (SGD at 8 times its rate) ends 70 % from float32, an update left scaled by S
+/// diverges; 4 ranks' sum (4 times the rate) ends only 3.6 % away, inside bfloat16's
+/// tolerance. The bitwise comparison with `train_emulating_data_parallel` is the exact check.
 double mixed_precision_loss_tolerance(DataType precision, double sensitivity);
 
 /// The worst ratio k of gap to u + sensitivity measured for `precision` by
