@@ -90,8 +90,9 @@ struct TrainOptions {
   /// `make_model` and `load_training_checkpoint` need it set for a GPT.
   std::int64_t vocab = 0;
   /// The element type of the model's parameters, activations and gradients: float32, or
-  /// bfloat16 or float16 for mixed-precision training (an MLP of Linear and ReLU layers,
-  /// dp/layers/linear.h states the arithmetic). In mixed precision the optimizer is wrapped
+  /// bfloat16 or float16 for mixed-precision training (any model: each layer widens its
+  /// operands, computes in float32 and rounds its results once, as dp/layers/linear.h
+  /// states). In mixed precision the optimizer is wrapped
   /// in a `MixedPrecisionOptimizer` (float32 master weights: 2 + 2 + 12 bytes per parameter
   /// with AdamW), and float16 scales its loss with a `DynamicLossScaler` (PyTorch
   /// GradScaler's defaults): a step whose averaged gradients overflow is skipped on every
