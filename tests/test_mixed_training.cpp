@@ -238,6 +238,7 @@ TEST(MixedPrecisionCloseToFloat32, CorrectRunsAreWithinTheTolerance) {
         EXPECT_EQ(comparison.steps_compared, 15);
         EXPECT_EQ(comparison.unit_roundoff, dp::unit_roundoff_of(precision));
         EXPECT_GT(comparison.sensitivity, 0.0);  // the perturbed run moved
+        EXPECT_GT(comparison.parameter_distance, 0.0);
       }
 }
 

@@ -986,6 +986,17 @@ Float32Comparison compare_with_float32(const TrainOptions& options, const Datase
   comparison.sensitivity =
       relative_difference(mean_of_last_losses(nudged.reports, compared), comparison.float32_loss);
   comparison.tolerance = mixed_precision_loss_tolerance(options.precision, comparison.sensitivity);
+  const std::vector<float> mixed_parameters = mixed.model.flat_parameters();
+  const std::vector<float> float32_parameters = reference.model.flat_parameters();
+  double gap_squared = 0;
+  double reference_squared = 0;
+  for (std::size_t i = 0; i < float32_parameters.size(); ++i) {
+    const double reference_value = float32_parameters[i];
+    const double gap = static_cast<double>(mixed_parameters.at(i)) - reference_value;
+    gap_squared += gap * gap;
+    reference_squared += reference_value * reference_value;
+  }
+  comparison.parameter_distance = std::sqrt(gap_squared / reference_squared);
   return comparison;
 }
 

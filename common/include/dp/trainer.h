@@ -361,6 +361,9 @@ struct Float32Comparison {
   double unit_roundoff = 0;  ///< u of the 16-bit format: 2^-8 bfloat16, 2^-11 float16
   double sensitivity = 0;    ///< the float32 run's relative loss change at lr (1 + u)
   double tolerance = 0;      ///< `mixed_precision_loss_tolerance` of the run
+  /// |p_mixed - p_float32| / |p_float32| of the final parameter vectors (2-norms): how far the
+  /// trajectories parted, for the lesson; not part of the check.
+  double parameter_distance = 0;
   /// True when the relative gap is within the tolerance (false for a NaN or infinite loss).
   bool close() const { return relative_gap <= tolerance; }
 };
