@@ -248,9 +248,12 @@ TEST_P(ResumedMixedPrecision, EndsBitwiseWhereTheUninterruptedRunEnds) {
   }
   const std::vector<std::vector<float>> from_parameters =
       run(options, samples, setup.world_size, resuming);
-  for (std::size_t rank = 0; rank < resumed.size(); ++rank)
+  // (Under mpi only this process's rank has a state; the other slots stay empty.)
+  for (std::size_t rank = 0; rank < resumed.size(); ++rank) {
+    if (from_parameters[rank].empty()) continue;
     EXPECT_LT(first_difference(from_parameters[rank], uninterrupted[rank]), resumed[rank].size())
         << "rank " << rank << ": resuming without the masters ended where the run ends";
+  }
 }
 
 TEST_F(MixedPrecisionCheckpoint, RefusesAnotherPrecisionNamingBoth) {
