@@ -66,7 +66,6 @@ struct TrainArguments {
   std::string device = "host";     // where the tensors live: host, cuda or emulated
   std::string precision = "fp32";  // fp32, bf16 or fp16
   std::string reduce_dtype;        // empty: the precision's
-  bool checkpoint_given = false;   // --checkpoint on the command line
 };
 
 /// The element type of a --precision or --reduce-dtype name.
@@ -99,8 +98,10 @@ bool replicas_identical(const Model& model, Communicator& comm) {
 
 /// Saves the run's state after `step` steps to --checkpoint (rank 0 only).
 void save_checkpoint(const TrainArguments& args, const Dataset& data, const Model& model,
-                     Optimizer& optimizer, int step, int world_size) {
+                     Optimizer& optimizer, const DynamicLossScaler* loss_scaler, int step,
+                     int world_size) {
   TrainingCheckpointInfo info;
+  info.loss_scaler = loss_scaler;
   info.world_size = world_size;
   info.backend = args.backend;
   info.allow_non_finite = args.save_non_finite;
@@ -383,21 +384,6 @@ void run_train(TrainArguments args) {
   launch_options.comm.hang_timeout =
       timeout_milliseconds(args.hang_timeout_seconds, "--hang-timeout", kMaxHangTimeout);
   check_train_options(args.options);
-  if (args.options.precision != DataType::kFloat32) {
-    if (!args.resume.empty() || args.checkpoint_every > 0 ||
-        (args.checkpoint_given && !args.checkpoint.empty()))
-      throw Error(fmt::format(
-          "--precision {} with --resume, --checkpoint-every or --checkpoint: a mixed-precision "
-          "run cannot be saved or resumed yet (its master weights and loss scale are not in "
-          "the checkpoint format); train without them (--checkpoint '' is accepted)",
-          precision_name(args.options.precision)));
-    // The default checkpoint is not saved either; say so, since a run without the option
-    // saves one.
-    if (!args.checkpoint.empty() && mpi_world_rank() == 0)
-      fmt::print("--precision {}: {} is not saved (a mixed-precision run cannot be saved yet)\n",
-                 precision_name(args.options.precision), args.checkpoint);
-    args.checkpoint.clear();
-  }
   int world_size = args.world_size.value_or(0);
   if (launch_options.backend == Backend::kMpi) {
     if (!started_by_mpi())
@@ -492,8 +478,9 @@ void run_train(TrainArguments args) {
   TrainCheckpointing checkpointing;
   if (resumed) checkpointing.resume_from = &*resumed;
   checkpointing.every = args.checkpoint_every;
-  checkpointing.save = [&](int step, const Model& model, Optimizer& optimizer) {
-    save_checkpoint(args, data, model, optimizer, step, world_size);
+  checkpointing.save = [&](int step, const Model& model, Optimizer& optimizer,
+                           const DynamicLossScaler* loss_scaler) {
+    save_checkpoint(args, data, model, optimizer, loss_scaler, step, world_size);
   };
   if (prints && args.options.activation_checkpointing)
     print_activation_checkpointing(args.options, data, world_size);
@@ -532,7 +519,9 @@ void run_train(TrainArguments args) {
     print_memory_per_parameter(args.options, result);
     // Saved before --verify: a failed comparison must not lose the training.
     if (!args.checkpoint.empty())
-      save_checkpoint(args, data, result.model, *result.optimizer, args.options.steps, comm.size());
+      save_checkpoint(args, data, result.model, *result.optimizer,
+                      result.loss_scaler ? &*result.loss_scaler : nullptr, args.options.steps,
+                      comm.size());
     if (args.verify) verify_against_single_process(args, data, result, comm.size(), checkpointing);
   });
   if (simulated) print_simulated_time(launch_options.simulation, traces);
@@ -591,11 +580,10 @@ void add_train_command(CLI::App& app) {
                    "Ranks (default: 1 on local, every process under mpi)")
       ->check(world_size_range());
   train->add_option("--backend", args->backend, "local or mpi")->capture_default_str();
-  CLI::Option* checkpoint_option =
-      train
-          ->add_option("--checkpoint", args->checkpoint,
-                       "safetensors file of the run's state, saved at the end ('' for none)")
-          ->capture_default_str();
+  train
+      ->add_option("--checkpoint", args->checkpoint,
+                   "safetensors file of the run's state, saved at the end ('' for none)")
+      ->capture_default_str();
   train
       ->add_option("--checkpoint-every", args->checkpoint_every,
                    "Also save --checkpoint every K steps (0: only at the end)")
@@ -642,12 +630,11 @@ void add_train_command(CLI::App& app) {
       ->capture_default_str();
   train->add_option("--reduce-dtype", args->reduce_dtype,
                     "The gradient all-reduce's type: fp32, or the precision's (the default)");
-  train->callback([args, dataset, checkpoint_option] {
+  train->callback([args, dataset] {
     args->options.device = select_device(args->device);
     args->options.precision = parse_precision(args->precision, "--precision");
     if (!args->reduce_dtype.empty())
       args->options.reduce_dtype = parse_precision(args->reduce_dtype, "--reduce-dtype");
-    args->checkpoint_given = checkpoint_option->count() > 0;
     // A GPT trains on text: without --dataset, on the default corpus.
     if (dataset->count() == 0 && is_gpt_spec(args->options.model))
       args->options.dataset = "fortunes";

@@ -13,7 +13,8 @@ namespace dp {
 
 TrainedGpt load_trained_gpt(const std::filesystem::path& path) {
   const std::string file = path.string();
-  Checkpoint contents = load_safetensors(path, MemoryCategory::kOther);
+  // Every dtype: a mixed-precision run saves its 16-bit parameters as they are ("BF16", "F16").
+  Checkpoint contents = load_safetensors(path, MemoryCategory::kOther, LoadTypes::kAll);
   const auto model = contents.metadata.find("model");
   if (model == contents.metadata.end() || !is_gpt_spec(model->second))
     throw Error(fmt::format(
@@ -33,8 +34,14 @@ TrainedGpt load_trained_gpt(const std::filesystem::path& path) {
           fmt::format("'{}': tensor '{}' has shape {}, expected {} for the GPT {} over {} tokens",
                       file, parameter->name, saved->second.shape_string(),
                       parameter->value.shape_string(), model->second, tokenizer.size()));
-    check_state_values(file, parameter->name, saved->second.span());
-    std::copy_n(saved->second.data(), saved->second.size(), parameter->value.data());
+    // 16-bit parameters are widened exactly: the model samples in float32 from the very
+    // values the mixed-precision run trained (its arithmetic, not its 16-bit rounding).
+    const Tensor widened = saved->second.dtype() == DataType::kFloat32
+                               ? Tensor()
+                               : saved->second.to(DataType::kFloat32);
+    const Tensor& values = saved->second.dtype() == DataType::kFloat32 ? saved->second : widened;
+    check_state_values(file, parameter->name, values.span());
+    std::copy_n(values.data(), values.size(), parameter->value.data());
   }
   return {spec, std::move(gpt), std::move(tokenizer)};
 }

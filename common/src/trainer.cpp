@@ -183,19 +183,40 @@ DataType reduce_type_of(const TrainOptions& options) {
 /// destination = the elements of host tensor `source`, wherever destination lives (not
 /// dp::copy: restoring a run is not part of a step, so the simulated clock is not charged).
 void copy_from_host(const Tensor& source, Tensor& destination) {
-  detail::copy_memory(destination.view().data(), destination.device(), source.data(), Device::kHost,
-                      source.bytes());
+  DP_CHECK(source.dtype() == destination.dtype() && source.size() == destination.size(),
+           "restoring {} elements of {} into {} of {}", source.size(), to_string(source.dtype()),
+           destination.size(), to_string(destination.dtype()));
+  detail::copy_memory(destination.view().raw_data(), destination.device(), source.view().raw_data(),
+                      Device::kHost, source.bytes());
 }
 
 /// Restores the parameters and the optimizer of a run from `checkpoint` (checked against the
 /// options by `load_training_checkpoint`).
+///
+/// A float32 run given a mixed-precision checkpoint (compare_with_float32 continuing a
+/// resumed run in float32) starts from its float32 masters and the inner optimizer's state.
 void restore(const TrainingCheckpoint& checkpoint, Model& model, Optimizer& optimizer) {
+  auto* mixed = dynamic_cast<MixedPrecisionOptimizer*>(&optimizer);
+  const auto masters = checkpoint.tensors.find("optimizer.master_weights");
+  const bool from_masters = mixed == nullptr && masters != checkpoint.tensors.end();
   for (Parameter* parameter : model.parameters()) {
+    if (from_masters) {
+      DP_CHECK(parameter->value.dtype() == DataType::kFloat32 &&
+                   parameter->offset + parameter->value.size() <= masters->second.size(),
+               "restoring {} from master weights of {} elements", parameter->name,
+               masters->second.size());
+      detail::copy_memory(parameter->value.view().raw_data(), parameter->value.device(),
+                          masters->second.data() + parameter->offset, Device::kHost,
+                          parameter->value.bytes());
+      continue;
+    }
     copy_from_host(checkpoint.tensors.at(parameter->name), parameter->value);
   }
   for (const OptimizerState& state : optimizer.state())
     copy_from_host(checkpoint.tensors.at("optimizer." + state.name), *state.tensor);
   optimizer.set_step_count(checkpoint.optimizer_steps);
+  // The inner optimizer counts its own steps (AdamW's bias correction reads them).
+  if (mixed != nullptr) mixed->inner().set_step_count(checkpoint.optimizer_steps);
 }
 
 /// One process in the place of `world` ranks (train_emulating_data_parallel): each rank's
@@ -290,15 +311,19 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
         "{} training on a GPU: the 16-bit layers run on the host and the emulated device only "
         "(--device host or emulated)",
         to_string(options.precision)));
-  if (mixed && (checkpointing.resume_from != nullptr || checkpointing.every > 0))
-    throw Error(fmt::format(
-        "{} training with checkpoints: a mixed-precision run cannot be saved or resumed yet "
-        "(its master weights and loss scale are not in the checkpoint format)",
-        to_string(options.precision)));
   const DataType reduce_type = reduce_type_of(options);
   // fp16 scales its loss; bfloat16 has float32's range and needs no scaling.
   std::optional<DynamicLossScaler> scaler;
   if (options.precision == DataType::kFloat16) scaler.emplace(options.loss_scaling);
+  if (scaler && checkpointing.resume_from != nullptr) {
+    // The scale, growth tracker and skipped count as they were: the next steps scale as the
+    // saved run's would have.
+    if (!checkpointing.resume_from->loss_scaler)
+      throw Error(
+          "resuming float16 training from a checkpoint without the loss scaler's state: "
+          "expected one read by load_training_checkpoint with the run's options");
+    scaler = *checkpointing.resume_from->loss_scaler;
+  }
 
   TrainResult result{make_model(options), nullptr, {}, 0.0f};
   Model& model = result.model;
@@ -316,8 +341,11 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
     // As DDP does at construction: every replica starts from rank 0's weights.
     for (Parameter* parameter : model.parameters())
       comm->broadcast(parameter->value.view(), 0)->wait();
-    // The masters are the parameters every replica now holds.
-    if (master_weights != nullptr) master_weights->load_master_weights(model);
+    // The masters are the parameters every replica now holds; a resumed run's were restored
+    // (rounding them to 16 bits and back would lose what the masters hold beyond the 16-bit
+    // parameters, and the run would not continue as the saved one).
+    if (master_weights != nullptr && checkpointing.resume_from == nullptr)
+      master_weights->load_master_weights(model);
   }
   // A reduce type other than the gradients': a float32 buffer per parameter, which the
   // 16-bit gradient is widened into, averaged in, and rounded back from.
@@ -350,7 +378,7 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
   const auto finish_step = [&](int done, const std::array<float, 2>& metrics) {
     if (checkpointing.every > 0 && done % checkpointing.every == 0 && done < options.steps &&
         checkpointing.save && rank == 0)
-      checkpointing.save(done, model, optimizer);
+      checkpointing.save(done, model, optimizer, scaler ? &*scaler : nullptr);
     if (done % options.log_every != 0 && done != options.steps) return;
     const auto now = SteadyClock::now();
     const double seconds = std::chrono::duration<double>(now - last_report_time).count();
@@ -451,6 +479,7 @@ TrainResult train(const TrainOptions& given_options, const Dataset& data, Commun
   if (scaler) {
     result.skipped_steps = scaler->skipped_steps();
     result.loss_scale = scaler->scale();
+    result.loss_scaler = scaler;
   }
   return result;
 }
@@ -480,13 +509,47 @@ std::map<std::string, std::string> trajectory_options(const TrainOptions& option
       {"weight_decay", fmt::format("{}", options.weight_decay)}};
   // A GPT's vocabulary too (an MLP's checkpoints stay as they were).
   if (is_gpt_spec(options.model)) entries["vocab"] = std::to_string(options.vocab);
+  // Mixed precision's options ("precision" itself is checked first, on its own: a float32
+  // checkpoint has none, load_training_checkpoint).
+  if (options.precision != DataType::kFloat32)
+    entries["reduce_dtype"] = to_string(reduce_type_of(options));
+  if (options.precision == DataType::kFloat16) {
+    const LossScalerOptions& scaling = options.loss_scaling;
+    entries["loss_scaling.initial_scale"] = fmt::format("{}", scaling.initial_scale);
+    entries["loss_scaling.growth_factor"] = fmt::format("{}", scaling.growth_factor);
+    entries["loss_scaling.backoff_factor"] = fmt::format("{}", scaling.backoff_factor);
+    entries["loss_scaling.growth_interval"] = std::to_string(scaling.growth_interval);
+  }
   return entries;
+}
+
+/// The values of host `tensor` as floats: 16-bit ones widened exactly, into memory no rank's
+/// account is charged for (checking a checkpoint must not raise the run's peaks).
+std::vector<float> values_of(const Tensor& tensor) {
+  switch (tensor.dtype()) {
+    case DataType::kBFloat16: {
+      const std::span<const BFloat16> values = tensor.span<BFloat16>();
+      std::vector<float> widened(values.size());
+      std::ranges::transform(values, widened.begin(), [](BFloat16 v) { return to_float(v); });
+      return widened;
+    }
+    case DataType::kFloat16: {
+      const std::span<const Float16> values = tensor.span<Float16>();
+      std::vector<float> widened(values.size());
+      std::ranges::transform(values, widened.begin(), [](Float16 v) { return to_float(v); });
+      return widened;
+    }
+    default: return {tensor.span().begin(), tensor.span().end()};
+  }
 }
 
 /// Throws unless every value of `tensor` is finite, naming the first that is not.
 void check_finite(const std::filesystem::path& path, const std::string& name, const Tensor& tensor,
                   int step) {
-  const std::span<const float> values = tensor.span();
+  const std::vector<float> widened =
+      tensor.dtype() == DataType::kFloat32 ? std::vector<float>() : values_of(tensor);
+  const std::span<const float> values =
+      tensor.dtype() == DataType::kFloat32 ? tensor.span() : std::span<const float>(widened);
   for (std::size_t i = 0; i < values.size(); ++i)
     if (!std::isfinite(values[i]))
       throw Error(fmt::format(
@@ -712,13 +775,26 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
   metadata["optimizer_steps"] = std::to_string(optimizer.step_count());
   metadata["world_size"] = std::to_string(info.world_size);
   if (!info.backend.empty()) metadata["backend"] = info.backend;
+  metadata["precision"] = to_string(options.precision);
+  if ((info.loss_scaler != nullptr) != (options.precision == DataType::kFloat16))
+    throw Error(fmt::format(
+        "saving '{}': a {} run {} a loss scaler's state (TrainingCheckpointInfo::loss_scaler), "
+        "which only float16 training has",
+        path.string(), to_string(options.precision),
+        info.loss_scaler != nullptr ? "was given" : "was not given"));
+  if (info.loss_scaler != nullptr) {
+    metadata["loss_scale"] = fmt::format("{}", info.loss_scaler->scale());
+    metadata["loss_scale_growth_tracker"] = std::to_string(info.loss_scaler->growth_tracker());
+    metadata["loss_scale_skipped_steps"] = std::to_string(info.loss_scaler->skipped_steps());
+  }
   save_safetensors(path, tensors, metadata, Checksums::kWrite);
 }
 
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
                                             const TrainOptions& options, std::size_t dataset_size) {
   const std::string file = path.string();
-  Checkpoint contents = load_safetensors(path, MemoryCategory::kOther);
+  // Every dtype: a mixed-precision run's parameters are 16-bit (checked below against the run's).
+  Checkpoint contents = load_safetensors(path, MemoryCategory::kOther, LoadTypes::kAll);
   const auto& metadata = contents.metadata;
   const auto format = metadata.find("format");
   if (format == metadata.end() ||
@@ -733,6 +809,19 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
         "cannot resume from '{}': its format \"{}\" records checksums, but its metadata has no "
         "\"{}\" entry: the file was changed or damaged after it was written",
         file, kCheckpointFormat, kChecksumKey));
+  // The precision first, on its own: a checkpoint older than mixed precision has none and is
+  // float32.
+  const auto saved_precision = metadata.find("precision");
+  const std::string precision =
+      saved_precision != metadata.end() ? saved_precision->second : "float32";
+  if (precision != to_string(options.precision))
+    throw Error(fmt::format(
+        "cannot resume from '{}': it was saved by a {} run, this run trains in {}; a run "
+        "resumes in the precision it was saved in (its parameters{} are kept as they were)",
+        file, precision, to_string(options.precision),
+        precision == "float32"   ? ""
+        : precision == "float16" ? ", float32 master weights and loss scale"
+                                 : " and float32 master weights"));
   for (const auto& [key, value] : trajectory_options(options, dataset_size)) {
     const auto saved = metadata.find(key);
     if (saved == metadata.end() || saved->second != value)
@@ -762,18 +851,21 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
   // Every tensor the model and optimizer have, with its shape, and nothing else.
   Model model = make_model(options);
   const std::unique_ptr<Optimizer> optimizer = make_optimizer_for(options, model);
-  std::map<std::string, std::vector<std::int64_t>> expected;
+  std::map<std::string, const Tensor*> expected;
   for (const Parameter* parameter : model.parameters())
-    expected[parameter->name] = parameter->value.shape();
+    expected[parameter->name] = &parameter->value;
   for (const OptimizerState& state : optimizer->state())
-    expected["optimizer." + state.name] = state.tensor->shape();
-  for (const auto& [name, shape] : expected) {
+    expected["optimizer." + state.name] = state.tensor;
+  for (const auto& [name, like] : expected) {
     const auto it = contents.tensors.find(name);
     if (it == contents.tensors.end())
       throw Error(fmt::format("cannot resume from '{}': it has no tensor '{}'", file, name));
-    if (it->second.shape() != shape)
+    if (it->second.shape() != like->shape())
       throw Error(fmt::format("cannot resume from '{}': tensor '{}' has shape {}, expected {}",
-                              file, name, it->second.shape_string(), shape_to_string(shape)));
+                              file, name, it->second.shape_string(), like->shape_string()));
+    if (it->second.dtype() != like->dtype())
+      throw Error(fmt::format("cannot resume from '{}': tensor '{}' holds {}, expected {}", file,
+                              name, to_string(it->second.dtype()), to_string(like->dtype())));
   }
   for (const auto& [name, tensor] : contents.tensors)
     if (!expected.contains(name))
@@ -782,7 +874,40 @@ TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
           "of this run",
           file, name));
   // A run saved with --save-non-finite is refused here too: resuming it would train on NaN.
-  for (const auto& [name, tensor] : contents.tensors) check_state_values(file, name, tensor.span());
+  // (16-bit parameters widened exactly for the check.)
+  for (const auto& [name, tensor] : contents.tensors) {
+    if (tensor.dtype() == DataType::kFloat32) {
+      check_state_values(file, name, tensor.span());
+    } else {
+      check_state_values(file, name, values_of(tensor));
+    }
+  }
+  if (options.precision == DataType::kFloat16) {
+    const auto scale_entry = metadata.find("loss_scale");
+    const std::string scale_text = scale_entry != metadata.end() ? scale_entry->second : "";
+    char* end = nullptr;
+    const float scale = std::strtof(scale_text.c_str(), &end);
+    if (scale_text.empty() || end != scale_text.c_str() + scale_text.size())
+      throw Error(fmt::format(
+          "'{}' is not a float16 training checkpoint of dplab: its metadata has no number "
+          "\"loss_scale\"{}",
+          file, scale_entry == metadata.end() ? "" : fmt::format(" (it has \"{}\")", scale_text)));
+    const std::int64_t tracker = integer_entry(metadata, "loss_scale_growth_tracker", file);
+    const std::int64_t skipped = integer_entry(metadata, "loss_scale_skipped_steps", file);
+    if (skipped > checkpoint.step)
+      throw Error(fmt::format(
+          "cannot resume from '{}': it records {} steps skipped for an overflow, more than the "
+          "{} steps it was saved after",
+          file, skipped, checkpoint.step));
+    checkpoint.loss_scaler.emplace(options.loss_scaling);
+    try {
+      checkpoint.loss_scaler->restore(
+          scale, static_cast<int>(std::min<std::int64_t>(tracker, std::numeric_limits<int>::max())),
+          skipped);
+    } catch (const Error& error) {
+      throw Error(fmt::format("cannot resume from '{}': {}", file, error.what()));
+    }
+  }
   checkpoint.tensors = std::move(contents.tensors);
   checkpoint.info = std::move(contents.metadata);
   return checkpoint;

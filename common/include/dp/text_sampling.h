@@ -37,7 +37,8 @@ struct TrainedGpt {
 /// Reads the GPT of a checkpoint `dplab train` wrote: the model spec ("model") and the
 /// tokenizer from the metadata, every parameter by its name. Throws `dp::Error` naming the
 /// file when it cannot be read, is not a GPT's checkpoint, records no tokenizer or a
-/// damaged one, or lacks a parameter or holds one of the wrong shape.
+/// damaged one, or lacks a parameter or holds one of the wrong shape. A mixed-precision
+/// run's 16-bit parameters ("BF16" or "F16") are widened exactly: the model is float32.
 TrainedGpt load_trained_gpt(const std::filesystem::path& path);
 
 /// How `sample_text` draws.

@@ -26,9 +26,10 @@
 //
 //   dp::TrainCheckpointing checkpointing;
 //   checkpointing.every = 50;
-//   checkpointing.save = [&](int step, const dp::Model& model, dp::Optimizer& optimizer) {
+//   checkpointing.save = [&](int step, const dp::Model& model, dp::Optimizer& optimizer,
+//                            const dp::DynamicLossScaler* loss_scaler) {
 //     dp::save_training_checkpoint("run.safetensors", options, model, optimizer, step,
-//                                  data.size(), {.world_size = 4});
+//                                  data.size(), {.world_size = 4, .loss_scaler = loss_scaler});
 //   };
 //   ...                                   // later, in a new run with the same options:
 //   dp::TrainingCheckpoint start =
@@ -96,7 +97,9 @@ struct TrainOptions {
   /// in a `MixedPrecisionOptimizer` (float32 master weights: 2 + 2 + 12 bytes per parameter
   /// with AdamW), and float16 scales its loss with a `DynamicLossScaler` (PyTorch
   /// GradScaler's defaults): a step whose averaged gradients overflow is skipped on every
-  /// rank, and the scale halved. No checkpoints yet (saving or resuming is refused).
+  /// rank, and the scale halved. Checkpoints hold the 16-bit parameters (safetensors "BF16"
+  /// or "F16"), the float32 masters and the inner optimizer's state, and fp16's loss scale
+  /// (`save_training_checkpoint`); a run resumes only in the precision it was saved in.
   DataType precision = DataType::kFloat32;
   /// The type of the gradient all-reduce: empty for the parameters' type (16-bit gradients
   /// averaged as the backends reduce 16-bit buffers, each partial sum rounded, dp/comm.h), or
@@ -156,6 +159,8 @@ struct TrainResult {
   std::int64_t skipped_steps = 0;        ///< fp16: steps skipped for an overflow (all ranks alike)
   std::vector<int> skipped_step_numbers{};  ///< which steps (1-based) were skipped, in order
   float loss_scale = 0;                     ///< fp16: the loss scale after the last step (else 0)
+  /// fp16: the loss scaler after the last step, whole (what a checkpoint of the run saves).
+  std::optional<DynamicLossScaler> loss_scaler{};
 };
 
 /// Called with each report, on rank 0 only when data-parallel.
@@ -236,6 +241,8 @@ struct TrainingCheckpoint {
   std::map<std::string, Tensor> tensors;    ///< parameters by name, optimizer state as
                                             ///< "optimizer.<state name>"
   std::map<std::string, std::string> info;  ///< the file's metadata
+  /// fp16: the loss scaler as it was (scale, growth tracker, skipped steps); else empty.
+  std::optional<DynamicLossScaler> loss_scaler{};
 };
 
 /// Checkpoints of a run, and where it starts (all optional).
@@ -248,7 +255,10 @@ struct TrainCheckpointing {
   /// last step (the caller has the final state in `TrainResult`).
   int every = 0;
   /// Saves a checkpoint after `step` steps; called on rank 0 only when data-parallel.
-  std::function<void(int step, const Model& model, Optimizer& optimizer)> save;
+  /// `loss_scaler` is fp16's (null otherwise), for `TrainingCheckpointInfo::loss_scaler`.
+  std::function<void(int step, const Model& model, Optimizer& optimizer,
+                     const DynamicLossScaler* loss_scaler)>
+      save;
 };
 
 /// What a training checkpoint records besides the options.
@@ -259,6 +269,9 @@ struct TrainingCheckpointInfo {
   /// A text data set's tokenizer, recorded in the metadata (`CharTokenizer::add_to_metadata`)
   /// so that the model's text can be decoded (`dplab sample`).
   std::optional<CharTokenizer> tokenizer{};
+  /// fp16's loss scaler, whose state is saved with the run (required when the options'
+  /// precision is float16, refused otherwise).
+  const DynamicLossScaler* loss_scaler = nullptr;
 };
 
 /// Saves the state of a run after `step` steps to `path` as safetensors (see
@@ -270,7 +283,12 @@ struct TrainingCheckpointInfo {
 /// backend, a GPT's vocabulary size ("vocab") and a text set's tokenizer, and checksums of
 /// the header and of every tensor (format "dplab-train-2";
 /// "dplab-train-1", the format before checksums, is still read). Other tools read it as an
-/// ordinary checkpoint of the parameters. Throws
+/// ordinary checkpoint of the parameters. The metadata "precision" names the parameters'
+/// type ("float32", or in mixed precision "bfloat16" or "float16", whose parameters are
+/// saved as "BF16" or "F16" and whose optimizer state begins with the float32
+/// "optimizer.master_weights"); a mixed-precision run also records "reduce_dtype", and
+/// float16 its loss scaling options and the scaler's state ("loss_scale",
+/// "loss_scale_growth_tracker", "loss_scale_skipped_steps"). Throws
 /// `dp::Error` when a value is NaN or infinite (naming it; a diverged run is not worth
 /// resuming) unless `info.allow_non_finite`, or when the file cannot be written.
 void save_training_checkpoint(const std::filesystem::path& path, const TrainOptions& options,
@@ -283,6 +301,9 @@ void save_training_checkpoint(const std::filesystem::path& path, const TrainOpti
 /// every parameter and optimizer state. It also checks that the file is as it was written
 /// (the checksums, required in "dplab-train-2"), that the optimizer's step count is at most
 /// the step, and that every value is finite and every `optimizer.exp_avg_sq` value >= 0.
+/// The precision must be the run's (a checkpoint without "precision", older than mixed
+/// precision, is float32): a bfloat16 checkpoint resumed in float32 or float16 is refused
+/// naming both, and so are another reduce type or other loss scaling options.
 /// Throws `dp::Error` naming the file and the tensor or entry otherwise.
 TrainingCheckpoint load_training_checkpoint(const std::filesystem::path& path,
                                             const TrainOptions& options, std::size_t dataset_size);
