@@ -33,6 +33,25 @@ std::vector<float> final_state(const TrainResult& result) {
   return state;
 }
 
+/// Trains the first 9 steps of `options` on `world_size` ranks, saving `file` after steps 4
+/// and 8: the run "dies" after step 8, and the caller resumes from the step-8 checkpoint.
+/// Every process waits for rank 0's file (under mpi, processes outside the launch did not).
+void train_saving_at_4_and_8(const TrainOptions& options, const Dataset& data, int world_size,
+                             const std::string& file) {
+  TrainOptions first_part = options;
+  first_part.steps = 9;
+  TrainCheckpointing saving;
+  saving.every = 4;
+  saving.save = [&](int step, const Model& model, Optimizer& optimizer,
+                    const DynamicLossScaler* loss_scaler) {
+    save_training_checkpoint(file, options, model, optimizer, step, data.size(),
+                             {.world_size = world_size, .loss_scaler = loss_scaler});
+  };
+  launch(testing::test_launch(world_size),
+         [&](Communicator& comm) { train_data_parallel(first_part, data, comm, {}, saving); });
+  launch(testing::test_launch(mpi_world_size()), [](Communicator& comm) { comm.barrier(); });
+}
+
 class ResumedTraining : public ::testing::TestWithParam<ResumeCase> {};
 
 TEST_P(ResumedTraining, EndsBitwiseWhereTheUninterruptedRunEnds) {
@@ -64,21 +83,8 @@ TEST_P(ResumedTraining, EndsBitwiseWhereTheUninterruptedRunEnds) {
     uninterrupted[comm.rank()] = final_state(train_data_parallel(options, data, comm));
   });
 
-  // The first part: checkpoints after steps 4 and 8; the run "dies" after step 8.
-  TrainOptions first_part = options;
-  first_part.steps = 9;
-  TrainCheckpointing saving;
-  saving.every = 4;
-  saving.save = [&](int step, const Model& model, Optimizer& optimizer,
-                    const DynamicLossScaler* loss_scaler) {
-    save_training_checkpoint(file, options, model, optimizer, step, data.size(),
-                             {.world_size = setup.world_size, .loss_scaler = loss_scaler});
-  };
-  launch(testing::test_launch(setup.world_size),
-         [&](Communicator& comm) { train_data_parallel(first_part, data, comm, {}, saving); });
-
-  // Under mpi, processes outside the launch did not wait for rank 0 to write the file.
-  launch(testing::test_launch(mpi_world_size()), [](Communicator& comm) { comm.barrier(); });
+  // Checkpoints after steps 4 and 8; the run "dies" after step 8.
+  train_saving_at_4_and_8(options, data, setup.world_size, file);
   const TrainingCheckpoint checkpoint = load_training_checkpoint(file, options, data.size());
   EXPECT_EQ(checkpoint.step, 8);
   EXPECT_EQ(checkpoint.info.at("epoch"), "1");
@@ -200,18 +206,7 @@ TEST_P(ResumedMixedPrecision, EndsBitwiseWhereTheUninterruptedRunEnds) {
   const std::vector<std::vector<float>> uninterrupted = run(options, samples, setup.world_size);
 
   // Checkpoints after steps 4 and 8; the run "dies" after step 8.
-  TrainOptions first_part = options;
-  first_part.steps = 9;
-  TrainCheckpointing saving;
-  saving.every = 4;
-  saving.save = [&](int step, const Model& model, Optimizer& optimizer,
-                    const DynamicLossScaler* loss_scaler) {
-    save_training_checkpoint(file, options, model, optimizer, step, samples.size(),
-                             {.world_size = setup.world_size, .loss_scaler = loss_scaler});
-  };
-  launch(testing::test_launch(setup.world_size),
-         [&](Communicator& comm) { train_data_parallel(first_part, samples, comm, {}, saving); });
-  launch(testing::test_launch(mpi_world_size()), [](Communicator& comm) { comm.barrier(); });
+  train_saving_at_4_and_8(options, samples, setup.world_size, file);
 
   TrainingCheckpoint checkpoint = load_training_checkpoint(file, options, samples.size());
   EXPECT_EQ(checkpoint.step, 8);
