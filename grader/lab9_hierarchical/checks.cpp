@@ -901,6 +901,19 @@ double log_uniform(Draws& draws, std::string_view name, double low, double high)
   return low * std::pow(high / low, static_cast<double>(draws.uniform(name, 0.0f, 1.0f)));
 }
 
+/// A level's link drawn log-uniformly: alpha in [alpha_low, alpha_high] seconds and bandwidth
+/// in [bandwidth_low, bandwidth_high] bytes per second, recorded as "alpha <where> (s)" and
+/// "bandwidth <where>" (where: "inside" a node or "across" nodes).
+LinkModel drawn_link(Draws& draws, std::string_view where, double alpha_low, double alpha_high,
+                     double bandwidth_low, double bandwidth_high) {
+  LinkModel link;
+  link.alpha_seconds =
+      log_uniform(draws, fmt::format("alpha {} (s)", where), alpha_low, alpha_high);
+  link.bytes_per_second =
+      log_uniform(draws, fmt::format("bandwidth {}", where), bandwidth_low, bandwidth_high);
+  return link;
+}
+
 /// The cases: a bandwidth-bound one on NVLink and 10 GbE, a latency-bound one with slow
 /// switches, a custom pair of fabrics, and InfiniBand between nodes of 4.
 std::vector<DesignCase> draw_design_cases(Draws& draws) {
@@ -930,18 +943,12 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
   add("bandwidth-bound", static_cast<int>(draws.integer("nodes", 2, 4)),
       draws.pick<int>("k", {2, 4}), nvlink, NetworkModel::preset("10gbe").fabric, 1 << 20, 4 << 20);
   draws.section("[latency-bound:]");
-  LinkModel slow_switch;
-  slow_switch.alpha_seconds = log_uniform(draws, "alpha across (s)", 20e-6, 80e-6);
-  slow_switch.bytes_per_second = log_uniform(draws, "bandwidth across", 10e9, 50e9);
+  const LinkModel slow_switch = drawn_link(draws, "across", 20e-6, 80e-6, 10e9, 50e9);
   add("latency-bound", static_cast<int>(draws.integer("nodes", 2, 4)), draws.pick<int>("k", {2, 4}),
       nvlink, slow_switch, 8 << 10, 64 << 10);
   draws.section("[custom:]");
-  LinkModel intra;
-  intra.alpha_seconds = log_uniform(draws, "alpha inside (s)", 0.5e-6, 5e-6);
-  intra.bytes_per_second = log_uniform(draws, "bandwidth inside", 100e9, 400e9);
-  LinkModel inter;
-  inter.alpha_seconds = log_uniform(draws, "alpha across (s)", 2e-6, 50e-6);
-  inter.bytes_per_second = log_uniform(draws, "bandwidth across", 1e9, 50e9);
+  const LinkModel intra = drawn_link(draws, "inside", 0.5e-6, 5e-6, 100e9, 400e9);
+  const LinkModel inter = drawn_link(draws, "across", 2e-6, 50e-6, 1e9, 50e9);
   add("custom", static_cast<int>(draws.integer("nodes", 2, 3)), draws.pick<int>("k", {2, 3, 4}),
       intra, inter, 64 << 10, 2 << 20);
   draws.section("[InfiniBand:]");
@@ -949,21 +956,15 @@ std::vector<DesignCase> draw_design_cases(Draws& draws) {
   // A node fabric slower than the network between nodes (GPUs on PCIe, a fast NIC each): the
   // flat ring's step is paced by its hop inside a node, not by the one across.
   draws.section("[PCIe inside, InfiniBand across:]");
-  LinkModel pcie;
-  pcie.alpha_seconds = log_uniform(draws, "alpha inside (s)", 2e-6, 5e-6);
-  pcie.bytes_per_second = log_uniform(draws, "bandwidth inside", 12e9, 25e9);
+  const LinkModel pcie = drawn_link(draws, "inside", 2e-6, 5e-6, 12e9, 25e9);
   add("PCIe inside", static_cast<int>(draws.integer("nodes", 2, 4)), draws.pick<int>("k", {2, 4}),
       pcie, NetworkModel::preset("ib-ndr").fabric, 4 << 20, 16 << 20);
   // The larger alpha on one level, the smaller bandwidth on the other (a switch of high latency
   // inside, slow NICs of low latency across), chunks where both terms weigh: a flat step is
   // the slower of the two hops, not the larger alpha plus the chunk at the smaller bandwidth.
   draws.section("[latency inside, bandwidth across:]");
-  LinkModel latent;
-  latent.alpha_seconds = log_uniform(draws, "alpha inside (s)", 10e-6, 20e-6);
-  latent.bytes_per_second = log_uniform(draws, "bandwidth inside", 100e9, 450e9);
-  LinkModel narrow;
-  narrow.alpha_seconds = log_uniform(draws, "alpha across (s)", 1e-6, 2e-6);
-  narrow.bytes_per_second = log_uniform(draws, "bandwidth across", 2e9, 5e9);
+  const LinkModel latent = drawn_link(draws, "inside", 10e-6, 20e-6, 100e9, 450e9);
+  const LinkModel narrow = drawn_link(draws, "across", 1e-6, 2e-6, 2e9, 5e9);
   {
     const int nodes = static_cast<int>(draws.integer("nodes", 2, 4));
     const int k = draws.pick<int>("k", {2, 4});
